@@ -1,0 +1,52 @@
+"""The tracinfunc exception hierarchy.
+
+Every error derives from :class:`TracInFuncError` and from the builtin it refines
+(``ValueError``, ``TypeError``, ...), so ``except ValueError`` keeps working for callers who
+do not know this library. Messages name the function, what was expected, what was got and
+how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EmptyDataError",
+    "IncompatibleGradientsError",
+    "InvalidProjectionError",
+    "LossFunctionError",
+    "NonFiniteGradientError",
+    "ReadOnlyStoreError",
+    "TracInFuncError",
+    "TrainModeError",
+]
+
+
+class TracInFuncError(Exception):
+    """Base class of every error raised by tracinfunc."""
+
+
+class InvalidProjectionError(TracInFuncError, ValueError):
+    """A projection spec is malformed, or gradients do not match its parameter layout."""
+
+
+class IncompatibleGradientsError(TracInFuncError, ValueError):
+    """Train and test gradients were not made the same way (projection, checkpoints, k)."""
+
+
+class NonFiniteGradientError(TracInFuncError, ValueError):
+    """A per-example gradient contains NaN or infinity."""
+
+
+class EmptyDataError(TracInFuncError, ValueError):
+    """The data passed to build a store holds no examples."""
+
+
+class LossFunctionError(TracInFuncError, TypeError):
+    """The loss function does not accept the parameters/example given, or is not scalar."""
+
+
+class TrainModeError(TracInFuncError, RuntimeError):
+    """A module that updates state in train mode (BatchNorm) was used under vmap."""
+
+
+class ReadOnlyStoreError(TracInFuncError, PermissionError):
+    """An attempt was made to modify a finished, read-only gradient store."""

@@ -1,0 +1,70 @@
+"""Build a per-example ``loss(params, example)`` from an ``nn.Module`` and a criterion."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from tracinfunc.errors import TrainModeError
+from tracinfunc.types import Example, LossFn, Params
+
+__all__ = ["check_eval_mode", "loss_from_module"]
+
+_STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def loss_from_module(
+    module: nn.Module,
+    criterion: Callable[[Tensor, Tensor], Tensor],
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
+) -> LossFn:
+    """Turn a module and a criterion into ``loss(params, example)`` for one example.
+
+    The example is ``(inputs, target)`` with no batch dimension; the module is called on
+    ``inputs[None]`` with ``torch.func.functional_call`` so the parameters come from ``params``
+    (the checkpoint) and the module's own weights are never touched.
+
+    Args:
+        module: The model, in eval mode (BatchNorm in train mode would update running
+            statistics per example, which vmap cannot do and TracIn does not want).
+        criterion: ``criterion(outputs [1, ...], target [1, ...]) -> scalar``, e.g.
+            ``torch.nn.functional.cross_entropy``.
+        buffers: Non-trainable state by name (BatchNorm statistics). Defaults to a copy of
+            the module's buffers taken now; they are passed explicitly, never mutated.
+
+    Returns:
+        ``loss(params, example) -> scalar tensor``.
+
+    Raises:
+        TrainModeError: the module has BatchNorm/InstanceNorm layers in train mode.
+    """
+    check_eval_mode(module, caller="loss_from_module")
+    if buffers is None:
+        buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
+    frozen_buffers = dict(buffers)
+
+    def loss(params: Params, example: Example) -> Tensor:
+        inputs, target = example
+        outputs = functional_call(module, ({**frozen_buffers, **params},), (inputs.unsqueeze(0),))
+        return criterion(outputs, target.unsqueeze(0))
+
+    return loss
+
+
+def check_eval_mode(module: nn.Module, *, caller: str) -> None:
+    """Raise :class:`TrainModeError` if a layer of ``module`` keeps state in train mode."""
+    offenders = [
+        name or type(module).__name__
+        for name, layer in module.named_modules()
+        if isinstance(layer, _STATEFUL_IN_TRAIN_MODE) and layer.training
+        and getattr(layer, "track_running_stats", False)
+    ]
+    if offenders:
+        raise TrainModeError(
+            f"{caller}: {offenders} are in train mode, where they update running statistics "
+            "from each batch; per-example gradients under vmap need fixed statistics. Call "
+            "model.eval() before building the loss."
+        )

@@ -1,0 +1,227 @@
+"""build_store: checkpoints x batches -> projected gradients -> a writer -> a read-only store.
+
+A short composition of public pieces (:func:`~tracinfunc.grads.projected_grads` and a store
+writer) that a user could rebuild; it adds the checks that make failures early and clear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+from tracinfunc._version import __version__
+from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.errors import (
+    EmptyDataError,
+    IncompatibleGradientsError,
+    LossFunctionError,
+    NonFiniteGradientError,
+)
+from tracinfunc.grads import explain_loss_error, projected_grads
+from tracinfunc.projection import Layout, Projection, canonical_layout
+from tracinfunc.store.memory import MemoryStore, MemoryWriter
+from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["build_store", "iter_batches"]
+
+
+def build_store(
+    loss: LossFn,
+    checkpoints: Sequence[Checkpoint],
+    data: Batch | Iterable[Batch],
+    *,
+    projection: Projection,
+    chunk_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    dataset_fingerprint: str | None = None,
+) -> MemoryStore:
+    """Compute projected per-example gradients at every checkpoint and store them.
+
+    ``data`` is iterated once; for each batch, gradients at every checkpoint are computed
+    with :func:`~tracinfunc.grads.projected_grads` and appended to the store.
+
+    Args:
+        loss: ``loss(params, example) -> scalar`` for one example (no batch dimension).
+        checkpoints: The checkpoints ``w_c`` with their weights ``lr_c`` (``n_ckpt`` of them).
+        data: One batch (a tensor, tuple or dict of tensors with a leading batch dimension)
+            or an iterable of batches (a list of batches, a DataLoader, a generator).
+        projection: How to project, e.g. ``Projection(dim=512, seed=0)``; to make test
+            gradients, pass ``projection=store.projection``.
+        chunk_size: Examples differentiated at once inside vmap (``None``: a whole batch).
+        dtype: Storage dtype: float32 (default), float16, bfloat16 or float64 (exactness
+            checks; needs float64 params). Norms are taken before the cast.
+        device: Where gradients are computed (default: the checkpoints' device).
+        dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
+
+    Returns:
+        A read-only :class:`~tracinfunc.store.MemoryStore` of ``[n_ckpt, n_train, k]`` rows.
+
+    Raises:
+        EmptyDataError: ``data`` holds no examples.
+        LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar.
+        NonFiniteGradientError: a gradient is NaN/inf (names checkpoint and rows).
+        IncompatibleGradientsError: checkpoints differ in parameter names or shapes.
+    """
+    checkpoints = _check_checkpoints(checkpoints)
+    if not isinstance(projection, Projection):
+        raise TypeError(
+            "build_store: projection must be a tracinfunc.Projection, got "
+            f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
+        )
+    layout = canonical_layout(checkpoints[0].params)
+    meta = _initial_meta(checkpoints, layout, projection, dtype, dataset_fingerprint)
+    device = torch.device(device) if device is not None else _params_device(checkpoints)
+    params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
+    grads_fn = projected_grads(loss, projection, chunk_size=chunk_size)
+    writer = MemoryWriter(meta)
+    first_batch = True
+    for batch in iter_batches(data):
+        batch = tree_map(lambda leaf: leaf.to(device), batch)
+        if _batch_size(batch) == 0:
+            continue
+        if first_batch:
+            _check_loss(loss, params_per_ckpt[0], batch)
+            first_batch = False
+        rows = torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
+        _check_finite(rows, meta, first_row=writer.rows_written)
+        writer.append(rows, rows.norm(dim=-1))
+    if writer.rows_written == 0:
+        raise EmptyDataError(
+            "build_store: data holds no examples; pass a non-empty batch or iterable of "
+            "batches (a tensor, a tuple/dict of tensors, a list of those, or a DataLoader)."
+        )
+    return writer.finish()
+
+
+def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
+    """Yield batches from ``data``: one batch, or an iterable of batches.
+
+    One batch is a tensor, a tuple or a dict whose leaves are tensors. Anything else that is
+    iterable (a list, a DataLoader, a generator) is taken as a sequence of batches.
+    """
+    if isinstance(data, Tensor | tuple | Mapping):
+        yield _check_batch(data)
+        return
+    if not isinstance(data, Iterable):
+        raise TypeError(
+            "build_store: data must be a batch (tensor, tuple or dict of tensors) or an "
+            f"iterable of batches, got {type(data).__name__}."
+        )
+    for batch in data:
+        yield _check_batch(batch)
+
+
+def _check_batch(batch: Batch) -> Batch:
+    leaves = tree_leaves(batch)
+    if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
+        kinds = sorted({type(leaf).__name__ for leaf in leaves})
+        raise TypeError(
+            "build_store: a batch must be a pytree of tensors with a leading batch dimension, "
+            f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
+        )
+    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            "build_store: all tensors of a batch need the same leading (batch) dimension, got "
+            f"shapes {[list(leaf.shape) for leaf in leaves]}."
+        )
+    return batch
+
+
+def _batch_size(batch: Batch) -> int:
+    return tree_leaves(batch)[0].shape[0]
+
+
+def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
+    if isinstance(checkpoints, Checkpoint):
+        checkpoints = [checkpoints]
+    checkpoints = list(checkpoints)
+    if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
+        raise TypeError(
+            "build_store: checkpoints must be a non-empty list of tracinfunc.Checkpoint, got "
+            f"{[type(c).__name__ for c in checkpoints]}; e.g. [Checkpoint.from_module(model)]."
+        )
+    layouts = {canonical_layout(c.params) for c in checkpoints}
+    if len(layouts) > 1:
+        raise IncompatibleGradientsError(
+            "build_store: checkpoints differ in parameter names or shapes; all checkpoints "
+            "must be snapshots of the same model."
+        )
+    return checkpoints
+
+
+def _initial_meta(
+    checkpoints: list[Checkpoint],
+    layout: Layout,
+    projection: Projection,
+    dtype: torch.dtype,
+    dataset_fingerprint: str | None,
+) -> StoreMeta:
+    names = [c.name or f"checkpoint-{i}" for i, c in enumerate(checkpoints)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"build_store: checkpoint names must be distinct, got {names}.")
+    return StoreMeta(
+        projection=projection,
+        checkpoints=tuple(
+            CheckpointMeta(name, c.lr, c.fingerprint)
+            for name, c in zip(names, checkpoints, strict=True)
+        ),
+        layout=layout,
+        n_train=0,
+        k=projection.output_dim(layout),
+        dtype=dtype_name(dtype),
+        complete=False,
+        library_version=__version__,
+        dataset_fingerprint=dataset_fingerprint,
+    )
+
+
+def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
+    return next(iter(checkpoints[0].params.values())).device
+
+
+def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:
+    return {name: value.to(device) for name, value in params.items()}
+
+
+def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
+    """Evaluate the loss on the first example, so mistakes fail before any real work."""
+    example = tree_map(lambda leaf: leaf[0], batch)
+    try:
+        with torch.no_grad():
+            value = loss(params, example)
+    except Exception as error:
+        clearer = explain_loss_error(error, caller="build_store")
+        if clearer is not None:
+            raise clearer from error
+        raise LossFunctionError(
+            f"build_store: loss(params, example) failed on the first example with "
+            f"{type(error).__name__}: {error}. Check that the loss uses the checkpoint's "
+            f"parameter names ({sorted(params)[:4]}...) and takes one example without a batch "
+            "dimension."
+        ) from error
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        shape = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise LossFunctionError(
+            f"build_store: loss(params, example) must return a scalar tensor, got {shape}; "
+            "reduce it (e.g. with .sum()) for one example."
+        )
+
+
+def _check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:
+    finite = torch.isfinite(rows).all(dim=-1)  # [n_ckpt, b]
+    if bool(finite.all()):
+        return
+    ckpt, row = (~finite).nonzero()[0].tolist()
+    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
+    raise NonFiniteGradientError(
+        f"build_store: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients for "
+        f"examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
+        "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
+        "weights."
+    )

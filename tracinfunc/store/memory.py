@@ -1,0 +1,109 @@
+"""MemoryStore: projected gradients held in ordinary (CPU) memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tracinfunc.errors import ReadOnlyStoreError
+from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
+from tracinfunc.store.meta import StoreMeta
+
+__all__ = ["MemoryStore", "MemoryWriter"]
+
+
+class MemoryStore(StoreProperties):
+    """Read-only gradients in CPU memory: rows ``[n_ckpt, n_train, k]``, norms ``[n_ckpt, n_train]``
+
+    Built by :func:`tracinfunc.build_store` (the default store) or by :class:`MemoryWriter`.
+    Tensors handed out are copies, so nothing a caller does can change the store.
+    """
+
+    __slots__ = ("_meta", "_norms", "_rows")
+
+    def __init__(self, meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
+        expected = (meta.n_ckpt, meta.n_train, meta.k)
+        if tuple(rows.shape) != expected or rows.dtype != meta.torch_dtype:
+            raise ValueError(
+                f"MemoryStore: rows must be {list(expected)} {meta.torch_dtype}, got "
+                f"{list(rows.shape)} {rows.dtype}."
+            )
+        if tuple(norms.shape) != expected[:2]:
+            raise ValueError(
+                f"MemoryStore: norms must be {list(expected[:2])}, got {list(norms.shape)}."
+            )
+        # Copy on ingest: the caller's tensors may be changed later; ours never are.
+        self._adopt(meta, rows.detach().to("cpu", copy=True), norms.detach().to("cpu", copy=True))
+
+    @classmethod
+    def _from_owned(cls, meta: StoreMeta, rows: Tensor, norms: Tensor) -> MemoryStore:
+        """Wrap tensors nobody else references (a writer's), skipping the defensive copy."""
+        store = object.__new__(cls)
+        store._adopt(meta, rows, norms)
+        return store
+
+    def _adopt(self, meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
+        object.__setattr__(self, "_meta", meta.replace(complete=True))
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_norms", norms)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ReadOnlyStoreError(
+            f"MemoryStore is read-only: cannot set {name!r}. Build a new store instead."
+        )
+
+    @property
+    def meta(self) -> StoreMeta:
+        return self._meta
+
+    def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop, caller="MemoryStore.read_rows")
+        source = self._rows[ckpt, start:stop]
+        if out is None:
+            return source.clone()
+        target = check_out_buffer(out, stop - start, self._meta, caller="MemoryStore.read_rows")
+        return target.copy_(source)
+
+    def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop, caller="MemoryStore.read_norms")
+        return self._norms[ckpt, start:stop].clone()
+
+
+class MemoryWriter:
+    """Collects blocks of rows and returns a :class:`MemoryStore` when finished.
+
+    Args:
+        meta: Metadata of the store to write; ``n_train`` is filled in by :meth:`finish`.
+    """
+
+    def __init__(self, meta: StoreMeta) -> None:
+        self._meta = meta
+        self._rows: list[Tensor] = []
+        self._norms: list[Tensor] = []
+        self._finished = False
+
+    @property
+    def rows_written(self) -> int:
+        return sum(block.shape[1] for block in self._rows)
+
+    def append(self, rows: Tensor, norms: Tensor) -> None:
+        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
+        if self._finished:
+            raise ReadOnlyStoreError("MemoryWriter.append: the store is already finished.")
+        self._rows.append(rows.detach().to("cpu", self._meta.torch_dtype))
+        self._norms.append(norms.detach().to("cpu", _norm_dtype(self._meta)))
+
+    def finish(self) -> MemoryStore:
+        """Seal the store; the writer cannot be used afterwards."""
+        self._finished = True
+        meta = self._meta.replace(n_train=self.rows_written, complete=True)
+        empty = torch.empty(meta.n_ckpt, 0, meta.k, dtype=meta.torch_dtype)
+        rows = torch.cat(self._rows, dim=1) if self._rows else empty
+        norms = torch.cat(self._norms, dim=1) if self._norms else empty[..., 0]
+        self._rows, self._norms = [], []
+        return MemoryStore._from_owned(meta, rows, norms.to(_norm_dtype(meta)))
+
+
+def _norm_dtype(meta: StoreMeta) -> torch.dtype:
+    # float64 stores are for exactness checks; keep their norms exact too.
+    return torch.float64 if meta.dtype == "float64" else torch.float32

@@ -1,0 +1,181 @@
+"""Store metadata: what a set of projected gradients was made from, and compatibility checks.
+
+Metadata is plain JSON-able data (no pickle) so any process, language or framework can read
+it, and a query against gradients made differently fails loudly instead of scoring garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from tracinfunc.errors import IncompatibleGradientsError
+from tracinfunc.projection import Layout, Projection
+
+__all__ = ["FORMAT_VERSION", "CheckpointMeta", "StoreMeta", "check_compatible", "dtype_name"]
+
+FORMAT_VERSION = 1
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16 -> "float16"``; raises ``ValueError`` for unsupported storage dtypes."""
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(
+        f"unsupported storage dtype {dtype}; expected one of torch.{', torch.'.join(_DTYPES)}."
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What a store records of one checkpoint: its name, TracIn weight and a params hash."""
+
+    name: str
+    lr: float
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """Everything needed to check that two sets of gradients can be scored together.
+
+    Attributes:
+        projection: The projection spec the rows were made with.
+        checkpoints: One entry per checkpoint, in store order (``n_ckpt`` of them).
+        layout: Parameter names and shapes that were differentiated, sorted by name.
+        n_train: Number of rows (examples) per checkpoint.
+        k: Projected dimension (row length).
+        dtype: Storage dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``).
+        complete: False while a writer is still filling the store.
+        library_version: tracinfunc version that wrote the store.
+        format_version: On-disk/metadata format version.
+        dataset_fingerprint: Optional user-supplied identifier of the data rows.
+    """
+
+    projection: Projection
+    checkpoints: tuple[CheckpointMeta, ...]
+    layout: Layout
+    n_train: int
+    k: int
+    dtype: str = "float32"
+    complete: bool = True
+    library_version: str = ""
+    format_version: int = FORMAT_VERSION
+    dataset_fingerprint: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def n_ckpt(self) -> int:
+        return len(self.checkpoints)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def lrs(self) -> tuple[float, ...]:
+        return tuple(ckpt.lr for ckpt in self.checkpoints)
+
+    def replace(self, **changes: Any) -> StoreMeta:
+        """A copy with ``changes`` applied (metadata is immutable)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types only, for zarr attributes or any other serialisation."""
+        return {
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "projection": self.projection.to_dict(),
+            "checkpoints": [
+                {"name": c.name, "lr": c.lr, "fingerprint": c.fingerprint}
+                for c in self.checkpoints
+            ],
+            "layout": [[name, list(shape)] for name, shape in self.layout],
+            "n_train": self.n_train,
+            "k": self.k,
+            "dtype": self.dtype,
+            "complete": self.complete,
+            "dataset_fingerprint": self.dataset_fingerprint,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StoreMeta:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            projection=Projection.from_dict(data["projection"]),
+            checkpoints=tuple(
+                CheckpointMeta(c["name"], float(c["lr"]), c["fingerprint"])
+                for c in data["checkpoints"]
+            ),
+            layout=tuple((name, tuple(shape)) for name, shape in data["layout"]),
+            n_train=int(data["n_train"]),
+            k=int(data["k"]),
+            dtype=data["dtype"],
+            complete=bool(data["complete"]),
+            library_version=data.get("library_version", ""),
+            format_version=int(data.get("format_version", FORMAT_VERSION)),
+            dataset_fingerprint=data.get("dataset_fingerprint"),
+            extra=dict(data.get("extra", {})),
+        )
+
+
+def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
+    """Raise :class:`IncompatibleGradientsError` unless ``test`` was made like ``train``.
+
+    Compared: projection spec, k, parameter layout, checkpoint count, names and parameter
+    fingerprints. Learning rates are taken from the train store, so they are not compared.
+    """
+    fix = "build them with projection=store.projection and the same checkpoints"
+    if test.projection != train.projection:
+        raise IncompatibleGradientsError(
+            f"{caller}: test gradients were projected with {test.projection} but the store "
+            f"with {train.projection}; {fix}."
+        )
+    if test.k != train.k:
+        raise IncompatibleGradientsError(
+            f"{caller}: test gradients have k={test.k} but the store was projected to "
+            f"k={train.k}; {fix}."
+        )
+    if test.layout != train.layout:
+        raise IncompatibleGradientsError(
+            f"{caller}: test gradients cover parameters {_describe_layout(test.layout)} but the "
+            f"store covers {_describe_layout(train.layout)}; differentiate the same parameters "
+            "(same model and layer selection)."
+        )
+    _check_checkpoints(train.checkpoints, test.checkpoints, caller=caller)
+
+
+def _check_checkpoints(
+    train: Sequence[CheckpointMeta], test: Sequence[CheckpointMeta], *, caller: str
+) -> None:
+    if len(test) != len(train):
+        raise IncompatibleGradientsError(
+            f"{caller}: test gradients come from {len(test)} checkpoints but the store has "
+            f"{len(train)}; use the store's checkpoints, in the same order."
+        )
+    for position, (ours, theirs) in enumerate(zip(train, test, strict=True)):
+        if ours.fingerprint != theirs.fingerprint:
+            raise IncompatibleGradientsError(
+                f"{caller}: checkpoint {position} differs: the store's {ours.name!r} has "
+                f"parameter fingerprint {ours.fingerprint[:12]}…, the test gradients' "
+                f"{theirs.name!r} has {theirs.fingerprint[:12]}…; compute test gradients with "
+                "the same checkpoint weights, in the same order."
+            )
+
+
+def _describe_layout(layout: Layout) -> str:
+    names = [name for name, _ in layout]
+    shown = ", ".join(names[:4]) + (f", … ({len(names)} in all)" if len(names) > 4 else "")
+    return f"[{shown}]"

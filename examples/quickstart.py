@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
     parser.add_argument("--dim", type=int, default=512, help="projected dimension k")
+    parser.add_argument("--out", type=Path, default=Path("examples/output/quickstart.png"),
+                        help="where to save the picture of proponents and opponents")
     args = parser.parse_args()
     started = time.perf_counter()
 
@@ -79,8 +82,10 @@ def main() -> None:
 
     queries = (test[0][:5], test[1][:5])
     test_grads = tif.build_store(loss, checkpoints, queries, projection=store.projection)
-    pro_vals, pro_idx = tif.top_k(store, test_grads, k=3)
-    opp_vals, opp_idx = tif.top_k(store, test_grads, k=3, largest=False)
+    # Cosine TracIn: raw inner products favour examples with huge gradients (often the flipped
+    # ones), so proponents by cosine are the examples that pushed in the same direction.
+    pro_vals, pro_idx = tif.top_k(store, test_grads, k=3, normalize=True)
+    opp_vals, opp_idx = tif.top_k(store, test_grads, k=3, largest=False, normalize=True)
     flipped_set = set(flipped.tolist())
 
     def describe(indices, values):
@@ -90,10 +95,13 @@ def main() -> None:
             for j, v in zip(indices.tolist(), values.tolist(), strict=True)
         )
 
-    print("top proponents and opponents of held-out digits (* = flipped label):")
+    print("cosine-TracIn proponents and opponents of held-out digits (* = flipped label):")
     for i in range(len(queries[1])):
         print(f"  test digit {i} (label {queries[1][i]}): proponents "
               f"{describe(pro_idx[i], pro_vals[i])}; opponents {describe(opp_idx[i], opp_vals[i])}")
+
+    save_picture(queries, train, flipped_set, (pro_vals, pro_idx), (opp_vals, opp_idx), args.out)
+    print(f"saved {args.out}")
 
     si = tif.self_influence(store)
     inspected = si.argsort(descending=True)[: len(si) // 10]
@@ -102,6 +110,35 @@ def main() -> None:
           f"{len(flipped)} flipped labels ({found / len(flipped):.0%}; random inspection finds "
           "about 10%)")
     print(f"total wall time {time.perf_counter() - started:.1f} s")
+
+
+def save_picture(queries, train, flipped_set, proponents, opponents, path: Path) -> None:
+    """One row per test digit: the digit, its proponents (green), its opponents (red)."""
+    import matplotlib  # optional dependency: pip install matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_rows, k = len(queries[1]), proponents[1].shape[1]
+    fig, axes = plt.subplots(n_rows, 1 + 2 * k, figsize=(1.3 * (1 + 2 * k), 1.5 * n_rows))
+    for i in range(n_rows):
+        cells = [(queries[0][i], f"test: {queries[1][i]}", "black")]
+        for (values, indices), color in ((proponents, "green"), (opponents, "red")):
+            for j, v in zip(indices[i].tolist(), values[i].tolist(), strict=True):
+                star = "*" if j in flipped_set else ""
+                cells.append((train[0][j], f"{train[1][j]}{star} {v:+.2f}", color))
+        for ax, (image, title, color) in zip(axes[i], cells, strict=True):
+            ax.imshow(image.reshape(8, 8), cmap="gray_r")
+            ax.set_title(title, fontsize=8, color=color)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle("held-out digits; cosine-TracIn proponents (green), opponents (red); "
+                 "* = flipped label",
+                 fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,30 @@ def _run(script: str, *args: str) -> str:
     return result.stdout
 
 
-def test_quickstart_finds_flipped_labels():
-    out = _run("quickstart.py", "--quick")
+def test_quickstart_finds_flipped_labels_and_saves_its_picture(tmp_path):
+    picture = tmp_path / "quickstart.png"
+    out = _run("quickstart.py", "--quick", "--out", str(picture))
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     found = re.search(r"hold (\d+) of (\d+) flipped labels", out)
     assert found, out
     hits, flipped = map(int, found.groups())
     # Random inspection of 10% finds ~10% of flips; self-influence must do far better.
     assert hits / flipped > 0.5, out
     assert len(re.findall(r"test digit \d+ \(label \d\): proponents #", out)) == 5
+
+
+def test_mislabel_detection_beats_random(tmp_path):
+    out = tmp_path / "curve.png"
+    text = _run("mislabel_detection.py", "--quick", "--out", str(out))
+    rows = {line[:24].strip(): [float(v.rstrip("%")) for v in line[24:].split()]
+            for line in text.splitlines() if line.startswith(("TracIn", "final", "random"))}
+    # Columns: 5%, 10%, 20%, 30% inspected. Random finds about as many as it inspects.
+    assert rows["TracIn self-influence"][1] > 3 * rows["random"][1]
+    assert out.stat().st_size > 0
+
+
+def test_knowledge_graph_reports_per_triple_time():
+    text = _run("knowledge_graph.py", "--quick")
+    per_triple = re.search(r"([\d.]+) ms per test triple", text)
+    assert per_triple, text
+    assert text.count("proponents:") == 3

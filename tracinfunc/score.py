@@ -3,7 +3,9 @@
 Every reduction walks the store in row chunks; for each chunk it accumulates
 ``sum_c lr_c * test_c @ train_c.T`` over checkpoints in float32 (float64 for float64 stores)
 and hands the ``[n_test, rows]`` block to a reduction (write into the full matrix, merge a
-running top-k, ...). Extra memory is a few chunks, never the store.
+running top-k, ...). Rows are streamed by :func:`tracinfunc.store._stream.stream_rows`
+(background reads into reusable buffers, asynchronous copies to a GPU), so extra memory is a
+few chunks plus the output, never the store.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
+from tracinfunc.store._stream import stream_rows
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
 
@@ -23,6 +26,9 @@ __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 # in cache-friendly, bounded pieces whatever the store's size.
 _CHUNK_BUDGET_BYTES = 64 * 2**20
 _MIN_CHUNK_ROWS = 256
+# bfloat16 stores on the CPU are multiplied in bfloat16 (see benchmarks/store_stream.py for
+# the measured speed against upcasting to float32 first).
+_CPU_BF16_MATMUL = True
 
 
 def score(
@@ -141,9 +147,16 @@ def score_chunks(
 ) -> Iterator[tuple[int, Tensor]]:
     """Stream TracIn scores chunk by chunk: the loop under :func:`score` and :func:`top_k`.
 
+    Rows are read by a background thread (chunk i+1 while chunk i is multiplied) into
+    reusable buffers, copied to a GPU asynchronously on a side stream, and accumulated over
+    checkpoints in float32. On the CPU, a bfloat16 store is multiplied in bfloat16 (the
+    products are accumulated in float32 inside the kernel; each checkpoint's ``[n_test,
+    rows]`` block is rounded to bfloat16 once before the float32 sum over checkpoints).
+
     Yields:
         ``(start, block)`` with ``block`` ``[n_test, rows]`` the scores of training rows
-        ``[start, start + rows)``. Write your own reduction over it.
+        ``[start, start + rows)``. Write your own reduction over it; ``block`` is new for
+        every chunk.
     """
     meta = store.meta
     device = _resolve_device(device, test_grads)
@@ -154,21 +167,66 @@ def score_chunks(
     scale = lrs[:, None, None]
     if normalize:
         scale = scale * _safe_reciprocal(test_norms.to(dtype))[..., None]
-    test = (test.to(dtype) * scale).to(device)  # [n_ckpt, n_test, k]
-    rows_per_chunk = chunk_rows or _default_chunk_rows(meta.k, test.shape[1], meta.n_train)
-    if rows_per_chunk < 1:
-        raise ValueError(f"score: chunk_rows must be >= 1, got {chunk_rows}.")
-    for start in range(0, meta.n_train, rows_per_chunk):
-        stop = min(start + rows_per_chunk, meta.n_train)
-        block = torch.zeros(test.shape[1], stop - start, dtype=dtype, device=device)
-        for ckpt in range(meta.n_ckpt):
-            train = store.read_rows(ckpt, start, stop).to(device, dtype, non_blocking=True)
-            if normalize:
-                inv = _safe_reciprocal(store.read_norms(ckpt, start, stop).to(device, dtype))
-                block.addmm_(test[ckpt], train.T * inv)  # [n_test, k] @ [k, rows]
-            else:
-                block.addmm_(test[ckpt], train.T)
-        yield start, block
+    matmul_dtype = _matmul_dtype(meta.torch_dtype, dtype, device)
+    test = (test.to(dtype) * scale).to(device, matmul_dtype)  # [n_ckpt, n_test, k]
+    rows_per_chunk = _chunk_rows(store, chunk_rows, meta, test.shape[1])
+    inverse_norms = None
+    if normalize:  # [n_ckpt, n_train]: 1/k of the store, read once
+        inverse_norms = torch.stack([
+            _safe_reciprocal(store.read_norms(c, 0, meta.n_train).to(device, dtype))
+            for c in range(meta.n_ckpt)
+        ])
+    upcast = None
+    if meta.torch_dtype != matmul_dtype:  # float16 (or bf16 on GPU) rows -> float32 matmul
+        upcast = torch.empty(rows_per_chunk, meta.k, dtype=matmul_dtype, device=device)
+    pieces = [
+        (ckpt, start, min(start + rows_per_chunk, meta.n_train))
+        for start in range(0, meta.n_train, rows_per_chunk)
+        for ckpt in range(meta.n_ckpt)
+    ]
+    block = torch.empty(0)
+    for (ckpt, start, stop), rows in stream_rows(store, pieces, device=device,
+                                                  max_rows=rows_per_chunk):
+        if ckpt == 0:
+            block = torch.zeros(test.shape[1], stop - start, dtype=dtype, device=device)
+        train = rows if upcast is None else upcast[: stop - start].copy_(rows)
+        inverse = None if inverse_norms is None else inverse_norms[ckpt, start:stop]
+        _accumulate(block, test[ckpt], train, inverse)
+        if ckpt == meta.n_ckpt - 1:
+            yield start, block
+
+
+def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None) -> None:
+    """``block += test @ train.T`` (times ``inverse`` per column), in ``block``'s dtype."""
+    if inverse is None and test.dtype == block.dtype:
+        block.addmm_(test, train.T)  # [n_test, k] @ [k, rows], no temporary
+        return
+    product = test @ train.T  # [n_test, rows], bfloat16 on the CPU bf16 path
+    if inverse is None:
+        block.add_(product)
+    else:
+        block.addcmul_(product, inverse)
+
+
+def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype rows are multiplied in: the storage dtype when that is fast and accurate."""
+    if storage == torch.bfloat16 and device.type == "cpu" and _CPU_BF16_MATMUL:
+        return torch.bfloat16
+    return compute
+
+
+def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
+                n_test: int) -> int:
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"score: chunk_rows must be an int >= 1, got {chunk_rows!r}.")
+        return min(chunk_rows, max(1, meta.n_train))
+    rows = _default_chunk_rows(meta.k, n_test, meta.n_train)
+    # Whole stored chunks read fastest (no partial-chunk scratch copies).
+    stored = getattr(store, "chunk_rows", 1)
+    if isinstance(stored, int) and stored > 1 and rows < meta.n_train:
+        rows = max(stored, rows // stored * stored)
+    return min(rows, max(1, meta.n_train))
 
 
 def _test_matrix(

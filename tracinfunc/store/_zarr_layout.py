@@ -45,7 +45,8 @@ def default_rows(meta: StoreMeta, chunk_rows: int | None,
     """``(chunk_rows, shard_rows)``: ~4 MiB chunks, ~256 MiB shards unless given."""
     row_bytes = meta.k * meta.torch_dtype.itemsize
     chunk = chunk_rows or max(1, CHUNK_BYTES // row_bytes)
-    shard = shard_rows or chunk * max(1, SHARD_BYTES // (chunk * row_bytes))
+    # At most 1024 chunks per shard: zarr writes the whole index (16 bytes a chunk) per shard.
+    shard = shard_rows or chunk * min(1024, max(1, SHARD_BYTES // (chunk * row_bytes)))
     if chunk < 1 or shard < chunk or shard % chunk:
         raise ValueError(
             f"ZarrWriter: shard_rows must be a positive multiple of chunk_rows, got "

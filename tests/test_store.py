@@ -157,8 +157,11 @@ def test_scores_equal_across_stores(store, reference, setup, normalize):
     for chunk_rows in (None, 7):
         got = tif.score(store, test_store, normalize=normalize, chunk_rows=chunk_rows)
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    values, indices = tif.top_k(store, test_store, k=5, chunk_rows=6)
-    assert torch.equal(indices, tif.top_k(reference, test_store, k=5)[1])
+    values, indices = tif.top_k(store, test_store, k=5, chunk_rows=6, normalize=normalize)
+    expected_values, expected_indices = tif.top_k(reference, test_store, k=5,
+                                                  normalize=normalize)
+    assert torch.equal(indices, expected_indices)
+    torch.testing.assert_close(values, expected_values, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(tif.self_influence(store), tif.self_influence(reference))
 
 
@@ -224,3 +227,15 @@ def test_pinned_store_says_once_that_it_is_not_pinned_without_cuda(reference):
     with pytest.warns(RuntimeWarning, match="CUDA is not available") as record:
         first, second = reference.to_pinned(), reference.to_pinned()
     assert len(record) == 1 and not first.pinned and not second.pinned
+
+
+def test_score_chunks_writes_into_out(store, setup):
+    loss, ckpts, _, test = setup
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ)
+    out = torch.full((7, 40), float("nan"))
+    starts = [start for start, block in tif.score_chunks(store, test_store, out=out,
+                                                         chunk_rows=16)]
+    assert starts == [0, 16, 32]
+    torch.testing.assert_close(out, tif.score(store, test_store), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"out must be \[7, 40\] torch.float32"):
+        next(tif.score_chunks(store, test_store, out=torch.empty(7, 39)))

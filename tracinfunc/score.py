@@ -58,14 +58,19 @@ def score(
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
-    _check_not_empty(store.meta, caller="score")
-    out: Tensor | None = None
-    for start, block in score_chunks(
-        store, test_grads, normalize=normalize, device=device, chunk_rows=chunk_rows
-    ):
-        if out is None:
-            out = block.new_empty(block.shape[0], store.meta.n_train)
-        out[:, start : start + block.shape[1]] = block
+    meta = store.meta
+    _check_not_empty(meta, caller="score")
+    device = _resolve_device(device, test_grads)
+    _check_test_type(test_grads, caller="score")
+    if isinstance(test_grads, Tensor):
+        _check_test_tensor(meta, test_grads, caller="score")
+    n_test = test_grads.shape[1] if isinstance(test_grads, Tensor) else test_grads.meta.n_train
+    dtype = _compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
+    # Blocks are written straight into the output: no per-chunk allocation or copy.
+    out = torch.empty(n_test, meta.n_train, dtype=dtype, device=device)
+    for _ in score_chunks(store, test_grads, normalize=normalize, device=device,
+                          chunk_rows=chunk_rows, out=out):
+        pass
     return out
 
 
@@ -144,6 +149,7 @@ def score_chunks(
     normalize: bool = False,
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
+    out: Tensor | None = None,
 ) -> Iterator[tuple[int, Tensor]]:
     """Stream TracIn scores chunk by chunk: the loop under :func:`score` and :func:`top_k`.
 
@@ -153,10 +159,16 @@ def score_chunks(
     products are accumulated in float32 inside the kernel; each checkpoint's ``[n_test,
     rows]`` block is rounded to bfloat16 once before the float32 sum over checkpoints).
 
+    Args:
+        store, test_grads, normalize, device, chunk_rows: As in :func:`score`.
+        out: Optional ``[n_test, n_train]`` tensor (float32, float64 for float64 gradients,
+            on ``device``); blocks are then written into it (``block`` is a view of
+            ``out[:, start:start + rows]``) instead of being allocated per chunk.
+
     Yields:
         ``(start, block)`` with ``block`` ``[n_test, rows]`` the scores of training rows
-        ``[start, start + rows)``. Write your own reduction over it; ``block`` is new for
-        every chunk.
+        ``[start, start + rows)``. Write your own reduction over it; without ``out``,
+        ``block`` is new for every chunk.
     """
     meta = store.meta
     device = _resolve_device(device, test_grads)
@@ -184,28 +196,53 @@ def score_chunks(
         for start in range(0, meta.n_train, rows_per_chunk)
         for ckpt in range(meta.n_ckpt)
     ]
+    _check_out(out, (test.shape[1], meta.n_train), dtype, device)
     block = torch.empty(0)
     for (ckpt, start, stop), rows in stream_rows(store, pieces, device=device,
                                                   max_rows=rows_per_chunk):
         if ckpt == 0:
-            block = torch.zeros(test.shape[1], stop - start, dtype=dtype, device=device)
+            block = (out[:, start:stop] if out is not None else
+                     torch.empty(test.shape[1], stop - start, dtype=dtype, device=device))
         train = rows if upcast is None else upcast[: stop - start].copy_(rows)
         inverse = None if inverse_norms is None else inverse_norms[ckpt, start:stop]
-        _accumulate(block, test[ckpt], train, inverse)
+        _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
             yield start, block
 
 
-def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None) -> None:
-    """``block += test @ train.T`` (times ``inverse`` per column), in ``block``'s dtype."""
+def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None, *,
+                first: bool) -> None:
+    """``block (=|+=) test @ train.T`` (times ``inverse`` per column), in ``block``'s dtype.
+
+    ``first``: overwrite ``block`` (uninitialised memory; ``beta=0`` ignores it, NaN included).
+    """
     if inverse is None and test.dtype == block.dtype:
-        block.addmm_(test, train.T)  # [n_test, k] @ [k, rows], no temporary
+        block.addmm_(test, train.T, beta=0 if first else 1)  # [n_test, k] @ [k, rows]
         return
     product = test @ train.T  # [n_test, rows], bfloat16 on the CPU bf16 path
-    if inverse is None:
-        block.add_(product)
+    if inverse is not None:
+        product = product * inverse
+    if first:
+        block.copy_(product)
     else:
-        block.addcmul_(product, inverse)
+        block.add_(product)
+
+
+def _check_out(out: Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+               device: torch.device) -> None:
+    if out is None:
+        return
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != device.type:
+        raise ValueError(
+            f"score_chunks: out must be {list(shape)} {dtype} on {device}, got "
+            f"{list(out.shape)} {out.dtype} on {out.device}."
+        )
+
+
+def _dtype_of(test_grads: GradientStore | Tensor) -> torch.dtype:
+    if isinstance(test_grads, Tensor):
+        return test_grads.dtype
+    return test_grads.meta.torch_dtype
 
 
 def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.device) -> torch.dtype:
@@ -236,16 +273,20 @@ def _test_matrix(
     if isinstance(test_grads, Tensor):
         _check_test_tensor(meta, test_grads, caller=caller)
         return test_grads, test_grads.to(_compute_dtype(test_grads.dtype)).norm(dim=-1)
-    if not isinstance(test_grads, GradientStore):
-        raise TypeError(
-            f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
-            f"got {type(test_grads).__name__}."
-        )
+    _check_test_type(test_grads, caller=caller)
     check_compatible(meta, test_grads.meta, caller=caller)
     n_test = test_grads.meta.n_train
     rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
     norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
     return rows, norms
+
+
+def _check_test_type(test_grads: object, *, caller: str) -> None:
+    if not isinstance(test_grads, Tensor | GradientStore):
+        raise TypeError(
+            f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
+            f"got {type(test_grads).__name__}."
+        )
 
 
 def _check_test_tensor(meta: StoreMeta, test: Tensor, *, caller: str) -> None:

@@ -25,6 +25,9 @@ __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 # Bytes of one chunk's train rows plus its [n_test, rows] score block; keeps the working set
 # in cache-friendly, bounded pieces whatever the store's size.
 _CHUNK_BUDGET_BYTES = 64 * 2**20
+# Stores read through buffers (Zarr, or any store on a GPU) use smaller pieces: the buffers
+# are fresh memory per pass, and first-touch page faults cost more than the matmul on VMs.
+_STREAM_BUDGET_BYTES = 16 * 2**20
 _MIN_CHUNK_ROWS = 256
 # bfloat16 stores on the CPU are multiplied in bfloat16 (see benchmarks/store_stream.py for
 # the measured speed against upcasting to float32 first).
@@ -62,8 +65,8 @@ def score(
     _check_not_empty(meta, caller="score")
     device = _resolve_device(device, test_grads)
     _check_test_type(test_grads, caller="score")
-    if isinstance(test_grads, Tensor):
-        _check_test_tensor(meta, test_grads, caller="score")
+    if isinstance(test_grads, Tensor):  # values are checked once, in score_chunks
+        _check_test_shape(meta, test_grads, caller="score")
     n_test = test_grads.shape[1] if isinstance(test_grads, Tensor) else test_grads.meta.n_train
     dtype = _compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
     # Blocks are written straight into the output: no per-chunk allocation or copy.
@@ -197,17 +200,47 @@ def score_chunks(
         for ckpt in range(meta.n_ckpt)
     ]
     _check_out(out, (test.shape[1], meta.n_train), dtype, device)
+    threads = _compute_threads(store, device)
     block = torch.empty(0)
     for (ckpt, start, stop), rows in stream_rows(store, pieces, device=device,
                                                   max_rows=rows_per_chunk):
         if ckpt == 0:
             block = (out[:, start:stop] if out is not None else
                      torch.empty(test.shape[1], stop - start, dtype=dtype, device=device))
-        train = rows if upcast is None else upcast[: stop - start].copy_(rows)
         inverse = None if inverse_norms is None else inverse_norms[ckpt, start:stop]
-        _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
+        with threads:
+            train = rows if upcast is None else upcast[: stop - start].copy_(rows)
+            _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
             yield start, block
+
+
+class _ComputeThreads:
+    """Run CPU compute on one thread fewer than torch's default while a reader thread runs.
+
+    torch's OpenMP team uses every core; the background reader then preempts one of its
+    threads and the whole team waits at each barrier (measured 3x slower on 2 cores). The
+    setting is process-wide, so it is applied around each piece's compute only.
+    """
+
+    def __init__(self, threads: int | None) -> None:
+        self._threads = threads
+        self._saved = 0
+
+    def __enter__(self) -> None:
+        if self._threads is not None:
+            self._saved = torch.get_num_threads()
+            torch.set_num_threads(self._threads)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._saved)
+
+
+def _compute_threads(store: GradientStore, device: torch.device) -> _ComputeThreads:
+    streamed = device.type == "cpu" and not hasattr(store, "_view_rows")
+    threads = torch.get_num_threads()
+    return _ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)
 
 
 def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None, *,
@@ -258,7 +291,8 @@ def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"score: chunk_rows must be an int >= 1, got {chunk_rows!r}.")
         return min(chunk_rows, max(1, meta.n_train))
-    rows = _default_chunk_rows(meta.k, n_test, meta.n_train)
+    budget = _CHUNK_BUDGET_BYTES if hasattr(store, "_view_rows") else _STREAM_BUDGET_BYTES
+    rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)
     # Whole stored chunks read fastest (no partial-chunk scratch copies).
     stored = getattr(store, "chunk_rows", 1)
     if isinstance(stored, int) and stored > 1 and rows < meta.n_train:
@@ -290,6 +324,14 @@ def _check_test_type(test_grads: object, *, caller: str) -> None:
 
 
 def _check_test_tensor(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
+    _check_test_shape(meta, test, caller=caller)
+    if not bool(torch.isfinite(test).all()):
+        raise NonFiniteGradientError(
+            f"{caller}: test gradients contain NaN or inf; check the loss on those examples."
+        )
+
+
+def _check_test_shape(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
     if test.ndim != 3 or test.shape[0] != meta.n_ckpt or test.shape[2] != meta.k:
         raise IncompatibleGradientsError(
             f"{caller}: test gradients must be [n_ckpt={meta.n_ckpt}, n_test, k={meta.k}], got "
@@ -299,10 +341,6 @@ def _check_test_tensor(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
         )
     if not test.is_floating_point():
         raise TypeError(f"{caller}: test gradients must be floating point, got {test.dtype}.")
-    if not bool(torch.isfinite(test).all()):
-        raise NonFiniteGradientError(
-            f"{caller}: test gradients contain NaN or inf; check the loss on those examples."
-        )
 
 
 def _check_not_empty(meta: StoreMeta, *, caller: str) -> None:
@@ -319,8 +357,9 @@ def _safe_reciprocal(norms: Tensor) -> Tensor:
     return torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
 
 
-def _default_chunk_rows(k: int, n_test: int, n_train: int) -> int:
-    rows = _CHUNK_BUDGET_BYTES // (4 * (k + n_test))
+def _default_chunk_rows(k: int, n_test: int, n_train: int,
+                        budget: int = _CHUNK_BUDGET_BYTES) -> int:
+    rows = budget // (4 * (k + n_test))
     return max(1, min(n_train, max(_MIN_CHUNK_ROWS, rows)))
 
 

@@ -35,7 +35,7 @@ _DONE = object()
 
 
 def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.device,
-                max_rows: int, depth: int = 3) -> Iterator[tuple[Piece, Tensor]]:
+                max_rows: int, depth: int | None = None) -> Iterator[tuple[Piece, Tensor]]:
     """Yield ``(piece, rows [stop - start, k])`` for every piece, rows on ``device``.
 
     Args:
@@ -43,9 +43,11 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
         pieces: What to read, in order.
         device: Where the rows are needed.
         max_rows: The largest ``stop - start`` among ``pieces`` (sizes the buffers).
-        depth: Buffers in the read-ahead ring (pieces read ahead = ``depth - 1``).
+        depth: Buffers in the ring. Default: 2 on the CPU (one read while one is multiplied),
+            3 on CUDA (one more is in flight to the device).
     """
     cuda = device.type == "cuda"
+    depth = depth or (3 if cuda else 2)
     view = getattr(store, "_view_rows", None)
     if view is not None and (not cuda or _is_pinned(view(0, 0, 0))):
         host = _views(view, pieces)

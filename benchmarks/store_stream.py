@@ -131,12 +131,12 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
     t_mm = best(lambda: matmul_seconds(memory, test, chunk), repeats)
     rows = []
 
-    def report(label, seconds, nbytes, t_read):
-        ceiling = max(t_read, t_mm) if t_read else t_mm
-        rows.append((label, seconds, nbytes / seconds / 1e9, ceiling / seconds))
+    def report(label, seconds, nbytes, t_read, ceiling=True):
+        ratio = max(t_read, t_mm) / seconds if ceiling else float("nan")
+        rows.append((label, seconds, nbytes / seconds / 1e9, ratio))
 
     f32_bytes = n_rows * k * 4
-    report("matmul alone (float32, in memory)", t_mm, f32_bytes, 0.0)
+    report("matmul alone (float32, in memory)", t_mm, f32_bytes, 0, False)
     report("score MemoryStore float32", best(lambda: score_seconds(memory, test), repeats),
            f32_bytes, 0.0)
     report("score PinnedStore float32" + ("" if pinned.pinned else " (not pinned: no CUDA)"),
@@ -145,13 +145,13 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
         nbytes = n_rows * k * store.dtype.itemsize
         view = readinto_buffer(store.path)
         t_read_warm = best(lambda s=store, v=view: readinto_seconds(s.path, v), repeats)
-        report(f"readinto ceiling {name} warm", t_read_warm, nbytes, t_read_warm)
+        report(f"readinto ceiling {name} warm", t_read_warm, nbytes, 0, False)
         report(f"score ZarrStore {name} warm",
                best(lambda store=store: score_seconds(store, test), repeats), nbytes,
                t_read_warm)
         evict(store.path)
         t_read_cold = readinto_seconds(store.path, view)
-        report(f"readinto ceiling {name} cold", t_read_cold, nbytes, t_read_cold)
+        report(f"readinto ceiling {name} cold", t_read_cold, nbytes, 0, False)
         evict(store.path)
         report(f"score ZarrStore {name} cold", score_seconds(store, test), nbytes, t_read_cold)
         if name == "float32":

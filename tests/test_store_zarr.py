@@ -233,3 +233,18 @@ def test_resume_with_less_data_than_stored_is_refused(mlp_setup32, tmp_path):
     with pytest.raises(tif.EmptyDataError, match="already holds 16 rows but data has only 5"):
         tif.build_store(loss, ckpts, (train[0][:5], train[1][:5]), projection=PROJ,
                         store=tmp_path / "i.zarr")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streaming_to_cuda_equals_cpu(built, mlp_setup32, dtype, tmp_path):
+    loss, ckpts, train, test = mlp_setup32
+    zarr_store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=dtype,
+                                 store=tiny(tmp_path / "c.zarr"))
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ)
+    expected = tif.score(zarr_store.to_memory(), test_store, device="cpu")
+    for store in (zarr_store, zarr_store.to_pinned(), zarr_store.to_memory()):
+        got = tif.score(store, test_store, device="cuda", chunk_rows=8)
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-2, atol=1e-3)

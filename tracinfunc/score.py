@@ -29,9 +29,11 @@ _CHUNK_BUDGET_BYTES = 64 * 2**20
 # are fresh memory per pass, and first-touch page faults cost more than the matmul on VMs.
 _STREAM_BUDGET_BYTES = 16 * 2**20
 _MIN_CHUNK_ROWS = 256
-# bfloat16 stores on the CPU are multiplied in bfloat16 (see benchmarks/store_stream.py for
-# the measured speed against upcasting to float32 first).
+# bfloat16 stores on the CPU are multiplied in bfloat16 when few test rows make the matmul
+# memory-bound: measured 1.13x faster than upcasting at n_test=64 but 0.68x at n_test=512
+# on the development machine (AVX512-BF16, no AMX); benchmarks/store_stream.py reports it.
 _CPU_BF16_MATMUL = True
+_CPU_BF16_MAX_TEST = 128
 
 
 def score(
@@ -158,9 +160,10 @@ def score_chunks(
 
     Rows are read by a background thread (chunk i+1 while chunk i is multiplied) into
     reusable buffers, copied to a GPU asynchronously on a side stream, and accumulated over
-    checkpoints in float32. On the CPU, a bfloat16 store is multiplied in bfloat16 (the
-    products are accumulated in float32 inside the kernel; each checkpoint's ``[n_test,
-    rows]`` block is rounded to bfloat16 once before the float32 sum over checkpoints).
+    checkpoints in float32. On the CPU, a bfloat16 store scored against at most 128 test
+    rows is multiplied in bfloat16 (products accumulate in float32 inside the kernel; each
+    checkpoint's ``[n_test, rows]`` block is rounded to bfloat16 once before the float32 sum
+    over checkpoints); otherwise rows are upcast to float32 first.
 
     Args:
         store, test_grads, normalize, device, chunk_rows: As in :func:`score`.
@@ -182,7 +185,7 @@ def score_chunks(
     scale = lrs[:, None, None]
     if normalize:
         scale = scale * _safe_reciprocal(test_norms.to(dtype))[..., None]
-    matmul_dtype = _matmul_dtype(meta.torch_dtype, dtype, device)
+    matmul_dtype = _matmul_dtype(meta.torch_dtype, dtype, device, n_test=test.shape[1])
     test = (test.to(dtype) * scale).to(device, matmul_dtype)  # [n_ckpt, n_test, k]
     rows_per_chunk = _chunk_rows(store, chunk_rows, meta, test.shape[1])
     inverse_norms = None
@@ -278,9 +281,11 @@ def _dtype_of(test_grads: GradientStore | Tensor) -> torch.dtype:
     return test_grads.meta.torch_dtype
 
 
-def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype rows are multiplied in: the storage dtype when that is fast and accurate."""
-    if storage == torch.bfloat16 and device.type == "cpu" and _CPU_BF16_MATMUL:
+def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.device, *,
+                  n_test: int) -> torch.dtype:
+    """The dtype rows are multiplied in: bfloat16 for bf16 stores on the CPU when it pays."""
+    if (storage == torch.bfloat16 and device.type == "cpu" and _CPU_BF16_MATMUL
+            and n_test <= _CPU_BF16_MAX_TEST):
         return torch.bfloat16
     return compute
 

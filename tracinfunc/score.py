@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
-from tracinfunc.store._stream import stream_rows
+from tracinfunc.store._stream import compute_threads, stream_rows
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
 
@@ -203,7 +203,7 @@ def score_chunks(
         for ckpt in range(meta.n_ckpt)
     ]
     _check_out(out, (test.shape[1], meta.n_train), dtype, device)
-    threads = _compute_threads(store, device)
+    threads = compute_threads(store, device)
     block = torch.empty(0)
     for (ckpt, start, stop), rows in stream_rows(store, pieces, device=device,
                                                   max_rows=rows_per_chunk):
@@ -216,34 +216,6 @@ def score_chunks(
             _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
             yield start, block
-
-
-class _ComputeThreads:
-    """Run CPU compute on one thread fewer than torch's default while a reader thread runs.
-
-    torch's OpenMP team uses every core; the background reader then preempts one of its
-    threads and the whole team waits at each barrier (measured 3x slower on 2 cores). The
-    setting is process-wide, so it is applied around each piece's compute only.
-    """
-
-    def __init__(self, threads: int | None) -> None:
-        self._threads = threads
-        self._saved = 0
-
-    def __enter__(self) -> None:
-        if self._threads is not None:
-            self._saved = torch.get_num_threads()
-            torch.set_num_threads(self._threads)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._threads is not None:
-            torch.set_num_threads(self._saved)
-
-
-def _compute_threads(store: GradientStore, device: torch.device) -> _ComputeThreads:
-    streamed = device.type == "cpu" and not hasattr(store, "_view_rows")
-    threads = torch.get_num_threads()
-    return _ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)
 
 
 def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None, *,

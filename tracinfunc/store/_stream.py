@@ -27,7 +27,7 @@ from torch import Tensor
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.pinned import pinned_empty
 
-__all__ = ["Piece", "stream_rows"]
+__all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
 
 Piece = tuple[int, int, int]  # (ckpt, start, stop)
 _HostPieces = Iterator[tuple[Piece, Tensor, Callable[[], None]]]
@@ -138,3 +138,32 @@ def _to_cuda(host: _HostPieces, device: torch.device) -> Iterator[tuple[Piece, T
         if previous is not None:
             previous[1].synchronize()
             previous[0]()
+
+
+class ComputeThreads:
+    """Run CPU compute on one thread fewer than torch's default while a reader thread runs.
+
+    torch's OpenMP team uses every core; the background reader then preempts one of its
+    threads and the whole team waits at each barrier (measured 3x slower on 2 cores). The
+    setting is process-wide, so it is applied around each piece's compute only.
+    """
+
+    def __init__(self, threads: int | None) -> None:
+        self._threads = threads
+        self._saved = 0
+
+    def __enter__(self) -> None:
+        if self._threads is not None:
+            self._saved = torch.get_num_threads()
+            torch.set_num_threads(self._threads)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._saved)
+
+
+def compute_threads(store: GradientStore, device: torch.device) -> ComputeThreads:
+    """The thread policy for compute over ``stream_rows(store, ...)`` on ``device``."""
+    streamed = device.type == "cpu" and not hasattr(store, "_view_rows")
+    threads = torch.get_num_threads()
+    return ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)

@@ -8,12 +8,15 @@ from tracinfunc._version import __version__
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
 from tracinfunc.errors import (
+    CorruptStoreError,
     EmptyDataError,
     IncompatibleGradientsError,
+    IncompleteStoreError,
     InvalidProjectionError,
     LossFunctionError,
     NonFiniteGradientError,
     ReadOnlyStoreError,
+    StoreExistsError,
     TracInFuncError,
     TrainModeError,
 )
@@ -21,24 +24,46 @@ from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.loss import loss_from_module
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
-from tracinfunc.store import CheckpointMeta, GradientStore, MemoryStore, MemoryWriter, StoreMeta
+from tracinfunc.store import (
+    CheckpointMeta,
+    GradientStore,
+    MemoryStore,
+    MemoryWriter,
+    PinnedStore,
+    PinnedWriter,
+    StoreMeta,
+    StoreWriter,
+    ZarrStore,
+    ZarrWriter,
+    save_store,
+    to_memory,
+    to_pinned,
+)
 
 __all__ = [
     "Checkpoint",
     "CheckpointMeta",
+    "CorruptStoreError",
     "EmptyDataError",
     "GradientStore",
     "IncompatibleGradientsError",
+    "IncompleteStoreError",
     "InvalidProjectionError",
     "LossFunctionError",
     "MemoryStore",
     "MemoryWriter",
     "NonFiniteGradientError",
+    "PinnedStore",
+    "PinnedWriter",
     "Projection",
     "ReadOnlyStoreError",
+    "StoreExistsError",
     "StoreMeta",
+    "StoreWriter",
     "TracInFuncError",
     "TrainModeError",
+    "ZarrStore",
+    "ZarrWriter",
     "__version__",
     "build_store",
     "canonical_layout",
@@ -48,8 +73,11 @@ __all__ = [
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
+    "save_store",
     "score",
     "score_chunks",
     "self_influence",
+    "to_memory",
+    "to_pinned",
     "top_k",
 ]

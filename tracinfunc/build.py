@@ -22,8 +22,9 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads import explain_loss_error, projected_grads
 from tracinfunc.projection import Layout, Projection, canonical_layout
-from tracinfunc.store.memory import MemoryStore, MemoryWriter
+from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.writer import StoreTarget, StoreWriter, make_writer
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["build_store", "iter_batches"]
@@ -39,7 +40,8 @@ def build_store(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     dataset_fingerprint: str | None = None,
-) -> MemoryStore:
+    store: StoreTarget = None,
+) -> GradientStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
     ``data`` is iterated once; for each batch, gradients at every checkpoint are computed
@@ -57,15 +59,25 @@ def build_store(
             checks; needs float64 params). Norms are taken before the cast.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
+        store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
+            ``tif.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
+            Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
+            tif.ZarrWriter, path, overwrite=True)``). If the path holds a store left
+            incomplete by an interrupted build, calling ``build_store`` again with the same
+            arguments resumes it: batches already stored are skipped without computing their
+            gradients, and the result is bit-identical to an uninterrupted build.
 
     Returns:
-        A read-only :class:`~tracinfunc.store.MemoryStore` of ``[n_ckpt, n_train, k]`` rows.
+        A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
+        :class:`~tracinfunc.PinnedStore` or :class:`~tracinfunc.ZarrStore`).
 
     Raises:
         EmptyDataError: ``data`` holds no examples.
         LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar.
         NonFiniteGradientError: a gradient is NaN/inf (names checkpoint and rows).
-        IncompatibleGradientsError: checkpoints differ in parameter names or shapes.
+        IncompatibleGradientsError: checkpoints differ in parameter names or shapes, or an
+            incomplete store at ``store`` was started with other arguments.
+        StoreExistsError: a finished store already exists at the ``store`` path.
     """
     checkpoints = _check_checkpoints(checkpoints)
     if not isinstance(projection, Projection):
@@ -78,24 +90,40 @@ def build_store(
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
     grads_fn = projected_grads(loss, projection, chunk_size=chunk_size)
-    writer = MemoryWriter(meta)
+    writer = make_writer(store, meta)
+    resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
+    seen = 0
     first_batch = True
     for batch in iter_batches(data):
-        batch = tree_map(lambda leaf: leaf.to(device), batch)
-        if _batch_size(batch) == 0:
+        size = _batch_size(batch)
+        seen += size
+        if size == 0 or seen <= resume_at:  # stored before the interruption: no gradients
             continue
+        batch = tree_map(lambda leaf: leaf.to(device), batch)
         if first_batch:
             _check_loss(loss, params_per_ckpt[0], batch)
             first_batch = False
+        # A batch straddling the resume point is computed whole, as in the first build, so
+        # the kept rows are bit-identical; its already-stored head is dropped.
         rows = torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
+        rows = rows[:, max(0, resume_at - (seen - size)) :]
         _check_finite(rows, meta, first_row=writer.rows_written)
         writer.append(rows, rows.norm(dim=-1))
+    _check_resumed(writer, seen)
     if writer.rows_written == 0:
         raise EmptyDataError(
             "build_store: data holds no examples; pass a non-empty batch or iterable of "
             "batches (a tensor, a tuple/dict of tensors, a list of those, or a DataLoader)."
         )
     return writer.finish()
+
+
+def _check_resumed(writer: StoreWriter, seen: int) -> None:
+    if seen < writer.rows_written:
+        raise EmptyDataError(
+            f"build_store: the incomplete store already holds {writer.rows_written} rows but "
+            f"data has only {seen}; resume with the same data as the interrupted build."
+        )
 
 
 def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:

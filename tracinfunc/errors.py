@@ -9,12 +9,15 @@ how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "CorruptStoreError",
     "EmptyDataError",
     "IncompatibleGradientsError",
+    "IncompleteStoreError",
     "InvalidProjectionError",
     "LossFunctionError",
     "NonFiniteGradientError",
     "ReadOnlyStoreError",
+    "StoreExistsError",
     "TracInFuncError",
     "TrainModeError",
 ]
@@ -50,3 +53,15 @@ class TrainModeError(TracInFuncError, RuntimeError):
 
 class ReadOnlyStoreError(TracInFuncError, PermissionError):
     """An attempt was made to modify a finished, read-only gradient store."""
+
+
+class StoreExistsError(TracInFuncError, FileExistsError):
+    """A finished store already exists where a new one was to be written."""
+
+
+class IncompleteStoreError(TracInFuncError, RuntimeError):
+    """A store was left unfinished by an interrupted build; resume it with ``build_store``."""
+
+
+class CorruptStoreError(TracInFuncError, OSError):
+    """Stored bytes fail their checksum or are missing: the store is damaged on disk."""

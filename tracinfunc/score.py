@@ -3,7 +3,9 @@
 Every reduction walks the store in row chunks; for each chunk it accumulates
 ``sum_c lr_c * test_c @ train_c.T`` over checkpoints in float32 (float64 for float64 stores)
 and hands the ``[n_test, rows]`` block to a reduction (write into the full matrix, merge a
-running top-k, ...). Extra memory is a few chunks, never the store.
+running top-k, ...). Rows are streamed by :func:`tracinfunc.store._stream.stream_rows`
+(background reads into reusable buffers, asynchronous copies to a GPU), so extra memory is a
+few chunks plus the output, never the store.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
+from tracinfunc.store._stream import compute_threads, stream_rows
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
 
@@ -22,7 +25,15 @@ __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 # Bytes of one chunk's train rows plus its [n_test, rows] score block; keeps the working set
 # in cache-friendly, bounded pieces whatever the store's size.
 _CHUNK_BUDGET_BYTES = 64 * 2**20
+# Stores read through buffers (Zarr, or any store on a GPU) use smaller pieces: the buffers
+# are fresh memory per pass, and first-touch page faults cost more than the matmul on VMs.
+_STREAM_BUDGET_BYTES = 16 * 2**20
 _MIN_CHUNK_ROWS = 256
+# bfloat16 stores on the CPU are multiplied in bfloat16 when few test rows make the matmul
+# memory-bound: measured 1.13x faster than upcasting at n_test=64 but 0.68x at n_test=512
+# on the development machine (AVX512-BF16, no AMX); benchmarks/store_stream.py reports it.
+_CPU_BF16_MATMUL = True
+_CPU_BF16_MAX_TEST = 128
 
 
 def score(
@@ -52,14 +63,19 @@ def score(
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
-    _check_not_empty(store.meta, caller="score")
-    out: Tensor | None = None
-    for start, block in score_chunks(
-        store, test_grads, normalize=normalize, device=device, chunk_rows=chunk_rows
-    ):
-        if out is None:
-            out = block.new_empty(block.shape[0], store.meta.n_train)
-        out[:, start : start + block.shape[1]] = block
+    meta = store.meta
+    _check_not_empty(meta, caller="score")
+    device = _resolve_device(device, test_grads)
+    _check_test_type(test_grads, caller="score")
+    if isinstance(test_grads, Tensor):  # values are checked once, in score_chunks
+        _check_test_shape(meta, test_grads, caller="score")
+    n_test = test_grads.shape[1] if isinstance(test_grads, Tensor) else test_grads.meta.n_train
+    dtype = _compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
+    # Blocks are written straight into the output: no per-chunk allocation or copy.
+    out = torch.empty(n_test, meta.n_train, dtype=dtype, device=device)
+    for _ in score_chunks(store, test_grads, normalize=normalize, device=device,
+                          chunk_rows=chunk_rows, out=out):
+        pass
     return out
 
 
@@ -138,12 +154,27 @@ def score_chunks(
     normalize: bool = False,
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
+    out: Tensor | None = None,
 ) -> Iterator[tuple[int, Tensor]]:
     """Stream TracIn scores chunk by chunk: the loop under :func:`score` and :func:`top_k`.
 
+    Rows are read by a background thread (chunk i+1 while chunk i is multiplied) into
+    reusable buffers, copied to a GPU asynchronously on a side stream, and accumulated over
+    checkpoints in float32. On the CPU, a bfloat16 store scored against at most 128 test
+    rows is multiplied in bfloat16 (products accumulate in float32 inside the kernel; each
+    checkpoint's ``[n_test, rows]`` block is rounded to bfloat16 once before the float32 sum
+    over checkpoints); otherwise rows are upcast to float32 first.
+
+    Args:
+        store, test_grads, normalize, device, chunk_rows: As in :func:`score`.
+        out: Optional ``[n_test, n_train]`` tensor (float32, float64 for float64 gradients,
+            on ``device``); blocks are then written into it (``block`` is a view of
+            ``out[:, start:start + rows]``) instead of being allocated per chunk.
+
     Yields:
         ``(start, block)`` with ``block`` ``[n_test, rows]`` the scores of training rows
-        ``[start, start + rows)``. Write your own reduction over it.
+        ``[start, start + rows)``. Write your own reduction over it; without ``out``,
+        ``block`` is new for every chunk.
     """
     meta = store.meta
     device = _resolve_device(device, test_grads)
@@ -154,21 +185,96 @@ def score_chunks(
     scale = lrs[:, None, None]
     if normalize:
         scale = scale * _safe_reciprocal(test_norms.to(dtype))[..., None]
-    test = (test.to(dtype) * scale).to(device)  # [n_ckpt, n_test, k]
-    rows_per_chunk = chunk_rows or _default_chunk_rows(meta.k, test.shape[1], meta.n_train)
-    if rows_per_chunk < 1:
-        raise ValueError(f"score: chunk_rows must be >= 1, got {chunk_rows}.")
-    for start in range(0, meta.n_train, rows_per_chunk):
-        stop = min(start + rows_per_chunk, meta.n_train)
-        block = torch.zeros(test.shape[1], stop - start, dtype=dtype, device=device)
-        for ckpt in range(meta.n_ckpt):
-            train = store.read_rows(ckpt, start, stop).to(device, dtype, non_blocking=True)
-            if normalize:
-                inv = _safe_reciprocal(store.read_norms(ckpt, start, stop).to(device, dtype))
-                block.addmm_(test[ckpt], train.T * inv)  # [n_test, k] @ [k, rows]
-            else:
-                block.addmm_(test[ckpt], train.T)
-        yield start, block
+    matmul_dtype = _matmul_dtype(meta.torch_dtype, dtype, device, n_test=test.shape[1])
+    test = (test.to(dtype) * scale).to(device, matmul_dtype)  # [n_ckpt, n_test, k]
+    rows_per_chunk = _chunk_rows(store, chunk_rows, meta, test.shape[1])
+    inverse_norms = None
+    if normalize:  # [n_ckpt, n_train]: 1/k of the store, read once
+        inverse_norms = torch.stack([
+            _safe_reciprocal(store.read_norms(c, 0, meta.n_train).to(device, dtype))
+            for c in range(meta.n_ckpt)
+        ])
+    upcast = None
+    if meta.torch_dtype != matmul_dtype:  # float16 (or bf16 on GPU) rows -> float32 matmul
+        upcast = torch.empty(rows_per_chunk, meta.k, dtype=matmul_dtype, device=device)
+    pieces = [
+        (ckpt, start, min(start + rows_per_chunk, meta.n_train))
+        for start in range(0, meta.n_train, rows_per_chunk)
+        for ckpt in range(meta.n_ckpt)
+    ]
+    _check_out(out, (test.shape[1], meta.n_train), dtype, device)
+    threads = compute_threads(store, device)
+    block = torch.empty(0)
+    for (ckpt, start, stop), rows in stream_rows(store, pieces, device=device,
+                                                  max_rows=rows_per_chunk):
+        if ckpt == 0:
+            block = (out[:, start:stop] if out is not None else
+                     torch.empty(test.shape[1], stop - start, dtype=dtype, device=device))
+        inverse = None if inverse_norms is None else inverse_norms[ckpt, start:stop]
+        with threads:
+            train = rows if upcast is None else upcast[: stop - start].copy_(rows)
+            _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
+        if ckpt == meta.n_ckpt - 1:
+            yield start, block
+
+
+def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None, *,
+                first: bool) -> None:
+    """``block (=|+=) test @ train.T`` (times ``inverse`` per column), in ``block``'s dtype.
+
+    ``first``: overwrite ``block`` (uninitialised memory; ``beta=0`` ignores it, NaN included).
+    """
+    if inverse is None and test.dtype == block.dtype:
+        block.addmm_(test, train.T, beta=0 if first else 1)  # [n_test, k] @ [k, rows]
+        return
+    product = test @ train.T  # [n_test, rows], bfloat16 on the CPU bf16 path
+    if inverse is not None:
+        product = product * inverse
+    if first:
+        block.copy_(product)
+    else:
+        block.add_(product)
+
+
+def _check_out(out: Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+               device: torch.device) -> None:
+    if out is None:
+        return
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != device.type:
+        raise ValueError(
+            f"score_chunks: out must be {list(shape)} {dtype} on {device}, got "
+            f"{list(out.shape)} {out.dtype} on {out.device}."
+        )
+
+
+def _dtype_of(test_grads: GradientStore | Tensor) -> torch.dtype:
+    if isinstance(test_grads, Tensor):
+        return test_grads.dtype
+    return test_grads.meta.torch_dtype
+
+
+def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.device, *,
+                  n_test: int) -> torch.dtype:
+    """The dtype rows are multiplied in: bfloat16 for bf16 stores on the CPU when it pays."""
+    if (storage == torch.bfloat16 and device.type == "cpu" and _CPU_BF16_MATMUL
+            and n_test <= _CPU_BF16_MAX_TEST):
+        return torch.bfloat16
+    return compute
+
+
+def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
+                n_test: int) -> int:
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"score: chunk_rows must be an int >= 1, got {chunk_rows!r}.")
+        return min(chunk_rows, max(1, meta.n_train))
+    budget = _CHUNK_BUDGET_BYTES if hasattr(store, "_view_rows") else _STREAM_BUDGET_BYTES
+    rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)
+    # Whole stored chunks read fastest (no partial-chunk scratch copies).
+    stored = getattr(store, "chunk_rows", 1)
+    if isinstance(stored, int) and stored > 1 and rows < meta.n_train:
+        rows = max(stored, rows // stored * stored)
+    return min(rows, max(1, meta.n_train))
 
 
 def _test_matrix(
@@ -178,11 +284,7 @@ def _test_matrix(
     if isinstance(test_grads, Tensor):
         _check_test_tensor(meta, test_grads, caller=caller)
         return test_grads, test_grads.to(_compute_dtype(test_grads.dtype)).norm(dim=-1)
-    if not isinstance(test_grads, GradientStore):
-        raise TypeError(
-            f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
-            f"got {type(test_grads).__name__}."
-        )
+    _check_test_type(test_grads, caller=caller)
     check_compatible(meta, test_grads.meta, caller=caller)
     n_test = test_grads.meta.n_train
     rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
@@ -190,7 +292,23 @@ def _test_matrix(
     return rows, norms
 
 
+def _check_test_type(test_grads: object, *, caller: str) -> None:
+    if not isinstance(test_grads, Tensor | GradientStore):
+        raise TypeError(
+            f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
+            f"got {type(test_grads).__name__}."
+        )
+
+
 def _check_test_tensor(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
+    _check_test_shape(meta, test, caller=caller)
+    if not bool(torch.isfinite(test).all()):
+        raise NonFiniteGradientError(
+            f"{caller}: test gradients contain NaN or inf; check the loss on those examples."
+        )
+
+
+def _check_test_shape(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
     if test.ndim != 3 or test.shape[0] != meta.n_ckpt or test.shape[2] != meta.k:
         raise IncompatibleGradientsError(
             f"{caller}: test gradients must be [n_ckpt={meta.n_ckpt}, n_test, k={meta.k}], got "
@@ -200,10 +318,6 @@ def _check_test_tensor(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
         )
     if not test.is_floating_point():
         raise TypeError(f"{caller}: test gradients must be floating point, got {test.dtype}.")
-    if not bool(torch.isfinite(test).all()):
-        raise NonFiniteGradientError(
-            f"{caller}: test gradients contain NaN or inf; check the loss on those examples."
-        )
 
 
 def _check_not_empty(meta: StoreMeta, *, caller: str) -> None:
@@ -220,8 +334,9 @@ def _safe_reciprocal(norms: Tensor) -> Tensor:
     return torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
 
 
-def _default_chunk_rows(k: int, n_test: int, n_train: int) -> int:
-    rows = _CHUNK_BUDGET_BYTES // (4 * (k + n_test))
+def _default_chunk_rows(k: int, n_test: int, n_train: int,
+                        budget: int = _CHUNK_BUDGET_BYTES) -> int:
+    rows = budget // (4 * (k + n_test))
     return max(1, min(n_train, max(_MIN_CHUNK_ROWS, rows)))
 
 

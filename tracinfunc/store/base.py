@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import os
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -10,11 +11,42 @@ from torch import Tensor
 from tracinfunc.projection import Projection
 from tracinfunc.store.meta import StoreMeta
 
+if TYPE_CHECKING:
+    from tracinfunc.store.memory import MemoryStore
+    from tracinfunc.store.pinned import PinnedStore
+    from tracinfunc.store.zarr import ZarrStore
+
 __all__ = ["GradientStore", "StoreProperties", "check_row_range"]
 
 
+class _GradientStoreType(type(Protocol)):
+    """Metaclass that gives ``GradientStore.open`` without making it a protocol member.
+
+    A method in the protocol's own namespace would be one more member every user store must
+    implement (``typing`` collects the class ``__dict__``); one on the metaclass is reachable
+    as ``GradientStore.open(path)`` and invisible to ``isinstance`` checks.
+    """
+
+    def open(cls, path: str | os.PathLike[str]) -> ZarrStore:
+        """Reopen a finished Zarr gradient store read-only, in any process.
+
+        Args:
+            path: Directory written by ``build_store(..., store=path)`` or ``save_store``.
+
+        Returns:
+            A read-only :class:`~tracinfunc.store.zarr.ZarrStore`.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            IncompleteStoreError: the build that wrote it was interrupted (resume it).
+        """
+        from tracinfunc.store.zarr import ZarrStore
+
+        return ZarrStore(path)
+
+
 @runtime_checkable
-class GradientStore(Protocol):
+class GradientStore(Protocol, metaclass=_GradientStoreType):
     """Read-only projected training gradients, ``[n_ckpt, n_train, k]``, plus row norms.
 
     The protocol is deliberately small: metadata and reading a row range of one checkpoint.
@@ -74,6 +106,24 @@ class StoreProperties:
 
     def __len__(self) -> int:
         return self.meta.n_train
+
+    def to_memory(self) -> MemoryStore:
+        """A :class:`MemoryStore` copy of this store (see :func:`tracinfunc.to_memory`)."""
+        from tracinfunc.store.convert import to_memory
+
+        return to_memory(self)
+
+    def to_pinned(self) -> PinnedStore:
+        """A :class:`PinnedStore` copy of this store (see :func:`tracinfunc.to_pinned`)."""
+        from tracinfunc.store.convert import to_pinned
+
+        return to_pinned(self)
+
+    def to_zarr(self, path: str | os.PathLike[str], **options: Any) -> ZarrStore:
+        """Write this store to a new Zarr directory (see :func:`tracinfunc.save_store`)."""
+        from tracinfunc.store.convert import save_store
+
+        return save_store(self, path, **options)
 
     def __repr__(self) -> str:
         meta = self.meta

@@ -68,6 +68,10 @@ class MemoryStore(StoreProperties):
         check_row_range(self._meta, ckpt, start, stop, caller="MemoryStore.read_norms")
         return self._norms[ckpt, start:stop].clone()
 
+    def _view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
+        """A view, not a copy: only for library internals (``score``) that never write to it."""
+        return self._rows[ckpt, start:stop]
+
 
 class MemoryWriter:
     """Collects blocks of rows and returns a :class:`MemoryStore` when finished.
@@ -90,8 +94,9 @@ class MemoryWriter:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:
             raise ReadOnlyStoreError("MemoryWriter.append: the store is already finished.")
+        check_block(self._meta, rows, norms, caller="MemoryWriter.append")
         self._rows.append(rows.detach().to("cpu", self._meta.torch_dtype))
-        self._norms.append(norms.detach().to("cpu", _norm_dtype(self._meta)))
+        self._norms.append(norms.detach().to("cpu", norm_dtype(self._meta)))
 
     def finish(self) -> MemoryStore:
         """Seal the store; the writer cannot be used afterwards."""
@@ -101,9 +106,24 @@ class MemoryWriter:
         rows = torch.cat(self._rows, dim=1) if self._rows else empty
         norms = torch.cat(self._norms, dim=1) if self._norms else empty[..., 0]
         self._rows, self._norms = [], []
-        return MemoryStore._from_owned(meta, rows, norms.to(_norm_dtype(meta)))
+        return MemoryStore._from_owned(meta, rows, norms.to(norm_dtype(meta)))
 
 
-def _norm_dtype(meta: StoreMeta) -> torch.dtype:
+def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor, *, caller: str) -> None:
+    """Raise ``ValueError`` unless ``rows`` is ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``."""
+    if rows.ndim != 3 or rows.shape[0] != meta.n_ckpt or rows.shape[2] != meta.k:
+        raise ValueError(
+            f"{caller}: rows must be [n_ckpt={meta.n_ckpt}, b, k={meta.k}], got "
+            f"{list(rows.shape)}."
+        )
+    if tuple(norms.shape) != tuple(rows.shape[:2]):
+        raise ValueError(
+            f"{caller}: norms must be [n_ckpt, b] = {list(rows.shape[:2])}, got "
+            f"{list(norms.shape)}."
+        )
+
+
+def norm_dtype(meta: StoreMeta) -> torch.dtype:
+    """Dtype of stored row norms: float32, float64 for float64 stores."""
     # float64 stores are for exactness checks; keep their norms exact too.
     return torch.float64 if meta.dtype == "float64" else torch.float32

@@ -1,0 +1,250 @@
+"""ZarrStore on disk: reopening, immutability, integrity, resuming an interrupted build."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import zarr
+
+import tracinfunc as tif
+from tests.test_store import all_norms, all_rows
+
+PROJ = tif.Projection(dim=16, seed=0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(path, **options):
+    return functools.partial(tif.ZarrWriter, path, chunk_rows=4, shard_rows=8, **options)
+
+
+def batches(x, y, size=6):
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+
+@pytest.fixture
+def built(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    return tif.build_store(loss, ckpts, batches(*train), projection=PROJ,
+                           store=tiny(tmp_path / "g.zarr"))
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_plain_path_builds_a_zarr_store_that_reopens_equal(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    store = tif.build_store(loss, ckpts, train, projection=PROJ, store=str(tmp_path / "p.zarr"))
+    assert isinstance(store, tif.ZarrStore) and store.raw_reads
+    again = tif.GradientStore.open(tmp_path / "p.zarr")
+    assert again.meta == store.meta and torch.equal(all_rows(again), all_rows(store))
+
+
+def test_reopen_in_another_process(built):
+    digest = hash(all_rows(built).numpy().tobytes())
+    result = run_python(
+        "import tracinfunc as tif, torch\n"
+        f"s = tif.GradientStore.open({str(built.path)!r})\n"
+        "rows = torch.stack([s.read_rows(c, 0, s.n_train) for c in range(s.n_ckpt)])\n"
+        "print(s.n_train, s.meta.checkpoints[2].name, tif.self_influence(s).sum().item())\n"
+        "import sys; sys.stdout.write(rows.numpy().tobytes().hex())\n"
+    )
+    assert result.returncode == 0, result.stderr
+    header, hex_rows = result.stdout.split("\n", 1)
+    assert header.split()[:2] == ["40", "epoch-2"]
+    assert float(header.split()[2]) == pytest.approx(tif.self_influence(built).sum().item())
+    assert hash(bytes.fromhex(hex_rows)) == digest
+
+
+def test_metadata_is_plain_json_with_everything_the_issue_lists(built):
+    attrs = zarr.open_group(built.path, mode="r").attrs["tracinfunc"]
+    for key in ("format_version", "projection", "checkpoints", "layout", "dtype", "n_train",
+                "library_version", "complete", "dataset_fingerprint"):
+        assert key in attrs
+    assert attrs["complete"] is True and attrs["checkpoints"][1]["lr"] == 0.1
+
+
+def test_finished_store_cannot_be_written(built, mlp_setup32):
+    with pytest.raises(ValueError, match="read-only"):
+        built._rows[0][0:1] = 0.0
+    with pytest.raises(tif.StoreExistsError, match="finished store already exists"):
+        tif.ZarrWriter(built.path, built.meta.replace(n_train=0, complete=False))
+    loss, ckpts, train, _ = mlp_setup32
+    with pytest.raises(tif.StoreExistsError, match="overwrite=True"):
+        tif.build_store(loss, ckpts, train, projection=PROJ, store=built.path)
+    again = tif.build_store(loss, ckpts, (train[0][:5], train[1][:5]), projection=PROJ,
+                            store=tiny(built.path, overwrite=True))
+    assert again.n_train == 5
+
+
+def test_something_else_at_the_path_is_refused(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    zarr.open_group(tmp_path / "other.zarr", mode="w")
+    with pytest.raises(tif.StoreExistsError, match="not a tracinfunc store"):
+        tif.build_store(loss, ckpts, train, projection=PROJ, store=tmp_path / "other.zarr")
+    with pytest.raises(TypeError, match="needs a path"):
+        tif.build_store(loss, ckpts, train, projection=PROJ, store=tif.ZarrStore)
+    with pytest.raises(FileNotFoundError, match="no zarr store"):
+        tif.GradientStore.open(tmp_path / "missing.zarr")
+
+
+def _chunk_file(store, ckpt=1, shard=1):
+    return store.path / "rows" / str(ckpt) / "c" / str(shard) / "0"
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_flipped_byte_is_reported_with_checkpoint_and_rows(mlp_setup32, tmp_path,
+                                                             compression):
+    loss, ckpts, train, test = mlp_setup32
+    store = tif.build_store(loss, ckpts, batches(*train), projection=PROJ,
+                            store=tiny(tmp_path / "g.zarr", compression=compression))
+    path = _chunk_file(store)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01
+    path.write_bytes(bytes(data))
+    reopened = tif.GradientStore.open(store.path)
+    assert reopened.read_rows(1, 0, 8).shape == (8, 16)  # shard 0 is intact
+    with pytest.raises(tif.CorruptStoreError, match=r"checkpoint 'epoch-1' \(index 1\), rows"):
+        reopened.read_rows(1, 0, 16)
+    with pytest.raises(tif.CorruptStoreError, match="epoch-1"):
+        tif.score(reopened, tif.build_store(loss, ckpts, test, projection=PROJ))
+
+
+def test_a_missing_shard_file_is_reported(built):
+    _chunk_file(built, ckpt=2, shard=3).unlink()
+    with pytest.raises(tif.CorruptStoreError, match=r"'epoch-2' \(index 2\), rows \[20, 30\)"):
+        built.read_rows(2, 20, 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_storage_scores_within_tolerance(mlp_setup32, tmp_path, dtype):
+    loss, ckpts, train, test = mlp_setup32
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ)
+    full = tif.score(tif.build_store(loss, ckpts, train, projection=PROJ), test_store)
+    half = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=dtype,
+                           store=tiny(tmp_path / "h.zarr"))
+    reopened = tif.GradientStore.open(half.path)
+    assert reopened.dtype == dtype and reopened.meta.dtype == str(dtype).split(".")[1]
+    got = tif.score(reopened, test_store)
+    assert got.dtype == torch.float32
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    assert (got - full).norm() / full.norm() < tolerance
+    memory = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=dtype)
+    assert torch.equal(all_rows(reopened), all_rows(memory))
+
+
+def test_bfloat16_cpu_matmul_matches_the_float32_upcast(mlp_setup32, monkeypatch):
+    score_module = importlib.import_module("tracinfunc.score")
+
+    loss, ckpts, train, test = mlp_setup32
+    store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=torch.bfloat16)
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ)
+    fast = tif.score(store, test_store, device="cpu")
+    monkeypatch.setattr(score_module, "_CPU_BF16_MATMUL", False)
+    upcast = tif.score(store, test_store, device="cpu")
+    assert not torch.equal(fast, upcast)  # really two different paths
+    assert (fast - upcast).norm() / upcast.norm() < 1e-2
+
+
+def test_open_refuses_an_incomplete_store(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    meta = tif.build_store(loss, ckpts, train, projection=PROJ).meta
+    writer = tif.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
+                            chunk_rows=4, shard_rows=8)
+    writer.append(torch.zeros(3, 10, 16), torch.zeros(3, 10))
+    with pytest.raises(tif.IncompleteStoreError, match="8 rows written.*Resume it"):
+        tif.GradientStore.open(tmp_path / "i.zarr")
+
+
+def test_resume_with_other_arguments_is_refused(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    meta = tif.build_store(loss, ckpts, train, projection=PROJ).meta
+    writer = tif.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
+                            chunk_rows=4, shard_rows=8)
+    writer.append(torch.zeros(3, 10, 16), torch.zeros(3, 10))
+    for change, what in (({"dtype": torch.float16}, "storage dtype"),
+                         ({"projection": tif.Projection(dim=16, seed=1)}, "projection")):
+        options = {"projection": PROJ, **change}
+        with pytest.raises(tif.IncompatibleGradientsError, match=f"cannot resume.*{what}"):
+            tif.build_store(loss, ckpts, train, store=tmp_path / "i.zarr", **options)
+    with pytest.raises(tif.IncompatibleGradientsError, match="checkpoints"):
+        tif.build_store(loss, ckpts[:2], train, projection=PROJ, store=tmp_path / "i.zarr")
+
+
+_CHILD = """
+import os, signal, functools
+import torch.nn.functional as F
+import tracinfunc as tif
+from tests.conftest import make_checkpoints, make_data, make_mlp
+import torch
+model = make_mlp(dtype=torch.float32).eval()
+loss = tif.loss_from_module(model, F.cross_entropy)
+x, y = make_data(40, dtype=torch.float32, seed=1)
+def data():
+    for i, start in enumerate(range(0, 40, 6)):
+        if i == 6:  # 36 rows appended, 32 (4 shards of 8) committed: die the hard way
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield x[start : start + 6], y[start : start + 6]
+tif.build_store(loss, make_checkpoints(model), data(), projection=tif.Projection(dim=16, seed=0),
+                store=functools.partial(tif.ZarrWriter, {path!r}, chunk_rows=4, shard_rows=8))
+"""
+
+
+def test_resume_after_sigkill_equals_an_uninterrupted_build(mlp_setup32, tmp_path):
+    loss, ckpts, (x, y), _ = mlp_setup32
+    path = tmp_path / "killed.zarr"
+    result = run_python(_CHILD.format(path=str(path)))
+    assert result.returncode == -9, result.stderr
+    with pytest.raises(tif.IncompleteStoreError, match="32 rows written"):
+        tif.GradientStore.open(path)
+    calls = []
+
+    def counting_loss(params, example):
+        calls.append(1)
+        return loss(params, example)
+
+    resumed = tif.build_store(counting_loss, ckpts, batches(x, y), projection=PROJ,
+                              store=tiny(path))
+    # Batches 0-4 (rows 0-29) were skipped; batch 5 (rows 30-35, straddling the resume
+    # point 32) and batch 6 were differentiated: 1 loss check + 2 batches x 3 checkpoints.
+    assert len(calls) == 1 + 2 * 3
+    uninterrupted = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ,
+                                    store=tiny(tmp_path / "whole.zarr"))
+    assert resumed.meta == uninterrupted.meta and resumed.meta.complete
+    assert torch.equal(all_rows(resumed), all_rows(uninterrupted))
+    assert torch.equal(all_norms(resumed), all_norms(uninterrupted))
+
+
+def test_resume_with_less_data_than_stored_is_refused(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    meta = tif.build_store(loss, ckpts, train, projection=PROJ).meta
+    writer = tif.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
+                            chunk_rows=4, shard_rows=8)
+    writer.append(torch.zeros(3, 17, 16), torch.zeros(3, 17))
+    with pytest.raises(tif.EmptyDataError, match="already holds 16 rows but data has only 5"):
+        tif.build_store(loss, ckpts, (train[0][:5], train[1][:5]), projection=PROJ,
+                        store=tmp_path / "i.zarr")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streaming_to_cuda_equals_cpu(built, mlp_setup32, dtype, tmp_path):
+    loss, ckpts, train, test = mlp_setup32
+    zarr_store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=dtype,
+                                 store=tiny(tmp_path / "c.zarr"))
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ)
+    expected = tif.score(zarr_store.to_memory(), test_store, device="cpu")
+    for store in (zarr_store, zarr_store.to_pinned(), zarr_store.to_memory()):
+        got = tif.score(store, test_store, device="cuda", chunk_rows=8)
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-2, atol=1e-3)

@@ -1,0 +1,169 @@
+"""Stream row pieces of a store to a device: background reads, reusable buffers, async copies.
+
+``stream_rows`` is what ``score`` iterates. For each piece ``(ckpt, start, stop)`` it yields
+the rows on the target device, in the storage dtype:
+
+* In-memory stores on the CPU: a view of the store's own memory (no copy at all).
+* Any other store: a background thread reads piece i+1 (``read_rows(out=buffer)``) while the
+  caller multiplies piece i, into a small ring of preallocated buffers (page-locked when the
+  target is a GPU) that are reused for the whole pass.
+* On CUDA: each host piece (a ring buffer, or a PinnedStore's own pinned memory) is copied
+  with ``non_blocking=True`` on a side stream; the compute stream waits on an event, the
+  device tensor is ``record_stream``-ed onto it, and a host buffer goes back to the reader
+  only once its copy has finished.
+
+A yielded tensor is valid until the next one is requested.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from tracinfunc.store.base import GradientStore
+from tracinfunc.store.pinned import pinned_empty
+
+__all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
+
+Piece = tuple[int, int, int]  # (ckpt, start, stop)
+_HostPieces = Iterator[tuple[Piece, Tensor, Callable[[], None]]]
+_DONE = object()
+
+
+def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.device,
+                max_rows: int, depth: int | None = None) -> Iterator[tuple[Piece, Tensor]]:
+    """Yield ``(piece, rows [stop - start, k])`` for every piece, rows on ``device``.
+
+    Args:
+        store: Any GradientStore.
+        pieces: What to read, in order.
+        device: Where the rows are needed.
+        max_rows: The largest ``stop - start`` among ``pieces`` (sizes the buffers).
+        depth: Buffers in the ring. Default: 2 on the CPU (one read while one is multiplied),
+            3 on CUDA (one more is in flight to the device).
+    """
+    cuda = device.type == "cuda"
+    depth = depth or (3 if cuda else 2)
+    view = getattr(store, "_view_rows", None)
+    if view is not None and (not cuda or _is_pinned(view(0, 0, 0))):
+        host = _views(view, pieces)
+    else:
+        host = _prefetch(store, pieces, max_rows=max_rows, pin=cuda, depth=depth)
+    if not cuda:
+        for piece, rows, release in host:
+            yield piece, rows
+            release()
+        return
+    yield from _to_cuda(host, device)
+
+
+def _is_pinned(tensor: Tensor) -> bool:
+    return torch.cuda.is_available() and tensor.is_pinned()
+
+
+def _views(view: Callable[[int, int, int], Tensor], pieces: Sequence[Piece]) -> _HostPieces:
+    for piece in pieces:
+        yield piece, view(*piece), _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def _prefetch(store: GradientStore, pieces: Sequence[Piece], *, max_rows: int, pin: bool,
+              depth: int) -> _HostPieces:
+    """Read pieces on a background thread into ``depth`` reusable buffers."""
+    meta = store.meta
+    shape = (max_rows, meta.k)
+    buffers = [pinned_empty(shape, meta.torch_dtype) if pin else
+               torch.empty(shape, dtype=meta.torch_dtype) for _ in range(depth)]
+    free: queue.Queue[int] = queue.Queue()
+    ready: queue.Queue[object] = queue.Queue()
+    stop = threading.Event()
+    for index in range(depth):
+        free.put(index)
+
+    def read_all() -> None:
+        try:
+            for piece in pieces:
+                index = free.get()
+                if stop.is_set():
+                    return
+                ready.put((piece, store.read_rows(*piece, out=buffers[index]), index))
+            ready.put(_DONE)
+        except BaseException as error:  # handed to the consumer, raised there
+            ready.put(error)
+
+    thread = threading.Thread(target=read_all, name="tracinfunc-prefetch", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            piece, rows, index = item
+            yield piece, rows, lambda index=index: free.put(index)
+    finally:
+        stop.set()
+        free.put(-1)  # wake the reader if it waits for a buffer
+        thread.join()
+
+
+def _to_cuda(host: _HostPieces, device: torch.device) -> Iterator[tuple[Piece, Tensor]]:
+    """Copy host pieces to ``device`` on a side stream, overlapped with the caller's compute."""
+    side = torch.cuda.Stream(device=device)
+    compute = torch.cuda.current_stream(device)
+    previous: tuple[Callable[[], None], torch.cuda.Event] | None = None
+    try:
+        for piece, rows, release in host:
+            with torch.cuda.stream(side):
+                # Allocated on the side stream, so the copy cannot race with earlier compute
+                # on memory the allocator hands back.
+                on_device = torch.empty(rows.shape, dtype=rows.dtype, device=device)
+                on_device.copy_(rows, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side)
+            compute.wait_event(copied)
+            # Used on the compute stream: keep its memory until that work is done.
+            on_device.record_stream(compute)
+            if previous is not None:  # its copy was queued before this one: done or nearly
+                previous[1].synchronize()
+                previous[0]()
+            previous = (release, copied)
+            yield piece, on_device
+    finally:
+        if previous is not None:
+            previous[1].synchronize()
+            previous[0]()
+
+
+class ComputeThreads:
+    """Run CPU compute on one thread fewer than torch's default while a reader thread runs.
+
+    torch's OpenMP team uses every core; the background reader then preempts one of its
+    threads and the whole team waits at each barrier (measured 3x slower on 2 cores). The
+    setting is process-wide, so it is applied around each piece's compute only.
+    """
+
+    def __init__(self, threads: int | None) -> None:
+        self._threads = threads
+        self._saved = 0
+
+    def __enter__(self) -> None:
+        if self._threads is not None:
+            self._saved = torch.get_num_threads()
+            torch.set_num_threads(self._threads)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._saved)
+
+
+def compute_threads(store: GradientStore, device: torch.device) -> ComputeThreads:
+    """The thread policy for compute over ``stream_rows(store, ...)`` on ``device``."""
+    streamed = device.type == "cpu" and not hasattr(store, "_view_rows")
+    threads = torch.get_num_threads()
+    return ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)

@@ -1,0 +1,83 @@
+"""Conversions between store kinds, as free functions over the GradientStore protocol.
+
+They work for any store, including user-written ones: each reads rows through ``read_rows``
+(in bounded pieces) and writes them with the target kind's writer, so the copy is bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tracinfunc.store.base import GradientStore
+from tracinfunc.store.memory import MemoryStore, norm_dtype
+from tracinfunc.store.pinned import PinnedStore, PinnedWriter
+from tracinfunc.store.zarr import ZarrStore, ZarrWriter
+
+__all__ = ["save_store", "to_memory", "to_pinned"]
+
+_PIECE_BYTES = 64 * 2**20
+
+
+def to_memory(store: GradientStore) -> MemoryStore:
+    """Copy ``store`` into ordinary CPU memory. Bit-exact; the result is independent of it."""
+    meta = store.meta
+    rows = torch.empty(meta.n_ckpt, meta.n_train, meta.k, dtype=meta.torch_dtype)
+    norms = torch.empty(meta.n_ckpt, meta.n_train, dtype=norm_dtype(meta))
+    for ckpt, start, stop in _pieces(store):
+        store.read_rows(ckpt, start, stop, out=rows[ckpt, start:stop])
+        norms[ckpt, start:stop] = store.read_norms(ckpt, start, stop)
+    return MemoryStore._from_owned(meta.replace(complete=True), rows, norms)
+
+
+def to_pinned(store: GradientStore) -> PinnedStore:
+    """Copy ``store`` into page-locked host memory (ordinary memory without CUDA)."""
+    meta = store.meta
+    writer = PinnedWriter(meta.replace(n_train=0, complete=False), n_train=meta.n_train)
+    step = _piece_rows(meta)
+    for start in range(0, meta.n_train, step):
+        stop = min(start + step, meta.n_train)
+        rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
+        norms = torch.stack([store.read_norms(c, start, stop) for c in range(meta.n_ckpt)])
+        writer.append(rows, norms)
+    return writer.finish()
+
+
+def save_store(store: GradientStore, path: str | os.PathLike[str], **options: Any) -> ZarrStore:
+    """Write any store to a new Zarr directory and return it reopened read-only.
+
+    Args:
+        store: The store to copy (memory, pinned, another Zarr store, a user's).
+        path: Directory to create; an existing finished store there is refused.
+        **options: Passed to :class:`~tracinfunc.store.zarr.ZarrWriter` (``chunk_rows``,
+            ``shard_rows``, ``compression``, ``overwrite``).
+    """
+    meta = store.meta
+    writer = ZarrWriter(path, meta.replace(n_train=0, complete=False), **options)
+    if writer.rows_written:
+        raise ValueError(
+            f"save_store: {str(path)!r} holds an incomplete store; save_store writes new "
+            "stores only. Delete it or choose another path."
+        )
+    step = _piece_rows(meta)
+    for start in range(0, meta.n_train, step):
+        stop = min(start + step, meta.n_train)
+        rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
+        norms = torch.stack([store.read_norms(c, start, stop) for c in range(meta.n_ckpt)])
+        writer.append(rows, norms)
+    return writer.finish()
+
+
+def _piece_rows(meta) -> int:
+    row_bytes = max(1, meta.n_ckpt * meta.k * meta.torch_dtype.itemsize)
+    return max(1, _PIECE_BYTES // row_bytes)
+
+
+def _pieces(store: GradientStore):
+    meta = store.meta
+    step = _piece_rows(meta)
+    for ckpt in range(meta.n_ckpt):
+        for start in range(0, meta.n_train, step):
+            yield ckpt, start, min(start + step, meta.n_train)

@@ -1,0 +1,288 @@
+"""ZarrStore: projected gradients on disk as a zarr v3 group, reopened read-only anywhere.
+
+Layout of a store directory (zarr v3; readable by any zarr v3 implementation)::
+
+    grads.zarr/
+      zarr.json            group; attributes["tracinfunc"] = StoreMeta.to_dict() (JSON)
+      rows/<c>/            one array per checkpoint c: [n_train, k], storage dtype
+      norms/<c>/           one array per checkpoint c: [n_train], float32 row norms
+
+``rows`` arrays are row-chunked: uncompressed inner chunks of ~4 MiB inside shards of
+~256 MiB, each inner chunk and shard index ending with a crc32c checksum. bfloat16 (which
+zarr has no type for) is stored as its uint16 bits; the logical dtype is in the metadata.
+Projected gradients are close to Gaussian noise, so compression would save little (~7%)
+and cost read speed; ``compression="zstd"`` exists for the rare case it pays.
+
+Writers (:class:`ZarrWriter` here, :class:`~tracinfunc.store.MemoryWriter`,
+:class:`~tracinfunc.store.PinnedWriter`) share one interface, which any frontend (torch's
+``build_store``, a JAX one) can drive::
+
+    writer.rows_written   -> int   rows already stored (after a resume: the resumed ones)
+    writer.append(rows, norms)     rows [n_ckpt, b, k] float tensor, norms [n_ckpt, b]
+    writer.finish()       -> store read-only store; the writer is unusable afterwards
+
+The Zarr writer buffers rows into whole shards (writing part of a shard would make zarr
+read, modify and rewrite it) and records the committed row count in the group metadata after
+each shard, so an interrupted build can be resumed: open a writer on the same path with the
+same metadata and it continues from the last completed shard (see ``build_store``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from torch import Tensor
+
+from tracinfunc.errors import (
+    CorruptStoreError,
+    IncompleteStoreError,
+    ReadOnlyStoreError,
+    StoreExistsError,
+)
+from tracinfunc.store._shards import ShardReader
+from tracinfunc.store._zarr_layout import (
+    ATTRS_KEY,
+    check_resumable,
+    create_layout,
+    read_meta,
+    rows_dtype,
+    to_numpy,
+)
+from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
+from tracinfunc.store.memory import check_block, norm_dtype
+from tracinfunc.store.meta import StoreMeta
+
+__all__ = ["ZarrStore", "ZarrWriter"]
+
+
+class ZarrStore(StoreProperties):
+    """Read-only gradients in a zarr v3 directory; see the module docstring for the layout.
+
+    Usually obtained from ``tif.GradientStore.open(path)`` or ``build_store(..., store=path)``.
+    Uncompressed stores are read with raw ``preadv`` into the caller's buffer and verified
+    against their crc32c checksums; other codecs go through zarr.
+
+    Args:
+        path: A finished store directory.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        IncompleteStoreError: the build that wrote it did not finish (resume it).
+        CorruptStoreError: a read hits a checksum mismatch or missing data.
+    """
+
+    __slots__ = ("_group", "_meta", "_norms", "_path", "_readers", "_rows")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        path = Path(path)
+        if not (path / "zarr.json").exists():
+            raise FileNotFoundError(
+                f"ZarrStore: no zarr store at {str(path)!r}; write one with "
+                "tif.build_store(..., store=path) or tif.save_store(store, path)."
+            )
+        group = zarr.open_group(path, mode="r")
+        meta = read_meta(group, path, caller="ZarrStore")
+        if not meta.complete:
+            raise IncompleteStoreError(
+                f"ZarrStore: the store at {str(path)!r} is incomplete ({meta.n_train} rows "
+                "written): the build that wrote it was interrupted. Resume it by calling "
+                "build_store again with the same arguments and store=path, or delete it."
+            )
+        rows = [group[f"rows/{c}"] for c in range(meta.n_ckpt)]
+        norms = [group[f"norms/{c}"] for c in range(meta.n_ckpt)]
+        for array in rows:
+            if tuple(array.shape) != (meta.n_train, meta.k) or array.dtype != rows_dtype(meta):
+                raise CorruptStoreError(
+                    f"ZarrStore: array {array.path} of {str(path)!r} is {array.shape} "
+                    f"{array.dtype}, the metadata says ({meta.n_train}, {meta.k}) "
+                    f"{rows_dtype(meta)}; the store is damaged or was edited by hand."
+                )
+        for name, value in (("_path", path), ("_group", group), ("_meta", meta),
+                            ("_rows", rows), ("_norms", norms),
+                            ("_readers", [ShardReader.for_array(a) for a in rows])):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ReadOnlyStoreError(
+            f"ZarrStore is read-only: cannot set {name!r}. Build a new store instead."
+        )
+
+    @property
+    def meta(self) -> StoreMeta:
+        return self._meta
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per stored chunk; reads aligned to it are the fastest."""
+        return int(self._rows[0].chunks[0]) if self._rows else 1
+
+    @property
+    def raw_reads(self) -> bool:
+        """Whether rows are read with the raw fast path (uncompressed, local files)."""
+        return all(reader is not None for reader in self._readers)
+
+    def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_rows")
+        if out is None:
+            target = torch.empty(stop - start, self._meta.k, dtype=self._meta.torch_dtype)
+        else:
+            target = check_out_buffer(out, stop - start, self._meta, caller="ZarrStore.read_rows")
+        if stop == start:
+            return target
+        try:
+            reader = self._readers[ckpt]
+            if reader is not None and target.is_contiguous():
+                reader.read_into(start, stop, _bytes_of(target))
+            else:
+                target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
+        except (CorruptStoreError, ValueError, OSError) as error:
+            raise self._corrupt("read_rows", ckpt, start, stop, error) from error
+        return target
+
+    def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
+        try:
+            values = self._norms[ckpt][start:stop]
+        except (ValueError, OSError) as error:
+            raise self._corrupt("read_norms", ckpt, start, stop, error) from error
+        return torch.from_numpy(np.ascontiguousarray(values)).to(norm_dtype(self._meta))
+
+    def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
+                 error: Exception) -> CorruptStoreError:
+        name = self._meta.checkpoints[ckpt].name
+        return CorruptStoreError(
+            f"ZarrStore.{method}: checkpoint {name!r} (index {ckpt}), rows [{start}, {stop}) of "
+            f"{str(self._path)!r} cannot be read: {error}. The store is damaged on disk; "
+            "rebuild it (or restore it from a copy) instead of trusting its scores."
+        )
+
+
+class ZarrWriter:
+    """Writes rows to a zarr v3 store shard by shard, resuming an interrupted build.
+
+    Args:
+        path: Directory to create. If it holds an *incomplete* store made with the same
+            metadata, writing resumes after its last completed shard (``rows_written``).
+        meta: Metadata of the store (``n_train`` and ``complete`` are managed here).
+        chunk_rows: Rows per inner chunk (default: ~4 MiB of rows).
+        shard_rows: Rows per shard, a multiple of ``chunk_rows`` (default: ~256 MiB).
+        compression: ``None`` (default, raw chunks: fastest reads) or ``"zstd"``.
+        overwrite: Replace a *finished* store at ``path`` (default: refuse).
+
+    Raises:
+        StoreExistsError: a finished store (or something else) is already at ``path``.
+        IncompatibleGradientsError: an incomplete store at ``path`` was started differently.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
+                 chunk_rows: int | None = None, shard_rows: int | None = None,
+                 compression: str | None = None, overwrite: bool = False) -> None:
+        self._path = Path(path)
+        self._finished = False
+        if self._path.exists() and not self._resumable(meta, overwrite):
+            shutil.rmtree(self._path)
+        if not self._path.exists():
+            self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
+                                        shard_rows=shard_rows, compression=compression)
+        self._meta = read_meta(self._group, self._path, caller="ZarrWriter")
+        self._committed = self._meta.n_train
+        self._rows = [self._group[f"rows/{c}"] for c in range(meta.n_ckpt)]
+        self._norms = [self._group[f"norms/{c}"] for c in range(meta.n_ckpt)]
+        self._shard_rows = int(self._rows[0].shards[0])
+        # Drop anything a killed build wrote past its last committed shard.
+        for array in self._rows + self._norms:
+            array.resize((self._committed, *array.shape[1:]))
+        self._pending = torch.empty(meta.n_ckpt, self._shard_rows, meta.k, dtype=meta.torch_dtype)
+        self._pending_norms = torch.empty(meta.n_ckpt, self._shard_rows, dtype=norm_dtype(meta))
+        self._filled = 0
+
+    def _resumable(self, meta: StoreMeta, overwrite: bool) -> bool:
+        """True to resume the store at ``path``; False to replace it (after checks)."""
+        try:
+            self._group = zarr.open_group(self._path, mode="r+")
+            existing = self._group.attrs[ATTRS_KEY]
+        except Exception as error:
+            raise StoreExistsError(
+                f"ZarrWriter: {str(self._path)!r} exists and is not a tracinfunc store; "
+                "choose another path."
+            ) from error
+        if existing.get("complete"):
+            if overwrite:
+                return False
+            raise StoreExistsError(
+                f"ZarrWriter: a finished store already exists at {str(self._path)!r}; stores "
+                "are immutable. Open it with tif.GradientStore.open(path), choose another "
+                "path, or pass overwrite=True (e.g. store=functools.partial(tif.ZarrWriter, "
+                "path, overwrite=True)) to replace it."
+            )
+        check_resumable(StoreMeta.from_dict(existing), meta, self._path)
+        return True
+
+    @property
+    def rows_written(self) -> int:
+        """Rows stored so far, including those of a resumed build."""
+        return self._committed + self._filled
+
+    def append(self, rows: Tensor, norms: Tensor) -> None:
+        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
+        if self._finished:
+            raise ReadOnlyStoreError("ZarrWriter.append: the store is already finished.")
+        check_block(self._meta, rows, norms, caller="ZarrWriter.append")
+        rows, norms = rows.detach(), norms.detach()
+        done = 0
+        while done < rows.shape[1]:
+            take = min(rows.shape[1] - done, self._shard_rows - self._filled)
+            into = slice(self._filled, self._filled + take)
+            self._pending[:, into] = rows[:, done : done + take]
+            self._pending_norms[:, into] = norms[:, done : done + take]
+            self._filled += take
+            done += take
+            if self._filled == self._shard_rows:
+                self._flush()
+
+    def finish(self) -> ZarrStore:
+        """Write the last (partial) shard, mark the store complete and reopen it read-only."""
+        if self._finished:
+            raise ReadOnlyStoreError("ZarrWriter.finish: the store is already finished.")
+        self._flush()
+        self._finished = True
+        self._group.attrs[ATTRS_KEY] = self._meta.replace(
+            n_train=self._committed, complete=True
+        ).to_dict()
+        return ZarrStore(self._path)
+
+    def _flush(self) -> None:
+        """Write the buffered rows as whole shards, then record them as committed."""
+        n = self._filled
+        if n == 0:
+            return
+        start, stop = self._committed, self._committed + n
+        for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
+            rows.resize((stop, self._meta.k))
+            norms.resize((stop,))
+            rows[start:stop] = to_numpy(self._pending[c, :n])
+            norms[start:stop] = self._pending_norms[c, :n].numpy()
+        # Only now is the shard counted: a crash before this line redoes it on resume.
+        self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
+        self._committed, self._filled = stop, 0
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable memoryview."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() else \
+        memoryview(bytearray())
+
+
+def _from_numpy(values: np.ndarray, dtype: torch.dtype) -> Tensor:
+    if dtype == torch.bfloat16:  # stored as uint16 bits
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(values))

@@ -24,6 +24,7 @@ from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.loss import loss_from_module
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.spec import Spec
 from tracinfunc.store import (
     CheckpointMeta,
     GradientStore,
@@ -57,6 +58,7 @@ __all__ = [
     "PinnedWriter",
     "Projection",
     "ReadOnlyStoreError",
+    "Spec",
     "StoreExistsError",
     "StoreMeta",
     "StoreWriter",

@@ -21,6 +21,7 @@ from tracinfunc.errors import (
     NonFiniteGradientError,
 )
 from tracinfunc.grads import explain_loss_error, projected_grads
+from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection import Layout, Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
@@ -41,6 +42,7 @@ def build_store(
     device: torch.device | str | None = None,
     dataset_fingerprint: str | None = None,
     store: StoreTarget = None,
+    progress: ProgressArg = None,
 ) -> GradientStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -66,6 +68,8 @@ def build_store(
             incomplete by an interrupted build, calling ``build_store`` again with the same
             arguments resumes it: batches already stored are skipped without computing their
             gradients, and the result is bit-identical to an uninterrupted build.
+        progress: A progress bar over examples: ``None`` (default) shows one on a terminal
+            once the build has run for 2 s, ``True`` always, ``False`` never.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -94,6 +98,8 @@ def build_store(
     resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
     seen = 0
     first_batch = True
+    bar = progress_bar(progress, total=_known_size(data), desc="build_store", unit="ex")
+    bar.update(resume_at)
     for batch in iter_batches(data):
         size = _batch_size(batch)
         seen += size
@@ -109,6 +115,8 @@ def build_store(
         rows = rows[:, max(0, resume_at - (seen - size)) :]
         _check_finite(rows, meta, first_row=writer.rows_written)
         writer.append(rows, rows.norm(dim=-1))
+        bar.update(rows.shape[1])
+    bar.close()
     _check_resumed(writer, seen)
     if writer.rows_written == 0:
         raise EmptyDataError(
@@ -116,6 +124,17 @@ def build_store(
             "batches (a tensor, a tuple/dict of tensors, a list of those, or a DataLoader)."
         )
     return writer.finish()
+
+
+def _known_size(data: Batch | Iterable[Batch]) -> int | None:
+    """Examples in ``data`` when that is cheap to know (one batch or a list of them)."""
+    if isinstance(data, Tensor | tuple | Mapping):
+        leaves = tree_leaves(data)
+        return leaves[0].shape[0] if leaves and isinstance(leaves[0], Tensor) else None
+    if isinstance(data, list):
+        sizes = [_known_size(batch) for batch in data]
+        return None if None in sizes else sum(sizes)
+    return None  # a DataLoader or generator: the bar counts without a total
 
 
 def _check_resumed(writer: StoreWriter, seen: int) -> None:

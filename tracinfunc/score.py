@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
+from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store._stream import compute_threads, stream_rows
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
@@ -43,6 +44,7 @@ def score(
     normalize: bool = False,
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
+    progress: ProgressArg = None,
 ) -> Tensor:
     """TracIn scores: ``sum over checkpoints c of lr_c * <test_c, train_c>``.
 
@@ -56,6 +58,8 @@ def score(
         device: Where to compute. Default: the test tensor's accelerator, else CUDA when
             available, else CPU.
         chunk_rows: Training rows per streamed chunk (default: sized to ~64 MiB).
+        progress: A progress bar over training rows: ``None`` (default) shows one on a
+            terminal once scoring has run for 2 s, ``True`` always, ``False`` never.
 
     Returns:
         Scores ``[n_test, n_train]``, float32 (float64 for float64 gradients), on ``device``.
@@ -74,7 +78,7 @@ def score(
     # Blocks are written straight into the output: no per-chunk allocation or copy.
     out = torch.empty(n_test, meta.n_train, dtype=dtype, device=device)
     for _ in score_chunks(store, test_grads, normalize=normalize, device=device,
-                          chunk_rows=chunk_rows, out=out):
+                          chunk_rows=chunk_rows, out=out, progress=progress):
         pass
     return out
 
@@ -88,6 +92,7 @@ def top_k(
     normalize: bool = False,
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
+    progress: ProgressArg = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -95,7 +100,7 @@ def top_k(
     top-k of ``[n_test, k]``.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows: As in :func:`score`.
+        store, test_grads, normalize, device, chunk_rows, progress: As in :func:`score`.
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
@@ -111,7 +116,8 @@ def top_k(
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     for start, block in score_chunks(
-        store, test_grads, normalize=normalize, device=device, chunk_rows=chunk_rows
+        store, test_grads, normalize=normalize, device=device, chunk_rows=chunk_rows,
+        progress=progress,
     ):
         take = min(k, block.shape[1])
         values, indices = block.topk(take, dim=1, largest=largest, sorted=False)
@@ -155,6 +161,7 @@ def score_chunks(
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
     out: Tensor | None = None,
+    progress: ProgressArg = None,
 ) -> Iterator[tuple[int, Tensor]]:
     """Stream TracIn scores chunk by chunk: the loop under :func:`score` and :func:`top_k`.
 
@@ -166,7 +173,7 @@ def score_chunks(
     over checkpoints); otherwise rows are upcast to float32 first.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows: As in :func:`score`.
+        store, test_grads, normalize, device, chunk_rows, progress: As in :func:`score`.
         out: Optional ``[n_test, n_train]`` tensor (float32, float64 for float64 gradients,
             on ``device``); blocks are then written into it (``block`` is a view of
             ``out[:, start:start + rows]``) instead of being allocated per chunk.
@@ -205,6 +212,7 @@ def score_chunks(
     _check_out(out, (test.shape[1], meta.n_train), dtype, device)
     threads = compute_threads(store, device)
     block = torch.empty(0)
+    bar = progress_bar(progress, total=meta.n_train, desc="score", unit="row")
     for (ckpt, start, stop), rows in stream_rows(store, pieces, device=device,
                                                   max_rows=rows_per_chunk):
         if ckpt == 0:
@@ -215,7 +223,9 @@ def score_chunks(
             train = rows if upcast is None else upcast[: stop - start].copy_(rows)
             _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
+            bar.update(stop - start)
             yield start, block
+    bar.close()
 
 
 def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None, *,

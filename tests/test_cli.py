@@ -1,0 +1,191 @@
+"""The command line end to end, in subprocesses, on a tiny spec."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tracinfunc as tif
+from tracinfunc.cli import main
+from tracinfunc.spec import load_spec
+
+SPEC = str(Path(__file__).resolve().parent / "data" / "tiny_spec.py")
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The real command, end to end, in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "tracinfunc", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+def cli_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``tracinfunc.cli.main`` in this process (no torch import per call) for error paths."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+def _tiny_spec() -> tif.Spec:
+    return load_spec(f"{SPEC}:make")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    result = cli("build", "--spec", f"{SPEC}:make", "--out", "grads.zarr",
+                 "--projection", "rademacher:32:7", "--batch-size", "10", "--quiet", cwd=root)
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def test_build_writes_a_store_the_api_reopens(built):
+    store = tif.GradientStore.open(str(built / "grads.zarr"))
+    assert store.shape == (2, 24, 32)
+    assert store.projection == tif.Projection(dim=32, seed=7)
+    assert [c.name for c in store.meta.checkpoints] == ["start", "later"]
+
+
+def test_info_describes_and_verifies(built):
+    result = cli("info", "grads.zarr", "--verify", cwd=built)
+    assert result.returncode == 0, result.stderr
+    assert "n_ckpt=2 n_train=24 k=32" in result.stdout
+    assert "complete    True" in result.stdout and "matched its checksum" in result.stdout
+
+
+def test_score_top_k_json_matches_the_api(built):
+    result = cli("score", "grads.zarr", "--spec", f"{SPEC}:make", "--top-k", "3",
+                 "--output", "top.json", cwd=built)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((built / "top.json").read_text())
+    spec = _tiny_spec()
+    store = tif.GradientStore.open(str(built / "grads.zarr"))
+    test = tif.build_store(spec.loss, spec.checkpoints, spec.test["test"],
+                           projection=store.projection)
+    values, indices = tif.top_k(store, test, k=3)
+    assert saved["indices"] == indices.tolist()
+    np.testing.assert_allclose(saved["values"], values.numpy(), rtol=1e-6)
+
+
+def test_score_full_matrix_csv_and_self_influence_npy(built):
+    assert cli("score", "grads.zarr", "--spec", f"{SPEC}:make", "--normalize",
+               "--output", "scores.csv", cwd=built).returncode == 0
+    rows = list(csv.reader((built / "scores.csv").open()))
+    assert rows[0][:2] == ["test_index", "train_0"] and len(rows) == 1 + 6 and len(rows[1]) == 25
+    assert all(-2 <= float(v) <= 2 for row in rows[1:] for v in row[1:])  # sum of 2 lr*cosines
+    result = cli("self-influence", "grads.zarr", "--output", "si.npy", cwd=built)
+    assert result.returncode == 0, result.stderr
+    store = tif.GradientStore.open(str(built / "grads.zarr"))
+    np.testing.assert_allclose(np.load(built / "si.npy"), tif.self_influence(store).numpy())
+
+
+def test_missing_spec_function_is_one_clear_line(built):
+    result = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:nope", "--output", "x.json",
+                      cwd=built)
+    assert result.returncode == 1
+    assert result.stderr.startswith("tracinfunc: error: --spec:")
+    assert "no function 'nope'" in result.stderr and "make" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    wrong = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:not_a_spec", "--output",
+                     "x.json", cwd=built)
+    assert wrong.returncode == 1 and "returned int" in wrong.stderr
+
+
+def test_wrong_store_path_is_reported(built):
+    result = cli_here("info", "missing.zarr", cwd=built)
+    assert result.returncode == 1 and "missing.zarr" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_store_with_another_projection_is_refused(built):
+    other = cli("build", "--spec", f"{SPEC}:make", "--out", "other.zarr",
+                "--projection", "rademacher:32:8", "--quiet", cwd=built)
+    assert other.returncode == 0, other.stderr
+    result = cli("score", "grads.zarr", "--test-store", "other.zarr", "--output", "s.json",
+                 cwd=built)
+    assert result.returncode == 1
+    assert "seed=8" in result.stderr and "projection=store.projection" in result.stderr
+
+
+def test_unwritable_output_directory_is_reported(built):
+    # /proc refuses new files even to root, unlike a chmod-ed directory.
+    result = cli_here("self-influence", "grads.zarr", "--output", "/proc/si.json", cwd=built)
+    assert result.returncode == 1 and "not writable" in result.stderr
+
+
+def test_missing_output_directory_and_existing_output_are_reported(built, tmp_path):
+    result = cli_here("self-influence", "grads.zarr", "--output", str(tmp_path / "no" / "si.json"),
+                 cwd=built)
+    assert result.returncode == 1 and "does not exist" in result.stderr
+    (built / "taken.json").write_text("keep me")
+    result = cli_here("self-influence", "grads.zarr", "--output", "taken.json", cwd=built)
+    assert result.returncode == 1 and "--overwrite" in result.stderr
+    assert (built / "taken.json").read_text() == "keep me"
+
+
+def test_existing_store_is_never_overwritten_by_build(built):
+    before = tif.GradientStore.open(str(built / "grads.zarr")).read_rows(0, 0, 24)
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "grads.zarr", cwd=built)
+    assert result.returncode == 1 and "--resume" in result.stderr
+    after = tif.GradientStore.open(str(built / "grads.zarr")).read_rows(0, 0, 24)
+    assert torch.equal(before, after)
+
+
+def test_usage_errors_exit_2(built):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr",
+                      "--projection", "bogus:1", cwd=built)
+    assert result.returncode == 2 and "kind must be one of" in result.stderr
+
+
+def test_build_and_score_from_state_dict_files_with_learning_rates(built):
+    spec = _tiny_spec()
+    for checkpoint, name in zip(spec.checkpoints, ("a.pt", "b.pt"), strict=True):
+        torch.save(dict(checkpoint.params), built / name)
+    files = ["--checkpoints", "a.pt@0.1", "b.pt@0.05"]
+    result = cli("build", "--spec", f"{SPEC}:make", *files, "--out", "files.zarr",
+                 "--projection", "sjlt:64:3:2", cwd=built)
+    assert result.returncode == 0, result.stderr
+    from_files = tif.GradientStore.open(str(built / "files.zarr"))
+    assert [(c.name, c.lr) for c in from_files.meta.checkpoints] == [("a", 0.1), ("b", 0.05)]
+    expected = tif.build_store(spec.loss, spec.checkpoints, spec.train,
+                               projection=tif.Projection(dim=64, seed=3, kind="sjlt", nnz=2))
+    for c in range(2):
+        assert torch.equal(from_files.read_rows(c, 0, 24), expected.read_rows(c, 0, 24))
+    scored = cli("score", "files.zarr", "--spec", f"{SPEC}:make", *files, "--output", "f.npy",
+                 cwd=built)
+    assert scored.returncode == 0, scored.stderr
+    test = tif.build_store(spec.loss, spec.checkpoints, spec.test["test"],
+                           projection=from_files.projection)
+    np.testing.assert_allclose(np.load(built / "f.npy"), tif.score(expected, test).numpy(),
+                               rtol=1e-6)
+
+
+def test_progress_is_silent_when_stderr_is_not_a_terminal(built):
+    result = cli("build", "--spec", f"{SPEC}:make", "--out", "piped.zarr", cwd=built)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("wrote ")
+
+
+def test_resume_of_a_finished_store_says_it_is_complete(built):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "grads.zarr", "--resume",
+                 "--projection", "rademacher:32:7", cwd=built)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "grads.zarr" in result.stderr

@@ -1,0 +1,241 @@
+"""The ``tracinfunc`` command: argument parsing only, every action is the public API.
+
+    tracinfunc build --spec exp.py:make --out grads.zarr [--projection rademacher:512:0] ...
+    tracinfunc score grads.zarr --spec exp.py:make --test test --top-k 10 --output top.json
+    tracinfunc self-influence grads.zarr --output si.csv
+    tracinfunc info grads.zarr [--verify]
+
+Errors print one line (``tracinfunc: error: ...``) and exit with status 1 (2 for usage
+errors); ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import tracinfunc as tif
+from tracinfunc.results import check_output_path, write_results
+from tracinfunc.spec import Spec, SpecError, load_spec, rebatch
+
+__all__ = ["main"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("tracinfunc: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            raise
+        print(f"tracinfunc: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if isinstance(error, tif.TracInFuncError | OSError) else (
+        f"{type(error).__name__}: {text}"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tracinfunc", description="TracIn training-data attribution on torch.func."
+    )
+    parser.add_argument("--version", action="version", version=f"tracinfunc {tif.__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+    common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    build = commands.add_parser("build", parents=[common], help="compute a gradient store")
+    build.add_argument("--spec", required=True, help="file.py:function or module:function")
+    build.add_argument("--out", required=True, type=Path, help="store path, e.g. grads.zarr")
+    build.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
+                       help="state-dict files (need Spec.model); default: the spec's")
+    build.add_argument("--batch-size", type=int, help="split the spec's batches to this size")
+    build.add_argument("--projection", default="rademacher:512:0", type=_projection,
+                       help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
+    build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    build.add_argument("--chunk-size", type=int, help="examples differentiated at once")
+    build.add_argument("--resume", action="store_true",
+                       help="continue an interrupted build at --out")
+    build.set_defaults(run=_build)
+
+    score = commands.add_parser("score", parents=[common], help="score test examples")
+    score.add_argument("store", type=Path)
+    score.add_argument("--spec", help="file.py:function or module:function")
+    score.add_argument("--test", default="test", help="name of the spec's test set")
+    score.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
+                       help="state-dict files the store was built from (as in build)")
+    score.add_argument("--test-store", type=Path,
+                       help="a store of test gradients instead of --spec/--test")
+    score.add_argument("--top-k", type=int, help="keep the k best training rows per test row")
+    score.add_argument("--opponents", action="store_true", help="with --top-k: lowest scores")
+    score.add_argument("--normalize", action="store_true", help="cosine TracIn")
+    score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
+    score.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    score.set_defaults(run=_score)
+
+    self_influence = commands.add_parser(
+        "self-influence", parents=[common], help="self-influence of every training row"
+    )
+    self_influence.add_argument("store", type=Path)
+    self_influence.add_argument("--output", required=True, type=Path)
+    self_influence.add_argument("--overwrite", action="store_true")
+    self_influence.set_defaults(run=_self_influence)
+
+    info = commands.add_parser("info", parents=[common], help="describe a gradient store")
+    info.add_argument("store", type=Path)
+    info.add_argument("--verify", action="store_true", help="read every chunk, check checksums")
+    info.set_defaults(run=_info)
+    return parser
+
+
+def _projection(text: str) -> tif.Projection:
+    kind, *numbers = text.split(":")
+    try:
+        values = [int(n) for n in numbers]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected KIND[:DIM[:SEED[:NNZ]]] with integers, got {text!r}"
+        ) from None
+    if kind == "identity":
+        return tif.Projection(kind="identity", seed=values[1] if len(values) > 1 else 0)
+    fields = dict(zip(("dim", "seed", "nnz"), values, strict=False))
+    try:
+        return tif.Projection(kind=kind, **{"dim": 512, **fields})
+    except tif.InvalidProjectionError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[tif.Checkpoint]:
+    if not files:
+        if not spec.checkpoints:
+            raise SpecError("build: the spec has no checkpoints; return some or pass "
+                            "--checkpoints FILE[@LR] ...")
+        return list(spec.checkpoints)
+    if spec.model is None:
+        raise SpecError("build: --checkpoints needs the spec to return its model (Spec.model).")
+    checkpoints = []
+    for item in files:
+        path, _, lr = item.partition("@")
+        checkpoints.append(
+            tif.Checkpoint.load(path, spec.model, lr=float(lr or 1.0), name=Path(path).stem)
+        )
+    return checkpoints
+
+
+def _build(args: argparse.Namespace) -> int:
+    if args.out.exists() and not args.resume:
+        raise FileExistsError(
+            f"build: {str(args.out)!r} exists; pass --resume to continue an interrupted build, "
+            "or choose another --out."
+        )
+    if args.resume and _is_finished_store(args.out):
+        raise tif.StoreExistsError(
+            f"build: {str(args.out)!r} is a finished store, there is nothing to resume; "
+            f"inspect it with 'tracinfunc info {args.out}' or choose another --out."
+        )
+    spec = load_spec(args.spec)
+    checkpoints = _checkpoints(spec, args.checkpoints)
+    data = rebatch(spec.train, args.batch_size) if args.batch_size else spec.train
+    store = tif.build_store(
+        spec.loss, checkpoints, data, projection=args.projection, dtype=_DTYPES[args.dtype],
+        chunk_size=args.chunk_size, store=str(args.out), progress=_progress(args),
+    )
+    print(f"wrote {store}")
+    return 0
+
+
+def _progress(args: argparse.Namespace) -> bool | None:
+    return False if args.quiet else None  # None: bars on a terminal only
+
+
+def _is_finished_store(path: Path) -> bool:
+    if not path.exists():
+        return False
+    try:
+        return tif.GradientStore.open(str(path)).meta.complete
+    except tif.IncompleteStoreError:
+        return False
+
+
+def _score(args: argparse.Namespace) -> int:
+    check_output_path(args.output, overwrite=args.overwrite, caller="score")
+    store = tif.GradientStore.open(str(args.store))
+    test = _test_gradients(args, store)
+    if args.top_k:
+        values, indices = tif.top_k(store, test, k=args.top_k, largest=not args.opponents,
+                                    normalize=args.normalize, progress=_progress(args))
+        write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
+    else:
+        scores = tif.score(store, test, normalize=args.normalize, progress=_progress(args))
+        write_results(args.output, {"scores": scores}, columns="matrix")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.GradientStore:
+    if args.test_store is not None:
+        return tif.GradientStore.open(str(args.test_store))
+    if args.spec is None:
+        raise SpecError("score: pass --spec (with --test NAME) or --test-store PATH.")
+    spec = load_spec(args.spec)
+    if not spec.test or args.test not in spec.test:
+        raise SpecError(f"score: the spec has no test set {args.test!r}; it has "
+                        f"{sorted(spec.test or {})}.")
+    checkpoints = _checkpoints(spec, args.checkpoints)
+    return tif.build_store(spec.loss, checkpoints, spec.test[args.test],
+                           projection=store.projection, progress=_progress(args))
+
+
+def _self_influence(args: argparse.Namespace) -> int:
+    check_output_path(args.output, overwrite=args.overwrite, caller="self-influence")
+    store = tif.GradientStore.open(str(args.store))
+    write_results(args.output, {"self_influence": tif.self_influence(store)}, columns="vector")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    store = tif.GradientStore.open(str(args.store))
+    meta = store.meta
+    size = sum(f.stat().st_size for f in args.store.rglob("*") if f.is_file())
+    print(f"store       {args.store}  ({size / 2**20:.1f} MiB on disk)")
+    print(f"shape       n_ckpt={meta.n_ckpt} n_train={meta.n_train} k={meta.k} {meta.dtype}")
+    print(f"complete    {meta.complete}")
+    print(f"projection  {meta.projection}")
+    for c in meta.checkpoints:
+        print(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}")
+    print(f"parameters  {len(meta.layout)} tensors, p={sum(_numel(s) for _, s in meta.layout)}")
+    print(f"written by  tracinfunc {meta.library_version} (format {meta.format_version})")
+    if args.verify:
+        for ckpt in range(meta.n_ckpt):
+            for start in range(0, meta.n_train, 65536):
+                store.read_rows(ckpt, start, min(meta.n_train, start + 65536))
+        print("verify      every chunk read back and matched its checksum")
+    return 0
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Writing score results to .json, .csv, .npy or .zarr, atomically and without clobbering."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from torch import Tensor
+
+__all__ = ["RESULT_SUFFIXES", "check_output_path", "write_results"]
+
+RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
+
+
+def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
+    """Fail before any work if ``path`` has an unknown suffix, exists, or cannot be written."""
+    if path.suffix not in RESULT_SUFFIXES:
+        raise ValueError(
+            f"{caller}: output {str(path)!r} must end in one of {', '.join(RESULT_SUFFIXES)}."
+        )
+    if path.exists() and not overwrite:
+        raise FileExistsError(
+            f"{caller}: output {str(path)!r} exists; choose another path or pass --overwrite."
+        )
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{caller}: output directory {str(parent)!r} does not exist.")
+    try:  # os.access says yes to root everywhere; only creating a file tells the truth
+        probe, probe_path = tempfile.mkstemp(prefix=f".{path.name}.probe.", dir=parent)
+    except OSError as error:
+        raise PermissionError(
+            f"{caller}: output directory {str(parent)!r} is not writable ({error.strerror})."
+        ) from error
+    os.close(probe)
+    os.unlink(probe_path)
+
+
+def write_results(path: Path, arrays: dict[str, Tensor], *, columns: str) -> None:
+    """Write named arrays. ``columns`` says how to flatten to CSV: "matrix", "top_k" or "vector".
+
+    Writes to a temporary sibling first and renames, so a failure never leaves half a file
+    and an existing file is replaced only by a complete one.
+    """
+    numpy_arrays = {name: value.detach().cpu().numpy() for name, value in arrays.items()}
+    writers: dict[str, Callable[[Path], None]] = {
+        ".json": lambda tmp: _write_json(tmp, numpy_arrays),
+        ".csv": lambda tmp: _write_csv(tmp, numpy_arrays, columns),
+        ".npy": lambda tmp: _write_npy(tmp, numpy_arrays),
+        ".zarr": lambda tmp: _write_zarr(tmp, numpy_arrays),
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.resolve().parent)) / path.name
+    try:
+        writers[path.suffix](tmp)
+        if path.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def _write_json(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    path.write_text(json.dumps({name: value.tolist() for name, value in arrays.items()}))
+
+
+def _write_npy(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    if len(arrays) != 1:
+        raise ValueError(
+            f"a .npy file holds one array but there are {sorted(arrays)}; use .json, .csv or "
+            ".zarr for top-k results."
+        )
+    with path.open("wb") as file:
+        np.save(file, next(iter(arrays.values())))
+
+
+def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    import zarr
+
+    group = zarr.open_group(str(path), mode="w-")
+    for name, value in arrays.items():
+        group.create_array(name, data=value)
+
+
+def _write_csv(path: Path, arrays: dict[str, np.ndarray], columns: str) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        if columns == "top_k":
+            writer.writerow(["test_index", "rank", "train_index", "score"])
+            values, indices = arrays["values"], arrays["indices"]
+            for i in range(values.shape[0]):
+                for rank in range(values.shape[1]):
+                    writer.writerow([i, rank, int(indices[i, rank]), float(values[i, rank])])
+        elif columns == "vector":
+            (name, vector), = arrays.items()
+            writer.writerow(["train_index", name])
+            writer.writerows([j, float(v)] for j, v in enumerate(vector))
+        else:
+            (matrix,) = arrays.values()
+            writer.writerow(["test_index"] + [f"train_{j}" for j in range(matrix.shape[1])])
+            writer.writerows([i, *map(float, row)] for i, row in enumerate(matrix))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tracinfunc as tif
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -46,3 +48,16 @@ def test_knowledge_graph_reports_per_triple_time():
     per_triple = re.search(r"([\d.]+) ms per test triple", text)
     assert per_triple, text
     assert text.count("proponents:") == 3
+
+
+def test_store_reuse_reopens_the_store_in_a_second_process(tmp_path):
+    text = _run("store_reuse.py", "--quick", "--workdir", str(tmp_path))
+    assert "[build process] wrote ZarrStore" in text
+    assert "[experiment process] reopened ZarrStore" in text
+    share = re.search(r"(\d+)% of their top-5 proponents carry the wrongly predicted label", text)
+    found = re.search(r"hold (\d+) of (\d+) flipped labels", text)
+    assert share and found, text
+    assert int(share.group(1)) > 50  # proponents of a mistake mostly carry the mistaken label
+    assert int(found.group(1)) / int(found.group(2)) > 0.5
+    store = tif.GradientStore.open(str(tmp_path / "grads.zarr"))
+    assert store.meta.complete and store.meta.n_train == 1500

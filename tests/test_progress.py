@@ -41,3 +41,13 @@ def test_automatic_progress_is_silent_off_a_terminal(tiny, capsys):
 def test_progress_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="progress must be True, False or None"):
         progress_bar("yes", total=1, desc="build_store", unit="ex")
+
+
+def test_conversions_report_progress_when_asked(tiny, capsys, tmp_path):
+    loss, checkpoints, (x, y) = tiny
+    store = tif.build_store(loss, checkpoints, (x, y), projection=tif.Projection(dim=8))
+    copy = tif.save_store(store, tmp_path / "s.zarr", progress=True)
+    assert "save_store" in capsys.readouterr().err
+    memory = tif.to_memory(copy, progress=False)
+    assert capsys.readouterr().err == ""
+    assert torch.equal(memory.read_rows(1, 0, len(x)), store.read_rows(1, 0, len(x)))

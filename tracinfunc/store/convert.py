@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore, norm_dtype
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter
@@ -21,36 +22,41 @@ __all__ = ["save_store", "to_memory", "to_pinned"]
 _PIECE_BYTES = 64 * 2**20
 
 
-def to_memory(store: GradientStore) -> MemoryStore:
-    """Copy ``store`` into ordinary CPU memory. Bit-exact; the result is independent of it."""
+def to_memory(store: GradientStore, *, progress: ProgressArg = None) -> MemoryStore:
+    """Copy ``store`` into ordinary CPU memory. Bit-exact; the result is independent of it.
+
+    ``progress``: a bar over rows (``None``: on a terminal after 2 s; ``True``; ``False``).
+    """
     meta = store.meta
     rows = torch.empty(meta.n_ckpt, meta.n_train, meta.k, dtype=meta.torch_dtype)
     norms = torch.empty(meta.n_ckpt, meta.n_train, dtype=norm_dtype(meta))
+    bar = progress_bar(progress, total=meta.n_ckpt * meta.n_train, desc="to_memory", unit="row")
     for ckpt, start, stop in _pieces(store):
         store.read_rows(ckpt, start, stop, out=rows[ckpt, start:stop])
         norms[ckpt, start:stop] = store.read_norms(ckpt, start, stop)
+        bar.update(stop - start)
+    bar.close()
     return MemoryStore._from_owned(meta.replace(complete=True), rows, norms)
 
 
-def to_pinned(store: GradientStore) -> PinnedStore:
-    """Copy ``store`` into page-locked host memory (ordinary memory without CUDA)."""
+def to_pinned(store: GradientStore, *, progress: ProgressArg = None) -> PinnedStore:
+    """Copy ``store`` into page-locked host memory (ordinary memory without CUDA).
+
+    ``progress``: as in :func:`to_memory`.
+    """
     meta = store.meta
     writer = PinnedWriter(meta.replace(n_train=0, complete=False), n_train=meta.n_train)
-    step = _piece_rows(meta)
-    for start in range(0, meta.n_train, step):
-        stop = min(start + step, meta.n_train)
-        rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
-        norms = torch.stack([store.read_norms(c, start, stop) for c in range(meta.n_ckpt)])
-        writer.append(rows, norms)
-    return writer.finish()
+    return _copy_rows(store, writer, progress=progress, desc="to_pinned")
 
 
-def save_store(store: GradientStore, path: str | os.PathLike[str], **options: Any) -> ZarrStore:
+def save_store(store: GradientStore, path: str | os.PathLike[str], *,
+               progress: ProgressArg = None, **options: Any) -> ZarrStore:
     """Write any store to a new Zarr directory and return it reopened read-only.
 
     Args:
         store: The store to copy (memory, pinned, another Zarr store, a user's).
         path: Directory to create; an existing finished store there is refused.
+        progress: As in :func:`to_memory`.
         **options: Passed to :class:`~tracinfunc.store.zarr.ZarrWriter` (``chunk_rows``,
             ``shard_rows``, ``compression``, ``overwrite``).
     """
@@ -61,12 +67,21 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], **options: An
             f"save_store: {str(path)!r} holds an incomplete store; save_store writes new "
             "stores only. Delete it or choose another path."
         )
+    return _copy_rows(store, writer, progress=progress, desc="save_store")
+
+
+def _copy_rows(store: GradientStore, writer: Any, *, progress: ProgressArg, desc: str) -> Any:
+    """Append every row of ``store`` (all checkpoints at once, in bounded pieces) to ``writer``."""
+    meta = store.meta
     step = _piece_rows(meta)
+    bar = progress_bar(progress, total=meta.n_train, desc=desc, unit="row")
     for start in range(0, meta.n_train, step):
         stop = min(start + step, meta.n_train)
         rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
         norms = torch.stack([store.read_norms(c, start, stop) for c in range(meta.n_ckpt)])
         writer.append(rows, norms)
+        bar.update(stop - start)
+    bar.close()
     return writer.finish()
 
 

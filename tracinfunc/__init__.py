@@ -7,20 +7,28 @@ TracIn scores a training example's influence on a test prediction as
 from tracinfunc._version import __version__
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
+from tracinfunc.chunking import chunk_size_for_budget
 from tracinfunc.errors import (
     EmptyDataError,
     IncompatibleGradientsError,
     InvalidProjectionError,
     LossFunctionError,
+    MemoryBudgetError,
     NonFiniteGradientError,
+    ParameterSelectionError,
     ReadOnlyStoreError,
+    StageMismatchError,
     TracInFuncError,
     TrainModeError,
+    UnsupportedPrecisionError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.loss import loss_from_module
+from tracinfunc.precision import autocast_supported
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.selection import last_layers, select_params
+from tracinfunc.stages import Stage, Stages, model_stages
 from tracinfunc.store import CheckpointMeta, GradientStore, MemoryStore, MemoryWriter, StoreMeta
 
 __all__ = [
@@ -31,25 +39,36 @@ __all__ = [
     "IncompatibleGradientsError",
     "InvalidProjectionError",
     "LossFunctionError",
+    "MemoryBudgetError",
     "MemoryStore",
     "MemoryWriter",
     "NonFiniteGradientError",
+    "ParameterSelectionError",
     "Projection",
     "ReadOnlyStoreError",
+    "Stage",
+    "StageMismatchError",
+    "Stages",
     "StoreMeta",
     "TracInFuncError",
     "TrainModeError",
+    "UnsupportedPrecisionError",
     "__version__",
+    "autocast_supported",
     "build_store",
     "canonical_layout",
+    "chunk_size_for_budget",
     "iter_batches",
+    "last_layers",
     "loss_from_module",
     "make_projector",
+    "model_stages",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
     "score",
     "score_chunks",
+    "select_params",
     "self_influence",
     "top_k",
 ]

@@ -22,6 +22,8 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads import explain_loss_error, projected_grads
 from tracinfunc.projection import Layout, Projection, canonical_layout
+from tracinfunc.selection import Selection, selected_names
+from tracinfunc.stages import Stages
 from tracinfunc.store.memory import MemoryStore, MemoryWriter
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.types import Batch, LossFn, Params
@@ -39,6 +41,11 @@ def build_store(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     dataset_fingerprint: str | None = None,
+    select: Selection | None = None,
+    mixed_precision: torch.dtype | None = None,
+    stages: Stages | None = None,
+    offload: bool = False,
+    memory_budget: int | None = None,
 ) -> MemoryStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -57,6 +64,10 @@ def build_store(
             checks; needs float64 params). Norms are taken before the cast.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
+        select, mixed_precision, stages, offload, memory_budget: The memory and speed
+            options of :func:`~tracinfunc.grads.projected_grads`, passed through. With
+            ``select``, the store's layout (and projection) covers only the selected
+            parameters; test gradients must use the same selection.
 
     Returns:
         A read-only :class:`~tracinfunc.store.MemoryStore` of ``[n_ckpt, n_train, k]`` rows.
@@ -73,11 +84,14 @@ def build_store(
             "build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
-    layout = canonical_layout(checkpoints[0].params)
+    names = selected_names(checkpoints[0].params, select, caller="build_store")
+    layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = _initial_meta(checkpoints, layout, projection, dtype, dataset_fingerprint)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    grads_fn = projected_grads(loss, projection, chunk_size=chunk_size)
+    grads_fn = projected_grads(
+        loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget)
     writer = MemoryWriter(meta)
     first_batch = True
     for batch in iter_batches(data):

@@ -13,10 +13,14 @@ __all__ = [
     "IncompatibleGradientsError",
     "InvalidProjectionError",
     "LossFunctionError",
+    "MemoryBudgetError",
     "NonFiniteGradientError",
+    "ParameterSelectionError",
     "ReadOnlyStoreError",
+    "StageMismatchError",
     "TracInFuncError",
     "TrainModeError",
+    "UnsupportedPrecisionError",
 ]
 
 
@@ -50,3 +54,19 @@ class TrainModeError(TracInFuncError, RuntimeError):
 
 class ReadOnlyStoreError(TracInFuncError, PermissionError):
     """An attempt was made to modify a finished, read-only gradient store."""
+
+
+class ParameterSelectionError(TracInFuncError, ValueError):
+    """A parameter selection matches no parameter, or names parameters the model lacks."""
+
+
+class UnsupportedPrecisionError(TracInFuncError, ValueError):
+    """Mixed precision was asked in a dtype that autocast does not support on the device."""
+
+
+class StageMismatchError(TracInFuncError, ValueError):
+    """A list of stages does not reproduce the model's output (or its loss)."""
+
+
+class MemoryBudgetError(TracInFuncError, ValueError):
+    """A memory budget cannot hold even one example's gradient."""

@@ -7,6 +7,7 @@ TracIn scores a training example's influence on a test prediction as
 from tracinfunc._version import __version__
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
+from tracinfunc.chunking import chunk_size_for_budget
 from tracinfunc.errors import (
     CorruptStoreError,
     EmptyDataError,
@@ -14,17 +15,24 @@ from tracinfunc.errors import (
     IncompleteStoreError,
     InvalidProjectionError,
     LossFunctionError,
+    MemoryBudgetError,
     NonFiniteGradientError,
+    ParameterSelectionError,
     ReadOnlyStoreError,
+    StageMismatchError,
     StoreExistsError,
     TracInFuncError,
     TrainModeError,
+    UnsupportedPrecisionError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.loss import loss_from_module
+from tracinfunc.precision import autocast_supported
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.selection import last_layers, select_params
 from tracinfunc.spec import Spec
+from tracinfunc.stages import Stage, Stages, model_stages
 from tracinfunc.store import (
     CheckpointMeta,
     GradientStore,
@@ -51,33 +59,44 @@ __all__ = [
     "IncompleteStoreError",
     "InvalidProjectionError",
     "LossFunctionError",
+    "MemoryBudgetError",
     "MemoryStore",
     "MemoryWriter",
     "NonFiniteGradientError",
+    "ParameterSelectionError",
     "PinnedStore",
     "PinnedWriter",
     "Projection",
     "ReadOnlyStoreError",
     "Spec",
+    "Stage",
+    "StageMismatchError",
+    "Stages",
     "StoreExistsError",
     "StoreMeta",
     "StoreWriter",
     "TracInFuncError",
     "TrainModeError",
+    "UnsupportedPrecisionError",
     "ZarrStore",
     "ZarrWriter",
     "__version__",
+    "autocast_supported",
     "build_store",
     "canonical_layout",
+    "chunk_size_for_budget",
     "iter_batches",
+    "last_layers",
     "loss_from_module",
     "make_projector",
+    "model_stages",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
     "save_store",
     "score",
     "score_chunks",
+    "select_params",
     "self_influence",
     "to_memory",
     "to_pinned",

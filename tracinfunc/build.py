@@ -23,6 +23,8 @@ from tracinfunc.errors import (
 from tracinfunc.grads import explain_loss_error, projected_grads
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection import Layout, Projection, canonical_layout
+from tracinfunc.selection import Selection, selected_names
+from tracinfunc.stages import Stages
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.writer import StoreTarget, StoreWriter, make_writer
@@ -41,6 +43,11 @@ def build_store(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     dataset_fingerprint: str | None = None,
+    select: Selection | None = None,
+    mixed_precision: torch.dtype | None = None,
+    stages: Stages | None = None,
+    offload: bool = False,
+    memory_budget: int | None = None,
     store: StoreTarget = None,
     progress: ProgressArg = None,
 ) -> GradientStore:
@@ -61,6 +68,10 @@ def build_store(
             checks; needs float64 params). Norms are taken before the cast.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
+        select, mixed_precision, stages, offload, memory_budget: The memory and speed
+            options of :func:`~tracinfunc.grads.projected_grads`, passed through. With
+            ``select``, the store's layout (and projection) covers only the selected
+            parameters; test gradients must use the same selection.
         store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
             ``tif.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
             Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
@@ -89,11 +100,14 @@ def build_store(
             "build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
-    layout = canonical_layout(checkpoints[0].params)
+    names = selected_names(checkpoints[0].params, select, caller="build_store")
+    layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = _initial_meta(checkpoints, layout, projection, dtype, dataset_fingerprint)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    grads_fn = projected_grads(loss, projection, chunk_size=chunk_size)
+    grads_fn = projected_grads(
+        loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget)
     writer = make_writer(store, meta)
     resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
     seen = 0

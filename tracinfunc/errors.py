@@ -15,11 +15,15 @@ __all__ = [
     "IncompleteStoreError",
     "InvalidProjectionError",
     "LossFunctionError",
+    "MemoryBudgetError",
     "NonFiniteGradientError",
+    "ParameterSelectionError",
     "ReadOnlyStoreError",
+    "StageMismatchError",
     "StoreExistsError",
     "TracInFuncError",
     "TrainModeError",
+    "UnsupportedPrecisionError",
 ]
 
 
@@ -65,3 +69,19 @@ class IncompleteStoreError(TracInFuncError, RuntimeError):
 
 class CorruptStoreError(TracInFuncError, OSError):
     """Stored bytes fail their checksum or are missing: the store is damaged on disk."""
+
+
+class ParameterSelectionError(TracInFuncError, ValueError):
+    """A parameter selection matches no parameter, or names parameters the model lacks."""
+
+
+class UnsupportedPrecisionError(TracInFuncError, ValueError):
+    """Mixed precision was asked in a dtype that autocast does not support on the device."""
+
+
+class StageMismatchError(TracInFuncError, ValueError):
+    """A list of stages does not reproduce the model's output (or its loss)."""
+
+
+class MemoryBudgetError(TracInFuncError, ValueError):
+    """A memory budget cannot hold even one example's gradient."""

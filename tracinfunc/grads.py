@@ -3,24 +3,48 @@
 Both transforms return functions, like ``torch.func``: build them once, call them on any
 ``(params, batch)``. Projection happens *inside* the vmapped function, so with ``chunk_size``
 only ``chunk_size`` full per-example gradients exist at any moment, never ``b`` of them.
+
+The memory and speed options compose freely and never change what is computed beyond float
+rounding (mixed precision aside, which is an approximation):
+
+- ``select``: differentiate only some parameters (:mod:`tracinfunc.selection`);
+- ``mixed_precision``: forward under autocast (:mod:`tracinfunc.precision`);
+- ``stages`` / ``offload``: functional checkpointing, activation offloading and a batched,
+  autograd-free frozen prefix (:mod:`tracinfunc.checkpointing`);
+- ``memory_budget``: ``chunk_size`` chosen from a byte budget (:mod:`tracinfunc.chunking`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
+from tracinfunc.checkpointing import largest_stage_size, stage_selection, staged_grads
+from tracinfunc.chunking import check_memory_budget, chunk_size_for_budget
 from tracinfunc.errors import LossFunctionError, TrainModeError
+from tracinfunc.precision import check_mixed_precision, with_mixed_precision
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
+from tracinfunc.selection import Selection, check_select, selected_names
+from tracinfunc.stages import Stages, check_stages
 from tracinfunc.types import Batch, Example, LossFn, Params
 
 __all__ = ["per_sample_grads", "projected_grads"]
 
 
 def per_sample_grads(
-    loss: LossFn, *, chunk_size: int | None = None
+    loss: LossFn,
+    *,
+    chunk_size: int | None = None,
+    select: Selection | None = None,
+    mixed_precision: torch.dtype | None = None,
+    stages: Stages | None = None,
+    offload: bool = False,
+    memory_budget: int | None = None,
 ) -> Callable[[Params, Batch], dict[str, Tensor]]:
     """Per-example gradients of ``loss`` with respect to ``params``: ``vmap(grad(loss))``.
 
@@ -28,25 +52,57 @@ def per_sample_grads(
         loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension.
         chunk_size: Examples differentiated at once inside vmap (``None``: the whole batch).
             Smaller values bound memory; results do not change.
+        select: Differentiate only these parameters (names, module names, glob patterns or
+            :func:`~tracinfunc.last_layers`); the others are constants.
+        mixed_precision: ``torch.bfloat16`` or ``torch.float16``: the forward runs under
+            autocast; gradients stay in the parameters' dtype.
+        stages: The model as :class:`~tracinfunc.Stages` (e.g. from
+            :func:`~tracinfunc.model_stages`): differentiate stage by stage, recomputing each
+            stage's forward (checkpointing); stages before the first selected parameter run
+            once per batch without autograd. Checked against ``loss`` on the first call.
+        offload: With ``stages``, keep stage-boundary activations in CPU memory (pinned, with
+            asynchronous copies on CUDA; already there on CPU).
+        memory_budget: Bytes for per-example gradients; chooses ``chunk_size``
+            (:func:`~tracinfunc.chunk_size_for_budget`). The output itself, ``b`` full
+            gradients, is not bounded by it: use :func:`projected_grads` for that.
 
     Returns:
-        ``fn(params, batch) -> {name: [b, *shape]}``, the gradient of each example's loss.
+        ``fn(params, batch) -> {name: [b, *shape]}`` for the selected parameters.
 
     Example:
         >>> psg = per_sample_grads(loss)
         >>> grads = psg(params, (x, y))   # {"fc.weight": [b, out, in], ...}
     """
-    _check_chunk_size(chunk_size, caller="per_sample_grads")
-    batched = vmap(grad(loss), in_dims=(None, 0), chunk_size=chunk_size)
+    options = _Options.make(chunk_size, select, mixed_precision, stages, offload,
+                            memory_budget, caller="per_sample_grads")
+    check_staged = _StagesCheck(loss, options.stages)
 
     def per_sample_grads_fn(params: Params, batch: Batch) -> dict[str, Tensor]:
-        return _call_loss_transform(batched, params, batch, caller="per_sample_grads")
+        names, per_stage, chunk = options.resolve(params, caller="per_sample_grads")
+        if per_stage is None:
+            return _plain_per_sample(loss, params, batch, names, chunk, options)
+        check_staged(params, batch, caller="per_sample_grads")
+        results = staged_grads(
+            options.stages, params, batch, per_stage=per_stage,
+            transform=lambda index, grads: grads, chunk_size=chunk,
+            mixed_precision=options.mixed_precision, offload=options.offload,
+            caller="per_sample_grads")
+        merged = {name: g for _, grads in results for name, g in grads.items()}
+        return {name: merged[name] for name in names}
 
     return per_sample_grads_fn
 
 
 def projected_grads(
-    loss: LossFn, projection: Projection, *, chunk_size: int | None = None
+    loss: LossFn,
+    projection: Projection,
+    *,
+    chunk_size: int | None = None,
+    select: Selection | None = None,
+    mixed_precision: torch.dtype | None = None,
+    stages: Stages | None = None,
+    offload: bool = False,
+    memory_budget: int | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -59,16 +115,163 @@ def projected_grads(
         projection: The projection spec (kind, dim, seed).
         chunk_size: Examples differentiated at once (``None``: the whole batch). Only this
             many full gradients are alive at once; results do not change.
+        select, mixed_precision, stages, offload: As for :func:`per_sample_grads`. The
+            projection covers only the selected parameters. With ``stages``, each stage's
+            gradients are projected as soon as they exist and then freed, so only one
+            stage's per-example gradients ever exist (the projection is linear, so the sum
+            over stages equals projecting the whole gradient).
+        memory_budget: Bytes for per-example gradients and their temporaries; chooses
+            ``chunk_size`` so the peak stays near the budget plus fixed costs.
 
     Returns:
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
+
+    Example:
+        >>> fn = projected_grads(loss, Projection(dim=512), stages=model_stages(model, ce),
+        ...                      mixed_precision=torch.bfloat16, memory_budget=2**30)
     """
     if not isinstance(projection, Projection):
         raise TypeError(
             "projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
-    _check_chunk_size(chunk_size, caller="projected_grads")
+    options = _Options.make(chunk_size, select, mixed_precision, stages, offload,
+                            memory_budget, caller="projected_grads")
+    projector_for = _projector_cache(projection)
+    check_staged = _StagesCheck(loss, options.stages)
+
+    def projected_grads_fn(params: Params, batch: Batch) -> Tensor:
+        names, per_stage, chunk = options.resolve(params, caller="projected_grads")
+        if per_stage is None:
+            project = projector_for({name: params[name] for name in names})
+            return _plain_projected(loss, project, params, batch, names, chunk, options)
+        check_staged(params, batch, caller="projected_grads")
+        return _staged_projected(projection, projector_for, params, batch, names, per_stage,
+                                 chunk, options)
+
+    return projected_grads_fn
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The validated memory and speed options shared by both transforms."""
+
+    chunk_size: int | None
+    select: Any
+    mixed_precision: torch.dtype | None
+    stages: Stages | None
+    offload: bool
+    memory_budget: int | None
+
+    @classmethod
+    def make(cls, chunk_size, select, mixed_precision, stages, offload, memory_budget, *,
+             caller: str) -> _Options:
+        _check_chunk_size(chunk_size, caller=caller)
+        check_memory_budget(memory_budget, chunk_size, caller=caller)
+        if stages is not None and not isinstance(stages, Stages):
+            raise TypeError(
+                f"{caller}: stages must be a tracinfunc.Stages, got {type(stages).__name__}; "
+                "build one with model_stages(model, criterion)."
+            )
+        if not isinstance(offload, bool):
+            raise TypeError(f"{caller}: offload must be True or False, got {offload!r}.")
+        if offload and stages is None:
+            raise ValueError(
+                f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
+                "stages=; pass stages=model_stages(model, criterion)."
+            )
+        return cls(chunk_size, check_select(select, caller=caller),
+                   check_mixed_precision(mixed_precision, caller=caller), stages, offload,
+                   memory_budget)
+
+    def resolve(self, params: Params, *, caller: str):
+        """``(selected names, per-stage names or None, chunk size)`` for these params."""
+        names = selected_names(params, self.select, caller=caller)
+        per_stage = None if self.stages is None else stage_selection(
+            self.stages, names, caller=caller)
+        chunk = self.chunk_size
+        if self.memory_budget is not None:
+            n_params = (largest_stage_size(per_stage, params) if per_stage is not None
+                        else sum(params[name].numel() for name in names))
+            itemsize = next(iter(params.values())).element_size()
+            chunk = chunk_size_for_budget(self.memory_budget, n_params, itemsize=itemsize,
+                                          caller=caller)
+        return names, per_stage, chunk
+
+
+class _StagesCheck:
+    """Checks once, on the first call, that the stages reproduce the model and its loss."""
+
+    def __init__(self, loss: LossFn, stages: Stages | None) -> None:
+        self._loss, self._stages, self._done = loss, stages, stages is None
+
+    def __call__(self, params: Params, batch: Batch, *, caller: str) -> None:
+        if not self._done:
+            check_stages(self._stages, self._loss, params, batch, caller=caller)
+            self._done = True
+
+
+def _split(params: Params, names: tuple[str, ...]) -> tuple[dict, dict]:
+    chosen = set(names)
+    return ({name: params[name] for name in names},
+            {name: value for name, value in params.items() if name not in chosen})
+
+
+def _selected_loss(loss: LossFn, params: Params, options: _Options, caller: str):
+    """``loss(selected, frozen, example)``, under autocast if asked."""
+
+    def selected_loss(selected: Params, frozen: Params, example: Example) -> Tensor:
+        return loss({**frozen, **selected}, example)
+
+    device = next(iter(params.values())).device
+    return with_mixed_precision(selected_loss, options.mixed_precision, device, caller=caller)
+
+
+def _plain_per_sample(loss, params, batch, names, chunk, options) -> dict[str, Tensor]:
+    selected, frozen = _split(params, names)
+    fn = _selected_loss(loss, params, options, "per_sample_grads")
+    batched = vmap(grad(fn), in_dims=(None, None, 0), chunk_size=chunk)
+    return _call_loss_transform(batched, selected, frozen, batch, caller="per_sample_grads")
+
+
+def _plain_projected(loss, project, params, batch, names, chunk, options) -> Tensor:
+    selected, frozen = _split(params, names)
+    grad_fn = grad(_selected_loss(loss, params, options, "projected_grads"))
+
+    def one_example(selected: Params, frozen: Params, example: Example) -> Tensor:
+        return project(grad_fn(selected, frozen, example))
+
+    batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
+    return _call_loss_transform(batched, selected, frozen, batch, caller="projected_grads")
+
+
+def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,
+                      options) -> Tensor:
+    if projection.kind == "identity":
+        # Identity keeps every entry in sorted-name order, across stages: place, then concat.
+        def transform(index: int, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {name: g.reshape(-1) for name, g in grads.items()}
+    else:
+        projectors = {i: projector_for({n: params[n] for n in stage_names})
+                      for i, stage_names in enumerate(per_stage) if stage_names}
+
+        def transform(index: int, grads: dict[str, Tensor]) -> Tensor:
+            return projectors[index](grads)  # this stage's share of P @ g, [k]
+
+    results = staged_grads(
+        options.stages, params, batch, per_stage=per_stage, transform=transform,
+        chunk_size=chunk, mixed_precision=options.mixed_precision, offload=options.offload,
+        caller="projected_grads")
+    if projection.kind == "identity":
+        flat = {name: g for _, part in results for name, g in part.items()}
+        return torch.cat([flat[name] for name in sorted(names)], dim=1)
+    total = results[0][1]
+    for _, part in results[1:]:
+        total = total + part
+    return total
+
+
+def _projector_cache(projection: Projection) -> Callable[[Params], Projector]:
     projectors: dict[tuple, Projector] = {}
 
     def projector_for(params: Params) -> Projector:
@@ -81,22 +284,13 @@ def projected_grads(
             )
         return projectors[key]
 
-    def projected_grads_fn(params: Params, batch: Batch) -> Tensor:
-        project = projector_for(params)
-
-        def one_example(params: Params, example: Example) -> Tensor:
-            return project(grad(loss)(params, example))
-
-        batched = vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)
-        return _call_loss_transform(batched, params, batch, caller="projected_grads")
-
-    return projected_grads_fn
+    return projector_for
 
 
-def _call_loss_transform(fn, params: Params, batch: Batch, *, caller: str):
+def _call_loss_transform(fn, *args: Any, caller: str):
     """Call a vmapped gradient function, turning torch.func's errors into actionable ones."""
     try:
-        return fn(dict(params), batch)
+        return fn(*args)
     except RuntimeError as error:
         clearer = explain_loss_error(error, caller=caller)
         if clearer is None:

@@ -1,0 +1,155 @@
+"""Per-example gradients stage by stage: functional gradient checkpointing under vmap.
+
+``torch.utils.checkpoint`` and ``save_on_cpu`` rely on saved-tensor hooks, which
+``torch.func.grad``/``vjp`` refuse. Here checkpointing is written with the transforms
+themselves, and the stage loop runs *outside* vmap, on ordinary batched tensors:
+
+1. forward the batch once without autograd, keeping only the input of every differentiated
+   stage (the stage boundaries; optionally offloaded, see :mod:`tracinfunc.offload`). Stages
+   before the first selected parameter (a frozen prefix) run here and are never revisited;
+2. per-example gradients of the criterion with respect to the model output;
+3. for each stage from the last: ``vmap`` over examples (with ``chunk_size``) of
+   ``torch.func.vjp`` of the stage, which recomputes the stage's forward for that example and
+   returns its parameter gradients and the gradient with respect to its input. The parameter
+   gradients go through ``transform`` (a projection) inside the vmap, so only one stage's
+   per-example gradients, for one chunk, exist at a time.
+
+Every boundary activation is dropped as soon as its stage is done, and nothing refers to
+activations after the call returns: no manual cleanup is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import grad, vjp, vmap
+from torch.utils._pytree import tree_map
+
+from tracinfunc.errors import ParameterSelectionError
+from tracinfunc.offload import ActivationStash
+from tracinfunc.precision import mixed_precision_context, with_mixed_precision
+from tracinfunc.stages import Stage, Stages, split_batch, stage_params
+from tracinfunc.types import Batch, Params
+
+__all__ = ["largest_stage_size", "stage_selection", "staged_grads"]
+
+StageTransform = Callable[[int, dict[str, Tensor]], Any]
+"""``transform(stage_index, {name: [*shape]}) -> pytree``, applied per example inside vmap."""
+
+
+def stage_selection(stages: Stages, names: Sequence[str], *, caller: str) -> list[list[str]]:
+    """For each stage, the selected parameter names it owns (in ``names`` order).
+
+    Raises:
+        ParameterSelectionError: a selected parameter belongs to no stage.
+    """
+    per_stage: list[list[str]] = [[] for _ in stages.stages]
+    orphans = []
+    for name in names:
+        owner = stages.owner(name)
+        if owner is None:
+            orphans.append(name)
+        else:
+            per_stage[owner].append(name)
+    if orphans:
+        raise ParameterSelectionError(
+            f"{caller}: parameters {orphans[:6]} are differentiated but belong to no stage; "
+            "add them to a Stage's param_names, or leave them out with select=."
+        )
+    return per_stage
+
+
+def largest_stage_size(per_stage: list[list[str]], params: Params) -> int:
+    """The most parameter entries any one stage differentiates (what a chunk must hold)."""
+    return max(sum(params[name].numel() for name in names) for names in per_stage)
+
+
+def staged_grads(
+    stages: Stages,
+    params: Params,
+    batch: Batch,
+    *,
+    per_stage: list[list[str]],
+    transform: StageTransform,
+    chunk_size: int | None,
+    mixed_precision: torch.dtype | None,
+    offload: bool,
+    caller: str,
+) -> list[tuple[int, Any]]:
+    """Run the three phases (module docstring); returns ``[(stage_index, transformed)]``.
+
+    ``transformed`` is ``transform(index, grads)`` batched over examples, ``[b, ...]``, for
+    each stage with selected parameters, last stage first.
+    """
+    first = next(i for i, names in enumerate(per_stage) if names)
+    inputs, targets = split_batch(batch, caller=caller)
+    device = next(iter(params.values())).device
+    stash = ActivationStash(device, offload=offload)
+    with torch.no_grad(), mixed_precision_context(mixed_precision, device, caller=caller):
+        h = inputs
+        for index, stage in enumerate(stages.stages):
+            if index >= first:
+                # The batch input is held by the caller anyway: offloading it saves nothing.
+                stash.put(index, h, offload=index > 0)
+            h = stage.fn(stage_params(stage, params), h)
+    cotangent = _output_grads(stages, h, targets, chunk_size, mixed_precision, device, caller)
+    del h
+    results = []
+    for index in range(len(stages.stages) - 1, first - 1, -1):
+        activation = stash.pop(index)
+        if index - 1 >= first:
+            stash.prefetch(index - 1)  # overlaps the copy back with this stage's backward
+        out, cotangent = _stage_backward(
+            stages.stages[index], index, params, per_stage[index], activation, cotangent,
+            need_input=index > first, transform=transform, chunk_size=chunk_size,
+            mixed_precision=mixed_precision, device=device, caller=caller)
+        del activation
+        if out is not None:
+            results.append((index, out))
+    return results
+
+
+def _output_grads(stages: Stages, outputs: Tensor, targets: Tensor, chunk_size: int | None,
+                  mixed_precision, device, caller) -> Tensor:
+    """``[b, *out]``: per-example gradients of the criterion with respect to the outputs."""
+
+    def criterion(output: Tensor, target: Tensor) -> Tensor:
+        return stages.criterion(output.unsqueeze(0), target.unsqueeze(0))
+
+    criterion = with_mixed_precision(criterion, mixed_precision, device, caller=caller)
+    return vmap(grad(criterion), chunk_size=chunk_size)(outputs, targets)
+
+
+def _stage_backward(
+    stage: Stage, index: int, params: Params, names: list[str], activation: Any,
+    cotangent: Tensor, *, need_input: bool, transform: StageTransform,
+    chunk_size: int | None, mixed_precision, device, caller: str,
+) -> tuple[Any, Tensor | None]:
+    """One stage's vjp per example: ``(transform(param grads) or None, input grads or None)``."""
+    own = stage_params(stage, params)
+    frozen = {name: value for name, value in own.items() if name not in names}
+    selected = {name: own[name] for name in names}
+
+    def stage_one(selected: Params, h: Any) -> Tensor:
+        batched = tree_map(lambda leaf: leaf.unsqueeze(0), h)
+        return stage.fn({**frozen, **selected}, batched)[0]
+
+    stage_one = with_mixed_precision(stage_one, mixed_precision, device, caller=caller)
+
+    def one_example(selected: Params, h: Any, g: Tensor) -> tuple:
+        if need_input:
+            out, vjp_fn = vjp(stage_one, selected, h)
+            param_grads, input_grads = vjp_fn(g.to(out.dtype))
+        else:
+            out, vjp_fn = vjp(lambda selected: stage_one(selected, h), selected)
+            (param_grads,), input_grads = vjp_fn(g.to(out.dtype)), None
+        parts = (transform(index, param_grads) if names else None, input_grads)
+        return tuple(part for part in parts if part is not None)
+
+    mapped = vmap(one_example, in_dims=(None, 0, 0), chunk_size=chunk_size)
+    parts = list(mapped(selected, activation, cotangent))
+    out = parts.pop(0) if names else None
+    return out, (parts.pop(0) if need_input else None)

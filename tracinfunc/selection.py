@@ -1,0 +1,132 @@
+"""Layer selection: differentiate a chosen subset of the parameters, the rest held constant.
+
+A selection is one of
+
+- a parameter name, a module name (all its parameters) or a glob pattern over parameter
+  names (``"fc2.weight"``, ``"fc2"``, ``"layer4.*"``), or a list of those;
+- :func:`last_layers` ``(n)``: the parameters of the last ``n`` layers, a layer being a module
+  that owns parameters directly, in the order of the params dict (``named_parameters`` order,
+  which is the order modules were registered; for ``nn.Sequential``, the forward order).
+
+Selection is resolved against the parameter names alone, so train and test gradients made
+with the same selection and checkpoints cover the same subset; the projection and the store
+metadata (its layout) cover only that subset.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from torch import Tensor
+
+from tracinfunc.errors import ParameterSelectionError
+from tracinfunc.types import Params
+
+__all__ = ["LastLayers", "Selection", "check_select", "last_layers", "select_params",
+           "selected_names"]
+
+
+@dataclass(frozen=True)
+class LastLayers:
+    """The parameters of the last ``n`` layers; make it with :func:`last_layers`."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        try:
+            n = operator.index(self.n)
+        except TypeError:
+            n = None
+        if n is None or isinstance(self.n, bool) or n < 1:
+            raise ParameterSelectionError(
+                f"last_layers: n must be a positive int, got {self.n!r}; e.g. last_layers(1) "
+                "for the output layer."
+            )
+        object.__setattr__(self, "n", n)
+
+
+Selection: TypeAlias = str | Sequence[str] | LastLayers
+"""A parameter/module name or glob pattern, a list of them, or :func:`last_layers`."""
+
+
+def last_layers(n: int) -> LastLayers:
+    """Select the parameters of the last ``n`` layers (modules owning parameters directly).
+
+    Example:
+        >>> fn = projected_grads(loss, Projection(dim=512), select=last_layers(2))
+    """
+    return LastLayers(n)
+
+
+def check_select(select: Any, *, caller: str) -> tuple[str, ...] | LastLayers | None:
+    """Validate a selection before any work: ``None``, patterns (as a tuple) or LastLayers."""
+    if select is None or isinstance(select, LastLayers):
+        return select
+    patterns = (select,) if isinstance(select, str) else select
+    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            f"{caller}: select must be a name or glob pattern, a list of them, or "
+            f"last_layers(n); got {select!r}. E.g. select=['fc.*'] or select=last_layers(1)."
+        )
+    if not patterns:
+        raise ParameterSelectionError(
+            f"{caller}: select=[] selects no parameters; name at least one parameter, module "
+            "or pattern (e.g. select=['fc.*']), or pass select=None for all parameters."
+        )
+    return tuple(patterns)
+
+
+def selected_names(params: Params, select: Any, *, caller: str) -> tuple[str, ...]:
+    """The names ``select`` picks from ``params``, in the params' order.
+
+    Raises:
+        ParameterSelectionError: a pattern matches no parameter, or nothing is selected.
+    """
+    select = check_select(select, caller=caller)
+    names = list(params)
+    if select is None:
+        return tuple(names)
+    if isinstance(select, LastLayers):
+        return _last_layers(names, select.n, caller=caller)
+    unmatched = [p for p in select if not any(_matches(name, p) for name in names)]
+    if unmatched:
+        shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
+        raise ParameterSelectionError(
+            f"{caller}: select entries {unmatched} match no parameter; the parameters are "
+            f"[{shown}]. Use parameter names, module names or glob patterns such as 'fc.*'."
+        )
+    return tuple(name for name in names if any(_matches(name, p) for p in select))
+
+
+def select_params(params: Params, select: Selection | None) -> dict[str, Tensor]:
+    """The subset of ``params`` that ``select`` picks, e.g. to compute its layout.
+
+    Example:
+        >>> canonical_layout(select_params(ckpt.params, last_layers(1)))
+    """
+    names = selected_names(params, select, caller="select_params")
+    return {name: params[name] for name in names}
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A parameter name matches its own name, a glob, or the name of a module holding it."""
+    return fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")
+
+
+def _layer_of(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _last_layers(names: list[str], n: int, *, caller: str) -> tuple[str, ...]:
+    layers = list(dict.fromkeys(_layer_of(name) for name in names))
+    if n > len(layers):
+        raise ParameterSelectionError(
+            f"{caller}: last_layers({n}) asks for more layers than the parameters have "
+            f"({len(layers)}: {layers}); use last_layers({len(layers)}) or select=None."
+        )
+    chosen = set(layers[-n:])
+    return tuple(name for name in names if _layer_of(name) in chosen)

@@ -364,7 +364,6 @@ class Projector:
         self._cache_left = cache_bytes
         sparse = projection.kind == "sjlt"
         self._scale = 1 / math.sqrt(projection.nnz if sparse else k)
-        self._project_one = self._project_sjlt if sparse else self._project_rademacher
 
     def __repr__(self) -> str:
         return (f"Projector(projection={self.projection}, k={self.k}, "
@@ -387,10 +386,14 @@ class Projector:
             return torch.cat([grads[name].reshape(-1) for name, _ in self.layout])
         dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads.values()))
         device = grads[self.layout[0][0]].device
+        # Chosen per call, not stored: a bound method kept on self is a reference cycle,
+        # and the cached blocks would then wait for the cyclic garbage collector.
+        sparse = self.projection.kind == "sjlt"
+        project_one = self._project_sjlt if sparse else self._project_rademacher
         total = None
         for name, shape in self.layout:  # canonical order fixes the float summation order
             if math.prod(shape) > 0:
-                part = self._project_one(name, grads[name].reshape(-1).to(dtype), device)
+                part = project_one(name, grads[name].reshape(-1).to(dtype), device)
                 total = part if total is None else total + part
         return total * self._scale
 

@@ -20,24 +20,28 @@ __all__ = ["per_sample_grads", "projected_grads"]
 
 
 def per_sample_grads(
-    loss: LossFn, *, chunk_size: int | None = None
+    loss: LossFn, *, has_aux: bool = False, chunk_size: int | None = None
 ) -> Callable[[Params, Batch], dict[str, Tensor]]:
     """Per-example gradients of ``loss`` with respect to ``params``: ``vmap(grad(loss))``.
 
     Args:
-        loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension.
+        loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension. With
+            ``has_aux``, ``loss(params, example) -> (scalar, aux)``.
+        has_aux: As in ``torch.func.grad``: the loss also returns auxiliary data (a pytree of
+            tensors), returned batched beside the gradients.
         chunk_size: Examples differentiated at once inside vmap (``None``: the whole batch).
             Smaller values bound memory; results do not change.
 
     Returns:
-        ``fn(params, batch) -> {name: [b, *shape]}``, the gradient of each example's loss.
+        ``fn(params, batch) -> {name: [b, *shape]}``, the gradient of each example's loss;
+        with ``has_aux``, ``(grads, aux)`` with every aux leaf ``[b, ...]``.
 
     Example:
         >>> psg = per_sample_grads(loss)
         >>> grads = psg(params, (x, y))   # {"fc.weight": [b, out, in], ...}
     """
     _check_chunk_size(chunk_size, caller="per_sample_grads")
-    batched = vmap(grad(loss), in_dims=(None, 0), chunk_size=chunk_size)
+    batched = vmap(grad(loss, has_aux=has_aux), in_dims=(None, 0), chunk_size=chunk_size)
 
     def per_sample_grads_fn(params: Params, batch: Batch) -> dict[str, Tensor]:
         return _call_loss_transform(batched, params, batch, caller="per_sample_grads")
@@ -46,7 +50,8 @@ def per_sample_grads(
 
 
 def projected_grads(
-    loss: LossFn, projection: Projection, *, chunk_size: int | None = None
+    loss: LossFn, projection: Projection, *, has_aux: bool = False,
+    chunk_size: int | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -57,6 +62,8 @@ def projected_grads(
     Args:
         loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension.
         projection: The projection spec (kind, dim, seed).
+        has_aux: As in :func:`per_sample_grads`: the loss returns ``(scalar, aux)`` and the
+            function returns ``(rows, aux)``.
         chunk_size: Examples differentiated at once (``None``: the whole batch). Only this
             many full gradients are alive at once; results do not change.
 
@@ -85,6 +92,9 @@ def projected_grads(
         project = projector_for(params)
 
         def one_example(params: Params, example: Example) -> Tensor:
+            if has_aux:
+                grads, aux = grad(loss, has_aux=True)(params, example)
+                return project(grads), aux
             return project(grad(loss)(params, example))
 
         batched = vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)

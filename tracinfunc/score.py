@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
+from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
 
@@ -32,19 +33,27 @@ def score(
     normalize: bool = False,
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
+    output: str | None = None,
+    like: object = None,
 ) -> Tensor:
     """TracIn scores: ``sum over checkpoints c of lr_c * <test_c, train_c>``.
 
     Args:
         store: Projected training gradients, ``[n_ckpt, n_train, k]``.
         test_grads: A GradientStore built with ``projection=store.projection`` and the same
-            checkpoints, or a tensor ``[n_ckpt, n_test, k]`` made the same way (a tensor
-            carries no metadata, so only its shape can be checked).
+            checkpoints, or an array ``[n_ckpt, n_test, k]`` made the same way: a tensor or
+            any ``__dlpack__`` array (JAX, NumPy, CuPy), imported without a copy. An array
+            carries no metadata, so only its shape can be checked.
         normalize: Use per-checkpoint cosine similarity (unit-normalised gradients) instead of
             inner products. A zero gradient has cosine 0 with everything.
         device: Where to compute. Default: the test tensor's accelerator, else CUDA when
             available, else CPU.
         chunk_rows: Training rows per streamed chunk (default: sized to ~64 MiB).
+        output: Framework of the result: ``"torch"`` (default), ``"numpy"``, ``"jax"`` or
+            ``"cupy"``, shared through DLPack without a copy where possible (see
+            :mod:`tracinfunc.interop`).
+        like: An array whose framework the result takes (e.g. ``like=test_grads``);
+            exclusive with ``output``.
 
     Returns:
         Scores ``[n_test, n_train]``, float32 (float64 for float64 gradients), on ``device``.
@@ -52,6 +61,8 @@ def score(
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
+    framework = resolve_output(output, like, caller="score")
+    test_grads = tensor_if_array(test_grads, caller="score")
     _check_not_empty(store.meta, caller="score")
     out: Tensor | None = None
     for start, block in score_chunks(
@@ -60,7 +71,7 @@ def score(
         if out is None:
             out = block.new_empty(block.shape[0], store.meta.n_train)
         out[:, start : start + block.shape[1]] = block
-    return out
+    return to_framework(out, framework)
 
 
 def top_k(
@@ -72,6 +83,8 @@ def top_k(
     normalize: bool = False,
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
+    output: str | None = None,
+    like: object = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -79,7 +92,8 @@ def top_k(
     top-k of ``[n_test, k]``.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows: As in :func:`score`.
+        store, test_grads, normalize, device, chunk_rows, output, like: As in
+            :func:`score`.
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
@@ -88,6 +102,8 @@ def top_k(
         ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
         store (int64).
     """
+    framework = resolve_output(output, like, caller="top_k")
+    test_grads = tensor_if_array(test_grads, caller="top_k")
     _check_not_empty(store.meta, caller="top_k")
     n_train = store.meta.n_train
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
@@ -106,21 +122,30 @@ def top_k(
         keep = min(k, values.shape[1])
         values, order = values.topk(keep, dim=1, largest=largest, sorted=True)
         best_values, best_indices = values, indices.gather(1, order)
-    return best_values, best_indices
+    return to_framework(best_values, framework), to_framework(best_indices, framework)
 
 
 def self_influence(
-    store: GradientStore, *, device: torch.device | str | None = None
+    store: GradientStore,
+    *,
+    device: torch.device | str | None = None,
+    output: str | None = None,
+    like: object = None,
 ) -> Tensor:
     """Self-influence ``sum_c lr_c * ||train_c||^2`` of every training row.
 
     Computed from the store's row norms, so it costs nothing beyond reading them. High
     self-influence flags mislabelled or atypical examples.
 
+    Args:
+        store: Projected training gradients.
+        device: Where to compute (default: CUDA when available, else CPU).
+        output, like: Framework of the result, as in :func:`score`.
+
     Returns:
-        ``[n_train]``, float32 (float64 for float64 stores), on ``device`` (default: CUDA
-        when available, else CPU).
+        ``[n_train]``, float32 (float64 for float64 stores), on ``device``.
     """
+    framework = resolve_output(output, like, caller="self_influence")
     meta = store.meta
     dtype = _compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)
@@ -128,7 +153,7 @@ def self_influence(
     for ckpt, info in enumerate(meta.checkpoints):
         norms = store.read_norms(ckpt, 0, meta.n_train).to(device, dtype)
         total += info.lr * norms.square()
-    return total
+    return to_framework(total, framework)
 
 
 def score_chunks(
@@ -145,6 +170,7 @@ def score_chunks(
         ``(start, block)`` with ``block`` ``[n_test, rows]`` the scores of training rows
         ``[start, start + rows)``. Write your own reduction over it.
     """
+    test_grads = tensor_if_array(test_grads, caller="score_chunks")
     meta = store.meta
     device = _resolve_device(device, test_grads)
     test, test_norms = _test_matrix(meta, test_grads, caller="score")

@@ -128,6 +128,7 @@ class Projector:
         self._sparse = projection.kind == "sjlt"
         self._scale = 1 / math.sqrt(projection.nnz if self._sparse else k)
         self.blocks = self._generate(cache_bytes)
+        self._apply_jit = jax.jit(self.apply)
 
     def __repr__(self) -> str:
         cached = sum(block is not None for block in self.blocks.values())
@@ -136,7 +137,8 @@ class Projector:
 
     def __call__(self, grads: Mapping[str, jax.Array]) -> jax.Array:
         """Project ONE example's gradients (``jax.vmap`` it for a batch): ``[k]``."""
-        return self.apply(self.blocks, grads)
+        self._check(grads)  # outside jit too, so a mismatch is reported, never traced
+        return self._apply_jit(self.blocks, dict(grads))
 
     def apply(self, blocks: Mapping[str, Any], grads: Mapping[str, jax.Array]) -> jax.Array:
         """``__call__`` with the blocks as an argument, for ``jax.jit`` (pass ``self.blocks``)."""

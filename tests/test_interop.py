@@ -176,3 +176,14 @@ def test_pinned_tensors_are_copied_before_jax_sees_them():
     a = to_framework(t, "jax")
     assert _ptr(a) != t.data_ptr()
     np.testing.assert_array_equal(np.asarray(a), t.numpy())
+
+
+def test_checkpoint_takes_jax_and_numpy_arrays():
+    w = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    b = np.zeros(2, dtype=np.float32)
+    ckpt = tif.Checkpoint(params={"fc.weight": w, "fc.bias": b}, lr=0.5)
+    assert ckpt.params["fc.weight"].data_ptr() == _ptr(w)
+    assert ckpt.params["fc.bias"].data_ptr() == _ptr(b)
+    same = tif.Checkpoint(params={"fc.weight": torch.arange(6.0).reshape(2, 3),
+                                  "fc.bias": torch.zeros(2)})
+    assert ckpt.fingerprint == same.fingerprint

@@ -196,7 +196,7 @@ class ParamMapping:
         return leaves
 
 
-def path_name(key_path: tuple, sep: str = "/") -> str:
+def path_name(key_path: tuple, *, sep: str = "/") -> str:
     """A JAX key path as text: ``(DictKey('params'), DictKey('fc'))`` -> ``"params/fc"``."""
     return sep.join(_key_str(key) for key in key_path)
 

@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e ".[dev,jax]"
 	touch $@
 
 install: $(BIN)/.installed

@@ -50,7 +50,7 @@ def test_stages_compose_to_the_model(make):
 def test_named_submodules_are_stages():
     model = TwoPart()
     loss = tif.loss_from_module(model, F.cross_entropy)
-    stages = tif.model_stages(model, F.cross_entropy, ["body", "head"])
+    stages = tif.model_stages(model, F.cross_entropy, names=["body", "head"])
     batch = make_data(6)
     got = tif.per_sample_grads(loss, stages=stages)(_params(model), batch)
     expected = tif.per_sample_grads(loss)(_params(model), batch)
@@ -61,7 +61,7 @@ def test_named_submodules_are_stages():
 def test_stages_that_miss_part_of_forward_are_refused():
     model = TwoPart(relu_in_forward=True)  # the ReLU lives in forward, in no stage
     loss = tif.loss_from_module(model, F.cross_entropy)
-    stages = tif.model_stages(model, F.cross_entropy, ["body", "head"])
+    stages = tif.model_stages(model, F.cross_entropy, names=["body", "head"])
     fn = tif.projected_grads(loss, tif.Projection(dim=4), stages=stages)
     with pytest.raises(tif.StageMismatchError, match="do not reproduce the model's output"):
         fn(_params(model), make_data(6))
@@ -70,7 +70,7 @@ def test_stages_that_miss_part_of_forward_are_refused():
 def test_stages_in_the_wrong_order_are_refused():
     model = TwoPart()
     loss = tif.loss_from_module(model, F.cross_entropy)
-    stages = tif.model_stages(model, F.cross_entropy, ["head", "body"])
+    stages = tif.model_stages(model, F.cross_entropy, names=["head", "body"])
     with pytest.raises(tif.StageMismatchError, match=r"stage 0 \(head\) failed"):
         tif.per_sample_grads(loss, stages=stages)(_params(model), make_data(6))
 
@@ -88,9 +88,9 @@ def test_malformed_stage_lists_are_reported():
     with pytest.raises(TypeError, match="must be an nn.Sequential"):
         tif.model_stages(model, F.cross_entropy)
     with pytest.raises(tif.StageMismatchError, match="has no submodule 'tail'"):
-        tif.model_stages(model, F.cross_entropy, ["body", "tail"])
+        tif.model_stages(model, F.cross_entropy, names=["body", "tail"])
     with pytest.raises(tif.StageMismatchError, match=r"parameters \['head.weight'"):
-        tif.model_stages(model, F.cross_entropy, ["body"])
+        tif.model_stages(model, F.cross_entropy, names=["body"])
     stage = tif.Stage(fn=lambda p, h: h, param_names=("w",))
     with pytest.raises(tif.StageMismatchError, match="belongs to stage 0 and to stage 1"):
         tif.Stages(stages=(stage, stage), criterion=F.cross_entropy)
@@ -115,3 +115,13 @@ def test_stages_need_inputs_and_targets():
     with pytest.raises(TypeError, match=r"must be \(inputs, targets\)"):
         tif.per_sample_grads(lambda p, ex: loss(p, (ex["x"], ex["y"])), stages=stages)(
             _params(model), {"x": x, "y": y})
+
+
+def test_has_aux_with_stages_is_refused_up_front():
+    model = make_mlp(dtype=torch.float32).eval()
+    stages = tif.model_stages(model, F.cross_entropy)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    for transform in (tif.per_sample_grads, lambda *a, **k: tif.projected_grads(
+            a[0], tif.Projection(dim=4), **k)):
+        with pytest.raises(ValueError, match="has_aux=True cannot be combined with stages="):
+            transform(loss, has_aux=True, stages=stages)

@@ -4,4 +4,5 @@ import sys
 
 from tracinfunc.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (docs, package walkers) must not run it
+    sys.exit(main())

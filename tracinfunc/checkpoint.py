@@ -13,6 +13,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
+from tracinfunc.interop import tensor_if_array
 from tracinfunc.types import Params
 
 __all__ = ["Checkpoint", "params_fingerprint"]
@@ -26,7 +27,8 @@ class Checkpoint:
     is the learning rate in force around the snapshot (or any positive weight you choose).
 
     Args:
-        params: Parameters by name, ``{name: tensor}``. They are detached but not copied: build
+        params: Parameters by name, ``{name: tensor}`` (JAX/NumPy arrays are imported through
+            DLPack). They are detached but not copied: build
             checkpoints with :meth:`from_module` (which copies) if you keep training the model.
         lr: The checkpoint's weight in the TracIn sum.
         name: A label stored in gradient-store metadata; ``build_store`` names unnamed
@@ -46,6 +48,10 @@ class Checkpoint:
                 "Checkpoint: params must be a non-empty dict {name: tensor}, got "
                 f"{type(self.params).__name__}; use Checkpoint.from_module(model) to build one."
             )
+        # JAX/NumPy/CuPy arrays come in through DLPack, shared like tensors (never copied).
+        params = {key: tensor_if_array(value, caller="Checkpoint")
+                  for key, value in self.params.items()}
+        object.__setattr__(self, "params", params)
         for key, value in self.params.items():
             if not isinstance(key, str) or not isinstance(value, Tensor):
                 raise TypeError(

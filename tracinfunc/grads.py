@@ -39,6 +39,7 @@ __all__ = ["per_sample_grads", "projected_grads"]
 def per_sample_grads(
     loss: LossFn,
     *,
+    has_aux: bool = False,
     chunk_size: int | None = None,
     select: Selection | None = None,
     mixed_precision: torch.dtype | None = None,
@@ -49,7 +50,10 @@ def per_sample_grads(
     """Per-example gradients of ``loss`` with respect to ``params``: ``vmap(grad(loss))``.
 
     Args:
-        loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension.
+        loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension. With
+            ``has_aux``, ``loss(params, example) -> (scalar, aux)``.
+        has_aux: As in ``torch.func.grad``: the loss also returns auxiliary data (a pytree of
+            tensors), returned batched beside the gradients. Not with ``stages``.
         chunk_size: Examples differentiated at once inside vmap (``None``: the whole batch).
             Smaller values bound memory; results do not change.
         select: Differentiate only these parameters (names, module names, glob patterns or
@@ -67,13 +71,14 @@ def per_sample_grads(
             gradients, is not bounded by it: use :func:`projected_grads` for that.
 
     Returns:
-        ``fn(params, batch) -> {name: [b, *shape]}`` for the selected parameters.
+        ``fn(params, batch) -> {name: [b, *shape]}`` for the selected parameters; with
+        ``has_aux``, ``(grads, aux)`` with every aux leaf ``[b, ...]``.
 
     Example:
         >>> psg = per_sample_grads(loss)
         >>> grads = psg(params, (x, y))   # {"fc.weight": [b, out, in], ...}
     """
-    options = _Options.make(chunk_size, select, mixed_precision, stages, offload,
+    options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
                             memory_budget, caller="per_sample_grads")
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -97,6 +102,7 @@ def projected_grads(
     loss: LossFn,
     projection: Projection,
     *,
+    has_aux: bool = False,
     chunk_size: int | None = None,
     select: Selection | None = None,
     mixed_precision: torch.dtype | None = None,
@@ -113,6 +119,8 @@ def projected_grads(
     Args:
         loss: ``loss(params, example) -> scalar``; ``example`` has no batch dimension.
         projection: The projection spec (kind, dim, seed).
+        has_aux: As in :func:`per_sample_grads`: the loss returns ``(scalar, aux)`` and the
+            function returns ``(rows, aux)``.
         chunk_size: Examples differentiated at once (``None``: the whole batch). Only this
             many full gradients are alive at once; results do not change.
         select, mixed_precision, stages, offload: As for :func:`per_sample_grads`. The
@@ -135,7 +143,7 @@ def projected_grads(
             "projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
-    options = _Options.make(chunk_size, select, mixed_precision, stages, offload,
+    options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
                             memory_budget, caller="projected_grads")
     projector_for = _projector_cache(projection)
     check_staged = _StagesCheck(loss, options.stages)
@@ -156,6 +164,7 @@ def projected_grads(
 class _Options:
     """The validated memory and speed options shared by both transforms."""
 
+    has_aux: bool
     chunk_size: int | None
     select: Any
     mixed_precision: torch.dtype | None
@@ -164,7 +173,7 @@ class _Options:
     memory_budget: int | None
 
     @classmethod
-    def make(cls, chunk_size, select, mixed_precision, stages, offload, memory_budget, *,
+    def make(cls, has_aux, chunk_size, select, mixed_precision, stages, offload, memory_budget, *,
              caller: str) -> _Options:
         _check_chunk_size(chunk_size, caller=caller)
         check_memory_budget(memory_budget, chunk_size, caller=caller)
@@ -173,6 +182,14 @@ class _Options:
                 f"{caller}: stages must be a tracinfunc.Stages, got {type(stages).__name__}; "
                 "build one with model_stages(model, criterion)."
             )
+        if not isinstance(has_aux, bool):
+            raise TypeError(f"{caller}: has_aux must be True or False, got {has_aux!r}.")
+        if has_aux and stages is not None:
+            raise ValueError(
+                f"{caller}: has_aux=True cannot be combined with stages=: a staged backward "
+                "runs the model stage by stage and never calls the loss as a whole, so there "
+                "is no aux to return. Drop one of them."
+            )
         if not isinstance(offload, bool):
             raise TypeError(f"{caller}: offload must be True or False, got {offload!r}.")
         if offload and stages is None:
@@ -180,7 +197,7 @@ class _Options:
                 f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
                 "stages=; pass stages=model_stages(model, criterion)."
             )
-        return cls(chunk_size, check_select(select, caller=caller),
+        return cls(has_aux, chunk_size, check_select(select, caller=caller),
                    check_mixed_precision(mixed_precision, caller=caller), stages, offload,
                    memory_budget)
 
@@ -230,15 +247,19 @@ def _selected_loss(loss: LossFn, params: Params, options: _Options, caller: str)
 def _plain_per_sample(loss, params, batch, names, chunk, options) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options, "per_sample_grads")
-    batched = vmap(grad(fn), in_dims=(None, None, 0), chunk_size=chunk)
+    batched = vmap(grad(fn, has_aux=options.has_aux), in_dims=(None, None, 0), chunk_size=chunk)
     return _call_loss_transform(batched, selected, frozen, batch, caller="per_sample_grads")
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options) -> Tensor:
     selected, frozen = _split(params, names)
-    grad_fn = grad(_selected_loss(loss, params, options, "projected_grads"))
+    grad_fn = grad(_selected_loss(loss, params, options, "projected_grads"),
+                   has_aux=options.has_aux)
 
-    def one_example(selected: Params, frozen: Params, example: Example) -> Tensor:
+    def one_example(selected: Params, frozen: Params, example: Example) -> Any:
+        if options.has_aux:
+            grads, aux = grad_fn(selected, frozen, example)
+            return project(grads), aux
         return project(grad_fn(selected, frozen, example))
 
     batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)

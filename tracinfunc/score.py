@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
+from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store._stream import compute_threads, stream_rows
 from tracinfunc.store.base import GradientStore
@@ -45,14 +46,17 @@ def score(
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
     progress: ProgressArg = None,
+    output: str | None = None,
+    like: object = None,
 ) -> Tensor:
     """TracIn scores: ``sum over checkpoints c of lr_c * <test_c, train_c>``.
 
     Args:
         store: Projected training gradients, ``[n_ckpt, n_train, k]``.
         test_grads: A GradientStore built with ``projection=store.projection`` and the same
-            checkpoints, or a tensor ``[n_ckpt, n_test, k]`` made the same way (a tensor
-            carries no metadata, so only its shape can be checked).
+            checkpoints, or an array ``[n_ckpt, n_test, k]`` made the same way: a tensor or
+            any ``__dlpack__`` array (JAX, NumPy, CuPy), imported without a copy. An array
+            carries no metadata, so only its shape can be checked.
         normalize: Use per-checkpoint cosine similarity (unit-normalised gradients) instead of
             inner products. A zero gradient has cosine 0 with everything.
         device: Where to compute. Default: the test tensor's accelerator, else CUDA when
@@ -60,6 +64,11 @@ def score(
         chunk_rows: Training rows per streamed chunk (default: sized to ~64 MiB).
         progress: A progress bar over training rows: ``None`` (default) shows one on a
             terminal once scoring has run for 2 s, ``True`` always, ``False`` never.
+        output: Framework of the result: ``"torch"`` (default), ``"numpy"``, ``"jax"`` or
+            ``"cupy"``, shared through DLPack without a copy where possible (see
+            :mod:`tracinfunc.interop`).
+        like: An array whose framework the result takes (e.g. ``like=test_grads``);
+            exclusive with ``output``.
 
     Returns:
         Scores ``[n_test, n_train]``, float32 (float64 for float64 gradients), on ``device``.
@@ -67,6 +76,8 @@ def score(
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
+    framework = resolve_output(output, like, caller="score")
+    test_grads = tensor_if_array(test_grads, caller="score")
     meta = store.meta
     _check_not_empty(meta, caller="score")
     device = _resolve_device(device, test_grads)
@@ -80,7 +91,7 @@ def score(
     for _ in score_chunks(store, test_grads, normalize=normalize, device=device,
                           chunk_rows=chunk_rows, out=out, progress=progress):
         pass
-    return out
+    return to_framework(out, framework)
 
 
 def top_k(
@@ -93,6 +104,8 @@ def top_k(
     device: torch.device | str | None = None,
     chunk_rows: int | None = None,
     progress: ProgressArg = None,
+    output: str | None = None,
+    like: object = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -100,7 +113,8 @@ def top_k(
     top-k of ``[n_test, k]``.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows, progress: As in :func:`score`.
+        store, test_grads, normalize, device, chunk_rows, progress, output, like: As in
+            :func:`score`.
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
@@ -109,6 +123,8 @@ def top_k(
         ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
         store (int64).
     """
+    framework = resolve_output(output, like, caller="top_k")
+    test_grads = tensor_if_array(test_grads, caller="top_k")
     _check_not_empty(store.meta, caller="top_k")
     n_train = store.meta.n_train
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
@@ -128,21 +144,30 @@ def top_k(
         keep = min(k, values.shape[1])
         values, order = values.topk(keep, dim=1, largest=largest, sorted=True)
         best_values, best_indices = values, indices.gather(1, order)
-    return best_values, best_indices
+    return to_framework(best_values, framework), to_framework(best_indices, framework)
 
 
 def self_influence(
-    store: GradientStore, *, device: torch.device | str | None = None
+    store: GradientStore,
+    *,
+    device: torch.device | str | None = None,
+    output: str | None = None,
+    like: object = None,
 ) -> Tensor:
     """Self-influence ``sum_c lr_c * ||train_c||^2`` of every training row.
 
     Computed from the store's row norms, so it costs nothing beyond reading them. High
     self-influence flags mislabelled or atypical examples.
 
+    Args:
+        store: Projected training gradients.
+        device: Where to compute (default: CUDA when available, else CPU).
+        output, like: Framework of the result, as in :func:`score`.
+
     Returns:
-        ``[n_train]``, float32 (float64 for float64 stores), on ``device`` (default: CUDA
-        when available, else CPU).
+        ``[n_train]``, float32 (float64 for float64 stores), on ``device``.
     """
+    framework = resolve_output(output, like, caller="self_influence")
     meta = store.meta
     dtype = _compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)
@@ -150,7 +175,7 @@ def self_influence(
     for ckpt, info in enumerate(meta.checkpoints):
         norms = store.read_norms(ckpt, 0, meta.n_train).to(device, dtype)
         total += info.lr * norms.square()
-    return total
+    return to_framework(total, framework)
 
 
 def score_chunks(
@@ -183,6 +208,7 @@ def score_chunks(
         ``[start, start + rows)``. Write your own reduction over it; without ``out``,
         ``block`` is new for every chunk.
     """
+    test_grads = tensor_if_array(test_grads, caller="score_chunks")
     meta = store.meta
     device = _resolve_device(device, test_grads)
     test, test_norms = _test_matrix(meta, test_grads, caller="score")

@@ -92,8 +92,8 @@ class Stages:
 def model_stages(
     model: nn.Module,
     criterion: Callable[[Tensor, Tensor], Tensor],
-    names: Sequence[str] | None = None,
     *,
+    names: Sequence[str] | None = None,
     buffers: Mapping[str, Tensor] | None = None,
 ) -> Stages:
     """Stages from an ``nn.Sequential`` (its children) or from submodule names in forward order.
@@ -113,7 +113,7 @@ def model_stages(
 
     Example:
         >>> stages = model_stages(model, F.cross_entropy)               # nn.Sequential
-        >>> stages = model_stages(resnet, F.cross_entropy, ["stem", "body", "head"])
+        >>> stages = model_stages(resnet, F.cross_entropy, names=["stem", "body", "head"])
     """
     check_eval_mode(model, caller="model_stages")
     if buffers is None:
@@ -156,7 +156,7 @@ def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[st
         raise TypeError(
             f"model_stages: without names the model must be an nn.Sequential, got "
             f"{type(model).__name__}; pass the submodule names in forward order, e.g. "
-            "model_stages(model, criterion, ['features', 'classifier'])."
+            "model_stages(model, criterion, names=['features', 'classifier'])."
         )
     groups: list[list[str]] = []
     for child_name, child in model.named_children():
@@ -217,7 +217,7 @@ def run_stages(stages: Stages, params: Params, inputs: Any, *, caller: str) -> T
             raise StageMismatchError(
                 f"{caller}: stage {index} ({stage.name or 'unnamed'}) failed on the output of "
                 f"the stage before it: {error}. The stages must be the model's pieces in "
-                "forward order; check model_stages(..., names) against model.forward."
+                "forward order; check model_stages(..., names=...) against model.forward."
             ) from error
     return h
 

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import ReadOnlyStoreError
+from tracinfunc.interop import as_tensor
 from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
 
@@ -91,9 +92,14 @@ class MemoryWriter:
         return sum(block.shape[1] for block in self._rows)
 
     def append(self, rows: Tensor, norms: Tensor) -> None:
-        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
+        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``.
+
+        Both may be tensors or any ``__dlpack__`` arrays (JAX, NumPy, CuPy).
+        """
         if self._finished:
             raise ReadOnlyStoreError("MemoryWriter.append: the store is already finished.")
+        rows = as_tensor(rows, caller="MemoryWriter.append")
+        norms = as_tensor(norms, caller="MemoryWriter.append")
         check_block(self._meta, rows, norms, caller="MemoryWriter.append")
         self._rows.append(rows.detach().to("cpu", self._meta.torch_dtype))
         self._norms.append(norms.detach().to("cpu", norm_dtype(self._meta)))

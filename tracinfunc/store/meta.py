@@ -15,7 +15,14 @@ import torch
 from tracinfunc.errors import IncompatibleGradientsError
 from tracinfunc.projection import Layout, Projection
 
-__all__ = ["FORMAT_VERSION", "CheckpointMeta", "StoreMeta", "check_compatible", "dtype_name"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointMeta",
+    "StoreMeta",
+    "check_compatible",
+    "dtype_name",
+    "layout_differences",
+]
 
 FORMAT_VERSION = 1
 
@@ -151,8 +158,10 @@ def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
     if test.layout != train.layout:
         raise IncompatibleGradientsError(
             f"{caller}: test gradients cover parameters {_describe_layout(test.layout)} but the "
-            f"store covers {_describe_layout(train.layout)}; differentiate the same parameters "
-            "(same model and layer selection)."
+            f"store covers {_describe_layout(train.layout)} "
+            f"({layout_differences(test.layout, train.layout)}); differentiate the same "
+            "parameters (same model and layer selection; JAX trees mapped to torch names and "
+            "shapes with tracinfunc.jax.ParamMapping)."
         )
     _check_checkpoints(train.checkpoints, test.checkpoints, caller=caller)
 
@@ -173,6 +182,20 @@ def _check_checkpoints(
                 f"{theirs.name!r} has {theirs.fingerprint[:12]}…; compute test gradients with "
                 "the same checkpoint weights, in the same order."
             )
+
+
+def layout_differences(ours: Layout, theirs: Layout) -> str:
+    """What ``ours`` lacks, adds or shapes differently from ``theirs``, as one line."""
+    a, b = dict(ours), dict(theirs)
+    problems = [f"missing {n!r}" for n in sorted(set(b) - set(a))]
+    problems += [f"extra {n!r}" for n in sorted(set(a) - set(b))]
+    for name in sorted(set(a) & set(b)):
+        if a[name] != b[name]:
+            transposed = sorted(a[name]) == sorted(b[name])
+            hint = " (transposed: a Flax kernel [in, out] not mapped to torch's [out, in]?)"
+            problems.append(f"{name!r} is {list(a[name])}, expected {list(b[name])}"
+                            f"{hint if transposed else ''}")
+    return "; ".join(problems)
 
 
 def _describe_layout(layout: Layout) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import ReadOnlyStoreError
+from tracinfunc.interop import as_tensor
 from tracinfunc.store.memory import MemoryStore, check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 
@@ -70,6 +71,8 @@ class PinnedWriter:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:
             raise ReadOnlyStoreError("PinnedWriter.append: the store is already finished.")
+        rows = as_tensor(rows, caller="PinnedWriter.append")  # any __dlpack__ array
+        norms = as_tensor(norms, caller="PinnedWriter.append")
         check_block(self._meta, rows, norms, caller="PinnedWriter.append")
         start, stop = self._rows_written, self._rows_written + rows.shape[1]
         if self._rows is not None:

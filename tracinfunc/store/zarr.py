@@ -44,6 +44,7 @@ from tracinfunc.errors import (
     ReadOnlyStoreError,
     StoreExistsError,
 )
+from tracinfunc.interop import as_tensor
 from tracinfunc.store._shards import ShardReader
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
@@ -236,6 +237,8 @@ class ZarrWriter:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.append: the store is already finished.")
+        rows = as_tensor(rows, caller="ZarrWriter.append")  # any __dlpack__ array
+        norms = as_tensor(norms, caller="ZarrWriter.append")
         check_block(self._meta, rows, norms, caller="ZarrWriter.append")
         rows, norms = rows.detach(), norms.detach()
         done = 0

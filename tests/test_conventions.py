@@ -1,0 +1,73 @@
+"""The public API follows the house conventions (issue: JAX interoperability, item 1).
+
+loss(params, example) transforms with has_aux, options keyword-only after the data, no
+module-level mutable state, params keyed by name in a canonical order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import torch
+
+import tracinfunc as tif
+import tracinfunc.jax as tj
+
+# Positional parameters with defaults that are part of the data, not options.
+_POSITIONAL_DEFAULTS = {"top_k": {"k"}}
+
+
+def _public_functions():
+    for module, names in ((tif, tif.__all__), (tj, tj.__all__)):
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                yield f"{module.__name__}.{name}", obj
+
+
+def test_options_after_the_data_are_keyword_only():
+    offenders = []
+    for qualname, fn in _public_functions():
+        allowed = _POSITIONAL_DEFAULTS.get(fn.__name__, set())
+        for p in inspect.signature(fn).parameters.values():
+            positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            if positional and p.default is not p.empty and p.name not in allowed:
+                offenders.append(f"{qualname}({p.name}=...)")
+    assert offenders == []
+
+
+def test_gradient_transforms_take_has_aux():
+    for fn in (tif.per_sample_grads, tif.projected_grads, tj.per_sample_grads,
+               tj.projected_grads):
+        param = inspect.signature(fn).parameters["has_aux"]
+        assert param.kind is param.KEYWORD_ONLY and param.default is False
+
+
+def test_no_module_level_mutable_state():
+    """Mutable containers at module level are only UPPERCASE constants or __all__."""
+    offenders = []
+    for info in pkgutil.walk_packages(tif.__path__, "tracinfunc."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            constant = name.startswith("__") or name.lstrip("_") == name.lstrip("_").upper()
+            if isinstance(value, dict | list | set) and not constant:
+                offenders.append(f"{info.name}.{name}")
+    assert offenders == []
+
+
+def test_projection_is_keyed_by_name_not_insertion_order():
+    g = torch.Generator().manual_seed(0)
+    params = {"b.weight": torch.randn(3, 4, generator=g), "a.bias": torch.randn(3, generator=g)}
+    flipped = dict(reversed(list(params.items())))
+    projection = tif.Projection(dim=8, seed=1)
+
+    def loss(p, x):
+        return (p["b.weight"] @ x + p["a.bias"]).square().sum()
+
+    x = torch.randn(5, 4, generator=g)
+    rows = tif.projected_grads(loss, projection)(params, x)
+    assert torch.equal(rows, tif.projected_grads(loss, projection)(flipped, x))
+    assert tif.canonical_layout(params) == tif.canonical_layout(flipped)
+    assert tif.params_fingerprint(params) == tif.params_fingerprint(flipped)

@@ -17,7 +17,9 @@ Run:  python examples/jax_interop.py            (about 20 s on a laptop CPU)
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
     parser.add_argument("--dim", type=int, default=256, help="projected dimension k")
+    parser.add_argument("--out", type=Path, help="where JAX writes the Zarr store "
+                        "(default: a temporary directory, removed at the end)")
     args = parser.parse_args()
     epochs, every = (4, 2) if args.quick else (30, 10)
 
@@ -110,10 +114,17 @@ def main() -> None:
     mapping = tj.ParamMapping.flax(checkpoints[0].params)
     print("parameter mapping:", ", ".join(f"{a} -> {b}" for a, b in mapping.names.items()))
     projection = tif.Projection(dim=args.dim, seed=0)
-    started = time.perf_counter()
-    jax_store = tj.build_store(loss, checkpoints, train_data, projection=projection,
-                               mapping=mapping)
-    print(f"JAX wrote {jax_store} in {time.perf_counter() - started:.1f} s")
+    with tempfile.TemporaryDirectory() as scratch:
+        path = str(args.out or Path(scratch) / "grads-from-jax.zarr")
+        started = time.perf_counter()
+        tj.build_store(loss, checkpoints, train_data, projection=projection, mapping=mapping,
+                       store=path)
+        print(f"JAX wrote {path} in {time.perf_counter() - started:.1f} s")
+        # torch reopens it as any Zarr store (here in-process; see store_reuse.py for
+        # another process): same format, metadata and checksums as a torch-written one.
+        # Copied to memory only because the temporary directory goes away below.
+        jax_store = tif.GradientStore.open(path).to_memory()
+    print(f"torch opened it: {jax_store}")
 
     # 3. torch: the same checkpoints in an nn.Sequential, test gradients made by torch.
     model = torch_model()

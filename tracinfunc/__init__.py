@@ -18,7 +18,7 @@ from tracinfunc.errors import (
     TrainModeError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
-from tracinfunc.loss import loss_from_module
+from tracinfunc.loss import ModuleLoss, loss_from_module
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.store import CheckpointMeta, GradientStore, MemoryStore, MemoryWriter, StoreMeta
@@ -33,6 +33,7 @@ __all__ = [
     "LossFunctionError",
     "MemoryStore",
     "MemoryWriter",
+    "ModuleLoss",
     "NonFiniteGradientError",
     "Projection",
     "ReadOnlyStoreError",

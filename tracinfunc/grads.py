@@ -69,6 +69,12 @@ def projected_grads(
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
     _check_chunk_size(chunk_size, caller="projected_grads")
+    if projection.kind == "kronecker":  # factorised Linear/Conv2d; imported here: it imports us
+        from tracinfunc.factorized import factorized_projected_grads
+
+        factorized = factorized_projected_grads(loss, projection, chunk_size=chunk_size)
+        return lambda params, batch: _call_loss_transform(factorized, params, batch,
+                                                          caller="projected_grads")
     projectors: dict[tuple, Projector] = {}
 
     def projector_for(params: Params) -> Projector:

@@ -9,22 +9,28 @@ Element rule for row ``r`` (a parameter's flattened coordinate) with keys ``(s0,
     a = mix32(r ^ s0) ^ s1
     rademacher: P[r, c] = -1 if bit 31 of mix32(a ^ c) else +1
     sjlt, t < nnz: h = mix32(a ^ t); col = (h * k) >> 32; sign = -1 if bit 31 of mix32(h) else +1
+    kronecker, >= 2 dims: P_out, P_in follow the rademacher rule with the keys of the record plus
+        "side": "out" / "in"; block = P_out.T @ G.reshape(d_out, -1) @ P_in, flattened
+    kronecker, < 2 dims: the rademacher rule with the plain record (kind "kronecker")
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import numpy as np
 
 PERSON = b"tracinfunc.proj1"
 
 
-def block_seed(seed, kind, dim, nnz, name, shape) -> tuple[int, int]:
-    """The two uint32 keys of one parameter's block."""
+def block_seed(seed, kind, dim, nnz, name, shape, side=None) -> tuple[int, int]:
+    """The two uint32 keys of one parameter's block (of one Kronecker side with ``side``)."""
     record = {"dim": dim, "kind": kind, "name": name, "nnz": nnz, "seed": seed,
               "shape": [int(s) for s in shape]}
+    if side is not None:
+        record["side"] = side
     text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     digest = hashlib.blake2b(text.encode("ascii"), digest_size=8, person=PERSON).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
@@ -50,12 +56,30 @@ def _signs(h: np.ndarray) -> np.ndarray:
     return np.where(h >> np.uint32(31), -1.0, 1.0).astype(np.float32)
 
 
-def rademacher_block(seed, dim, name, shape, row_start, row_stop) -> np.ndarray:
-    """``[rows, dim]`` float32 of exact +-1 (unscaled)."""
-    s0, s1 = block_seed(seed, "rademacher", dim, 1, name, shape)
+def _rademacher(s0, s1, k, row_start, row_stop) -> np.ndarray:
     a = _row_states(s0, s1, row_start, row_stop)
-    cols = np.arange(dim, dtype=np.uint32)
+    cols = np.arange(k, dtype=np.uint32)
     return _signs(mix32(a[:, None] ^ cols[None, :]))
+
+
+def rademacher_block(seed, dim, name, shape, row_start, row_stop, kind="rademacher"):
+    """``[rows, dim]`` float32 of exact +-1 (unscaled)."""
+    return _rademacher(*block_seed(seed, kind, dim, 1, name, shape), dim, row_start, row_stop)
+
+
+def kronecker_split(dim) -> tuple[int, int]:
+    """``(k_out, k_in)``: the largest divisor of ``dim`` not above its square root, and the rest."""
+    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
+    return k_out, dim // k_out
+
+
+def kronecker_factors(seed, dim, name, shape):
+    """``(P_out [d_out, k_out], P_in [d_in, k_in])`` float32 +-1 (unscaled)."""
+    k_out, k_in = kronecker_split(dim)
+    d_out, d_in = shape[0], int(np.prod(shape[1:]))
+    keys_out = block_seed(seed, "kronecker", dim, 1, name, shape, side="out")
+    keys_in = block_seed(seed, "kronecker", dim, 1, name, shape, side="in")
+    return _rademacher(*keys_out, k_out, 0, d_out), _rademacher(*keys_in, k_in, 0, d_in)
 
 
 def sjlt_block(seed, dim, nnz, name, shape, row_start, row_stop):
@@ -75,8 +99,12 @@ def project(grads: dict, seed, kind, dim, nnz=1) -> np.ndarray:
         flat, shape, numel = g.reshape(-1), g.shape, g.size
         if kind == "identity":
             parts.append(flat)
-        elif kind == "rademacher":
-            block = rademacher_block(seed, dim, name, shape, 0, numel).astype(np.float64)
+        elif kind == "kronecker" and g.ndim >= 2:
+            p_out, p_in = kronecker_factors(seed, dim, name, shape)
+            kron = np.kron(p_out.astype(np.float64), p_in.astype(np.float64))  # [numel, dim]
+            parts.append(flat @ kron / np.sqrt(dim))
+        elif kind in ("rademacher", "kronecker"):
+            block = rademacher_block(seed, dim, name, shape, 0, numel, kind).astype(np.float64)
             parts.append(flat @ block / np.sqrt(dim))
         else:
             cols, signs = sjlt_block(seed, dim, nnz, name, shape, 0, numel)

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import vmap
 
+import tracinfunc._hashing as hashing_module
 import tracinfunc.projection as projection_module
 from tests import numpy_projection as ref
 from tracinfunc.errors import InvalidProjectionError
@@ -24,6 +25,8 @@ from tracinfunc.projection import (
     Projection,
     block_seed,
     canonical_layout,
+    kronecker_factors,
+    kronecker_split,
     make_projector,
     rademacher_block,
     sjlt_block,
@@ -83,7 +86,7 @@ def test_block_seed_matches_numpy_and_is_two_uint32():
     assert all(0 <= key < 2**32 for key in keys)
 
 
-@pytest.mark.parametrize("kind", ["identity", "rademacher", "sjlt"])
+@pytest.mark.parametrize("kind", ["identity", "rademacher", "sjlt", "kronecker"])
 def test_projector_matches_numpy_reference(kind):
     spec = Projection(kind=kind) if kind == "identity" else Projection(
         dim=24, seed=11, kind=kind, nnz=3 if kind == "sjlt" else 1)
@@ -91,6 +94,54 @@ def test_projector_matches_numpy_reference(kind):
     got = make_projector(spec, canonical_layout(grads), dtype=torch.float64)(grads)
     expected = ref.project({n: g.numpy() for n, g in grads.items()}, 11, kind, spec.dim, spec.nnz)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("seed", "dim", "name", "shape"), [
+    (0, 512, "fc.weight", (10, 30)),
+    (2**63 - 1, 37, "conv.weight", (4, 3, 2, 5)),  # prime dim: 1 x 37
+    (5, 64, "emb.weight", (700, 3)),
+])
+def test_kronecker_factors_are_bit_identical_to_numpy(seed, dim, name, shape):
+    p_out, p_in = kronecker_factors(Projection(dim=dim, seed=seed, kind="kronecker"), name, shape)
+    ref_out, ref_in = ref.kronecker_factors(seed, dim, name, shape)
+    k_out, k_in = kronecker_split(dim)
+    assert p_out.shape == (shape[0], k_out) and p_in.shape == (int(np.prod(shape[1:])), k_in)
+    assert torch.equal(p_out, torch.from_numpy(ref_out))
+    assert torch.equal(p_in, torch.from_numpy(ref_in))
+
+
+@pytest.mark.parametrize(("dim", "split"), [
+    (512, (16, 32)), (1024, (32, 32)), (1, (1, 1)), (37, (1, 37)), (12, (3, 4)),
+    (2**31 - 1, (1, 2**31 - 1)),
+])
+def test_kronecker_split(dim, split):
+    assert kronecker_split(dim) == split == ref.kronecker_split(dim)
+
+
+def test_kronecker_is_the_explicit_kronecker_matrix():
+    """Matrices go through P_out (x) P_in; vectors through a Rademacher block; blocks add."""
+    spec = Projection(dim=12, seed=4, kind="kronecker")
+    grads = random_grads(9)
+    got = make_projector(spec, canonical_layout(grads), dtype=torch.float64)(grads)
+    expected = torch.zeros(12, dtype=torch.float64)
+    for name, g in grads.items():
+        if g.ndim >= 2:
+            p_out, p_in = kronecker_factors(spec, name, g.shape, dtype=torch.float64)
+            expected += g.reshape(-1) @ torch.kron(p_out, p_in)  # [d_out * d_in, 3 * 4]
+        else:  # the Rademacher rule keyed with kind="kronecker"
+            block = ref.rademacher_block(4, 12, name, g.shape, 0, g.numel(), kind="kronecker")
+            expected += g @ torch.from_numpy(block).double()
+    torch.testing.assert_close(got, expected / np.sqrt(12), rtol=1e-12, atol=1e-12)
+
+
+def test_kronecker_factors_reject_vectors_and_other_kinds():
+    with pytest.raises(InvalidProjectionError, match="needs at least two dimensions"):
+        kronecker_factors(Projection(dim=4, kind="kronecker"), "b", (5,))
+    with pytest.raises(InvalidProjectionError, match="expected a Projection with kind='kronecker'"):
+        kronecker_factors(Projection(dim=4), "w", (5, 3))
+    project = make_projector(Projection(dim=4, kind="kronecker"), {"w": (5, 3), "b": (5,)})
+    with pytest.raises(InvalidProjectionError, match="'b' is not a matrix parameter"):
+        project.kronecker_factors("b", torch.float32, torch.device("cpu"))
 
 
 def _block_digest() -> str:
@@ -127,7 +178,7 @@ def test_blocks_are_identical_in_another_process():
 # --- the Projector: vmap, chunking, caching, order ------------------------------------------
 
 @pytest.mark.parametrize(("kind", "nnz"), [("rademacher", 1), ("sjlt", 1), ("sjlt", 3),
-                                           ("identity", 1)])
+                                           ("identity", 1), ("kronecker", 1)])
 def test_vmap_and_chunk_size_do_not_change_the_output(kind, nnz):
     spec = Projection(kind=kind) if kind == "identity" else Projection(
         dim=20, seed=1, kind=kind, nnz=nnz)
@@ -148,7 +199,7 @@ def test_row_block_generation_gives_the_cached_result(kind, nnz, monkeypatch):
     layout = canonical_layout(SHAPES)
     grads = random_grads(2, batch=(5,))
     cached = vmap(make_projector(spec, layout, dtype=torch.float64))(grads)
-    monkeypatch.setattr(projection_module, "_CPU_SLICE_ELEMENTS", 7 * 9)  # several row-blocks
+    monkeypatch.setattr(hashing_module, "CPU_SLICE_ELEMENTS", 7 * 9)  # several row-blocks
     for cache_bytes in (0, 24 * 9 * 8):  # nothing cached; some blocks cached, others streamed
         project = make_projector(spec, layout, dtype=torch.float64, cache_bytes=cache_bytes)
         torch.testing.assert_close(vmap(project, chunk_size=2)(grads), cached,
@@ -158,9 +209,9 @@ def test_row_block_generation_gives_the_cached_result(kind, nnz, monkeypatch):
 @pytest.mark.parametrize("kind", ["rademacher", "sjlt"])
 def test_blocks_are_generated_once_per_dtype(kind, monkeypatch):
     calls = []
-    for fn in ("_rademacher_rows", "_sjlt_rows"):
-        original = getattr(projection_module, fn)
-        monkeypatch.setattr(projection_module, fn,
+    for fn in ("rademacher_rows", "sjlt_rows"):
+        original = getattr(hashing_module, fn)
+        monkeypatch.setattr(hashing_module, fn,
                             lambda *a, _f=original, **kw: calls.append(1) or _f(*a, **kw))
     grads = random_grads(7, batch=(6,))
     project = make_projector(Projection(dim=5, kind=kind), canonical_layout(SHAPES))  # float32
@@ -183,6 +234,10 @@ def test_cuda_blocks_equal_cpu_blocks():
     cols, signs = sjlt_block(sparse, "w", (70000,), 0, 70000, device="cuda")
     ref_cols, ref_signs = sjlt_block(sparse, "w", (70000,), 0, 70000)
     assert torch.equal(cols.cpu(), ref_cols) and torch.equal(signs.cpu(), ref_signs)
+    kron = Projection(dim=512, seed=9, kind="kronecker")
+    for got, expected in zip(kronecker_factors(kron, "w", (300, 7, 3), device="cuda"),
+                             kronecker_factors(kron, "w", (300, 7, 3)), strict=True):
+        assert torch.equal(got.cpu(), expected)
     grads = random_grads(8, batch=(4,))
     project = make_projector(spec, canonical_layout(SHAPES), device="cuda", dtype=torch.float64)
     on_gpu = vmap(project)({n: g.cuda() for n, g in grads.items()})
@@ -204,7 +259,7 @@ def test_dict_order_does_not_change_the_output():
     reversed_shapes = dict(reversed(list(SHAPES.items())))
     assert canonical_layout(reversed_shapes) == canonical_layout(SHAPES)
     assert [name for name, _ in canonical_layout(grads)] == sorted(SHAPES)
-    for kind in ("identity", "rademacher", "sjlt"):
+    for kind in ("identity", "rademacher", "sjlt", "kronecker"):
         spec = Projection(kind=kind) if kind == "identity" else Projection(dim=8, kind=kind)
         first = make_projector(spec, canonical_layout(SHAPES), dtype=torch.float64)(grads)
         second = make_projector(spec, canonical_layout(reversed_shapes),
@@ -231,10 +286,11 @@ def test_different_seeds_and_names_give_different_blocks():
 
 # --- statistics and properties --------------------------------------------------------------
 
-@pytest.mark.parametrize(("kind", "nnz"), [("rademacher", 1), ("sjlt", 1), ("sjlt", 4)])
+@pytest.mark.parametrize(("kind", "nnz"), [("rademacher", 1), ("sjlt", 1), ("sjlt", 4),
+                                           ("kronecker", 1)])
 def test_inner_products_are_unbiased(kind, nnz):
     """E[<Pg, Pg'>] = <g, g'> over seeds, within 4 standard errors (deterministic seeds)."""
-    shapes = {"a": (40, 25), "b": (1000,)}
+    shapes = {"a": (40, 25), "b": (1000,), "c": (6, 2, 3, 3)}
     gen = torch.Generator().manual_seed(0)
     g = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
     h = {n: 0.6 * g[n] + torch.randn(s, generator=gen, dtype=torch.float64)
@@ -255,7 +311,8 @@ def test_inner_products_are_unbiased(kind, nnz):
 @settings(max_examples=25, deadline=None)
 @given(
     a=st.floats(-3, 3), b=st.floats(-3, 3), seed=st.integers(0, 2**63 - 1),
-    kind=st.sampled_from(["rademacher", "sjlt", "identity"]), data_seed=st.integers(0, 1000),
+    kind=st.sampled_from(["rademacher", "sjlt", "identity", "kronecker"]),
+    data_seed=st.integers(0, 1000),
 )
 def test_projection_is_linear(a, b, seed, kind, data_seed):
     spec = Projection(kind=kind) if kind == "identity" else Projection(

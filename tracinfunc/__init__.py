@@ -26,7 +26,7 @@ from tracinfunc.errors import (
     UnsupportedPrecisionError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
-from tracinfunc.loss import loss_from_module
+from tracinfunc.loss import ModuleLoss, loss_from_module
 from tracinfunc.precision import autocast_supported
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
@@ -62,6 +62,7 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryStore",
     "MemoryWriter",
+    "ModuleLoss",
     "NonFiniteGradientError",
     "ParameterSelectionError",
     "PinnedStore",

@@ -145,6 +145,15 @@ def projected_grads(
         )
     options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
                             memory_budget, caller="projected_grads")
+    if projection.kind == "kronecker" and options.plain():
+        # Factorised Linear/Conv2d path (weights never materialised). With a memory option
+        # the generic path below still computes the same Kronecker projection, from the
+        # materialised gradient. Imported here: the module imports this one.
+        from tracinfunc.factorized import factorized_projected_grads
+
+        factorized = factorized_projected_grads(loss, projection, chunk_size=chunk_size)
+        return lambda params, batch: _call_loss_transform(factorized, params, batch,
+                                                          caller="projected_grads")
     projector_for = _projector_cache(projection)
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -200,6 +209,11 @@ class _Options:
         return cls(has_aux, chunk_size, check_select(select, caller=caller),
                    check_mixed_precision(mixed_precision, caller=caller), stages, offload,
                    memory_budget)
+
+    def plain(self) -> bool:
+        """No option beyond ``chunk_size``: the transform is plain ``vmap(grad(loss))``."""
+        return (not self.has_aux and self.select is None and self.mixed_precision is None
+                and self.stages is None and self.memory_budget is None)
 
     def resolve(self, params: Params, *, caller: str):
         """``(selected names, per-stage names or None, chunk size)`` for these params."""

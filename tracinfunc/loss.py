@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from tracinfunc.errors import TrainModeError
-from tracinfunc.types import Example, LossFn, Params
+from tracinfunc.types import Example, Params
 
-__all__ = ["check_eval_mode", "loss_from_module"]
+__all__ = ["ModuleLoss", "check_eval_mode", "loss_from_module"]
 
 _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+@dataclass(frozen=True, eq=False)
+class ModuleLoss:
+    """``loss(params, example)`` for one example, keeping the module it is made of.
+
+    A plain :data:`~tracinfunc.types.LossFn` to every other function; the factorised
+    (``kind="kronecker"``) path of :func:`~tracinfunc.projected_grads` also reads ``module``
+    to reach the inputs and output gradients of its Linear/Conv2d layers. Build it with
+    :func:`loss_from_module`.
+
+    Attributes:
+        module: The model (eval mode); its own parameters are never used or changed.
+        criterion: ``criterion(outputs [1, ...], target [1, ...]) -> scalar``.
+        buffers: Non-trainable state by name, read-only.
+    """
+
+    module: nn.Module
+    criterion: Callable[[Tensor, Tensor], Tensor]
+    buffers: Mapping[str, Tensor]
+
+    def __call__(self, params: Params, example: Example) -> Tensor:
+        """The loss of one ``example = (inputs, target)`` (no batch dimension) at ``params``."""
+        inputs, target = example
+        outputs = functional_call(self.module, ({**self.buffers, **params},),
+                                  (inputs.unsqueeze(0),))
+        return self.criterion(outputs, target.unsqueeze(0))
 
 
 def loss_from_module(
@@ -20,7 +49,7 @@ def loss_from_module(
     criterion: Callable[[Tensor, Tensor], Tensor],
     *,
     buffers: Mapping[str, Tensor] | None = None,
-) -> LossFn:
+) -> ModuleLoss:
     """Turn a module and a criterion into ``loss(params, example)`` for one example.
 
     The example is ``(inputs, target)`` with no batch dimension; the module is called on
@@ -36,7 +65,7 @@ def loss_from_module(
             the module's buffers taken now; they are passed explicitly, never mutated.
 
     Returns:
-        ``loss(params, example) -> scalar tensor``.
+        A :class:`ModuleLoss`: ``loss(params, example) -> scalar tensor``.
 
     Raises:
         TrainModeError: the module has BatchNorm/InstanceNorm layers in train mode.
@@ -44,14 +73,7 @@ def loss_from_module(
     check_eval_mode(module, caller="loss_from_module")
     if buffers is None:
         buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
-    frozen_buffers = dict(buffers)
-
-    def loss(params: Params, example: Example) -> Tensor:
-        inputs, target = example
-        outputs = functional_call(module, ({**frozen_buffers, **params},), (inputs.unsqueeze(0),))
-        return criterion(outputs, target.unsqueeze(0))
-
-    return loss
+    return ModuleLoss(module, criterion, MappingProxyType(dict(buffers)))
 
 
 def check_eval_mode(module: nn.Module, *, caller: str) -> None:

@@ -2,9 +2,9 @@
 
 A projection maps one example's gradients ``{name: [*shape]}`` (``p`` numbers in all) to
 ``[k]``. The ``[p, k]`` matrix is never stored whole: each parameter's block is a pure function
-of ``(seed, kind, dim, nnz, name, shape)``, computed by a counter-based integer hash, so one spec
-gives the same matrix on any device, in any process and in NumPy (``tests/numpy_projection.py``),
-whatever the insertion order of the parameter dict.
+of ``(seed, kind, dim, nnz, name, shape)``, computed by a counter-based integer hash
+(``tracinfunc._hashing``), so one spec gives the same matrix on any device, in any process and
+in NumPy (``tests/numpy_projection.py``), whatever the insertion order of the parameter dict.
 
 Element rule for row ``r`` of a parameter's block (its flattened coordinate), with the keys
 ``(s0, s1) = block_seed(projection, name, shape)`` and ``mix32`` = lowbias32::
@@ -16,14 +16,24 @@ Element rule for row ``r`` of a parameter's block (its flattened coordinate), wi
 
 Both scalings make ``E[<P g, P g'>] = <g, g'>``. ``identity`` concatenates the flattened
 gradients in sorted-name order, unscaled.
+
+``kronecker`` (LoGra-style, for Linear/Conv weights) splits ``k = k_out * k_in``
+(:func:`kronecker_split`). A parameter with two or more dimensions is read as a matrix
+``G [d_out, d_in]`` (``d_in`` = product of the other dimensions, the layout of
+``weight.reshape(d_out, -1)`` and of ``F.unfold``) and projected to
+``(P_out.T @ G @ P_in).reshape(k) / sqrt(k)``, i.e. by the Kronecker matrix ``P_out (x) P_in``,
+where ``P_out [d_out, k_out]`` and ``P_in [d_in, k_in]`` follow the Rademacher rule with the
+keys of :func:`kronecker_seeds` (``side`` ``"out"``/``"in"``). Parameters with fewer than two
+dimensions (biases) use the Rademacher rule with ``block_seed``. All blocks add into the same
+``k`` outputs, like ``rademacher``; independent zero-mean signs keep the inner products
+unbiased. Because ``G = delta.T @ x`` for a Linear layer, ``tracinfunc.factorized`` computes the
+same numbers from layer inputs and output gradients without materialising ``G``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -33,6 +43,8 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from tracinfunc import _hashing
+from tracinfunc._hashing import MAX_ROWS, hash_record
 from tracinfunc.errors import InvalidProjectionError
 
 __all__ = [
@@ -41,6 +53,9 @@ __all__ = [
     "Projector",
     "block_seed",
     "canonical_layout",
+    "kronecker_factors",
+    "kronecker_seeds",
+    "kronecker_split",
     "make_projector",
     "rademacher_block",
     "sjlt_block",
@@ -49,15 +64,8 @@ __all__ = [
 Layout: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]
 """Parameter names and shapes sorted by name: ``(("fc.bias", (3,)), ("fc.weight", (3, 8)))``."""
 
-_KINDS = ("identity", "rademacher", "sjlt")
-_MASK = 0xFFFFFFFF
-_PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
-_MAX_ROWS = 2**32  # rows are hashed as uint32 counters
+_KINDS = ("identity", "rademacher", "sjlt", "kronecker")
 _MAX_DIM = 2**31 - 1  # keeps Lemire's (h * k) below 2**63 in int64
-# int64 hash elements generated per slice: on CPU small slices stay in cache (about 3x faster
-# than 32 MiB ones); accelerators want few large kernels.
-_CPU_SLICE_ELEMENTS = 2**18
-_DEVICE_SLICE_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True)
@@ -68,13 +76,17 @@ class Projection:
         dim: ``k``. ``None`` for ``kind="identity"`` (or ``p``, checked against the layout);
             a positive int otherwise.
         seed: Non-negative int below ``2**63``.
-        kind: ``"identity"``, ``"rademacher"`` (dense +-1/sqrt(k)) or ``"sjlt"`` (sparse,
-            ``nnz`` entries +-1/sqrt(nnz) per input coordinate; cost ``p * nnz``).
+        kind: ``"identity"``, ``"rademacher"`` (dense +-1/sqrt(k)), ``"sjlt"`` (sparse,
+            ``nnz`` entries +-1/sqrt(nnz) per input coordinate; cost ``p * nnz``) or
+            ``"kronecker"`` (weights projected side by side as ``P_out.T @ G @ P_in`` with
+            ``k = k_out * k_in``; cheapest with :func:`~tracinfunc.loss_from_module`, whose
+            Linear/Conv2d layers are then never materialised per example).
         nnz: Nonzeros per input coordinate, ``1 <= nnz <= dim``; must be 1 unless ``"sjlt"``.
 
     Example:
         >>> Projection(dim=512, seed=0)                  # dense Rademacher
         >>> Projection(dim=4096, kind="sjlt", nnz=4)      # sparse, for large models
+        >>> Projection(dim=1024, kind="kronecker")       # factorised: 32 x 32 per layer
     """
 
     dim: int | None = None
@@ -223,60 +235,65 @@ def block_seed(projection: Projection, name: str, shape: Sequence[int]) -> tuple
     """
     record = {"dim": projection.dim, "kind": projection.kind, "name": name,
               "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
-    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    digest = hashlib.blake2b(text.encode("ascii"), digest_size=8, person=_PERSON).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+    return hash_record(record)
 
 
-def _mix32(x: Tensor) -> Tensor:
-    """lowbias32 in place on int64 holding uint32 values (torch has no CPU uint32 shifts).
+def kronecker_split(dim: int) -> tuple[int, int]:
+    """``(k_out, k_in)`` with ``k_out * k_in = dim``: ``k_out`` the largest divisor <= sqrt(dim).
 
-    Multiplies may wrap int64; masking right after keeps the exact low 32 bits.
+    Every layer gets the same split, so its block adds into the same ``k`` outputs as the
+    others. Powers of two and squares split evenly (512 -> 16 x 32, 1024 -> 32 x 32); a prime
+    ``dim`` gives ``1 x dim``, which is still unbiased but noisier.
     """
-    x ^= x >> 16
-    x.mul_(0x7FEB352D).bitwise_and_(_MASK)
-    x ^= x >> 15
-    x.mul_(0x846CA68B).bitwise_and_(_MASK)
-    x ^= x >> 16
-    return x
+    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
+    return k_out, dim // k_out
 
 
-def _signs(bits: Tensor, dtype: torch.dtype) -> Tensor:
-    """+1 where ``bits`` is 0, -1 where it is 1, in ``dtype``."""
-    return bits.to(dtype).mul_(-2.0).add_(1.0)
+def kronecker_seeds(projection: Projection, name: str, shape: Sequence[int]
+                    ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The keys of ``P_out`` and ``P_in`` of parameter ``name``: ``block_seed``'s record plus
+    ``"side": "out"`` or ``"in"``."""
+    record = {"dim": projection.dim, "kind": projection.kind, "name": name,
+              "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
+    return hash_record({**record, "side": "out"}), hash_record({**record, "side": "in"})
 
 
-def _mix32_top_bit(x: Tensor) -> Tensor:
-    """``mix32(x) >> 31`` in place, a third cheaper: the last xor-shift keeps bit 31."""
-    x ^= x >> 16
-    x.mul_(0x7FEB352D).bitwise_and_(_MASK)
-    x ^= x >> 15
-    return x.mul_(0x846CA68B).bitwise_right_shift_(31).bitwise_and_(1)
+def kronecker_factors(
+    projection: Projection, name: str, shape: Sequence[int], *,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """The side projections of a parameter with two or more dimensions, unscaled.
+
+    Returns:
+        ``(P_out [d_out, k_out], P_in [d_in, k_in])`` of exact +-1 in ``dtype`` on ``device``,
+        ``d_out = shape[0]``, ``d_in = prod(shape[1:])``, ``(k_out, k_in) =
+        kronecker_split(dim)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k_out * k_in)``.
+    """
+    caller = "kronecker_factors"
+    if not isinstance(projection, Projection) or projection.kind != "kronecker":
+        got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
+        raise InvalidProjectionError(
+            f"{caller}: expected a Projection with kind='kronecker', got {got!r}; use "
+            "Projection(dim=..., kind='kronecker')."
+        )
+    shape = _check_shape(shape, _check_name(name, caller), caller)
+    if len(shape) < 2 or max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
+        raise InvalidProjectionError(
+            f"{caller}: {name!r} needs at least two dimensions, each side at most 2**32 "
+            f"elements, got shape {list(shape)}; vectors use the Rademacher block (block_seed)."
+        )
+    keys_out, keys_in = kronecker_seeds(projection, name, shape)
+    device = torch.empty(0, device=device).device
+    return _kronecker_sides(keys_out, keys_in, shape, *kronecker_split(projection.dim), device,
+                            dtype)
 
 
-def _row_states(keys: tuple[int, int], row_start: int, row_stop: int, device) -> Tensor:
-    rows = torch.arange(row_start, row_stop, dtype=torch.int64, device=device)
-    return _mix32(rows ^ keys[0]) ^ keys[1]  # [rows]
-
-
-def _rademacher_rows(keys, k, row_start, row_stop, device, dtype) -> Tensor:
-    a = _row_states(keys, row_start, row_stop, device)
-    h = a[:, None] ^ torch.arange(k, dtype=torch.int64, device=device)  # [rows, k]
-    return _signs(_mix32_top_bit(h), dtype)
-
-
-def _sjlt_rows(keys, k, nnz, row_start, row_stop, device, dtype) -> tuple[Tensor, Tensor]:
-    a = _row_states(keys, row_start, row_stop, device)
-    h = _mix32(a[:, None] ^ torch.arange(nnz, dtype=torch.int64, device=device))  # [rows, nnz]
-    cols = (h * k) >> 32  # Lemire: h < 2**32 and k < 2**31, so no int64 overflow
-    return cols, _signs(_mix32_top_bit(h), dtype)  # h is spent: hash it in place
-
-
-def _row_ranges(numel: int, row_elements: int, device: torch.device):
-    budget = _CPU_SLICE_ELEMENTS if device.type == "cpu" else _DEVICE_SLICE_ELEMENTS
-    step = max(1, budget // max(1, row_elements))
-    for start in range(0, numel, step):
-        yield start, min(numel, start + step)
+def _kronecker_sides(keys_out, keys_in, shape, k_out, k_in, device, dtype) -> tuple:
+    d_out, d_in = shape[0], math.prod(shape[1:])
+    p_out = torch.empty(d_out, k_out, dtype=dtype, device=device)
+    p_in = torch.empty(d_in, k_in, dtype=dtype, device=device)
+    return (_hashing.fill_rademacher(p_out, keys_out, 0),
+            _hashing.fill_rademacher(p_in, keys_in, 0))
 
 
 def _check_block_args(projection, kind, name, shape, row_start, row_stop, caller) -> tuple:
@@ -289,22 +306,13 @@ def _check_block_args(projection, kind, name, shape, row_start, row_stop, caller
     shape = _check_shape(shape, _check_name(name, caller), caller)
     numel = math.prod(shape)
     ints = all(isinstance(r, int) and not isinstance(r, bool) for r in (row_start, row_stop))
-    if numel > _MAX_ROWS or not ints or not 0 <= row_start <= row_stop <= numel:
+    if numel > MAX_ROWS or not ints or not 0 <= row_start <= row_stop <= numel:
         raise InvalidProjectionError(
             f"{caller}: rows must satisfy 0 <= row_start <= row_stop <= numel={numel} "
             f"(ints; numel at most 2**32), got [{row_start!r}, {row_stop!r}); pick rows inside "
             f"{name!r}."
         )
     return shape, block_seed(projection, name, shape)
-
-
-def _fill_rademacher(out: Tensor, keys: tuple[int, int], row_start: int) -> Tensor:
-    """Write rows ``row_start + [0, len(out))`` into ``out`` ``[rows, k]``, in slices."""
-    k = out.shape[1]
-    for start, stop in _row_ranges(out.shape[0], k, out.device):
-        out[start:stop] = _rademacher_rows(keys, k, row_start + start, row_start + stop,
-                                           out.device, out.dtype)
-    return out
 
 
 def rademacher_block(
@@ -319,7 +327,7 @@ def rademacher_block(
     _, keys = _check_block_args(projection, "rademacher", name, shape, row_start, row_stop,
                                 "rademacher_block")
     out = torch.empty(row_stop - row_start, projection.dim, dtype=torch.float32, device=device)
-    return _fill_rademacher(out, keys, row_start)
+    return _hashing.fill_rademacher(out, keys, row_start)
 
 
 def sjlt_block(
@@ -335,7 +343,7 @@ def sjlt_block(
     _, keys = _check_block_args(projection, "sjlt", name, shape, row_start, row_stop,
                                 "sjlt_block")
     device = torch.empty(0, device=device).device
-    return _sjlt_rows(keys, projection.dim, projection.nnz, row_start, row_stop, device,
+    return _hashing.sjlt_rows(keys, projection.dim, projection.nnz, row_start, row_stop, device,
                       torch.float32)
 
 
@@ -347,7 +355,8 @@ class Projector:
 
     Generated blocks are cached per ``(name, dtype, device)`` of the gradients, cast once to
     the gradients' dtype, so the batches and vmap chunks that follow reuse them. A parameter
-    whose block no longer fits ``cache_bytes`` is generated a row-block at a time on every call.
+    whose block no longer fits ``cache_bytes`` is generated a row-block at a time on every call
+    (Kronecker side factors are small and always cached).
 
     Attributes:
         projection: The spec.
@@ -356,7 +365,7 @@ class Projector:
     """
 
     def __init__(self, projection: Projection, layout: Layout, k: int,
-                 keys: dict[str, tuple[int, int]], cache_bytes: int) -> None:
+                 keys: dict[str, tuple], cache_bytes: int) -> None:
         self.projection, self.layout, self.k = projection, layout, k
         self._shapes = dict(layout)
         self._keys = keys
@@ -388,8 +397,10 @@ class Projector:
         device = grads[self.layout[0][0]].device
         # Chosen per call, not stored: a bound method kept on self is a reference cycle,
         # and the cached blocks would then wait for the cyclic garbage collector.
-        sparse = self.projection.kind == "sjlt"
-        project_one = self._project_sjlt if sparse else self._project_rademacher
+        kind = self.projection.kind
+        project_one = (self._project_sjlt if kind == "sjlt" else
+                       self._project_kronecker if kind == "kronecker" else
+                       self._project_rademacher)
         total = None
         for name, shape in self.layout:  # canonical order fixes the float summation order
             if math.prod(shape) > 0:
@@ -402,21 +413,48 @@ class Projector:
         if block is not _STREAM:
             return flat @ block  # [numel] @ [numel, k]; one [b, numel] matmul under vmap
         keys, k = self._keys[name], self.k
-        return sum(flat[a:b] @ _rademacher_rows(keys, k, a, b, device, flat.dtype)
-                   for a, b in _row_ranges(flat.shape[0], k, device))
+        return sum(flat[a:b] @ _hashing.rademacher_rows(keys, k, a, b, device, flat.dtype)
+                   for a, b in _hashing.row_ranges(flat.shape[0], k, device))
 
     def _project_sjlt(self, name: str, flat: Tensor, device: torch.device) -> Tensor:
         entry = self._entry(name, flat.dtype, device)
         keys, k, nnz = self._keys[name], self.k, self.projection.nnz
         blocks = [(0, flat.shape[0], entry)] if entry is not _STREAM else (
-            (a, b, _sjlt_rows(keys, k, nnz, a, b, device, flat.dtype))
-            for a, b in _row_ranges(flat.shape[0], nnz, device))
+            (a, b, _hashing.sjlt_rows(keys, k, nnz, a, b, device, flat.dtype))
+            for a, b in _hashing.row_ranges(flat.shape[0], nnz, device))
         out = torch.zeros(k, dtype=flat.dtype, device=device)
         for a, b, (cols, signs) in blocks:
             values = flat[a:b, None] * signs  # [rows, nnz]: cost p * nnz, never p * k
             # Out of place: index_add has a vmap batching rule, so the zeros stay unbatched.
             out = out.index_add(0, cols.reshape(-1), values.reshape(-1))
         return out
+
+    def _project_kronecker(self, name: str, flat: Tensor, device: torch.device) -> Tensor:
+        shape = self._shapes[name]
+        if len(shape) < 2:
+            return self._project_rademacher(name, flat, device)
+        p_out, p_in = self._entry(name, flat.dtype, device)
+        matrix = flat.reshape(shape[0], -1)  # [d_out, d_in]
+        if p_out.shape[1] <= p_in.shape[1]:  # contract the larger side with the smaller k first
+            return ((p_out.T @ matrix) @ p_in).reshape(-1)  # [k_out, k_in] -> [k]
+        return (p_out.T @ (matrix @ p_in)).reshape(-1)
+
+    def kronecker_factors(self, name: str, dtype: torch.dtype, device: torch.device
+                          ) -> tuple[Tensor, Tensor]:
+        """Cached ``(P_out [d_out, k_out], P_in [d_in, k_in])`` of a matrix parameter, unscaled
+        (the projector's overall scale ``1/sqrt(k)`` applies), for ``tracinfunc.factorized``."""
+        if self.projection.kind != "kronecker" or len(self._shapes.get(name, ())) < 2:
+            raise InvalidProjectionError(
+                f"Projector.kronecker_factors: {name!r} is not a matrix parameter of a "
+                f"kind='kronecker' projector (kind={self.projection.kind!r}); ask for a "
+                "parameter with two or more dimensions."
+            )
+        return self._entry(name, dtype, device)
+
+    @property
+    def scale(self) -> float:
+        """The factor applied to the summed unscaled blocks: ``1/sqrt(k)`` (``1/sqrt(nnz)``)."""
+        return self._scale
 
     def _entry(self, name: str, dtype: torch.dtype, device: torch.device) -> Any:
         key = (name, dtype, device)
@@ -429,13 +467,19 @@ class Projector:
         numel, keys, k, nnz = (math.prod(self._shapes[name]), self._keys[name], self.k,
                                self.projection.nnz)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if self.projection.kind == "rademacher":
+        shape = self._shapes[name]
+        if self.projection.kind == "kronecker" and len(shape) >= 2:
+            (k_out, k_in), (keys_out, keys_in) = kronecker_split(k), keys
+            self._cache_left -= (shape[0] * k_out + numel // shape[0] * k_in) * itemsize
+            return _kronecker_sides(keys_out, keys_in, shape, k_out, k_in, device, dtype)
+        if self.projection.kind in ("rademacher", "kronecker"):
             if not self._reserve(numel * k * itemsize):
                 return _STREAM
-            return _fill_rademacher(torch.empty(numel, k, dtype=dtype, device=device), keys, 0)
+            return _hashing.fill_rademacher(torch.empty(numel, k, dtype=dtype, device=device),
+                                            keys, 0)
         if not self._reserve(numel * nnz * (8 + itemsize)):  # int64 cols + signs
             return _STREAM
-        return _sjlt_rows(keys, k, nnz, 0, numel, device, dtype)
+        return _hashing.sjlt_rows(keys, k, nnz, 0, numel, device, dtype)
 
     def _reserve(self, nbytes: int) -> bool:
         fits = nbytes <= self._cache_left
@@ -467,6 +511,17 @@ class Projector:
                 "parameters of make_projector(projection, canonical_layout(params)); for a "
                 "batch, call the projector inside torch.func.vmap."
             )
+
+
+def _param_keys(projection: Projection, name: str, shape: tuple[int, ...]) -> tuple:
+    if projection.kind == "kronecker" and len(shape) >= 2:
+        if max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
+            raise InvalidProjectionError(
+                f"make_projector: each side of {name!r} must hold at most 2**32 elements, got "
+                f"shape {list(shape)}; reshape the parameter or use kind='sjlt'."
+            )
+        return kronecker_seeds(projection, name, shape)
+    return block_seed(projection, name, shape)
 
 
 def make_projector(
@@ -507,7 +562,7 @@ def make_projector(
         )
     layout = _as_layout(layout, "make_projector")
     sizes = [math.prod(shape) for _, shape in layout]
-    if sum(sizes) == 0 or max(sizes) > _MAX_ROWS:
+    if sum(sizes) == 0 or max(sizes) > MAX_ROWS:
         raise InvalidProjectionError(
             f"make_projector: the layout must hold at least one element and no parameter over "
             f"2**32 elements, got {len(layout)} parameters with sizes {sizes}; build it with "
@@ -525,7 +580,7 @@ def make_projector(
         )
     k = projection.output_dim(layout)
     keys = {} if projection.kind == "identity" else {
-        name: block_seed(projection, name, shape) for name, shape in layout}
+        name: _param_keys(projection, name, shape) for name, shape in layout}
     names_by_key: dict[tuple[int, int], list[str]] = {}
     for name, key in keys.items():
         names_by_key.setdefault(key, []).append(name)

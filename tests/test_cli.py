@@ -189,3 +189,42 @@ def test_resume_of_a_finished_store_says_it_is_complete(built):
                  "--projection", "rademacher:32:7", cwd=built)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "grads.zarr" in result.stderr
+
+
+def test_memory_options_reach_build_and_score_follows_the_stores_layers(built):
+    spec = _tiny_spec()
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "last.zarr", "--quiet",
+                      "--projection", "sjlt:16:2", "--layers", "2.*", "--checkpointing",
+                      "--offload", "--mixed-precision", "bf16", "--memory-budget", "1MiB",
+                      cwd=built)
+    assert result.returncode == 0, result.stderr
+    store = tif.GradientStore.open(str(built / "last.zarr"))
+    assert [name for name, _ in store.meta.layout] == ["2.bias", "2.weight"]
+    expected = tif.build_store(
+        spec.loss, spec.checkpoints, spec.train, select=["2.*"],
+        projection=tif.Projection(dim=16, seed=2, kind="sjlt"),
+        stages=tif.model_stages(spec.model, torch.nn.functional.cross_entropy), offload=True,
+        mixed_precision=torch.bfloat16)
+    for c in range(2):
+        torch.testing.assert_close(store.read_rows(c, 0, 24), expected.read_rows(c, 0, 24))
+    # score builds test gradients for the store's own parameters without being told
+    scored = cli_here("score", "last.zarr", "--spec", f"{SPEC}:make", "--output", "l.npy",
+                      cwd=built)
+    assert scored.returncode == 0, scored.stderr
+    test = tif.build_store(spec.loss, spec.checkpoints, spec.test["test"], select=["2.*"],
+                           projection=store.projection)
+    np.testing.assert_allclose(np.load(built / "l.npy"), tif.score(store, test).numpy(),
+                               rtol=1e-5)
+
+
+def test_conflicting_gradient_flags_are_one_line_errors(built):
+    both = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr", "--layers", "2.*",
+                    "--last-layers", "1", cwd=built)
+    assert both.returncode == 1 and "--layers or --last-layers" in both.stderr
+    offload = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr", "--offload",
+                       cwd=built)
+    assert offload.returncode == 1 and "add --checkpointing" in offload.stderr
+    size = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr", "--memory-budget",
+                    "lots", cwd=built)
+    assert size.returncode == 2 and "2GB" in size.stderr
+    assert not (built / "x.zarr").exists()

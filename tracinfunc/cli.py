@@ -24,6 +24,7 @@ from tracinfunc.spec import Spec, SpecError, load_spec, rebatch
 
 __all__ = ["main"]
 
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -58,9 +59,27 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--quiet", action="store_true", help="no progress bars")
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    gradients = argparse.ArgumentParser(add_help=False)
+    options = gradients.add_argument_group("gradient options (build, and test gradients in score)")
+    options.add_argument("--chunk-size", type=int, help="examples differentiated at once")
+    options.add_argument("--memory-budget", type=_bytes, metavar="BYTES",
+                         help="choose --chunk-size from a budget, e.g. 2GB or 512MiB")
+    options.add_argument("--mixed-precision", choices=sorted(_AUTOCAST),
+                         help="forward under autocast; gradients stay float32")
+    options.add_argument("--checkpointing", action="store_true",
+                         help="recompute activations stage by stage (Spec.stages, or the "
+                              "stages of an nn.Sequential model)")
+    options.add_argument("--offload", action="store_true",
+                         help="with --checkpointing: stage boundaries wait in CPU memory")
+    options.add_argument("--layers", nargs="+", metavar="PATTERN",
+                         help="differentiate only these parameters (names or globs, e.g. "
+                              "'fc2.*'); score defaults to the store's own")
+    options.add_argument("--last-layers", type=int, metavar="N",
+                         help="differentiate only the last N layers")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    build = commands.add_parser("build", parents=[common], help="compute a gradient store")
+    build = commands.add_parser("build", parents=[common, gradients],
+                                help="compute a gradient store")
     build.add_argument("--spec", required=True, help="file.py:function or module:function")
     build.add_argument("--out", required=True, type=Path, help="store path, e.g. grads.zarr")
     build.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
@@ -69,12 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
                        help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
     build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
-    build.add_argument("--chunk-size", type=int, help="examples differentiated at once")
     build.add_argument("--resume", action="store_true",
                        help="continue an interrupted build at --out")
     build.set_defaults(run=_build)
 
-    score = commands.add_parser("score", parents=[common], help="score test examples")
+    score = commands.add_parser("score", parents=[common, gradients],
+                                help="score test examples")
     score.add_argument("store", type=Path)
     score.add_argument("--spec", help="file.py:function or module:function")
     score.add_argument("--test", default="test", help="name of the spec's test set")
@@ -154,10 +173,50 @@ def _build(args: argparse.Namespace) -> int:
     data = rebatch(spec.train, args.batch_size) if args.batch_size else spec.train
     store = tif.build_store(
         spec.loss, checkpoints, data, projection=args.projection, dtype=_DTYPES[args.dtype],
-        chunk_size=args.chunk_size, store=str(args.out), progress=_progress(args),
+        store=str(args.out), progress=_progress(args), **_gradient_options(args, spec),
     )
     print(f"wrote {store}")
     return 0
+
+
+def _gradient_options(args: argparse.Namespace, spec: Spec) -> dict:
+    """The keyword options of build_store that the gradient flags ask for."""
+    if args.layers and args.last_layers:
+        raise SpecError("pass --layers or --last-layers, not both.")
+    if args.offload and not args.checkpointing:
+        raise SpecError("--offload moves checkpointed stage boundaries: add --checkpointing.")
+    select = (args.layers if args.layers else
+              tif.last_layers(args.last_layers) if args.last_layers else None)
+    return {
+        "chunk_size": args.chunk_size, "memory_budget": args.memory_budget, "select": select,
+        "mixed_precision": _AUTOCAST.get(args.mixed_precision),
+        "stages": _stages(spec) if args.checkpointing else None, "offload": args.offload,
+    }
+
+
+def _stages(spec: Spec) -> tif.Stages:
+    if spec.stages is not None:
+        return spec.stages
+    module, criterion = getattr(spec.loss, "module", None), getattr(spec.loss, "criterion", None)
+    if module is None:
+        raise SpecError(
+            "--checkpointing needs stages: return Spec(stages=tif.model_stages(model, "
+            "criterion, names=[...])), or build the loss with tif.loss_from_module."
+        )
+    return tif.model_stages(module, criterion)
+
+
+def _bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
+             "mib": 2**20, "gib": 2**30}
+    number = text.lower().rstrip("abgikm")
+    unit = text.lower()[len(number):]
+    try:
+        return int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 2GB, 512MiB or 1000000, got {text!r}"
+        ) from None
 
 
 def _progress(args: argparse.Namespace) -> bool | None:
@@ -198,8 +257,11 @@ def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.G
         raise SpecError(f"score: the spec has no test set {args.test!r}; it has "
                         f"{sorted(spec.test or {})}.")
     checkpoints = _checkpoints(spec, args.checkpoints)
+    options = _gradient_options(args, spec)
+    if options["select"] is None:  # the store's own parameters, so the layouts match
+        options["select"] = [name for name, _ in store.meta.layout]
     return tif.build_store(spec.loss, checkpoints, spec.test[args.test],
-                           projection=store.projection, progress=_progress(args))
+                           projection=store.projection, progress=_progress(args), **options)
 
 
 def _self_influence(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tracinfunc.build import iter_batches
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import TracInFuncError
+from tracinfunc.stages import Stages
 from tracinfunc.types import Batch, LossFn
 
 __all__ = ["Spec", "SpecError", "load_spec", "rebatch"]
@@ -41,6 +42,8 @@ class Spec:
         train: Training data: one batch or an iterable of batches.
         test: Named test sets, ``{"name": batch or batches}``; ``--test NAME`` picks one.
         model: The module, needed to load ``--checkpoints`` state dicts.
+        stages: The model as :class:`~tracinfunc.Stages` for ``--checkpointing`` (default:
+            derived from an ``nn.Sequential`` model behind :func:`~tracinfunc.loss_from_module`).
     """
 
     loss: LossFn
@@ -48,6 +51,7 @@ class Spec:
     checkpoints: Sequence[Checkpoint] = ()
     test: Mapping[str, Batch | Iterable[Batch]] | None = None
     model: nn.Module | None = None
+    stages: Stages | None = None
 
 
 def load_spec(reference: str) -> Spec:

@@ -88,6 +88,33 @@ def test_params_that_do_not_fit_the_loss_are_reported(mlp_setup32):
         tif.build_store(loss, [wrong_shape], train, projection=PROJ)
 
 
+def test_checkpoint_missing_or_adding_parameters_is_reported(mlp_setup32):
+    # functional_call would take the module's own weight for a missing name: wrong model, no error.
+    loss, ckpts, train, _ = mlp_setup32
+    params = dict(ckpts[0].params)
+    missing = tif.Checkpoint(params={k: v for k, v in params.items() if k != "2.bias"})
+    with pytest.raises(tif.LossFunctionError, match=r"missing \['2.bias'\], unknown \[\]"):
+        tif.build_store(loss, [missing], train, projection=PROJ)
+    with pytest.raises(tif.LossFunctionError, match=r"missing \['2.bias'\]"):
+        tif.per_sample_grads(loss)(missing.params, train)
+    extra = tif.Checkpoint(params={**params, "head.weight": torch.zeros(2)})
+    with pytest.raises(tif.LossFunctionError, match=r"missing \[\], unknown \['head.weight'\]"):
+        tif.build_store(loss, [extra], train, projection=PROJ)
+
+
+def test_batchnorm_switched_to_train_mode_is_refused_before_any_call():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(),
+                                torch.nn.Linear(4, 3)).eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    before = {name: value.clone() for name, value in loss.buffers.items()}
+    model.train()
+    with pytest.raises(tif.TrainModeError, match="eval"):
+        tif.build_store(loss, [tif.Checkpoint.from_module(model)],
+                        make_data(4, dtype=torch.float32), projection=PROJ)
+    for name, value in loss.buffers.items():  # the statistics were not updated by a probe call
+        assert torch.equal(value, before[name]), name
+
+
 def test_non_scalar_loss_is_reported(mlp_setup32):
     loss, ckpts, train, _ = mlp_setup32
     with pytest.raises(tif.LossFunctionError, match="must return a scalar tensor, got \\[2\\]"):

@@ -19,8 +19,10 @@ from tracinfunc.errors import (
     IncompatibleGradientsError,
     LossFunctionError,
     NonFiniteGradientError,
+    TracInFuncError,
 )
 from tracinfunc.grads import explain_loss_error, projected_grads
+from tracinfunc.loss import ModuleLoss, check_eval_mode
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection import Layout, Projection, canonical_layout
 from tracinfunc.selection import Selection, selected_names
@@ -253,9 +255,14 @@ def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:
 def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
     """Evaluate the loss on the first example, so mistakes fail before any real work."""
     example = tree_map(lambda leaf: leaf[0], batch)
+    if isinstance(loss, ModuleLoss):
+        # Before any call: in train mode BatchNorm would update the loss's buffers in place.
+        check_eval_mode(loss.module, caller="build_store")
     try:
         with torch.no_grad():
             value = loss(params, example)
+    except TracInFuncError:
+        raise  # already says what is wrong and how to fix it
     except Exception as error:
         clearer = explain_loss_error(error, caller="build_store")
         if clearer is not None:

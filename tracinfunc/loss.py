@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from tracinfunc.errors import TrainModeError
+from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
 
 __all__ = ["ModuleLoss", "check_eval_mode", "loss_from_module"]
@@ -35,13 +35,37 @@ class ModuleLoss:
     module: nn.Module
     criterion: Callable[[Tensor, Tensor], Tensor]
     buffers: Mapping[str, Tensor]
+    # Names fixed when the loss is made, checked on every call: functional_call silently
+    # takes the module's own weight for a name missing from ``params`` and ignores unknown
+    # ones, which would give gradients of the wrong model without an error.
+    trainable: frozenset[str] = field(init=False, repr=False)
+    known: frozenset[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        named = dict(self.module.named_parameters())
+        trainable = frozenset(name for name, value in named.items() if value.requires_grad)
+        object.__setattr__(self, "trainable", trainable)
+        object.__setattr__(self, "known", frozenset(named))
 
     def __call__(self, params: Params, example: Example) -> Tensor:
         """The loss of one ``example = (inputs, target)`` (no batch dimension) at ``params``."""
+        self._check_names(params)
         inputs, target = example
         outputs = functional_call(self.module, ({**self.buffers, **params},),
                                   (inputs.unsqueeze(0),))
         return self.criterion(outputs, target.unsqueeze(0))
+
+    def _check_names(self, params: Params) -> None:
+        names = params.keys()
+        missing, unknown = self.trainable - names, names - self.known
+        if missing or unknown:
+            raise LossFunctionError(
+                f"loss_from_module: the parameters passed do not match the model: missing "
+                f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]} (expected the "
+                f"{len(self.trainable)} trainable parameter names of model.named_parameters()). "
+                "Build checkpoints with Checkpoint.from_module/from_state_dict(..., model) "
+                "so that they hold exactly those."
+            )
 
 
 def loss_from_module(

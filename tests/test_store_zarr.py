@@ -125,6 +125,41 @@ def test_a_missing_shard_file_is_reported(built):
         built.read_rows(2, 20, 30)
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_all_zero_chunks_are_written_and_read_back(mlp_setup32, tmp_path, compression):
+    # zarr skips all-zero chunks unless told on every open; a skipped chunk would later read
+    # as damage (raw path) or hide real damage (zarr's path). Rows 8-11 fill one inner chunk.
+    meta = tif.build_store(*mlp_setup32[:3], projection=PROJ).meta
+    path = tmp_path / "z.zarr"
+    rows = torch.randn(3, 20, 16)
+    rows[:, 8:12] = 0
+    norms = rows.norm(dim=-1)
+    norms[:, 8:16] = 0  # a whole norms chunk (one per shard of 8 rows)
+    writer = tif.ZarrWriter(path, meta.replace(n_train=0, complete=False), chunk_rows=4,
+                            shard_rows=8, compression=compression)
+    writer.append(rows[:, :10], norms[:, :10])  # the zero chunk straddles two appends
+    writer.append(rows[:, 10:], norms[:, 10:])
+    store = writer.finish()
+    assert store.raw_reads == (compression is None)
+    assert torch.equal(all_rows(tif.GradientStore.open(path)), rows)
+    assert torch.equal(all_norms(store), norms)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_missing_files_on_every_read_path_are_reported(mlp_setup32, tmp_path, compression):
+    loss, ckpts, train, _ = mlp_setup32
+    store = tif.build_store(loss, ckpts, batches(*train), projection=PROJ,
+                            store=tiny(tmp_path / "g.zarr", compression=compression))
+    _chunk_file(store, ckpt=0, shard=2).unlink()
+    (store.path / "norms" / "1" / "c" / "3").unlink()
+    reopened = tif.GradientStore.open(store.path)
+    with pytest.raises(tif.CorruptStoreError, match=r"'epoch-0' \(index 0\), rows \[0, 40\)"):
+        reopened.read_rows(0, 0, 40)
+    with pytest.raises(tif.CorruptStoreError, match=r"read_norms: checkpoint 'epoch-1'.*missing"):
+        tif.self_influence(reopened)
+    assert reopened.read_rows(0, 0, 16).shape == (16, 16)  # the rest stays readable
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_storage_scores_within_tolerance(mlp_setup32, tmp_path, dtype):
     loss, ckpts, train, test = mlp_setup32

@@ -17,12 +17,15 @@ from torch import Tensor
 from tracinfunc.errors import CorruptStoreError, IncompatibleGradientsError
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
 
-__all__ = ["ATTRS_KEY", "check_resumable", "create_layout", "read_meta", "rows_dtype",
-           "to_numpy"]
+__all__ = ["ATTRS_KEY", "check_resumable", "create_layout", "missing_chunk_files",
+           "read_meta", "rows_dtype", "to_numpy", "writable_arrays"]
 
 ATTRS_KEY = "tracinfunc"
 CHUNK_BYTES = 4 * 2**20
 SHARD_BYTES = 256 * 2**20
+# Empty (all-zero) chunks are written too, so a missing chunk always means damage, never zeros.
+# zarr keeps this as a runtime setting, not in the metadata: every writer must ask for it.
+WRITE_CONFIG = {"write_empty_chunks": True}
 
 _NUMPY = {"float64": "float64", "float32": "float32", "float16": "float16",
           "bfloat16": "uint16"}
@@ -66,17 +69,34 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
     codecs = [ZstdCodec(level=3), Crc32cCodec()] if compression else [Crc32cCodec()]
     group = zarr.open_group(path, mode="w-")  # exclusive create: never clobbers a store
     rows, norms = group.require_group("rows"), group.require_group("norms")
-    # Empty chunks are written too, so a missing chunk always means damage, never zeros.
-    config = {"write_empty_chunks": True}
     for c in range(meta.n_ckpt):
         rows.create_array(str(c), shape=(0, meta.k), dtype=rows_dtype(meta),
                           chunks=(chunk, meta.k), shards=(shard, meta.k), filters=None,
-                          compressors=codecs, fill_value=0, config=config)
+                          compressors=codecs, fill_value=0, config=WRITE_CONFIG)
         norms.create_array(str(c), shape=(0,), dtype=_norms_numpy(meta), chunks=(shard,),
                            filters=None, compressors=[Crc32cCodec()], fill_value=0,
-                           config=config)
+                           config=WRITE_CONFIG)
     group.attrs[ATTRS_KEY] = meta.replace(n_train=0, complete=False).to_dict()
     return group
+
+
+def writable_arrays(group: zarr.Group, kind: str, n_ckpt: int) -> list[zarr.Array]:
+    """The ``kind`` ("rows" or "norms") arrays of ``group``, set to write empty chunks."""
+    return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
+
+
+def missing_chunk_files(array: zarr.Array, start: int, stop: int) -> list[str]:
+    """Keys of the chunk (or shard) files that rows ``[start, stop)`` need but are absent.
+
+    zarr reads a missing file as the fill value (zeros); every tracinfunc writer writes each
+    chunk, so an absent one is damage. Checked before zarr's own (non-raw) reads.
+    """
+    rows_per_file = (array.shards or array.chunks)[0]
+    tail = (0,) * (array.ndim - 1)
+    root = Path(array.store.root) / array.path
+    keys = (array.metadata.encode_chunk_key((i, *tail))
+            for i in range(start // rows_per_file, (stop - 1) // rows_per_file + 1))
+    return [key for key in keys if not (root / key).exists()] if stop > start else []
 
 
 def read_meta(group: zarr.Group, path: Path, *, caller: str) -> StoreMeta:

@@ -50,9 +50,11 @@ from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
     check_resumable,
     create_layout,
+    missing_chunk_files,
     read_meta,
     rows_dtype,
     to_numpy,
+    writable_arrays,
 )
 from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
 from tracinfunc.store.memory import check_block, norm_dtype
@@ -144,6 +146,7 @@ class ZarrStore(StoreProperties):
             if reader is not None and target.is_contiguous():
                 reader.read_into(start, stop, _bytes_of(target))
             else:
+                _require_chunk_files(self._rows[ckpt], start, stop)
                 target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
@@ -152,8 +155,9 @@ class ZarrStore(StoreProperties):
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
         try:
+            _require_chunk_files(self._norms[ckpt], start, stop)
             values = self._norms[ckpt][start:stop]
-        except (ValueError, OSError) as error:
+        except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_norms", ckpt, start, stop, error) from error
         return torch.from_numpy(np.ascontiguousarray(values)).to(norm_dtype(self._meta))
 
@@ -196,8 +200,8 @@ class ZarrWriter:
                                         shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path, caller="ZarrWriter")
         self._committed = self._meta.n_train
-        self._rows = [self._group[f"rows/{c}"] for c in range(meta.n_ckpt)]
-        self._norms = [self._group[f"norms/{c}"] for c in range(meta.n_ckpt)]
+        self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
+        self._norms = writable_arrays(self._group, "norms", meta.n_ckpt)
         self._shard_rows = int(self._rows[0].shards[0])
         # Drop anything a killed build wrote past its last committed shard.
         for array in self._rows + self._norms:
@@ -277,6 +281,12 @@ class ZarrWriter:
         # Only now is the shard counted: a crash before this line redoes it on resume.
         self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
+
+
+def _require_chunk_files(array: zarr.Array, start: int, stop: int) -> None:
+    missing = missing_chunk_files(array, start, stop)
+    if missing:
+        raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

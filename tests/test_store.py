@@ -204,8 +204,22 @@ def test_writer_refuses_appends_after_finish(reference, tmp_path):
             writer.append(torch.zeros(3, 2, 16), torch.zeros(3, 2))
     for writer in (tif.MemoryWriter(meta), tif.PinnedWriter(meta),
                    tif.ZarrWriter(tmp_path / "bad.zarr", meta)):
-        with pytest.raises(ValueError, match=r"rows must be \[n_ckpt=3, b, k=16\]"):
+        with pytest.raises(tif.IncompatibleGradientsError,
+                           match=r"rows must be \[n_ckpt=3, b, k=16\], got \[2, 2, 16\]"):
             writer.append(torch.zeros(2, 2, 16), torch.zeros(2, 2))
+
+
+def test_writers_copy_blocks_and_finish_once(reference, tmp_path):
+    meta = reference.meta.replace(n_train=0, complete=False)
+    for writer in (tif.MemoryWriter(meta), tif.PinnedWriter(meta),
+                   tif.ZarrWriter(tmp_path / "f.zarr", meta)):
+        rows = torch.ones(3, 2, 16)
+        writer.append(rows, rows.norm(dim=-1))
+        rows.zero_()  # the caller reuses its buffer before finish: the store must not change
+        finished = writer.finish()
+        assert torch.equal(all_rows(finished), torch.ones(3, 2, 16)), type(writer).__name__
+        with pytest.raises(tif.ReadOnlyStoreError, match="finish: the store is already finished"):
+            writer.finish()
 
 
 def test_memory_store_copies_on_ingest(reference):

@@ -97,6 +97,29 @@ def test_something_else_at_the_path_is_refused(mlp_setup32, tmp_path):
         tif.GradientStore.open(tmp_path / "missing.zarr")
 
 
+def test_edited_metadata_or_arrays_are_reported_at_open(built):
+    group = zarr.open_group(built.path, mode="r+")
+    group["norms/1"].resize((7,))
+    with pytest.raises(tif.CorruptStoreError, match=r"norms/1 .* is \(7,\) float32, the "
+                                                   r"metadata says \(40,\) float32"):
+        tif.GradientStore.open(built.path)
+    attrs = dict(group.attrs["tracinfunc"])
+    group.attrs["tracinfunc"] = {**attrs, "dtype": "int8"}
+    with pytest.raises(tif.CorruptStoreError, match="storage dtype 'int8'"):
+        tif.GradientStore.open(built.path)
+
+
+def test_shards_shrink_so_writer_buffers_stay_bounded(built):
+    from tracinfunc.store._zarr_layout import WRITER_BUFFER_BYTES, default_rows
+
+    row_bytes = 4096 * 4
+    few, many = (built.meta.replace(k=4096, checkpoints=built.meta.checkpoints[:1] * n)
+                 for n in (1, 40))
+    assert default_rows(few, None, None)[1] * row_bytes == 256 * 2**20
+    chunk, shard = default_rows(many, None, None)
+    assert 40 * shard * row_bytes <= WRITER_BUFFER_BYTES and shard % chunk == 0
+
+
 def _chunk_file(store, ckpt=1, shard=1):
     return store.path / "rows" / str(ckpt) / "c" / str(shard) / "0"
 

@@ -18,11 +18,14 @@ from tracinfunc.errors import CorruptStoreError, IncompatibleGradientsError
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
 
 __all__ = ["ATTRS_KEY", "check_resumable", "create_layout", "missing_chunk_files",
-           "read_meta", "rows_dtype", "to_numpy", "writable_arrays"]
+           "norms_numpy", "read_meta", "rows_dtype", "to_numpy", "writable_arrays"]
 
 ATTRS_KEY = "tracinfunc"
 CHUNK_BYTES = 4 * 2**20
 SHARD_BYTES = 256 * 2**20
+# A writer buffers one whole shard per checkpoint (sub-shard writes cost 10-40x): with many
+# checkpoints the shards shrink so that the buffers together stay under this.
+WRITER_BUFFER_BYTES = 2**30
 # Empty (all-zero) chunks are written too, so a missing chunk always means damage, never zeros.
 # zarr keeps this as a runtime setting, not in the metadata: every writer must ask for it.
 WRITE_CONFIG = {"write_empty_chunks": True}
@@ -45,11 +48,13 @@ def to_numpy(rows: Tensor) -> np.ndarray:
 
 def default_rows(meta: StoreMeta, chunk_rows: int | None,
                  shard_rows: int | None) -> tuple[int, int]:
-    """``(chunk_rows, shard_rows)``: ~4 MiB chunks, ~256 MiB shards unless given."""
+    """``(chunk_rows, shard_rows)``: ~4 MiB chunks; shards of ~256 MiB, smaller when
+    ``n_ckpt`` shards would not fit :data:`WRITER_BUFFER_BYTES` together; unless given."""
     row_bytes = meta.k * meta.torch_dtype.itemsize
     chunk = chunk_rows or max(1, CHUNK_BYTES // row_bytes)
+    shard_bytes = min(SHARD_BYTES, WRITER_BUFFER_BYTES // max(1, meta.n_ckpt))
     # At most 1024 chunks per shard: zarr writes the whole index (16 bytes a chunk) per shard.
-    shard = shard_rows or chunk * min(1024, max(1, SHARD_BYTES // (chunk * row_bytes)))
+    shard = shard_rows or chunk * min(1024, max(1, shard_bytes // (chunk * row_bytes)))
     if chunk < 1 or shard < chunk or shard % chunk:
         raise ValueError(
             f"ZarrWriter: shard_rows must be a positive multiple of chunk_rows, got "
@@ -73,9 +78,11 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
         rows.create_array(str(c), shape=(0, meta.k), dtype=rows_dtype(meta),
                           chunks=(chunk, meta.k), shards=(shard, meta.k), filters=None,
                           compressors=codecs, fill_value=0, config=WRITE_CONFIG)
-        norms.create_array(str(c), shape=(0,), dtype=_norms_numpy(meta), chunks=(shard,),
-                           filters=None, compressors=[Crc32cCodec()], fill_value=0,
-                           config=WRITE_CONFIG)
+        # Sharded like the rows: an edge chunk is stored whole, so one chunk per shard would
+        # spend a shard's worth of norms (16 MiB at k=16) on a store of a few rows.
+        norms.create_array(str(c), shape=(0,), dtype=norms_numpy(meta), chunks=(chunk,),
+                           shards=(shard,), filters=None, compressors=[Crc32cCodec()],
+                           fill_value=0, config=WRITE_CONFIG)
     group.attrs[ATTRS_KEY] = meta.replace(n_train=0, complete=False).to_dict()
     return group
 
@@ -114,11 +121,17 @@ def read_meta(group: zarr.Group, path: Path, *, caller: str) -> StoreMeta:
             f"reads versions up to {FORMAT_VERSION}. Upgrade tracinfunc."
         )
     try:
-        return StoreMeta.from_dict(data)
+        meta = StoreMeta.from_dict(data)
     except (KeyError, TypeError, ValueError) as error:
         raise CorruptStoreError(
             f"{caller}: the metadata of {str(path)!r} is malformed ({error!r})."
         ) from error
+    if meta.dtype not in _NUMPY:
+        raise CorruptStoreError(
+            f"{caller}: the metadata of {str(path)!r} gives storage dtype {meta.dtype!r}; "
+            f"stores hold one of {sorted(_NUMPY)}. The metadata was edited or damaged."
+        )
+    return meta
 
 
 def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> None:
@@ -146,5 +159,6 @@ def _short(value: object) -> str:
     return text if len(text) < 160 else text[:157] + "..."
 
 
-def _norms_numpy(meta: StoreMeta) -> str:
-    return "float64" if meta.dtype == "float64" else "float32"
+def norms_numpy(meta: StoreMeta) -> np.dtype:
+    """The zarr (numpy) dtype of the norms arrays: float32, float64 for float64 stores."""
+    return np.dtype("float64" if meta.dtype == "float64" else "float32")

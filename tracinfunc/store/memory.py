@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc.errors import ReadOnlyStoreError
+from tracinfunc.errors import IncompatibleGradientsError, ReadOnlyStoreError
 from tracinfunc.interop import as_tensor
 from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
@@ -101,11 +101,14 @@ class MemoryWriter:
         rows = as_tensor(rows, caller="MemoryWriter.append")
         norms = as_tensor(norms, caller="MemoryWriter.append")
         check_block(self._meta, rows, norms, caller="MemoryWriter.append")
-        self._rows.append(rows.detach().to("cpu", self._meta.torch_dtype))
-        self._norms.append(norms.detach().to("cpu", norm_dtype(self._meta)))
+        # Copy on ingest: a block the caller changes after append must not change the store.
+        self._rows.append(rows.detach().to("cpu", self._meta.torch_dtype, copy=True))
+        self._norms.append(norms.detach().to("cpu", norm_dtype(self._meta), copy=True))
 
     def finish(self) -> MemoryStore:
         """Seal the store; the writer cannot be used afterwards."""
+        if self._finished:
+            raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self.rows_written, complete=True)
         empty = torch.empty(meta.n_ckpt, 0, meta.k, dtype=meta.torch_dtype)
@@ -116,16 +119,21 @@ class MemoryWriter:
 
 
 def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor, *, caller: str) -> None:
-    """Raise ``ValueError`` unless ``rows`` is ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``."""
+    """Raise unless ``rows`` is ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``.
+
+    Raises:
+        IncompatibleGradientsError: (a ``ValueError``) the block does not fit the store.
+    """
     if rows.ndim != 3 or rows.shape[0] != meta.n_ckpt or rows.shape[2] != meta.k:
-        raise ValueError(
+        raise IncompatibleGradientsError(
             f"{caller}: rows must be [n_ckpt={meta.n_ckpt}, b, k={meta.k}], got "
-            f"{list(rows.shape)}."
+            f"{list(rows.shape)}; write one row of k values per example and checkpoint, "
+            "made with the store's projection."
         )
     if tuple(norms.shape) != tuple(rows.shape[:2]):
-        raise ValueError(
+        raise IncompatibleGradientsError(
             f"{caller}: norms must be [n_ckpt, b] = {list(rows.shape[:2])}, got "
-            f"{list(norms.shape)}."
+            f"{list(norms.shape)}; pass rows.norm(dim=-1) of the unrounded rows."
         )
 
 

@@ -84,12 +84,14 @@ class PinnedWriter:
             self._rows[:, start:stop].copy_(rows.detach())
             self._norms[:, start:stop].copy_(norms.detach())
         else:
-            self._blocks.append((rows.detach().to("cpu", self._meta.torch_dtype),
-                                 norms.detach().to("cpu", norm_dtype(self._meta))))
+            self._blocks.append((rows.detach().to("cpu", self._meta.torch_dtype, copy=True),
+                                 norms.detach().to("cpu", norm_dtype(self._meta), copy=True)))
         self._rows_written = stop
 
     def finish(self) -> PinnedStore:
         """Seal the store; the writer cannot be used afterwards."""
+        if self._finished:
+            raise ReadOnlyStoreError("PinnedWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self._rows_written, complete=True)
         if self._rows is None:

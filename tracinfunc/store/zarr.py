@@ -51,6 +51,7 @@ from tracinfunc.store._zarr_layout import (
     check_resumable,
     create_layout,
     missing_chunk_files,
+    norms_numpy,
     read_meta,
     rows_dtype,
     to_numpy,
@@ -98,12 +99,14 @@ class ZarrStore(StoreProperties):
             )
         rows = [group[f"rows/{c}"] for c in range(meta.n_ckpt)]
         norms = [group[f"norms/{c}"] for c in range(meta.n_ckpt)]
-        for array in rows:
-            if tuple(array.shape) != (meta.n_train, meta.k) or array.dtype != rows_dtype(meta):
+        expected = [(a, (meta.n_train, meta.k), rows_dtype(meta)) for a in rows]
+        expected += [(a, (meta.n_train,), norms_numpy(meta)) for a in norms]
+        for array, shape, dtype in expected:
+            if tuple(array.shape) != shape or array.dtype != dtype:
                 raise CorruptStoreError(
                     f"ZarrStore: array {array.path} of {str(path)!r} is {array.shape} "
-                    f"{array.dtype}, the metadata says ({meta.n_train}, {meta.k}) "
-                    f"{rows_dtype(meta)}; the store is damaged or was edited by hand."
+                    f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
+                    "damaged or was edited by hand."
                 )
         for name, value in (("_path", path), ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms),

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tracinfunc as tif
 from tests.conftest import make_data, make_mlp
+from tracinfunc.build import rebatch
 
 PROJ = tif.Projection(dim=16, seed=0)
 
@@ -31,6 +34,32 @@ def test_data_forms_give_the_same_store(mlp_setup32):
         assert other.shape == (3, 40, 16)
         # Batch size changes float32 matmul blocking, hence a float32 tolerance.
         torch.testing.assert_close(_rows(other), _rows(one_batch), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=8), batch_size=st.integers(1, 12))
+def test_rebatch_keeps_every_example_in_order(sizes, batch_size):
+    x = torch.arange(sum(sizes))
+    parts, start = [], 0
+    for size in sizes:
+        parts.append({"x": x[start:start + size], "twice": 2 * x[start:start + size]})
+        start += size
+    out = list(rebatch(parts, batch_size))
+    got = [len(b["x"]) for b in out]
+    assert all(n == batch_size for n in got[:-1]) and 0 < got[-1] <= batch_size if got else True
+    assert torch.equal(torch.cat([b["x"] for b in out]) if out else x[:0], x)
+    assert all(torch.equal(b["twice"], 2 * b["x"]) for b in out)
+
+
+def test_batch_size_merges_small_batches_without_changing_rows(mlp_setup32):
+    loss, ckpts, (x, y), _ = mlp_setup32
+    small = [(x[i:i + 3], y[i:i + 3]) for i in range(0, 40, 3)]
+    plain = tif.build_store(loss, ckpts, small, projection=PROJ)
+    merged = tif.build_store(loss, ckpts, small, projection=PROJ, batch_size=16)
+    assert merged.n_train == 40
+    torch.testing.assert_close(_rows(merged), _rows(plain), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="batch_size must be a positive int or None, got 0"):
+        tif.build_store(loss, ckpts, small, projection=PROJ, batch_size=0)
 
 
 def test_metadata_describes_the_build(mlp_setup32):

@@ -50,6 +50,7 @@ def build_store(
     stages: Stages | None = None,
     offload: bool = False,
     memory_budget: int | None = None,
+    batch_size: int | None = None,
     store: StoreTarget = None,
     progress: ProgressArg = None,
 ) -> GradientStore:
@@ -74,6 +75,11 @@ def build_store(
             options of :func:`~tracinfunc.grads.projected_grads`, passed through. With
             ``select``, the store's layout (and projection) covers only the selected
             parameters; test gradients must use the same selection.
+        batch_size: Examples per gradient call: the data's batches are merged or split to
+            this size (the last may be smaller); ``None`` keeps the data's own batches. Each
+            call has a fixed cost (about 2 ms on a CPU), so merging small loader batches
+            pays for small models; activation memory grows with it unless ``chunk_size`` or
+            ``memory_budget`` bounds it. Resuming needs the same ``batch_size``.
         store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
             ``tif.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
             Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
@@ -116,7 +122,8 @@ def build_store(
     first_batch = True
     bar = progress_bar(progress, total=_known_size(data), desc="build_store", unit="ex")
     bar.update(resume_at)
-    for batch in iter_batches(data):
+    batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
+    for batch in batches:
         size = _batch_size(batch)
         seen += size
         if size == 0 or seen <= resume_at:  # stored before the interruption: no gradients
@@ -177,6 +184,36 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
         )
     for batch in data:
         yield _check_batch(batch)
+
+
+def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
+    """Yield the examples of ``data`` in batches of exactly ``batch_size`` (the last: fewer).
+
+    Batches are split and merged (concatenated along the batch dimension) as needed; the
+    order of examples is kept.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"build_store: batch_size must be a positive int or None, got {batch_size!r}."
+        )
+    pending: list[Batch] = []
+    count = 0
+    for batch in iter_batches(data):
+        pending.append(batch)
+        count += _batch_size(batch)
+        while count >= batch_size:
+            merged = _concat(pending)
+            yield tree_map(lambda leaf: leaf[:batch_size], merged)
+            count -= batch_size
+            pending = [tree_map(lambda leaf: leaf[batch_size:], merged)] if count else []
+    if count:
+        yield _concat(pending)
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    if len(batches) == 1:
+        return batches[0]
+    return tree_map(lambda *leaves: torch.cat(leaves), *batches)
 
 
 def _check_batch(batch: Batch) -> Batch:

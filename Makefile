@@ -3,9 +3,10 @@
 #   make test         # creates .venv, installs, runs ruff, the docs build and the test suite
 PYTHON ?= python3
 VENV ?= .venv
+DATTRI_VENV ?= .venv-dattri
 BIN := $(VENV)/bin
 
-.PHONY: quickstart test lint docs install clean
+.PHONY: quickstart test lint docs install clean bench bench-setup
 
 $(BIN)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,5 +28,15 @@ docs: install
 test: lint docs
 	$(BIN)/python -m pytest -q
 
+# Benchmarks (tens of minutes at full size; BENCH_ARGS=--quick for a few): captum in .venv,
+# dattri 0.3.0 in an environment of its own so its pins never touch ours.
+bench-setup: install
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e ".[bench]"
+	test -x $(DATTRI_VENV)/bin/python || $(PYTHON) -m venv $(DATTRI_VENV)
+	$(DATTRI_VENV)/bin/python -m pip install -q -c constraints-cpu.txt dattri==0.3.0 torch
+
+bench: bench-setup
+	DATTRI_PYTHON=$(DATTRI_VENV)/bin/python $(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(DATTRI_VENV) build *.egg-info

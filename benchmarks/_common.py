@@ -139,8 +139,9 @@ def agreement(scores: np.ndarray, exact: np.ndarray, top: int = 10) -> dict:
 
 
 def python_of_dattri() -> str:
-    """The interpreter of dattri's own environment: $DATTRI_PYTHON or /work/venv-dattri."""
-    return os.environ.get("DATTRI_PYTHON", "/work/venv-dattri/bin/python")
+    """The interpreter of dattri's own environment: $DATTRI_PYTHON or .venv-dattri."""
+    default = os.path.join(os.path.dirname(_here()), ".venv-dattri", "bin", "python")
+    return os.environ.get("DATTRI_PYTHON", default)
 
 
 def check_interpreter(python: str, module: str, install: str) -> str | None:

@@ -38,6 +38,7 @@ from _common import (
     ROOT,
     Timer,
     agreement,
+    check_interpreter,
     current_rss_mb,
     digits,
     emit,
@@ -194,6 +195,11 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if any(m.startswith("captum") for m in args.methods.split(",")):
+        missing = check_interpreter(PYTHON, "captum", "install it with `make bench-setup` "
+                                    "(pip install -e '.[bench]')")
+        if missing:
+            sys.exit(f"vs_captum: captum is not available: {missing}")
     n_train, n_test, k = (400, 100, 64) if args.quick else (1437, 360, args.k)
     print(f"# vs_captum: {datetime.date.today()}, {machine()}")
     print(f"# MLP 64-32-10 on digits, {n_train} train / {n_test} test, 3 checkpoints, k={k}")

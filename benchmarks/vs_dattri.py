@@ -6,10 +6,15 @@ method runs in its own child process (clean peak RSS) and is timed from the firs
 the full ``[n_test, n_train]`` score matrix (gradients + store + scores):
 
 * ``dattri``: ``TracInAttributor`` of dattri 0.3.0, in dattri's own venv (``--dattri-python``
-  or ``$DATTRI_PYTHON``, default ``/work/venv-dattri/bin/python``);
+  or ``$DATTRI_PYTHON``, default ``.venv-dattri/bin/python``, made by ``make bench-setup``);
 * ``naive``: ``vmap(grad(loss))`` per batch, flattened, times a dense Gaussian ``[p, k]``
   generated once per checkpoint, then ``test @ train.T``;
-* ``tif-<kind>``: ``build_store`` (train and test) then ``score``, for each projection kind.
+* ``naive-shared``: the same with one Gaussian for every checkpoint, as tracinfunc's
+  projection is (a function of seed, kind, dim, name and shape, never of the checkpoint):
+  its errors then add up across checkpoints instead of averaging out, which costs agreement;
+* ``tif-<kind>``: ``build_store`` (train and test) then ``score``, for each projection kind,
+  fed the loader's batches of 100; ``tif-<kind>@1000`` passes ``batch_size=1000`` so that
+  build_store merges them into calls of 1000 examples (a vmapped call costs ~2 ms here).
 
 Score agreement with exact (unprojected) TracIn is measured on sklearn digits (64 -> 10
 logistic regression, 1437 train / 360 test, 2 checkpoints) at the same k, averaged over seeds.
@@ -51,8 +56,7 @@ from _common import (
 )
 
 KINDS = ("rademacher", "sjlt", "kronecker")
-INSTALL_DATTRI = ("create it with: python3.11 -m venv /work/venv-dattri && "
-                  "/work/venv-dattri/bin/pip install -c constraints-cpu.txt dattri==0.3.0 torch")
+INSTALL_DATTRI = "create it with `make bench-setup` (or pass --dattri-python)"
 
 
 # --- children -------------------------------------------------------------------------------
@@ -62,7 +66,8 @@ def _batches(x, y, batch):
         yield x[i:i + batch], y[i:i + batch]
 
 
-def run_tracinfunc(problem: dict, kind: str, seed: int):
+def run_tracinfunc(problem: dict, method: str, seed: int):
+    kind, _, merged = method.partition("@")
     import torch.nn.functional as F
 
     import tracinfunc as tif
@@ -78,15 +83,19 @@ def run_tracinfunc(problem: dict, kind: str, seed: int):
     batch = problem["batch"]
     baseline = current_rss_mb()
     with Timer() as timer:
-        store = tif.build_store(loss, ckpts, _batches(x_train, y_train, batch), projection=spec)
+        options = {"batch_size": int(merged)} if merged else {}
+        store = tif.build_store(loss, ckpts, _batches(x_train, y_train, batch), projection=spec,
+                                **options)
         test = tif.build_store(loss, ckpts, _batches(x_test, y_test, batch),
-                               projection=store.projection)
+                               projection=store.projection, **options)
         scores = tif.score(store, test, device="cpu")
     return scores, timer.seconds, baseline
 
 
-def run_naive(problem: dict, seed: int):
-    """vmap(grad) then a dense Gaussian matmul: the straightforward torch.func reference."""
+def run_naive(problem: dict, seed: int, *, shared: bool = False):
+    """vmap(grad) then a dense Gaussian matmul: the straightforward torch.func reference.
+
+    One Gaussian per checkpoint, or with ``shared`` one for all of them."""
     from torch.func import functional_call, grad, vmap
 
     model = linear_model(problem["d_in"], problem["n_classes"]).eval()
@@ -104,7 +113,7 @@ def run_naive(problem: dict, seed: int):
         for c, (state, lr) in enumerate(zip(problem["states"], problem["lrs"], strict=True)):
             params = {n: v for n, v in state.items()}
             p = sum(v.numel() for v in params.values())
-            gen = torch.Generator().manual_seed(seed * 1000 + c)
+            gen = torch.Generator().manual_seed(seed * 1000 + (0 if shared else c))
             gauss = torch.randn(p, k, generator=gen) / k**0.5  # [p, k]
 
             def project(x, y, params=params, gauss=gauss):
@@ -124,8 +133,9 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     problem = torch.load(args.problem, weights_only=False)
     for run in (tiny(problem), problem):  # warm up, then the timed run
-        if args.child == "naive":
-            scores, seconds, baseline = run_naive(run, args.seed)
+        if args.child in ("naive", "naive-shared"):
+            scores, seconds, baseline = run_naive(run, args.seed,
+                                                  shared=args.child == "naive-shared")
         else:
             scores, seconds, baseline = run_tracinfunc(run, args.child[len("tif-"):], args.seed)
     np.save(args.out, scores.numpy())
@@ -180,8 +190,9 @@ def exact_scores(problem_path) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2k train / 400 test")
-    parser.add_argument("--methods", default=",".join(["dattri", "naive"] +
-                                                      [f"tif-{k}" for k in KINDS]))
+    parser.add_argument("--methods", default=",".join(
+        ["dattri", "naive", "naive-shared"] + [f"tif-{k}" for k in KINDS]
+        + [f"tif-{k}@1000" for k in KINDS]))
     parser.add_argument("--dattri-python", default=python_of_dattri())
     parser.add_argument("--seeds", type=int, default=3, help="seeds for the agreement runs")
     parser.add_argument("--repeats", type=int, default=1, help="timing runs (best is kept)")

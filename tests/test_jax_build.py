@@ -13,6 +13,7 @@ from tests.jax_helpers import flax_template, paired_mlp, to_jax_batch
 
 PROJECTIONS = [tif.Projection(dim=32, seed=11), tif.Projection(dim=32, seed=11, kind="sjlt",
                                                                nnz=2)]
+KRONECKER = tif.Projection(dim=32, seed=11, kind="kronecker")
 
 
 def _rel_err(got, expected) -> float:
@@ -34,7 +35,8 @@ def _stores(projection):
     return torch_train, torch_test, jax_train, jax_test
 
 
-@pytest.mark.parametrize("projection", PROJECTIONS, ids=["rademacher", "sjlt"])
+@pytest.mark.parametrize("projection", [*PROJECTIONS, KRONECKER],
+                         ids=["rademacher", "sjlt", "kronecker"])
 def test_jax_and_torch_stores_score_the_same(projection):
     torch_train, torch_test, jax_train, jax_test = _stores(projection)
     assert jax_train.meta.layout == torch_train.meta.layout
@@ -49,8 +51,10 @@ def test_jax_and_torch_stores_score_the_same(projection):
         assert _rel_err(tif.self_influence(train), tif.self_influence(torch_train)) <= 1e-5
 
 
-def test_jax_store_rows_match_torch_rows():
-    torch_train, _, jax_train, _ = _stores(PROJECTIONS[0])
+@pytest.mark.parametrize("projection", [PROJECTIONS[0], KRONECKER],
+                         ids=["rademacher", "kronecker"])
+def test_jax_store_rows_match_torch_rows(projection):
+    torch_train, _, jax_train, _ = _stores(projection)
     for c in range(torch_train.n_ckpt):
         np.testing.assert_allclose(jax_train.read_rows(c, 0, 40).numpy(),
                                    torch_train.read_rows(c, 0, 40).numpy(), rtol=1e-5,

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 import tracinfunc as tif
 import tracinfunc.jax as tj
+from tests.jax_helpers import paired_mlp, to_jax_batch
+from tracinfunc import _hashing
 from tracinfunc import projection as torch_projection
 from tracinfunc.jax.projection import _mulhi32
 
@@ -45,6 +47,27 @@ def test_sjlt_blocks_are_bit_identical_to_torch(name, shape, dim, seed, data):
     np.testing.assert_array_equal(np.asarray(signs), signs_t.numpy())
 
 
+@settings(max_examples=5, deadline=None)
+@given(name=NAMES, shape=st.lists(st.integers(1, 9), min_size=2, max_size=4),
+       dim=st.integers(1, 70), seed=st.integers(0, 2**63 - 1))
+def test_kronecker_factors_are_bit_identical_to_torch(name, shape, dim, seed):
+    projection = tif.Projection(dim=dim, seed=seed, kind="kronecker")
+    got = tj.kronecker_factors(projection, name, shape)
+    expected = torch_projection.kronecker_factors(projection, name, shape)
+    for side, side_t in zip(got, expected, strict=True):
+        assert side.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(side), side_t.numpy())
+
+
+def test_kronecker_factors_refuse_vectors_and_other_kinds():
+    kron = tif.Projection(dim=16, kind="kronecker")
+    with pytest.raises(tif.InvalidProjectionError,
+                       match=r"tracinfunc.jax.kronecker_factors: 'b' needs at least two dim"):
+        tj.kronecker_factors(kron, "b", (5,))
+    with pytest.raises(tif.InvalidProjectionError, match="expected a Projection with kind="):
+        tj.kronecker_factors(tif.Projection(dim=16), "w", (5, 3))
+
+
 def test_mulhi32_is_the_exact_high_word():
     rng = np.random.default_rng(0)
     edges = np.array([0, 1, 2**16 - 1, 2**16, 2**31 - 1, 2**31, 2**32 - 1], dtype=np.uint64)
@@ -64,7 +87,8 @@ def _grads(seed=0):
     tif.Projection(dim=33, seed=3),
     tif.Projection(dim=33, seed=3, kind="sjlt", nnz=4),
     tif.Projection(kind="identity"),
-], ids=["rademacher", "sjlt", "identity"])
+    tif.Projection(dim=33, seed=3, kind="kronecker"),
+], ids=["rademacher", "sjlt", "identity", "kronecker"])
 @pytest.mark.parametrize("cache_bytes", [2**30, 0], ids=["cached", "streamed"])
 def test_projector_equals_the_torch_projector(projection, cache_bytes):
     grads = _grads()
@@ -112,3 +136,54 @@ def test_make_projector_rejects_bad_specs():
         tj.make_projector({"dim": 8}, {"w": (2,)})
     with pytest.raises(tif.InvalidProjectionError, match="identity"):
         tj.make_projector(tif.Projection(kind="identity", dim=5), {"w": (2,)})
+
+
+def test_kronecker_projects_matrices_side_by_side_not_as_rademacher():
+    """The matrix block is P_out.T @ G @ P_in / sqrt(k), never the dense Rademacher block."""
+    projection, name, shape = tif.Projection(dim=12, seed=5, kind="kronecker"), "w", (5, 7)
+    g = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    got = np.asarray(tj.make_projector(projection, {name: shape})({name: jnp.asarray(g)}))
+    p_out, p_in = (side.numpy().astype(np.float64)
+                   for side in torch_projection.kronecker_factors(projection, name, shape))
+    side_by_side = (p_out.T @ g @ p_in).reshape(-1) / np.sqrt(12)  # [3, 4] -> [12]
+    dense = _hashing.rademacher_rows(torch_projection.block_seed(projection, name, shape), 12,
+                                     0, 35, "cpu", torch.float64).numpy()
+    np.testing.assert_allclose(got, side_by_side, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got, g.reshape(-1) @ dense / np.sqrt(12), atol=1e-3)
+    torch_rows = tif.make_projector(projection, {name: shape})({name: torch.from_numpy(g)})
+    np.testing.assert_allclose(got, torch_rows.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_kronecker_splits_the_torch_layout_of_flax_kernels():
+    """A Flax conv kernel [h, w, in, out] is split as torch's [out, in * h * w], after mapping."""
+    rng = np.random.default_rng(1)
+    tree = {"params": {"Conv_0": {"kernel": rng.standard_normal((3, 2, 4, 5)),
+                                  "bias": rng.standard_normal(5)},
+                       "Dense_0": {"kernel": rng.standard_normal((6, 9))}}}
+    tree = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
+    mapping = tj.ParamMapping.flax(tree)
+    projection = tif.Projection(dim=20, seed=4, kind="kronecker")
+    got = tj.make_projector(projection, mapping.layout)(mapping.to_torch(tree))
+    as_torch = {name: torch.from_numpy(np.array(value))
+                for name, value in mapping.to_torch(tree).items()}
+    assert as_torch["Conv_0.weight"].shape == (5, 4, 3, 2)
+    expected = tif.make_projector(projection, mapping.layout)(as_torch)
+    np.testing.assert_allclose(np.asarray(got), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_kronecker_mlp_factors_and_projected_grads_equal_torch():
+    loss, ckpts, jax_loss, jax_ckpts, mapping, train, _ = paired_mlp(n_train=16)
+    projection = tif.Projection(dim=32, seed=11, kind="kronecker")
+    project = tj.make_projector(projection, mapping.layout)
+    torch_project = tif.make_projector(projection, mapping.layout)
+    for name, shape in mapping.layout:
+        if len(shape) >= 2:
+            p_out, p_in = torch_project.kronecker_factors(name, torch.float32,
+                                                          torch.device("cpu"))
+            np.testing.assert_array_equal(np.asarray(project.blocks[name][0]), p_out.numpy())
+            np.testing.assert_array_equal(np.asarray(project.blocks[name][1]), p_in.numpy())
+    for ckpt, jax_ckpt in zip(ckpts, jax_ckpts, strict=True):
+        expected = tif.projected_grads(loss, projection)(ckpt.params, train).numpy()
+        got = np.asarray(tj.projected_grads(jax_loss, projection, mapping=mapping)(
+            jax_ckpt.params, to_jax_batch(train)))
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()

@@ -24,7 +24,13 @@ except ImportError as _error:  # pragma: no cover - exercised only without jax i
 from tracinfunc.jax.build import Checkpoint, build_store, iter_batches
 from tracinfunc.jax.grads import as_jax_tree, per_sample_grads, projected_grads
 from tracinfunc.jax.layout import LeafMap, ParamMapping, path_name
-from tracinfunc.jax.projection import Projector, make_projector, rademacher_block, sjlt_block
+from tracinfunc.jax.projection import (
+    Projector,
+    kronecker_factors,
+    make_projector,
+    rademacher_block,
+    sjlt_block,
+)
 
 __all__ = [
     "Checkpoint",
@@ -34,6 +40,7 @@ __all__ = [
     "as_jax_tree",
     "build_store",
     "iter_batches",
+    "kronecker_factors",
     "make_projector",
     "path_name",
     "per_sample_grads",

@@ -8,9 +8,10 @@ store (``tests/test_projection.py`` guards it with a golden hash).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -87,10 +88,22 @@ def row_ranges(numel: int, row_elements: int, device: torch.device) -> Iterator[
         yield start, min(numel, start + step)
 
 
-def fill_rademacher(out: Tensor, keys: tuple[int, int], row_start: int) -> Tensor:
+@functools.cache
+def compiled_rademacher_rows() -> Callable[..., Tensor]:
+    """:func:`rademacher_rows` through ``torch.compile``, made on first use.
+
+    Integer ops only, so bit-identical to eager; dynamic shapes, so new row ranges and keys
+    never recompile. Measured on a 2-core CPU: 9x faster than eager on 100k x 512 rows, for
+    a one-off compile of 5-30 s per process: it pays for dense blocks of millions of rows.
+    """
+    return torch.compile(rademacher_rows, dynamic=True)
+
+
+def fill_rademacher(out: Tensor, keys: tuple[int, int], row_start: int, *,
+                    rows_fn: Callable[..., Tensor] = rademacher_rows) -> Tensor:
     """Write rows ``row_start + [0, len(out))`` into ``out`` ``[rows, k]``, in slices."""
     k = out.shape[1]
     for start, stop in row_ranges(out.shape[0], k, out.device):
-        out[start:stop] = rademacher_rows(keys, k, row_start + start, row_start + stop,
-                                          out.device, out.dtype)
+        out[start:stop] = rows_fn(keys, k, row_start + start, row_start + stop,
+                                  out.device, out.dtype)
     return out

@@ -50,6 +50,7 @@ def build_store(
     stages: Stages | None = None,
     offload: bool = False,
     memory_budget: int | None = None,
+    compile_projection: bool = False,
     batch_size: int | None = None,
     store: StoreTarget = None,
     progress: ProgressArg = None,
@@ -71,8 +72,9 @@ def build_store(
             checks; needs float64 params). Norms are taken before the cast.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
-        select, mixed_precision, stages, offload, memory_budget: The memory and speed
-            options of :func:`~tracinfunc.grads.projected_grads`, passed through. With
+        select, mixed_precision, stages, offload, memory_budget, compile_projection: The
+            memory and speed options of :func:`~tracinfunc.grads.projected_grads`, passed
+            through. With
             ``select``, the store's layout (and projection) covers only the selected
             parameters; test gradients must use the same selection.
         batch_size: Examples per gradient call: the data's batches are merged or split to
@@ -115,7 +117,8 @@ def build_store(
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
     grads_fn = projected_grads(
         loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-        stages=stages, offload=offload, memory_budget=memory_budget)
+        stages=stages, offload=offload, memory_budget=memory_budget,
+        compile_projection=compile_projection)
     writer = make_writer(store, meta)
     resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
     seen = 0

@@ -365,8 +365,11 @@ class Projector:
     """
 
     def __init__(self, projection: Projection, layout: Layout, k: int,
-                 keys: dict[str, tuple], cache_bytes: int) -> None:
+                 keys: dict[str, tuple], cache_bytes: int, *, compile: bool = False) -> None:
         self.projection, self.layout, self.k = projection, layout, k
+        # A plain function, not a bound method: nothing here may refer back to self.
+        self._rows_fn = (_hashing.compiled_rademacher_rows() if compile
+                         else _hashing.rademacher_rows)
         self._shapes = dict(layout)
         self._keys = keys
         self._cache: dict[tuple, Any] = {}
@@ -413,7 +416,7 @@ class Projector:
         if block is not _STREAM:
             return flat @ block  # [numel] @ [numel, k]; one [b, numel] matmul under vmap
         keys, k = self._keys[name], self.k
-        return sum(flat[a:b] @ _hashing.rademacher_rows(keys, k, a, b, device, flat.dtype)
+        return sum(flat[a:b] @ self._rows_fn(keys, k, a, b, device, flat.dtype)
                    for a, b in _hashing.row_ranges(flat.shape[0], k, device))
 
     def _project_sjlt(self, name: str, flat: Tensor, device: torch.device) -> Tensor:
@@ -476,7 +479,7 @@ class Projector:
             if not self._reserve(numel * k * itemsize):
                 return _STREAM
             return _hashing.fill_rademacher(torch.empty(numel, k, dtype=dtype, device=device),
-                                            keys, 0)
+                                            keys, 0, rows_fn=self._rows_fn)
         if not self._reserve(numel * nnz * (8 + itemsize)):  # int64 cols + signs
             return _STREAM
         return _hashing.sjlt_rows(keys, k, nnz, 0, numel, device, dtype)
@@ -527,7 +530,7 @@ def _param_keys(projection: Projection, name: str, shape: tuple[int, ...]) -> tu
 def make_projector(
     projection: Projection, layout: Layout | Mapping[str, Any], *,
     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-    cache_bytes: int = 2**30,
+    cache_bytes: int = 2**30, compile: bool = False,
 ) -> Projector:
     """A function ``{name: [*shape]} -> [k]`` projecting one example's gradients.
 
@@ -541,6 +544,10 @@ def make_projector(
         dtype: Their floating dtype; the projection runs in the gradients' dtype.
         cache_bytes: Budget for cached blocks over all entries; parameters beyond it are
             generated a row-block at a time on each call (same result up to float rounding).
+        compile: Generate dense (``"rademacher"``, and ``"kronecker"``'s non-matrix) blocks
+            with ``torch.compile``: bit-identical, ~9x faster on a CPU, after a one-off
+            compile of seconds per process. Pays for millions of dense rows (large models,
+            or blocks over ``cache_bytes`` regenerated every call); off by default.
 
     Returns:
         A :class:`Projector`; ``torch.func.vmap(projector, chunk_size=...)`` maps
@@ -591,7 +598,11 @@ def make_projector(
             f"make_projector: parameters {clashes} got the same block seed, so their blocks "
             "would be identical; rename one of them or use another seed."
         )
-    projector = Projector(projection, layout, k, keys, cache_bytes)
+    if not isinstance(compile, bool):
+        raise InvalidProjectionError(
+            f"make_projector: compile must be True or False, got {compile!r}."
+        )
+    projector = Projector(projection, layout, k, keys, cache_bytes, compile=compile)
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as gradients report
     for (name, _), size in zip(layout, sizes, strict=True):
         if keys and size > 0:

@@ -71,3 +71,27 @@ def test_projection_is_keyed_by_name_not_insertion_order():
     assert torch.equal(rows, tif.projected_grads(loss, projection)(flipped, x))
     assert tif.canonical_layout(params) == tif.canonical_layout(flipped)
     assert tif.params_fingerprint(params) == tif.params_fingerprint(flipped)
+
+
+def test_every_raised_error_is_a_tracinfunc_error():
+    # errors.py promises `except tif.TracInFuncError` catches whatever the library raises;
+    # ImportError (a missing optional dependency, with its install command) is the exception.
+    import ast
+    import builtins
+    from pathlib import Path
+
+    root = Path(tif.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and isinstance(node.exc.func, ast.Name)):
+                continue  # re-raises and raises of computed errors
+            name = node.exc.func.id
+            raised = getattr(module, name, getattr(builtins, name, None))
+            if isinstance(raised, type) and not (issubclass(raised, tif.TracInFuncError)
+                                                 or raised is ImportError):
+                offenders.append(f"{path.relative_to(root.parent)}:{node.lineno} {name}")
+    assert not offenders, offenders

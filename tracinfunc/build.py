@@ -15,8 +15,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tracinfunc._version import __version__
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import (
+    ArgumentTypeError,
     EmptyDataError,
     IncompatibleGradientsError,
+    InvalidArgumentError,
     LossFunctionError,
     NonFiniteGradientError,
     TracInFuncError,
@@ -106,7 +108,7 @@ def build_store(
     """
     checkpoints = _check_checkpoints(checkpoints)
     if not isinstance(projection, Projection):
-        raise TypeError(
+        raise ArgumentTypeError(
             "build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
@@ -181,7 +183,7 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
         yield _check_batch(data)
         return
     if not isinstance(data, Iterable):
-        raise TypeError(
+        raise ArgumentTypeError(
             "build_store: data must be a batch (tensor, tuple or dict of tensors) or an "
             f"iterable of batches, got {type(data).__name__}."
         )
@@ -196,7 +198,7 @@ def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
     order of examples is kept.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"build_store: batch_size must be a positive int or None, got {batch_size!r}."
         )
     pending: list[Batch] = []
@@ -223,13 +225,13 @@ def _check_batch(batch: Batch) -> Batch:
     leaves = tree_leaves(batch)
     if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
         kinds = sorted({type(leaf).__name__ for leaf in leaves})
-        raise TypeError(
+        raise ArgumentTypeError(
             "build_store: a batch must be a pytree of tensors with a leading batch dimension, "
             f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
         )
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(
+        raise InvalidArgumentError(
             "build_store: all tensors of a batch need the same leading (batch) dimension, got "
             f"shapes {[list(leaf.shape) for leaf in leaves]}."
         )
@@ -245,7 +247,7 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
         checkpoints = [checkpoints]
     checkpoints = list(checkpoints)
     if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise TypeError(
+        raise ArgumentTypeError(
             "build_store: checkpoints must be a non-empty list of tracinfunc.Checkpoint, got "
             f"{[type(c).__name__ for c in checkpoints]}; e.g. [Checkpoint.from_module(model)]."
         )
@@ -267,7 +269,10 @@ def _initial_meta(
 ) -> StoreMeta:
     names = [c.name or f"checkpoint-{i}" for i, c in enumerate(checkpoints)]
     if len(set(names)) != len(names):
-        raise ValueError(f"build_store: checkpoint names must be distinct, got {names}.")
+        raise InvalidArgumentError(
+            f"build_store: checkpoint names must be distinct, got {names}; name them apart, "
+            "e.g. Checkpoint.from_module(model, lr=0.1, name='epoch-3')."
+        )
     return StoreMeta(
         projection=projection,
         checkpoints=tuple(

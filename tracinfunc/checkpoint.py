@@ -13,6 +13,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
+from tracinfunc.errors import ArgumentTypeError, InvalidArgumentError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.types import Params
 
@@ -44,7 +45,7 @@ class Checkpoint:
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, Mapping) or not self.params:
-            raise TypeError(
+            raise ArgumentTypeError(
                 "Checkpoint: params must be a non-empty dict {name: tensor}, got "
                 f"{type(self.params).__name__}; use Checkpoint.from_module(model) to build one."
             )
@@ -54,21 +55,24 @@ class Checkpoint:
         object.__setattr__(self, "params", params)
         for key, value in self.params.items():
             if not isinstance(key, str) or not isinstance(value, Tensor):
-                raise TypeError(
+                raise ArgumentTypeError(
                     "Checkpoint: params must map str names to tensors, got "
                     f"{type(key).__name__} -> {type(value).__name__} for {key!r}."
                 )
             if not value.is_floating_point():
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"Checkpoint: parameter {key!r} has dtype {value.dtype}; gradients need a "
                     "floating-point dtype. Pass buffers/integer state through the loss instead."
                 )
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float):
-            raise TypeError(f"Checkpoint: lr must be a number, got {type(self.lr).__name__}.")
+            raise ArgumentTypeError(
+                f"Checkpoint: lr must be a number (the learning rate weighting this "
+                f"checkpoint), got {type(self.lr).__name__}; e.g. lr=0.1."
+            )
         if not math.isfinite(self.lr):
-            raise ValueError(f"Checkpoint: lr must be finite, got {self.lr}.")
+            raise InvalidArgumentError(f"Checkpoint: lr must be finite, got {self.lr}.")
         if self.name is not None and not isinstance(self.name, str):
-            raise TypeError(f"Checkpoint: name must be a str or None, got {self.name!r}.")
+            raise ArgumentTypeError(f"Checkpoint: name must be a str or None, got {self.name!r}.")
         # Frozen dataclass: the only way to store a normalised value is object.__setattr__.
         detached = {key: value.detach() for key, value in self.params.items()}
         object.__setattr__(self, "params", MappingProxyType(detached))
@@ -102,12 +106,13 @@ class Checkpoint:
         """Take the entries of ``state_dict`` that are trainable parameters of ``module``.
 
         Buffers (BatchNorm statistics and the like) in the state dict are ignored here: pass
-        them to the loss explicitly. Raises ``KeyError`` naming any parameter it lacks.
+        them to the loss explicitly. Raises :class:`MissingParametersError` (a ``KeyError``)
+        naming any parameter it lacks.
         """
         names = [key for key, value in module.named_parameters() if value.requires_grad]
         missing = [key for key in names if key not in state_dict]
         if missing:
-            raise KeyError(
+            raise MissingParametersError(
                 f"Checkpoint.from_state_dict: the state dict lacks parameters {missing} of "
                 f"{type(module).__name__}; was it saved from another model?"
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 
-from tracinfunc.errors import MemoryBudgetError
+from tracinfunc.errors import InvalidArgumentError, MemoryBudgetError
 
 __all__ = ["DEFAULT_COPIES", "check_memory_budget", "chunk_size_for_budget"]
 
@@ -26,12 +26,12 @@ def check_memory_budget(memory_budget: object, chunk_size: int | None, *, caller
     if memory_budget is None:
         return
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: memory_budget must be a positive number of bytes or None, got "
             f"{memory_budget!r}; e.g. memory_budget=2 * 2**30 for 2 GiB."
         )
     if chunk_size is not None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: pass chunk_size or memory_budget, not both (got chunk_size="
             f"{chunk_size}, memory_budget={memory_budget}); memory_budget chooses chunk_size."
         )

@@ -2,25 +2,31 @@
 
 Every error derives from :class:`TracInFuncError` and from the builtin it refines
 (``ValueError``, ``TypeError``, ...), so ``except ValueError`` keeps working for callers who
-do not know this library. Messages name the function, what was expected, what was got and
-how to fix it.
+do not know this library (``tests/test_conventions.py`` checks every ``raise`` in the
+package). A missing optional dependency raises ``ImportError`` with the install command.
+Messages name the function, what was expected, what was got and how to fix it.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "CorruptStoreError",
     "EmptyDataError",
     "IncompatibleGradientsError",
     "IncompleteStoreError",
+    "InvalidArgumentError",
     "InvalidProjectionError",
     "LossFunctionError",
     "MemoryBudgetError",
+    "MissingParametersError",
     "NonFiniteGradientError",
     "ParameterSelectionError",
     "ReadOnlyStoreError",
+    "RowRangeError",
     "StageMismatchError",
     "StoreExistsError",
+    "StoreNotFoundError",
     "TracInFuncError",
     "TrainModeError",
     "UnsupportedPrecisionError",
@@ -85,3 +91,24 @@ class StageMismatchError(TracInFuncError, ValueError):
 
 class MemoryBudgetError(TracInFuncError, ValueError):
     """A memory budget cannot hold even one example's gradient."""
+
+
+class InvalidArgumentError(TracInFuncError, ValueError):
+    """An argument has an accepted type but a value the function cannot take (a size, a
+    mode, a shape), where no more specific error applies."""
+
+
+class ArgumentTypeError(TracInFuncError, TypeError):
+    """An argument has a type the function does not take."""
+
+
+class StoreNotFoundError(TracInFuncError, FileNotFoundError):
+    """No gradient store exists at the path given."""
+
+
+class RowRangeError(TracInFuncError, IndexError):
+    """A checkpoint index or row range lies outside the store."""
+
+
+class MissingParametersError(TracInFuncError, KeyError):
+    """A state dict lacks parameters of the model it should fill."""

@@ -26,7 +26,12 @@ from torch.func import grad, vmap
 
 from tracinfunc.checkpointing import largest_stage_size, stage_selection, staged_grads
 from tracinfunc.chunking import check_memory_budget, chunk_size_for_budget
-from tracinfunc.errors import LossFunctionError, TrainModeError
+from tracinfunc.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    LossFunctionError,
+    TrainModeError,
+)
 from tracinfunc.precision import check_mixed_precision, with_mixed_precision
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.selection import Selection, check_select, selected_names
@@ -143,7 +148,7 @@ def projected_grads(
         ...                      mixed_precision=torch.bfloat16, memory_budget=2**30)
     """
     if not isinstance(projection, Projection):
-        raise TypeError(
+        raise ArgumentTypeError(
             "projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
@@ -159,7 +164,7 @@ def projected_grads(
         return lambda params, batch: _call_loss_transform(factorized, params, batch,
                                                           caller="projected_grads")
     if not isinstance(compile_projection, bool):
-        raise TypeError(f"projected_grads: compile_projection must be True or False, got "
+        raise ArgumentTypeError(f"projected_grads: compile_projection must be True or False, got "
                         f"{compile_projection!r}.")
     projector_for = _projector_cache(projection, compile=compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
@@ -194,22 +199,22 @@ class _Options:
         _check_chunk_size(chunk_size, caller=caller)
         check_memory_budget(memory_budget, chunk_size, caller=caller)
         if stages is not None and not isinstance(stages, Stages):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{caller}: stages must be a tracinfunc.Stages, got {type(stages).__name__}; "
                 "build one with model_stages(model, criterion)."
             )
         if not isinstance(has_aux, bool):
-            raise TypeError(f"{caller}: has_aux must be True or False, got {has_aux!r}.")
+            raise ArgumentTypeError(f"{caller}: has_aux must be True or False, got {has_aux!r}.")
         if has_aux and stages is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{caller}: has_aux=True cannot be combined with stages=: a staged backward "
                 "runs the model stage by stage and never calls the loss as a whole, so there "
                 "is no aux to return. Drop one of them."
             )
         if not isinstance(offload, bool):
-            raise TypeError(f"{caller}: offload must be True or False, got {offload!r}.")
+            raise ArgumentTypeError(f"{caller}: offload must be True or False, got {offload!r}.")
         if offload and stages is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
                 "stages=; pass stages=model_stages(model, criterion)."
             )
@@ -364,7 +369,7 @@ def _check_chunk_size(chunk_size: int | None, *, caller: str) -> None:
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: chunk_size must be a positive int or None, got {chunk_size!r}."
         )
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tracinfunc.errors import ArgumentTypeError, InvalidArgumentError
+
 __all__ = [
     "ALIGNMENT",
     "FRAMEWORKS",
@@ -62,7 +64,7 @@ def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
     if isinstance(array, Tensor):
         return array
     if not hasattr(array, "__dlpack__"):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{caller}: expected a torch.Tensor or an array implementing __dlpack__ (JAX, "
             f"NumPy, CuPy), got {type(array).__name__}; convert it with numpy.asarray first."
         )
@@ -71,7 +73,7 @@ def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
     except (BufferError, RuntimeError, TypeError) as error:
         if isinstance(array, np.ndarray):
             return torch.from_numpy(np.array(array, copy=True))
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{caller}: could not import a {type(array).__name__} through DLPack ({error}); "
             "pass a torch tensor or a NumPy array instead."
         ) from error
@@ -99,7 +101,7 @@ def framework_of(array: Any, *, caller: str = "framework_of") -> str:
         return "jax"
     if root == "cupy":
         return "cupy"
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{caller}: like= must be a torch, NumPy, JAX or CuPy array, got {type(array).__name__}; "
         f"pass output= one of {', '.join(map(repr, FRAMEWORKS))} instead."
     )
@@ -111,7 +113,7 @@ def resolve_output(output: str | None, like: Any, *, caller: str) -> str:
     Validated before any work, so a typo fails fast.
     """
     if output is not None and like is not None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: pass output= or like=, not both (got output={output!r} and a "
             f"{type(like).__name__})."
         )
@@ -120,7 +122,7 @@ def resolve_output(output: str | None, like: Any, *, caller: str) -> str:
     if output is None:
         return "torch"
     if output not in FRAMEWORKS:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: output must be one of {', '.join(map(repr, FRAMEWORKS))}, got "
             f"{output!r}; e.g. output='jax' to get a jax.Array."
         )
@@ -145,7 +147,7 @@ def to_framework(tensor: Tensor, framework: str) -> Any:
     if framework == "cupy":
         cupy = _import("cupy", "pip install cupy-cuda12x")
         return cupy.from_dlpack(tensor.contiguous())
-    raise ValueError(
+    raise InvalidArgumentError(
         f"to_framework: framework must be one of {', '.join(map(repr, FRAMEWORKS))}, got "
         f"{framework!r}."
     )

@@ -15,7 +15,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
+from tracinfunc.errors import (
+    ArgumentTypeError,
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+)
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store._stream import compute_threads, stream_rows
@@ -128,7 +133,10 @@ def top_k(
     _check_not_empty(store.meta, caller="top_k")
     n_train = store.meta.n_train
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
-        raise ValueError(f"top_k: k must be an int in [1, n_train={n_train}], got {k!r}.")
+        raise InvalidArgumentError(
+            f"top_k: k must be an int in [1, n_train={n_train}], got {k!r}; for every "
+            "training example use tif.score and sort."
+        )
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     for start, block in score_chunks(
@@ -277,7 +285,7 @@ def _check_out(out: Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
     if out is None:
         return
     if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != device.type:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"score_chunks: out must be {list(shape)} {dtype} on {device}, got "
             f"{list(out.shape)} {out.dtype} on {out.device}."
         )
@@ -302,7 +310,10 @@ def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
                 n_test: int) -> int:
     if chunk_rows is not None:
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-            raise ValueError(f"score: chunk_rows must be an int >= 1, got {chunk_rows!r}.")
+            raise InvalidArgumentError(
+                f"score: chunk_rows must be an int >= 1, got {chunk_rows!r}; pass None to "
+                "let score choose from its memory budget."
+            )
         return min(chunk_rows, max(1, meta.n_train))
     budget = _CHUNK_BUDGET_BYTES if hasattr(store, "_view_rows") else _STREAM_BUDGET_BYTES
     rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)
@@ -330,7 +341,7 @@ def _test_matrix(
 
 def _check_test_type(test_grads: object, *, caller: str) -> None:
     if not isinstance(test_grads, Tensor | GradientStore):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
             f"got {type(test_grads).__name__}."
         )
@@ -353,12 +364,18 @@ def _check_test_shape(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
             "projection=store.projection))."
         )
     if not test.is_floating_point():
-        raise TypeError(f"{caller}: test gradients must be floating point, got {test.dtype}.")
+        raise ArgumentTypeError(
+            f"{caller}: test gradients must be floating point, got {test.dtype}; pass the "
+            "rows projected_grads or build_store made."
+        )
 
 
 def _check_not_empty(meta: StoreMeta, *, caller: str) -> None:
     if meta.n_train < 1:
-        raise ValueError(f"{caller}: the store holds no rows (n_train=0); nothing to score.")
+        raise InvalidArgumentError(
+            f"{caller}: the store holds no rows (n_train=0); nothing to score. Build it "
+            "from non-empty training data."
+        )
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

@@ -22,7 +22,13 @@ from jax import tree_util
 from tracinfunc import checkpoint as torch_checkpoint
 from tracinfunc._version import __version__
 from tracinfunc.build import _check_finite
-from tracinfunc.errors import EmptyDataError, IncompatibleGradientsError, LossFunctionError
+from tracinfunc.errors import (
+    ArgumentTypeError,
+    EmptyDataError,
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    LossFunctionError,
+)
 from tracinfunc.interop import as_tensor
 from tracinfunc.jax.grads import as_jax_tree, projected_grads
 from tracinfunc.jax.layout import ParamMapping
@@ -53,10 +59,10 @@ class Checkpoint:
     def __post_init__(self) -> None:
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not (
                 math.isfinite(self.lr)):
-            raise TypeError(f"tracinfunc.jax.Checkpoint: lr must be a finite number, got "
+            raise ArgumentTypeError(f"tracinfunc.jax.Checkpoint: lr must be a finite number, got "
                             f"{self.lr!r}.")
         if self.name is not None and not isinstance(self.name, str):
-            raise TypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
+            raise ArgumentTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
         object.__setattr__(self, "params", as_jax_tree(self.params))
         object.__setattr__(self, "lr", float(self.lr))
@@ -115,7 +121,7 @@ def build_store(
     """
     checkpoints = _check_checkpoints(checkpoints)
     if not isinstance(projection, Projection):
-        raise TypeError(
+        raise ArgumentTypeError(
             "tracinfunc.jax.build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
@@ -161,7 +167,7 @@ def iter_batches(data: Any) -> Iterator[Any]:
     """One batch (array, tuple or dict of arrays) or each batch of an iterable, as JAX trees."""
     one = isinstance(data, tuple | Mapping | np.ndarray | jax.Array | torch.Tensor)
     if not one and not isinstance(data, Iterable):
-        raise TypeError(
+        raise ArgumentTypeError(
             "tracinfunc.jax.build_store: data must be a batch (an array, a tuple or dict of "
             f"arrays) or an iterable of batches, got {type(data).__name__}."
         )
@@ -169,7 +175,7 @@ def iter_batches(data: Any) -> Iterator[Any]:
         batch = as_jax_tree(batch)
         sizes = {leaf.shape[0] if leaf.ndim else None for leaf in tree_util.tree_leaves(batch)}
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "tracinfunc.jax.build_store: all arrays of a batch need the same leading "
                 f"(batch) dimension, got shapes "
                 f"{[list(x.shape) for x in tree_util.tree_leaves(batch)]}."
@@ -184,7 +190,7 @@ def _storage_dtype(dtype: Any) -> torch.dtype:
     try:
         return getattr(torch, name)
     except AttributeError:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tracinfunc.jax.build_store: unsupported storage dtype {dtype!r}; use float32, "
             "float16, bfloat16 or float64."
         ) from None
@@ -195,7 +201,7 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
         checkpoints = [checkpoints]
     checkpoints = list(checkpoints)
     if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise TypeError(
+        raise ArgumentTypeError(
             "tracinfunc.jax.build_store: checkpoints must be a non-empty sequence of "
             "tracinfunc.jax.Checkpoint; e.g. [Checkpoint(params, lr=0.1, name='epoch-1')]."
         )
@@ -212,7 +218,7 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
 def _initial_meta(checkpoints, mapping, projection, dtype, dataset_fingerprint) -> StoreMeta:
     names = [c.name or f"checkpoint-{i}" for i, c in enumerate(checkpoints)]
     if len(set(names)) != len(names):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tracinfunc.jax.build_store: checkpoint names must be distinct, got {names}.")
     return StoreMeta(
         projection=projection,

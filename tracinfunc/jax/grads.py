@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
+from tracinfunc.errors import ArgumentTypeError, InvalidArgumentError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.jax.projection import Projector, make_projector
@@ -70,7 +71,7 @@ def projected_grads(
         ``fn(params, batch) -> [b, k]`` jax.Array in the params' dtype.
     """
     if not isinstance(projection, Projection):
-        raise TypeError(
+        raise ArgumentTypeError(
             "tracinfunc.jax.projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
@@ -116,7 +117,7 @@ def as_jax_tree(tree: Any) -> Any:
 def _in_chunks(fn: Callable, params: Any, batch: Any, chunk_size: int | None) -> Any:
     leaves = tree_util.tree_leaves(batch)
     if not leaves or any(leaf.ndim == 0 for leaf in leaves):
-        raise ValueError(
+        raise InvalidArgumentError(
             "tracinfunc.jax: a batch must be a pytree of arrays with a leading batch "
             f"dimension, got leaf shapes {[list(leaf.shape) for leaf in leaves]}."
         )
@@ -133,5 +134,5 @@ def _check_chunk_size(chunk_size: int | None, caller: str) -> None:
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
-        raise ValueError(f"{caller}: chunk_size must be a positive int or None, got "
+        raise InvalidArgumentError(f"{caller}: chunk_size must be a positive int or None, got "
                          f"{chunk_size!r}.")

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
-from tracinfunc.errors import IncompatibleGradientsError
+from tracinfunc.errors import ArgumentTypeError, IncompatibleGradientsError, InvalidArgumentError
 from tracinfunc.interop import to_framework
 from tracinfunc.projection import Layout, canonical_layout
 from tracinfunc.store.meta import layout_differences
@@ -81,7 +81,7 @@ class ParamMapping:
         names = [leaf.name for leaf in self.leaves]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ParamMapping: several leaves map to the torch names {dups}; give them "
                 "distinct names with rename=."
             )
@@ -109,11 +109,11 @@ class ParamMapping:
     def _build(cls, tree, rule, rename) -> ParamMapping:
         paths_leaves, treedef = tree_util.tree_flatten_with_path(tree)
         if not paths_leaves:
-            raise ValueError("ParamMapping: the parameter tree has no leaves.")
+            raise InvalidArgumentError("ParamMapping: the parameter tree has no leaves.")
         leaves = []
         for key_path, leaf in paths_leaves:
             if not hasattr(leaf, "shape"):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"ParamMapping: leaf {path_name(key_path)!r} is a {type(leaf).__name__}, "
                     "not an array; keep only arrays in the tree (for Equinox: "
                     "params, static = eqx.partition(model, eqx.is_array))."
@@ -237,7 +237,7 @@ def _apply_rename(name: str, rename) -> str:
         return rename.get(name, name)
     if callable(rename):
         return rename(name)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"ParamMapping: rename must be a dict or a function of the torch name, got "
         f"{type(rename).__name__}."
     )

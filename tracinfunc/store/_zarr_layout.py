@@ -14,7 +14,7 @@ import torch
 import zarr
 from torch import Tensor
 
-from tracinfunc.errors import CorruptStoreError, IncompatibleGradientsError
+from tracinfunc.errors import CorruptStoreError, IncompatibleGradientsError, InvalidArgumentError
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
 
 __all__ = ["ATTRS_KEY", "check_resumable", "create_layout", "missing_chunk_files",
@@ -56,7 +56,7 @@ def default_rows(meta: StoreMeta, chunk_rows: int | None,
     # At most 1024 chunks per shard: zarr writes the whole index (16 bytes a chunk) per shard.
     shard = shard_rows or chunk * min(1024, max(1, shard_bytes // (chunk * row_bytes)))
     if chunk < 1 or shard < chunk or shard % chunk:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"ZarrWriter: shard_rows must be a positive multiple of chunk_rows, got "
             f"chunk_rows={chunk}, shard_rows={shard}."
         )
@@ -69,7 +69,10 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
     from zarr.codecs import Crc32cCodec, ZstdCodec
 
     if compression not in (None, "zstd"):
-        raise ValueError(f"ZarrWriter: compression must be None or 'zstd', got {compression!r}.")
+        raise InvalidArgumentError(
+            f"ZarrWriter: compression must be None or 'zstd', got {compression!r}; None "
+            "(raw chunks) reads fastest, 'zstd' saves ~7% on projected gradients."
+        )
     chunk, shard = default_rows(meta, chunk_rows, shard_rows)
     codecs = [ZstdCodec(level=3), Crc32cCodec()] if compression else [Crc32cCodec()]
     group = zarr.open_group(path, mode="w-")  # exclusive create: never clobbers a store

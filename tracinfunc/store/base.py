@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from tracinfunc.errors import InvalidArgumentError, RowRangeError
 from tracinfunc.projection import Projection
 from tracinfunc.store.meta import StoreMeta
 
@@ -137,9 +138,9 @@ class StoreProperties:
 def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int, *, caller: str) -> None:
     """Raise ``IndexError`` unless ``0 <= ckpt < n_ckpt`` and ``0 <= start <= stop <= n_train``."""
     if not 0 <= ckpt < meta.n_ckpt:
-        raise IndexError(f"{caller}: checkpoint index {ckpt} out of range [0, {meta.n_ckpt}).")
+        raise RowRangeError(f"{caller}: checkpoint index {ckpt} out of range [0, {meta.n_ckpt}).")
     if not 0 <= start <= stop <= meta.n_train:
-        raise IndexError(
+        raise RowRangeError(
             f"{caller}: row range [{start}, {stop}) is not within [0, {meta.n_train}]."
         )
 
@@ -147,10 +148,10 @@ def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int, *, caller
 def check_out_buffer(out: Tensor, rows: int, meta: StoreMeta, *, caller: str) -> Tensor:
     """Validate a caller's ``out`` buffer and return the ``[rows, k]`` view to fill."""
     if out.dtype != meta.torch_dtype or out.ndim != 2 or out.shape[1] != meta.k:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: out must be [>= {rows}, {meta.k}] {meta.torch_dtype}, got "
             f"{list(out.shape)} {out.dtype}."
         )
     if out.shape[0] < rows:
-        raise ValueError(f"{caller}: out has {out.shape[0]} rows, {rows} are needed.")
+        raise InvalidArgumentError(f"{caller}: out has {out.shape[0]} rows, {rows} are needed.")
     return out[:rows]

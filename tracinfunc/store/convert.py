@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore, norm_dtype
@@ -63,7 +64,7 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
     meta = store.meta
     writer = ZarrWriter(path, meta.replace(n_train=0, complete=False), **options)
     if writer.rows_written:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"save_store: {str(path)!r} holds an incomplete store; save_store writes new "
             "stores only. Delete it or choose another path."
         )

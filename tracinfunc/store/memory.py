@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc.errors import IncompatibleGradientsError, ReadOnlyStoreError
+from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, ReadOnlyStoreError
 from tracinfunc.interop import as_tensor
 from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
@@ -25,12 +25,12 @@ class MemoryStore(StoreProperties):
     def __init__(self, meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
         expected = (meta.n_ckpt, meta.n_train, meta.k)
         if tuple(rows.shape) != expected or rows.dtype != meta.torch_dtype:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"MemoryStore: rows must be {list(expected)} {meta.torch_dtype}, got "
                 f"{list(rows.shape)} {rows.dtype}."
             )
         if tuple(norms.shape) != expected[:2]:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"MemoryStore: norms must be {list(expected[:2])}, got {list(norms.shape)}."
             )
         # Copy on ingest: the caller's tensors may be changed later; ours never are.

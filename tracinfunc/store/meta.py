@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tracinfunc.errors import IncompatibleGradientsError
+from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError
 from tracinfunc.projection import Layout, Projection
 
 __all__ = [
@@ -39,7 +39,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     for name, value in _DTYPES.items():
         if value == dtype:
             return name
-    raise ValueError(
+    raise InvalidArgumentError(
         f"unsupported storage dtype {dtype}; expected one of torch.{', torch.'.join(_DTYPES)}."
     )
 

@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from tracinfunc.errors import ReadOnlyStoreError
+from tracinfunc.errors import InvalidArgumentError, ReadOnlyStoreError
 from tracinfunc.interop import as_tensor
 from tracinfunc.store.memory import MemoryStore, check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
@@ -77,7 +77,7 @@ class PinnedWriter:
         start, stop = self._rows_written, self._rows_written + rows.shape[1]
         if self._rows is not None:
             if stop > self._rows.shape[1]:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"PinnedWriter.append: got rows up to {stop} but n_train={self._rows.shape[1]}"
                     " was announced; pass the right n_train or none."
                 )

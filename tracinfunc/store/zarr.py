@@ -43,6 +43,7 @@ from tracinfunc.errors import (
     IncompleteStoreError,
     ReadOnlyStoreError,
     StoreExistsError,
+    StoreNotFoundError,
 )
 from tracinfunc.interop import as_tensor
 from tracinfunc.store._shards import ShardReader
@@ -85,7 +86,7 @@ class ZarrStore(StoreProperties):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
         if not (path / "zarr.json").exists():
-            raise FileNotFoundError(
+            raise StoreNotFoundError(
                 f"ZarrStore: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
             )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +18,9 @@ import pytest
 import torch
 
 import tracinfunc as tif
+import tracinfunc.cli
 from tracinfunc.cli import main
-from tracinfunc.spec import load_spec
+from tracinfunc.spec import load_spec, rebatch
 
 SPEC = str(Path(__file__).resolve().parent / "data" / "tiny_spec.py")
 
@@ -144,7 +147,7 @@ def test_missing_output_directory_and_existing_output_are_reported(built, tmp_pa
 def test_existing_store_is_never_overwritten_by_build(built):
     before = tif.GradientStore.open(str(built / "grads.zarr")).read_rows(0, 0, 24)
     result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "grads.zarr", cwd=built)
-    assert result.returncode == 1 and "--resume" in result.stderr
+    assert result.returncode == 1 and "--overwrite" in result.stderr
     after = tif.GradientStore.open(str(built / "grads.zarr")).read_rows(0, 0, 24)
     assert torch.equal(before, after)
 
@@ -227,4 +230,183 @@ def test_conflicting_gradient_flags_are_one_line_errors(built):
     size = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr", "--memory-budget",
                     "lots", cwd=built)
     assert size.returncode == 2 and "2GB" in size.stderr
+    zero = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr", "--memory-budget",
+                    "0", cwd=built)
+    assert zero.returncode == 2 and "positive size" in zero.stderr
     assert not (built / "x.zarr").exists()
+
+
+def _interrupted_build(path: Path) -> None:
+    """Leave an incomplete store at ``path``: 16 of 24 rows committed (shards of 8 rows),
+    made as ``build --projection rademacher:32:7 --batch-size 10`` would have made them."""
+    spec = _tiny_spec()
+
+    def batches():
+        for i, batch in enumerate(rebatch(spec.train, 10)):
+            if i == 2:
+                raise RuntimeError("killed")
+            yield batch
+
+    with pytest.raises(RuntimeError, match="killed"):
+        tif.build_store(spec.loss, spec.checkpoints, batches(),
+                        projection=tif.Projection(dim=32, seed=7), progress=False,
+                        store=functools.partial(tif.ZarrWriter, path, chunk_rows=8,
+                                                shard_rows=8))
+
+
+@pytest.mark.parametrize("name", ["memory", "pinned", "zarr"])
+def test_build_out_is_always_a_zarr_directory(built, name):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", name, "--quiet",
+                      "--projection", "rademacher:32:7", "--batch-size", "10", cwd=built)
+    assert result.returncode == 0, result.stderr
+    store = tif.GradientStore.open(str(built / name))
+    reference = tif.GradientStore.open(str(built / "grads.zarr"))
+    assert torch.equal(store.read_rows(1, 0, 24), reference.read_rows(1, 0, 24))
+
+
+def test_build_checks_out_before_loading_the_spec(built, tmp_path):
+    # The spec does not exist: every error below must come from --out, checked first.
+    def build(out, *flags):
+        return cli_here("build", "--spec", "no_such_spec.py:make", "--out", out, *flags,
+                        cwd=built)
+
+    missing = build(str(tmp_path / "no" / "g.zarr"))
+    assert missing.returncode == 1 and "tracinfunc build" in missing.stderr
+    assert "does not exist" in missing.stderr and "no_such_spec" not in missing.stderr
+    unwritable = build("/proc/g.zarr")  # /proc refuses new files even to root
+    assert unwritable.returncode == 1 and "not writable" in unwritable.stderr
+    finished = build("grads.zarr")
+    assert finished.returncode == 1 and "'grads.zarr'" in finished.stderr
+    assert "finished store" in finished.stderr and "--overwrite" in finished.stderr
+    _interrupted_build(tmp_path / "half.zarr")
+    half = build(str(tmp_path / "half.zarr"))
+    assert half.returncode == 1 and "incomplete" in half.stderr and "--resume" in half.stderr
+    (tmp_path / "notes").mkdir()
+    other = build(str(tmp_path / "notes"), "--overwrite")
+    assert other.returncode == 1 and "not a tracinfunc store" in other.stderr
+    both = build(str(tmp_path / "half.zarr"), "--resume", "--overwrite")
+    assert both.returncode == 2
+    for result in (missing, unwritable, finished, half, other):
+        assert result.stderr.startswith("tracinfunc: error: tracinfunc build: ")
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_build_overwrite_replaces_a_finished_store(built):
+    first = cli_here("build", "--spec", f"{SPEC}:make", "--out", "replaced.zarr", "--quiet",
+                     "--projection", "rademacher:16:1", cwd=built)
+    assert first.returncode == 0, first.stderr
+    again = cli_here("build", "--spec", f"{SPEC}:make", "--out", "replaced.zarr", "--quiet",
+                     "--projection", "rademacher:32:7", "--overwrite", cwd=built)
+    assert again.returncode == 0, again.stderr
+    store = tif.GradientStore.open(str(built / "replaced.zarr"))
+    assert store.projection == tif.Projection(dim=32, seed=7)
+
+
+def test_info_describes_an_incomplete_store_and_build_resumes_it(built, tmp_path):
+    _interrupted_build(tmp_path / "half.zarr")
+    result = cli_here("info", "half.zarr", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "complete    False" in result.stdout and "16 rows written" in result.stdout
+    assert "tracinfunc build" in result.stdout and "--resume" in result.stdout
+    verify = cli_here("info", "half.zarr", "--verify", cwd=tmp_path)
+    assert verify.returncode == 1 and "--resume" in verify.stderr
+    assert "incomplete" in verify.stderr and "Traceback" not in verify.stderr
+    resumed = cli_here("build", "--spec", f"{SPEC}:make", "--out", "half.zarr", "--resume",
+                       "--quiet", "--projection", "rademacher:32:7", "--batch-size", "10",
+                       cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    store = tif.GradientStore.open(str(tmp_path / "half.zarr"))
+    reference = tif.GradientStore.open(str(built / "grads.zarr"))
+    for c in range(2):
+        assert torch.equal(store.read_rows(c, 0, 24), reference.read_rows(c, 0, 24))
+
+
+def test_info_verify_reads_the_norms_too(built, tmp_path):
+    shutil.copytree(built / "grads.zarr", tmp_path / "bad.zarr")
+    (shard,) = [f for f in (tmp_path / "bad.zarr" / "norms" / "1").rglob("*")
+                if f.is_file() and f.name != "zarr.json"]
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF  # one flipped bit pattern in the first norm: its crc32c no longer matches
+    shard.write_bytes(bytes(data))
+    result = cli_here("info", "bad.zarr", "--verify", cwd=tmp_path)
+    assert result.returncode == 1 and "norms" in result.stderr
+    assert "'later'" in result.stderr
+
+
+def test_info_verify_shows_progress_unless_quiet(built, monkeypatch):
+    calls = []
+
+    class Bar:
+        def __init__(self, progress, *, total, desc, unit):
+            calls.append({"progress": progress, "total": total, "done": 0})
+
+        def update(self, n=1):
+            calls[-1]["done"] += n
+
+        def close(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(tracinfunc.cli, "progress_bar", Bar)
+    assert cli_here("info", "grads.zarr", "--verify", cwd=built).returncode == 0
+    assert cli_here("--quiet", "info", "grads.zarr", "--verify", cwd=built).returncode == 0
+    assert [c["progress"] for c in calls] == [None, False]  # None: a terminal only
+    assert all(c["done"] == c["total"] == 2 * 24 for c in calls)
+
+
+@pytest.mark.parametrize("flag", ["--top-k", "--batch-size", "--chunk-size", "--last-layers"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_non_positive_counts_are_usage_errors(built, flag, value):
+    if flag == "--top-k":
+        args = ["score", "grads.zarr", "--spec", f"{SPEC}:make", "--output", "n.json"]
+    else:
+        args = ["build", "--spec", f"{SPEC}:make", "--out", "n.zarr"]
+    result = cli_here(*args, flag, value, cwd=built)
+    assert result.returncode == 2
+    assert flag in result.stderr and f"positive integer, got {value!r}" in result.stderr
+    assert not (built / "n.json").exists() and not (built / "n.zarr").exists()
+
+
+def test_quiet_and_debug_are_accepted_before_the_command(built):
+    from tracinfunc.cli import _parser
+
+    parse = _parser().parse_args
+    assert parse(["--quiet", "info", "x"]).quiet and parse(["info", "x", "--quiet"]).quiet
+    assert not parse(["info", "x"]).quiet and not parse(["info", "x"]).debug
+    assert parse(["--debug", "--quiet", "info", "x"]).debug
+    with pytest.raises(FileNotFoundError):  # --debug: the exception itself, not one line
+        cli_here("--debug", "info", "missing.zarr", cwd=built)
+    quiet = cli_here("--quiet", "info", "grads.zarr", cwd=built)
+    assert quiet.returncode == 0 and "n_train=24" in quiet.stdout
+
+
+def test_zarr_output_reads_back(built):
+    import zarr
+
+    spec = _tiny_spec()
+    store = tif.GradientStore.open(str(built / "grads.zarr"))
+    test = tif.build_store(spec.loss, spec.checkpoints, spec.test["test"],
+                           projection=store.projection)
+    result = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:make", "--top-k", "4",
+                      "--output", "top.zarr", "--quiet", cwd=built)
+    assert result.returncode == 0, result.stderr
+    values, indices = tif.top_k(store, test, k=4)
+    saved = zarr.open_group(str(built / "top.zarr"), mode="r")
+    assert np.array_equal(saved["indices"][:], indices.numpy())
+    np.testing.assert_allclose(saved["values"][:], values.numpy(), rtol=1e-6)
+    # --overwrite replaces a .zarr output (a directory) with the full matrix
+    result = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:make", "--overwrite",
+                      "--output", "top.zarr", "--quiet", cwd=built)
+    assert result.returncode == 0, result.stderr
+    saved = zarr.open_group(str(built / "top.zarr"), mode="r")
+    assert sorted(saved.array_keys()) == ["scores"]
+    np.testing.assert_allclose(saved["scores"][:], tif.score(store, test).numpy(), rtol=1e-6)
+    assert cli_here("self-influence", "grads.zarr", "--output", "si.zarr",
+                    cwd=built).returncode == 0
+    saved = zarr.open_group(str(built / "si.zarr"), mode="r")
+    np.testing.assert_allclose(saved["self_influence"][:], tif.self_influence(store).numpy())

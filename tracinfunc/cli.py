@@ -1,31 +1,38 @@
 """The ``tracinfunc`` command: argument parsing only, every action is the public API.
 
     tracinfunc build --spec exp.py:make --out grads.zarr [--projection rademacher:512:0] ...
+    tracinfunc build ... --resume          (continue an interrupted build; --overwrite: redo)
     tracinfunc score grads.zarr --spec exp.py:make --test test --top-k 10 --output top.json
     tracinfunc self-influence grads.zarr --output si.csv
     tracinfunc info grads.zarr [--verify]
 
 Errors print one line (``tracinfunc: error: ...``) and exit with status 1 (2 for usage
-errors); ``--debug`` shows the traceback instead.
+errors); ``--debug`` shows the traceback instead. ``--quiet`` and ``--debug`` go before or
+after the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import zarr
 
 import tracinfunc as tif
-from tracinfunc.results import check_output_path, write_results
+from tracinfunc.progress import progress_bar
+from tracinfunc.results import check_output_path, check_writable_directory, write_results
 from tracinfunc.spec import Spec, SpecError, load_spec, rebatch
+from tracinfunc.store._zarr_layout import read_meta
 
 __all__ = ["main"]
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_VERIFY_BYTES = 64 * 2**20  # rows read at once by info --verify
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,12 +63,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="tracinfunc", description="TracIn training-data attribution on torch.func."
     )
     parser.add_argument("--version", action="version", version=f"tracinfunc {tif.__version__}")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    # Also after the command. SUPPRESS: a subcommand's default must not undo the flag given
+    # before it (argparse copies every value the subparser has over the main namespace).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--quiet", action="store_true", help="no progress bars")
-    common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="no progress bars")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks on errors")
     gradients = argparse.ArgumentParser(add_help=False)
     options = gradients.add_argument_group("gradient options (build, and test gradients in score)")
-    options.add_argument("--chunk-size", type=int, help="examples differentiated at once")
+    options.add_argument("--chunk-size", type=_positive_int,
+                         help="examples differentiated at once")
     options.add_argument("--memory-budget", type=_bytes, metavar="BYTES",
                          help="choose --chunk-size from a budget, e.g. 2GB or 512MiB")
     options.add_argument("--mixed-precision", choices=sorted(_AUTOCAST),
@@ -74,22 +88,27 @@ def _parser() -> argparse.ArgumentParser:
     options.add_argument("--layers", nargs="+", metavar="PATTERN",
                          help="differentiate only these parameters (names or globs, e.g. "
                               "'fc2.*'); score defaults to the store's own")
-    options.add_argument("--last-layers", type=int, metavar="N",
+    options.add_argument("--last-layers", type=_positive_int, metavar="N",
                          help="differentiate only the last N layers")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     build = commands.add_parser("build", parents=[common, gradients],
                                 help="compute a gradient store")
     build.add_argument("--spec", required=True, help="file.py:function or module:function")
-    build.add_argument("--out", required=True, type=Path, help="store path, e.g. grads.zarr")
+    build.add_argument("--out", required=True, type=Path,
+                       help="directory of the Zarr store to write, e.g. grads.zarr")
     build.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
                        help="state-dict files (need Spec.model); default: the spec's")
-    build.add_argument("--batch-size", type=int, help="split the spec's batches to this size")
+    build.add_argument("--batch-size", type=_positive_int,
+                       help="split the spec's batches to this size")
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
                        help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
     build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
-    build.add_argument("--resume", action="store_true",
-                       help="continue an interrupted build at --out")
+    existing = build.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true",
+                          help="continue an interrupted build at --out")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="replace the store at --out (deleted when the build starts)")
     build.set_defaults(run=_build)
 
     score = commands.add_parser("score", parents=[common, gradients],
@@ -101,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="state-dict files the store was built from (as in build)")
     score.add_argument("--test-store", type=Path,
                        help="a store of test gradients instead of --spec/--test")
-    score.add_argument("--top-k", type=int, help="keep the k best training rows per test row")
+    score.add_argument("--top-k", type=_positive_int,
+                       help="keep the k best training rows per test row")
     score.add_argument("--opponents", action="store_true", help="with --top-k: lowest scores")
     score.add_argument("--normalize", action="store_true", help="cosine TracIn")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
@@ -118,9 +138,22 @@ def _parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", parents=[common], help="describe a gradient store")
     info.add_argument("store", type=Path)
-    info.add_argument("--verify", action="store_true", help="read every chunk, check checksums")
+    info.add_argument("--verify", action="store_true",
+                      help="read every row and norm, check their checksums")
     info.set_defaults(run=_info)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {text!r}; leave the option out for the default."
+        )
+    return value
 
 
 def _projection(text: str) -> tif.Projection:
@@ -158,25 +191,64 @@ def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[tif.Checkpoint
 
 
 def _build(args: argparse.Namespace) -> int:
-    if args.out.exists() and not args.resume:
-        raise FileExistsError(
-            f"build: {str(args.out)!r} exists; pass --resume to continue an interrupted build, "
-            "or choose another --out."
-        )
-    if args.resume and _is_finished_store(args.out):
-        raise tif.StoreExistsError(
-            f"build: {str(args.out)!r} is a finished store, there is nothing to resume; "
-            f"inspect it with 'tracinfunc info {args.out}' or choose another --out."
-        )
+    _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
     spec = load_spec(args.spec)
     checkpoints = _checkpoints(spec, args.checkpoints)
-    data = rebatch(spec.train, args.batch_size) if args.batch_size else spec.train
+    data = rebatch(spec.train, args.batch_size) if args.batch_size is not None else spec.train
     store = tif.build_store(
         spec.loss, checkpoints, data, projection=args.projection, dtype=_DTYPES[args.dtype],
-        store=str(args.out), progress=_progress(args), **_gradient_options(args, spec),
+        store=_zarr_writer(args.out, replace=args.overwrite), progress=_progress(args),
+        **_gradient_options(args, spec),
     )
     print(f"wrote {store}")
     return 0
+
+
+def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
+    """Fail before the spec is loaded unless --out can take the store (see docs/cli.md)."""
+    caller, shown = "tracinfunc build", str(path)
+    check_writable_directory(path.resolve().parent, caller=caller,
+                             what="the directory of --out")
+    if not path.exists():
+        return
+    try:
+        meta = _read_meta(path, caller=caller)
+    except Exception as error:
+        raise tif.StoreExistsError(
+            f"{caller}: --out {shown!r} exists and is not a tracinfunc store ({error}); choose "
+            "another --out (build never deletes what it did not write)."
+        ) from error
+    if meta.complete and resume:
+        raise tif.StoreExistsError(
+            f"{caller}: {shown!r} is a finished store, there is nothing to resume; inspect it "
+            f"with 'tracinfunc info {shown}', pass --overwrite to rebuild it, or choose "
+            "another --out."
+        )
+    if meta.complete and not overwrite:
+        raise tif.StoreExistsError(
+            f"{caller}: {shown!r} already holds a finished store; pass --overwrite to replace "
+            f"it or choose another --out (inspect it with 'tracinfunc info {shown}')."
+        )
+    if not meta.complete and not (resume or overwrite):
+        raise tif.StoreExistsError(
+            f"{caller}: {shown!r} holds an incomplete store ({meta.n_train} rows written) "
+            "left by an interrupted build; run the same command with --resume to continue "
+            "it, or pass --overwrite to start over."
+        )
+    if resume:
+        check_writable_directory(path, caller=caller, what="the store")
+
+
+def _zarr_writer(path: Path, *, replace: bool) -> Callable[[tif.StoreMeta], tif.ZarrWriter]:
+    """``store=`` for build_store: a Zarr directory at ``path``, whatever its name (a plain
+    ``"memory"`` or ``"zarr"`` would name a store kind). ``replace``: delete the store that
+    :func:`_check_build_out` found there, finished or not, before writing."""
+    def make(meta: tif.StoreMeta) -> tif.ZarrWriter:
+        if replace and path.exists():
+            shutil.rmtree(path)
+        return tif.ZarrWriter(path, meta)
+
+    return make
 
 
 def _gradient_options(args: argparse.Namespace, spec: Spec) -> dict:
@@ -212,31 +284,35 @@ def _bytes(text: str) -> int:
     number = text.lower().rstrip("abgikm")
     unit = text.lower()[len(number):]
     try:
-        return int(float(number) * units[unit])
+        size = int(float(number) * units[unit])
     except (ValueError, KeyError):
+        size = 0
+    if size < 1:
         raise argparse.ArgumentTypeError(
-            f"expected a size such as 2GB, 512MiB or 1000000, got {text!r}"
-        ) from None
+            f"expected a positive size such as 2GB, 512MiB or 1000000, got {text!r}"
+        )
+    return size
 
 
 def _progress(args: argparse.Namespace) -> bool | None:
     return False if args.quiet else None  # None: bars on a terminal only
 
 
-def _is_finished_store(path: Path) -> bool:
-    if not path.exists():
-        return False
-    try:
-        return tif.GradientStore.open(str(path)).meta.complete
-    except tif.IncompleteStoreError:
-        return False
+def _read_meta(path: Path, *, caller: str) -> tif.StoreMeta:
+    """The metadata of the store at ``path``, finished or not, read without opening it."""
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(
+            f"{caller}: no gradient store at {str(path)!r} (no zarr.json there); build one "
+            f"with 'tracinfunc build --spec FILE.py:FUNCTION --out {path}'."
+        )
+    return read_meta(zarr.open_group(path, mode="r"), path, caller=caller)
 
 
 def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="score")
     store = tif.GradientStore.open(str(args.store))
     test = _test_gradients(args, store)
-    if args.top_k:
+    if args.top_k is not None:
         values, indices = tif.top_k(store, test, k=args.top_k, largest=not args.opponents,
                                     normalize=args.normalize, progress=_progress(args))
         write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
@@ -273,23 +349,49 @@ def _self_influence(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    store = tif.GradientStore.open(str(args.store))
-    meta = store.meta
+    meta = _read_meta(args.store, caller="tracinfunc info")
+    # Opening checks the arrays against the metadata; an incomplete store cannot be opened.
+    store = tif.GradientStore.open(str(args.store)) if meta.complete else None
     size = sum(f.stat().st_size for f in args.store.rglob("*") if f.is_file())
+    resume = (f"continue it with 'tracinfunc build ... --out {args.store} --resume' and the "
+              "arguments it was started with")
     print(f"store       {args.store}  ({size / 2**20:.1f} MiB on disk)")
     print(f"shape       n_ckpt={meta.n_ckpt} n_train={meta.n_train} k={meta.k} {meta.dtype}")
-    print(f"complete    {meta.complete}")
+    if meta.complete:
+        print("complete    True")
+    else:
+        print(f"complete    False  ({meta.n_train} rows written so far: the build was "
+              f"interrupted; {resume})")
     print(f"projection  {meta.projection}")
     for c in meta.checkpoints:
         print(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}")
     print(f"parameters  {len(meta.layout)} tensors, p={sum(_numel(s) for _, s in meta.layout)}")
     print(f"written by  tracinfunc {meta.library_version} (format {meta.format_version})")
     if args.verify:
-        for ckpt in range(meta.n_ckpt):
-            for start in range(0, meta.n_train, 65536):
-                store.read_rows(ckpt, start, min(meta.n_train, start + 65536))
-        print("verify      every chunk read back and matched its checksum")
+        if store is None:
+            raise tif.IncompleteStoreError(
+                f"tracinfunc info --verify: {str(args.store)!r} is incomplete "
+                f"({meta.n_train} rows written); {resume}, then verify it."
+            )
+        _verify(store, progress=_progress(args))
+        print("verify      every row and norm read back and matched its checksum")
     return 0
+
+
+def _verify(store: tif.GradientStore, *, progress: bool | None) -> None:
+    """Read every row and every norm of every checkpoint: each chunk checks its crc32c."""
+    meta = store.meta
+    chunk = getattr(store, "chunk_rows", 1)  # whole chunks: none is read twice
+    step = max(chunk, _VERIFY_BYTES // (meta.k * meta.torch_dtype.itemsize) // chunk * chunk)
+    buffer = torch.empty(min(step, meta.n_train), meta.k, dtype=meta.torch_dtype)
+    with progress_bar(progress, total=meta.n_ckpt * meta.n_train,
+                      desc="tracinfunc info --verify", unit="row") as bar:
+        for ckpt in range(meta.n_ckpt):
+            for start in range(0, meta.n_train, step):
+                stop = min(meta.n_train, start + step)
+                store.read_rows(ckpt, start, stop, out=buffer)
+                store.read_norms(ckpt, start, stop)  # own chunks, own checksums
+                bar.update(stop - start)
 
 
 def _numel(shape: Sequence[int]) -> int:

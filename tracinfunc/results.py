@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
-__all__ = ["RESULT_SUFFIXES", "check_output_path", "write_results"]
+__all__ = ["RESULT_SUFFIXES", "check_output_path", "check_writable_directory", "write_results"]
 
 RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
 
@@ -28,14 +28,22 @@ def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
         raise FileExistsError(
             f"{caller}: output {str(path)!r} exists; choose another path or pass --overwrite."
         )
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise FileNotFoundError(f"{caller}: output directory {str(parent)!r} does not exist.")
+    check_writable_directory(path.resolve().parent, caller=caller, what="output directory")
+
+
+def check_writable_directory(directory: Path, *, caller: str, what: str) -> None:
+    """Fail unless ``directory`` exists and a file can be created in it."""
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{caller}: {what} {str(directory)!r} does not exist; create it or choose another "
+            "path."
+        )
     try:  # os.access says yes to root everywhere; only creating a file tells the truth
-        probe, probe_path = tempfile.mkstemp(prefix=f".{path.name}.probe.", dir=parent)
+        probe, probe_path = tempfile.mkstemp(prefix=".tracinfunc.probe.", dir=directory)
     except OSError as error:
         raise PermissionError(
-            f"{caller}: output directory {str(parent)!r} is not writable ({error.strerror})."
+            f"{caller}: {what} {str(directory)!r} is not writable ({error.strerror}); choose a "
+            "writable location."
         ) from error
     os.close(probe)
     os.unlink(probe_path)

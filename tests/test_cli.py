@@ -19,8 +19,9 @@ import torch
 
 import tracinfunc as tif
 import tracinfunc.cli
+from tracinfunc.build import rebatch
 from tracinfunc.cli import main
-from tracinfunc.spec import load_spec, rebatch
+from tracinfunc.spec import load_spec
 
 SPEC = str(Path(__file__).resolve().parent / "data" / "tiny_spec.py")
 

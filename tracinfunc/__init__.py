@@ -9,17 +9,18 @@ from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
 from tracinfunc.chunking import chunk_size_for_budget
 from tracinfunc.errors import (
-    ArgumentTypeError,
     CorruptStoreError,
     EmptyDataError,
     IncompatibleGradientsError,
     IncompleteStoreError,
     InvalidArgumentError,
     InvalidProjectionError,
+    InvalidTypeError,
     LossFunctionError,
     MemoryBudgetError,
     MissingParametersError,
     NonFiniteGradientError,
+    OutputPathError,
     ParameterSelectionError,
     ReadOnlyStoreError,
     RowRangeError,
@@ -55,7 +56,6 @@ from tracinfunc.store import (
 )
 
 __all__ = [
-    "ArgumentTypeError",
     "Checkpoint",
     "CheckpointMeta",
     "CorruptStoreError",
@@ -65,6 +65,7 @@ __all__ = [
     "IncompleteStoreError",
     "InvalidArgumentError",
     "InvalidProjectionError",
+    "InvalidTypeError",
     "LossFunctionError",
     "MemoryBudgetError",
     "MemoryStore",
@@ -72,6 +73,7 @@ __all__ = [
     "MissingParametersError",
     "ModuleLoss",
     "NonFiniteGradientError",
+    "OutputPathError",
     "ParameterSelectionError",
     "PinnedStore",
     "PinnedWriter",

@@ -15,10 +15,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tracinfunc._version import __version__
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import (
-    ArgumentTypeError,
     EmptyDataError,
     IncompatibleGradientsError,
     InvalidArgumentError,
+    InvalidTypeError,
     LossFunctionError,
     NonFiniteGradientError,
     TracInFuncError,
@@ -108,7 +108,7 @@ def build_store(
     """
     checkpoints = _check_checkpoints(checkpoints)
     if not isinstance(projection, Projection):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
@@ -183,7 +183,7 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
         yield _check_batch(data)
         return
     if not isinstance(data, Iterable):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "build_store: data must be a batch (tensor, tuple or dict of tensors) or an "
             f"iterable of batches, got {type(data).__name__}."
         )
@@ -225,7 +225,7 @@ def _check_batch(batch: Batch) -> Batch:
     leaves = tree_leaves(batch)
     if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
         kinds = sorted({type(leaf).__name__ for leaf in leaves})
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "build_store: a batch must be a pytree of tensors with a leading batch dimension, "
             f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
         )
@@ -247,7 +247,7 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
         checkpoints = [checkpoints]
     checkpoints = list(checkpoints)
     if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "build_store: checkpoints must be a non-empty list of tracinfunc.Checkpoint, got "
             f"{[type(c).__name__ for c in checkpoints]}; e.g. [Checkpoint.from_module(model)]."
         )

@@ -13,7 +13,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
-from tracinfunc.errors import ArgumentTypeError, InvalidArgumentError, MissingParametersError
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.types import Params
 
@@ -45,7 +45,7 @@ class Checkpoint:
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, Mapping) or not self.params:
-            raise ArgumentTypeError(
+            raise InvalidTypeError(
                 "Checkpoint: params must be a non-empty dict {name: tensor}, got "
                 f"{type(self.params).__name__}; use Checkpoint.from_module(model) to build one."
             )
@@ -55,24 +55,24 @@ class Checkpoint:
         object.__setattr__(self, "params", params)
         for key, value in self.params.items():
             if not isinstance(key, str) or not isinstance(value, Tensor):
-                raise ArgumentTypeError(
+                raise InvalidTypeError(
                     "Checkpoint: params must map str names to tensors, got "
                     f"{type(key).__name__} -> {type(value).__name__} for {key!r}."
                 )
             if not value.is_floating_point():
-                raise ArgumentTypeError(
+                raise InvalidTypeError(
                     f"Checkpoint: parameter {key!r} has dtype {value.dtype}; gradients need a "
                     "floating-point dtype. Pass buffers/integer state through the loss instead."
                 )
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float):
-            raise ArgumentTypeError(
+            raise InvalidTypeError(
                 f"Checkpoint: lr must be a number (the learning rate weighting this "
                 f"checkpoint), got {type(self.lr).__name__}; e.g. lr=0.1."
             )
         if not math.isfinite(self.lr):
             raise InvalidArgumentError(f"Checkpoint: lr must be finite, got {self.lr}.")
         if self.name is not None and not isinstance(self.name, str):
-            raise ArgumentTypeError(f"Checkpoint: name must be a str or None, got {self.name!r}.")
+            raise InvalidTypeError(f"Checkpoint: name must be a str or None, got {self.name!r}.")
         # Frozen dataclass: the only way to store a normalised value is object.__setattr__.
         detached = {key: value.detach() for key, value in self.params.items()}
         object.__setattr__(self, "params", MappingProxyType(detached))

@@ -25,7 +25,7 @@ import zarr
 import tracinfunc as tif
 from tracinfunc.progress import progress_bar
 from tracinfunc.results import check_output_path, check_writable_directory, write_results
-from tracinfunc.spec import Spec, SpecError, load_spec, rebatch
+from tracinfunc.spec import Spec, SpecError, load_spec
 from tracinfunc.store._zarr_layout import read_meta
 
 __all__ = ["main"]
@@ -194,9 +194,9 @@ def _build(args: argparse.Namespace) -> int:
     _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
     spec = load_spec(args.spec)
     checkpoints = _checkpoints(spec, args.checkpoints)
-    data = rebatch(spec.train, args.batch_size) if args.batch_size is not None else spec.train
     store = tif.build_store(
-        spec.loss, checkpoints, data, projection=args.projection, dtype=_DTYPES[args.dtype],
+        spec.loss, checkpoints, spec.train, projection=args.projection,
+        dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
         store=_zarr_writer(args.out, replace=args.overwrite), progress=_progress(args),
         **_gradient_options(args, spec),
     )
@@ -301,7 +301,7 @@ def _progress(args: argparse.Namespace) -> bool | None:
 def _read_meta(path: Path, *, caller: str) -> tif.StoreMeta:
     """The metadata of the store at ``path``, finished or not, read without opening it."""
     if not (path / "zarr.json").is_file():
-        raise FileNotFoundError(
+        raise tif.StoreNotFoundError(
             f"{caller}: no gradient store at {str(path)!r} (no zarr.json there); build one "
             f"with 'tracinfunc build --spec FILE.py:FUNCTION --out {path}'."
         )

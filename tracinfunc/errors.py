@@ -10,17 +10,18 @@ Messages name the function, what was expected, what was got and how to fix it.
 from __future__ import annotations
 
 __all__ = [
-    "ArgumentTypeError",
     "CorruptStoreError",
     "EmptyDataError",
     "IncompatibleGradientsError",
     "IncompleteStoreError",
     "InvalidArgumentError",
     "InvalidProjectionError",
+    "InvalidTypeError",
     "LossFunctionError",
     "MemoryBudgetError",
     "MissingParametersError",
     "NonFiniteGradientError",
+    "OutputPathError",
     "ParameterSelectionError",
     "ReadOnlyStoreError",
     "RowRangeError",
@@ -98,7 +99,7 @@ class InvalidArgumentError(TracInFuncError, ValueError):
     mode, a shape), where no more specific error applies."""
 
 
-class ArgumentTypeError(TracInFuncError, TypeError):
+class InvalidTypeError(TracInFuncError, TypeError):
     """An argument has a type the function does not take."""
 
 
@@ -112,3 +113,8 @@ class RowRangeError(TracInFuncError, IndexError):
 
 class MissingParametersError(TracInFuncError, KeyError):
     """A state dict lacks parameters of the model it should fill."""
+
+
+class OutputPathError(TracInFuncError, OSError):
+    """A result file cannot be written where asked: it exists, or its directory is missing
+    or not writable."""

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.func import grad, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tracinfunc.errors import ArgumentTypeError, LossFunctionError
+from tracinfunc.errors import InvalidTypeError, LossFunctionError
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.projection import (
     Projection,
@@ -258,7 +258,7 @@ def factorized_projected_grads(
             "(params, batch))."
         )
     if not isinstance(projection, Projection) or projection.kind != "kronecker":
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "factorized_projected_grads: projection must be a Projection with "
             f"kind='kronecker', got {projection!r}."
         )

@@ -27,8 +27,8 @@ from torch.func import grad, vmap
 from tracinfunc.checkpointing import largest_stage_size, stage_selection, staged_grads
 from tracinfunc.chunking import check_memory_budget, chunk_size_for_budget
 from tracinfunc.errors import (
-    ArgumentTypeError,
     InvalidArgumentError,
+    InvalidTypeError,
     LossFunctionError,
     TrainModeError,
 )
@@ -148,7 +148,7 @@ def projected_grads(
         ...                      mixed_precision=torch.bfloat16, memory_budget=2**30)
     """
     if not isinstance(projection, Projection):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
@@ -164,7 +164,7 @@ def projected_grads(
         return lambda params, batch: _call_loss_transform(factorized, params, batch,
                                                           caller="projected_grads")
     if not isinstance(compile_projection, bool):
-        raise ArgumentTypeError(f"projected_grads: compile_projection must be True or False, got "
+        raise InvalidTypeError(f"projected_grads: compile_projection must be True or False, got "
                         f"{compile_projection!r}.")
     projector_for = _projector_cache(projection, compile=compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
@@ -199,12 +199,12 @@ class _Options:
         _check_chunk_size(chunk_size, caller=caller)
         check_memory_budget(memory_budget, chunk_size, caller=caller)
         if stages is not None and not isinstance(stages, Stages):
-            raise ArgumentTypeError(
+            raise InvalidTypeError(
                 f"{caller}: stages must be a tracinfunc.Stages, got {type(stages).__name__}; "
                 "build one with model_stages(model, criterion)."
             )
         if not isinstance(has_aux, bool):
-            raise ArgumentTypeError(f"{caller}: has_aux must be True or False, got {has_aux!r}.")
+            raise InvalidTypeError(f"{caller}: has_aux must be True or False, got {has_aux!r}.")
         if has_aux and stages is not None:
             raise InvalidArgumentError(
                 f"{caller}: has_aux=True cannot be combined with stages=: a staged backward "
@@ -212,7 +212,7 @@ class _Options:
                 "is no aux to return. Drop one of them."
             )
         if not isinstance(offload, bool):
-            raise ArgumentTypeError(f"{caller}: offload must be True or False, got {offload!r}.")
+            raise InvalidTypeError(f"{caller}: offload must be True or False, got {offload!r}.")
         if offload and stages is None:
             raise InvalidArgumentError(
                 f"{caller}: offload=True moves stage-boundary activations to CPU and needs "

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tracinfunc.errors import ArgumentTypeError, InvalidArgumentError
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "ALIGNMENT",
@@ -64,7 +64,7 @@ def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
     if isinstance(array, Tensor):
         return array
     if not hasattr(array, "__dlpack__"):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: expected a torch.Tensor or an array implementing __dlpack__ (JAX, "
             f"NumPy, CuPy), got {type(array).__name__}; convert it with numpy.asarray first."
         )
@@ -73,7 +73,7 @@ def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
     except (BufferError, RuntimeError, TypeError) as error:
         if isinstance(array, np.ndarray):
             return torch.from_numpy(np.array(array, copy=True))
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: could not import a {type(array).__name__} through DLPack ({error}); "
             "pass a torch tensor or a NumPy array instead."
         ) from error
@@ -101,7 +101,7 @@ def framework_of(array: Any, *, caller: str = "framework_of") -> str:
         return "jax"
     if root == "cupy":
         return "cupy"
-    raise ArgumentTypeError(
+    raise InvalidTypeError(
         f"{caller}: like= must be a torch, NumPy, JAX or CuPy array, got {type(array).__name__}; "
         f"pass output= one of {', '.join(map(repr, FRAMEWORKS))} instead."
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tracinfunc.errors import ArgumentTypeError, UnsupportedPrecisionError
+from tracinfunc.errors import InvalidTypeError, UnsupportedPrecisionError
 
 __all__ = ["autocast_supported", "check_mixed_precision", "mixed_precision_context",
            "with_mixed_precision"]
@@ -32,7 +32,7 @@ def check_mixed_precision(mixed_precision: Any, *, caller: str) -> torch.dtype |
     if mixed_precision is None:
         return None
     if not isinstance(mixed_precision, torch.dtype) or not mixed_precision.is_floating_point:
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: mixed_precision must be None, torch.bfloat16 or torch.float16, got "
             f"{mixed_precision!r}; e.g. mixed_precision=torch.bfloat16."
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracinfunc.errors import ArgumentTypeError
+from tracinfunc.errors import InvalidTypeError
 
 __all__ = ["DELAY_S", "ProgressArg", "progress_bar"]
 
@@ -45,7 +45,7 @@ def progress_bar(progress: ProgressArg, *, total: int | None, desc: str, unit: s
         unit: What one unit is, e.g. ``"ex"`` or ``"row"``.
     """
     if progress is not None and not isinstance(progress, bool):
-        raise ArgumentTypeError(f"{desc}: progress must be True, False or None, got {progress!r}.")
+        raise InvalidTypeError(f"{desc}: progress must be True, False or None, got {progress!r}.")
     if progress is False:
         return _Silent()
     from tqdm import tqdm  # imported lazily: a bar is optional, importing tqdm is not free

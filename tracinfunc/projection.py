@@ -45,7 +45,7 @@ from torch import Tensor
 
 from tracinfunc import _hashing
 from tracinfunc._hashing import MAX_ROWS, hash_record
-from tracinfunc.errors import ArgumentTypeError, InvalidProjectionError
+from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
 
 __all__ = [
     "Layout",
@@ -563,7 +563,7 @@ def make_projector(
         torch.Size([b, 512])
     """
     if not isinstance(projection, Projection):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "make_projector: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )

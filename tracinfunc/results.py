@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
+from tracinfunc.errors import InvalidArgumentError, OutputPathError
+
 __all__ = ["RESULT_SUFFIXES", "check_output_path", "check_writable_directory", "write_results"]
 
 RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
@@ -21,11 +23,11 @@ RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
 def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
     """Fail before any work if ``path`` has an unknown suffix, exists, or cannot be written."""
     if path.suffix not in RESULT_SUFFIXES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{caller}: output {str(path)!r} must end in one of {', '.join(RESULT_SUFFIXES)}."
         )
     if path.exists() and not overwrite:
-        raise FileExistsError(
+        raise OutputPathError(
             f"{caller}: output {str(path)!r} exists; choose another path or pass --overwrite."
         )
     check_writable_directory(path.resolve().parent, caller=caller, what="output directory")
@@ -34,14 +36,14 @@ def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
 def check_writable_directory(directory: Path, *, caller: str, what: str) -> None:
     """Fail unless ``directory`` exists and a file can be created in it."""
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise OutputPathError(
             f"{caller}: {what} {str(directory)!r} does not exist; create it or choose another "
             "path."
         )
     try:  # os.access says yes to root everywhere; only creating a file tells the truth
         probe, probe_path = tempfile.mkstemp(prefix=".tracinfunc.probe.", dir=directory)
     except OSError as error:
-        raise PermissionError(
+        raise OutputPathError(
             f"{caller}: {what} {str(directory)!r} is not writable ({error.strerror}); choose a "
             "writable location."
         ) from error
@@ -78,7 +80,7 @@ def _write_json(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 def _write_npy(path: Path, arrays: dict[str, np.ndarray]) -> None:
     if len(arrays) != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"a .npy file holds one array but there are {sorted(arrays)}; use .json, .csv or "
             ".zarr for top-k results."
         )

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import (
-    ArgumentTypeError,
     IncompatibleGradientsError,
     InvalidArgumentError,
+    InvalidTypeError,
     NonFiniteGradientError,
 )
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
@@ -341,7 +341,7 @@ def _test_matrix(
 
 def _check_test_type(test_grads: object, *, caller: str) -> None:
     if not isinstance(test_grads, Tensor | GradientStore):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
             f"got {type(test_grads).__name__}."
         )
@@ -364,7 +364,7 @@ def _check_test_shape(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
             "projection=store.projection))."
         )
     if not test.is_floating_point():
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: test gradients must be floating point, got {test.dtype}; pass the "
             "rows projected_grads or build_store made."
         )

@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 
 from torch import Tensor
 
-from tracinfunc.errors import ArgumentTypeError, ParameterSelectionError
+from tracinfunc.errors import InvalidTypeError, ParameterSelectionError
 from tracinfunc.types import Params
 
 __all__ = ["LastLayers", "Selection", "check_select", "last_layers", "select_params",
@@ -68,7 +68,7 @@ def check_select(select: Any, *, caller: str) -> tuple[str, ...] | LastLayers | 
         return select
     patterns = (select,) if isinstance(select, str) else select
     if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: select must be a name or glob pattern, a list of them, or "
             f"last_layers(n); got {select!r}. E.g. select=['fc.*'] or select=last_layers(1)."
         )

@@ -10,21 +10,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
-from tracinfunc.build import iter_batches
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import TracInFuncError
 from tracinfunc.stages import Stages
 from tracinfunc.types import Batch, LossFn
 
-__all__ = ["Spec", "SpecError", "load_spec", "rebatch"]
+__all__ = ["Spec", "SpecError", "load_spec"]
 
 
 class SpecError(TracInFuncError, ValueError):
@@ -106,13 +104,3 @@ def _import_target(target: str) -> Any:
         return importlib.import_module(target)
     except ModuleNotFoundError as error:
         raise SpecError(f"--spec: cannot import module {target!r} ({error}).") from error
-
-
-def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
-    """Split every batch of ``data`` into batches of at most ``batch_size`` examples."""
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}.")
-    for batch in iter_batches(data):
-        size = tree_leaves(batch)[0].shape[0]
-        for start in range(0, size, batch_size):
-            yield tree_map(lambda leaf, s=start: leaf[s : s + batch_size], batch)

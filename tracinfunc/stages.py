@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from tracinfunc.errors import ArgumentTypeError, StageMismatchError
+from tracinfunc.errors import InvalidTypeError, StageMismatchError
 from tracinfunc.loss import check_eval_mode
 from tracinfunc.types import Batch, LossFn, Params
 
@@ -69,7 +69,7 @@ class Stages:
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
-            raise ArgumentTypeError(
+            raise InvalidTypeError(
                 "Stages: stages must be a non-empty sequence of tracinfunc.Stage, got "
                 f"{[type(s).__name__ for s in stages]}; use model_stages(model, criterion)."
             )
@@ -138,7 +138,7 @@ def model_stages(
 def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[str]]:
     if names is not None:
         if isinstance(names, str) or not names:
-            raise ArgumentTypeError(
+            raise InvalidTypeError(
                 f"model_stages: names must be a non-empty list of submodule names, got "
                 f"{names!r}; e.g. ['features', 'classifier']."
             )
@@ -153,7 +153,7 @@ def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[st
                 ) from None
         return [[name] for name in names]
     if not isinstance(model, nn.Sequential):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"model_stages: without names the model must be an nn.Sequential, got "
             f"{type(model).__name__}; pass the submodule names in forward order, e.g. "
             "model_stages(model, criterion, names=['features', 'classifier'])."
@@ -193,7 +193,7 @@ def _module_stage(model: nn.Module, group: list[str], buffers: dict[str, Tensor]
 def split_batch(batch: Batch, *, caller: str) -> tuple[Any, Tensor]:
     """``(inputs, targets)`` of a batch, as stages expect."""
     if not isinstance(batch, tuple | list) or len(batch) != 2:
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: with stages=, a batch must be (inputs, targets), got "
             f"{type(batch).__name__}"
             + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")

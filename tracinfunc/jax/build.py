@@ -23,10 +23,10 @@ from tracinfunc import checkpoint as torch_checkpoint
 from tracinfunc._version import __version__
 from tracinfunc.build import _check_finite
 from tracinfunc.errors import (
-    ArgumentTypeError,
     EmptyDataError,
     IncompatibleGradientsError,
     InvalidArgumentError,
+    InvalidTypeError,
     LossFunctionError,
 )
 from tracinfunc.interop import as_tensor
@@ -59,10 +59,10 @@ class Checkpoint:
     def __post_init__(self) -> None:
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not (
                 math.isfinite(self.lr)):
-            raise ArgumentTypeError(f"tracinfunc.jax.Checkpoint: lr must be a finite number, got "
+            raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: lr must be a finite number, got "
                             f"{self.lr!r}.")
         if self.name is not None and not isinstance(self.name, str):
-            raise ArgumentTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
+            raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
         object.__setattr__(self, "params", as_jax_tree(self.params))
         object.__setattr__(self, "lr", float(self.lr))
@@ -121,7 +121,7 @@ def build_store(
     """
     checkpoints = _check_checkpoints(checkpoints)
     if not isinstance(projection, Projection):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "tracinfunc.jax.build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
@@ -167,7 +167,7 @@ def iter_batches(data: Any) -> Iterator[Any]:
     """One batch (array, tuple or dict of arrays) or each batch of an iterable, as JAX trees."""
     one = isinstance(data, tuple | Mapping | np.ndarray | jax.Array | torch.Tensor)
     if not one and not isinstance(data, Iterable):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "tracinfunc.jax.build_store: data must be a batch (an array, a tuple or dict of "
             f"arrays) or an iterable of batches, got {type(data).__name__}."
         )
@@ -201,7 +201,7 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
         checkpoints = [checkpoints]
     checkpoints = list(checkpoints)
     if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "tracinfunc.jax.build_store: checkpoints must be a non-empty sequence of "
             "tracinfunc.jax.Checkpoint; e.g. [Checkpoint(params, lr=0.1, name='epoch-1')]."
         )

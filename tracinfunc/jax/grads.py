@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
-from tracinfunc.errors import ArgumentTypeError, InvalidArgumentError
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.jax.projection import Projector, make_projector
@@ -71,7 +71,7 @@ def projected_grads(
         ``fn(params, batch) -> [b, k]`` jax.Array in the params' dtype.
     """
     if not isinstance(projection, Projection):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "tracinfunc.jax.projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )

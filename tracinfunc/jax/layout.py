@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
-from tracinfunc.errors import ArgumentTypeError, IncompatibleGradientsError, InvalidArgumentError
+from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import to_framework
 from tracinfunc.projection import Layout, canonical_layout
 from tracinfunc.store.meta import layout_differences
@@ -113,7 +113,7 @@ class ParamMapping:
         leaves = []
         for key_path, leaf in paths_leaves:
             if not hasattr(leaf, "shape"):
-                raise ArgumentTypeError(
+                raise InvalidTypeError(
                     f"ParamMapping: leaf {path_name(key_path)!r} is a {type(leaf).__name__}, "
                     "not an array; keep only arrays in the tree (for Equinox: "
                     "params, static = eqx.partition(model, eqx.is_array))."
@@ -237,7 +237,7 @@ def _apply_rename(name: str, rename) -> str:
         return rename.get(name, name)
     if callable(rename):
         return rename(name)
-    raise ArgumentTypeError(
+    raise InvalidTypeError(
         f"ParamMapping: rename must be a dict or a function of the torch name, got "
         f"{type(rename).__name__}."
     )

@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from tracinfunc._hashing import MAX_ROWS
-from tracinfunc.errors import ArgumentTypeError, InvalidProjectionError
+from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
 from tracinfunc.projection import (
     Layout,
     Projection,
@@ -332,7 +332,7 @@ def make_projector(
     from tracinfunc.projection import make_projector as torch_make_projector
 
     if not isinstance(projection, Projection):
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             "tracinfunc.jax.make_projector: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )

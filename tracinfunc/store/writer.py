@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from tracinfunc.errors import ArgumentTypeError
+from tracinfunc.errors import InvalidTypeError
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore, MemoryWriter
 from tracinfunc.store.meta import StoreMeta
@@ -74,7 +74,7 @@ def make_writer(target: StoreTarget, meta: StoreMeta, *, caller: str = "build_st
     if isinstance(target, str | None | type) and target in _KINDS:
         return _KINDS[target](meta)
     if target is ZarrStore or target == "zarr":
-        raise ArgumentTypeError(
+        raise InvalidTypeError(
             f"{caller}: a Zarr store needs a path: pass store='grads.zarr' (a directory to "
             "create), not the class or 'zarr'."
         )
@@ -83,12 +83,12 @@ def make_writer(target: StoreTarget, meta: StoreMeta, *, caller: str = "build_st
     if callable(target) and not isinstance(target, type):
         writer = target(meta)
         if not isinstance(writer, StoreWriter):
-            raise ArgumentTypeError(
+            raise InvalidTypeError(
                 f"{caller}: store= factory returned {type(writer).__name__}, which lacks "
                 "rows_written/append/finish; return a writer such as tif.ZarrWriter."
             )
         return writer
-    raise ArgumentTypeError(
+    raise InvalidTypeError(
         f"{caller}: store must be None, 'memory', 'pinned', tif.MemoryStore, tif.PinnedStore, "
         f"a path for a Zarr store, or a callable meta -> writer; got {target!r}."
     )

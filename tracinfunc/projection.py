@@ -269,7 +269,19 @@ def kronecker_factors(
         ``d_out = shape[0]``, ``d_in = prod(shape[1:])``, ``(k_out, k_in) =
         kronecker_split(dim)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k_out * k_in)``.
     """
-    caller = "kronecker_factors"
+    shape = check_kronecker_args(projection, name, shape, caller="kronecker_factors")
+    keys_out, keys_in = kronecker_seeds(projection, name, shape)
+    device = torch.empty(0, device=device).device
+    return _kronecker_sides(keys_out, keys_in, shape, *kronecker_split(projection.dim), device,
+                            dtype)
+
+
+def check_kronecker_args(projection: Projection, name: str, shape: Sequence[int], *,
+                         caller: str) -> tuple[int, ...]:
+    """``shape`` as a tuple if ``projection`` is kronecker and ``name`` a matrix, else raise.
+
+    Shared by the torch and JAX ``kronecker_factors``, so both refuse the same input alike.
+    """
     if not isinstance(projection, Projection) or projection.kind != "kronecker":
         got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
         raise InvalidProjectionError(
@@ -282,10 +294,7 @@ def kronecker_factors(
             f"{caller}: {name!r} needs at least two dimensions, each side at most 2**32 "
             f"elements, got shape {list(shape)}; vectors use the Rademacher block (block_seed)."
         )
-    keys_out, keys_in = kronecker_seeds(projection, name, shape)
-    device = torch.empty(0, device=device).device
-    return _kronecker_sides(keys_out, keys_in, shape, *kronecker_split(projection.dim), device,
-                            dtype)
+    return shape
 
 
 def _kronecker_sides(keys_out, keys_in, shape, k_out, k_in, device, dtype) -> tuple:

@@ -28,16 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tracinfunc._hashing import MAX_ROWS
 from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
 from tracinfunc.projection import (
     Layout,
     Projection,
     _as_layout,
     _check_block_args,
-    _check_name,
-    _check_shape,
     _param_keys,
+    check_kronecker_args,
     kronecker_seeds,
     kronecker_split,
 )
@@ -141,19 +139,8 @@ def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
     Raises:
         InvalidProjectionError: another kind, or fewer than two dimensions.
     """
-    caller = "tracinfunc.jax.kronecker_factors"
-    if not isinstance(projection, Projection) or projection.kind != "kronecker":
-        got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
-        raise InvalidProjectionError(
-            f"{caller}: expected a Projection with kind='kronecker', got {got!r}; use "
-            "Projection(dim=..., kind='kronecker')."
-        )
-    shape = _check_shape(shape, _check_name(name, caller), caller)
-    if len(shape) < 2 or max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
-        raise InvalidProjectionError(
-            f"{caller}: {name!r} needs at least two dimensions, each side at most 2**32 "
-            f"elements, got shape {list(shape)}; vectors use the Rademacher block (block_seed)."
-        )
+    shape = check_kronecker_args(projection, name, shape,
+                                 caller="tracinfunc.jax.kronecker_factors")
     keys = kronecker_seeds(projection, name, shape)
     return _kronecker_sides(keys, shape, projection.dim, jnp.float32)
 

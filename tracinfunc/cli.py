@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
                        help="state-dict files (need Spec.model); default: the spec's")
     build.add_argument("--batch-size", type=_positive_int,
-                       help="split the spec's batches to this size")
+                       help="examples per gradient call: the spec's batches are merged or split")
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
                        help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
     build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))

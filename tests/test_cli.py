@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import tracinfunc as tif
-import tracinfunc.cli
+import tracinfunc.cli.commands as cli_main
 from tracinfunc.build import rebatch
 from tracinfunc.cli import main
-from tracinfunc.spec import load_spec
+from tracinfunc.cli.spec import load_spec
 
 SPEC = str(Path(__file__).resolve().parent / "data" / "tiny_spec.py")
 
@@ -353,7 +353,7 @@ def test_info_verify_shows_progress_unless_quiet(built, monkeypatch):
         def __exit__(self, *exc):
             pass
 
-    monkeypatch.setattr(tracinfunc.cli, "progress_bar", Bar)
+    monkeypatch.setattr(cli_main, "progress_bar", Bar)
     assert cli_here("info", "grads.zarr", "--verify", cwd=built).returncode == 0
     assert cli_here("--quiet", "info", "grads.zarr", "--verify", cwd=built).returncode == 0
     assert [c["progress"] for c in calls] == [None, False]  # None: a terminal only
@@ -374,7 +374,7 @@ def test_non_positive_counts_are_usage_errors(built, flag, value):
 
 
 def test_quiet_and_debug_are_accepted_before_the_command(built):
-    from tracinfunc.cli import _parser
+    from tracinfunc.cli.commands import _parser
 
     parse = _parser().parse_args
     assert parse(["--quiet", "info", "x"]).quiet and parse(["info", "x", "--quiet"]).quiet

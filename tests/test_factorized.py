@@ -14,7 +14,7 @@ from tests import numpy_projection as ref
 from tests.conftest import make_checkpoints, make_convnet, make_data, make_mlp
 from tests.reference import loop_grads
 from tracinfunc.errors import LossFunctionError
-from tracinfunc.factorized import factorizable_layers
+from tracinfunc.grads.factorized import factorizable_layers
 from tracinfunc.projection import kronecker_factors
 
 SPEC = tif.Projection(dim=12, seed=5, kind="kronecker")

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 import tracinfunc as tif
 import tracinfunc.jax as tj
 from tests.jax_helpers import paired_mlp, to_jax_batch
-from tracinfunc import _hashing
 from tracinfunc import projection as torch_projection
 from tracinfunc.jax.projection import _mulhi32
+from tracinfunc.projection import _kernels as _hashing
 
 NAMES = st.sampled_from(["fc.weight", "0.bias", "layers.3.conv.weight", "x"])
 

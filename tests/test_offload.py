@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import tracinfunc as tif
-from tracinfunc.offload import ActivationStash
+from tracinfunc.grads.offload import ActivationStash
 
 
 def test_on_cpu_offloading_keeps_the_tensor_itself():

@@ -9,7 +9,7 @@ from torch import nn
 
 import tracinfunc as tif
 from tests.conftest import make_convnet, make_data, make_mlp
-from tracinfunc.stages import run_stages
+from tracinfunc.grads.stages import run_stages
 
 
 class TwoPart(nn.Module):

@@ -4,10 +4,11 @@ TracIn scores a training example's influence on a test prediction as
 ``sum over checkpoints c of lr_c * <grad L(test; w_c), grad L(train_i; w_c)>``.
 """
 
+from tracinfunc import _moved
 from tracinfunc._version import __version__
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
-from tracinfunc.chunking import chunk_size_for_budget
+from tracinfunc.cli.spec import Spec
 from tracinfunc.errors import (
     CorruptStoreError,
     EmptyDataError,
@@ -32,13 +33,13 @@ from tracinfunc.errors import (
     UnsupportedPrecisionError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
+from tracinfunc.grads.chunking import chunk_size_for_budget
+from tracinfunc.grads.precision import autocast_supported
+from tracinfunc.grads.selection import last_layers, select_params
+from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.loss import ModuleLoss, loss_from_module
-from tracinfunc.precision import autocast_supported
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
-from tracinfunc.selection import last_layers, select_params
-from tracinfunc.spec import Spec
-from tracinfunc.stages import Stage, Stages, model_stages
 from tracinfunc.store import (
     CheckpointMeta,
     GradientStore,
@@ -115,3 +116,5 @@ __all__ = [
     "to_pinned",
     "top_k",
 ]
+
+_moved.install()  # old module paths (tracinfunc.stages, ...) still import, with a warning

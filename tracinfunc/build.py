@@ -23,12 +23,12 @@ from tracinfunc.errors import (
     NonFiniteGradientError,
     TracInFuncError,
 )
-from tracinfunc.grads import explain_loss_error, projected_grads
+from tracinfunc.grads.selection import Selection, selected_names
+from tracinfunc.grads.stages import Stages
+from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection import Layout, Projection, canonical_layout
-from tracinfunc.selection import Selection, selected_names
-from tracinfunc.stages import Stages
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.writer import StoreTarget, StoreWriter, make_writer

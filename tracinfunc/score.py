@@ -3,7 +3,7 @@
 Every reduction walks the store in row chunks; for each chunk it accumulates
 ``sum_c lr_c * test_c @ train_c.T`` over checkpoints in float32 (float64 for float64 stores)
 and hands the ``[n_test, rows]`` block to a reduction (write into the full matrix, merge a
-running top-k, ...). Rows are streamed by :func:`tracinfunc.store._stream.stream_rows`
+running top-k, ...). Rows are streamed by :func:`tracinfunc.store.stream.stream_rows`
 (background reads into reusable buffers, asynchronous copies to a GPU), so extra memory is a
 few chunks plus the output, never the store.
 """
@@ -23,9 +23,9 @@ from tracinfunc.errors import (
 )
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store._stream import compute_threads, stream_rows
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
+from tracinfunc.store.stream import compute_threads, stream_rows
 
 __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 

@@ -28,16 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
-from tracinfunc.projection import (
+from tracinfunc.errors import InvalidProjectionError
+from tracinfunc.projection.spec import (
     Layout,
     Projection,
-    _as_layout,
-    _check_block_args,
-    _param_keys,
+    ProjectionPlan,
+    check_block_args,
     check_kronecker_args,
     kronecker_seeds,
     kronecker_split,
+    plan_projection,
 )
 
 __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
@@ -102,7 +102,7 @@ def rademacher_block(
         ``[rows, k]`` float32 of exact +-1, equal bit for bit to
         :func:`tracinfunc.projection.rademacher_block`.
     """
-    _, keys = _check_block_args(projection, "rademacher", name, shape, row_start, row_stop,
+    _, keys = check_block_args(projection, "rademacher", name, shape, row_start, row_stop,
                                 "tracinfunc.jax.rademacher_block")
     rows = _rows(row_start, row_stop - row_start)
     return _rademacher_rows(keys, projection.dim, rows, jnp.float32)
@@ -117,7 +117,7 @@ def sjlt_block(
         ``(cols, signs)``: ``[rows, nnz]`` int32 columns in ``[0, k)`` and ``[rows, nnz]``
         float32 +-1, equal to :func:`tracinfunc.projection.sjlt_block`'s (int64 there).
     """
-    _, keys = _check_block_args(projection, "sjlt", name, shape, row_start, row_stop,
+    _, keys = check_block_args(projection, "sjlt", name, shape, row_start, row_stop,
                                 "tracinfunc.jax.sjlt_block")
     rows = _rows(row_start, row_stop - row_start)
     return _sjlt_rows(keys, projection.dim, projection.nnz, rows, jnp.float32)
@@ -178,13 +178,13 @@ class Projector:
         k: Output dimension.
     """
 
-    def __init__(self, projection: Projection, layout: Layout, k: int,
-                 keys: dict[str, tuple], dtype: Any, cache_bytes: int) -> None:
-        self.projection, self.layout, self.k, self.dtype = projection, layout, k, dtype
-        self._keys = keys
-        self._shapes = dict(layout)
-        self._sparse = projection.kind == "sjlt"
-        self._scale = 1 / math.sqrt(projection.nnz if self._sparse else k)
+    def __init__(self, plan: ProjectionPlan, dtype: Any, cache_bytes: int) -> None:
+        self.plan, self.dtype = plan, dtype
+        self.projection, self.layout, self.k = plan.projection, plan.layout, plan.k
+        self._keys = plan.keys
+        self._shapes = dict(plan.layout)
+        self._sparse = plan.projection.kind == "sjlt"
+        self._scale = plan.scale
         self.blocks = self._generate(cache_bytes)
         self._apply_jit = jax.jit(self.apply)
 
@@ -263,7 +263,7 @@ class Projector:
         return blocks
 
     def _is_matrix_kronecker(self, name: str) -> bool:
-        return self.projection.kind == "kronecker" and len(self._shapes[name]) >= 2
+        return self.plan.is_kronecker_matrix(name)
 
     def _check(self, grads: Mapping[str, Any]) -> None:
         if not isinstance(grads, Mapping):
@@ -316,18 +316,5 @@ def make_projector(
         InvalidProjectionError: malformed layout, identity ``dim`` other than ``p``, or a
             block-seed collision.
     """
-    from tracinfunc.projection import make_projector as torch_make_projector
-
-    if not isinstance(projection, Projection):
-        raise InvalidTypeError(
-            "tracinfunc.jax.make_projector: projection must be a tracinfunc.Projection, got "
-            f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
-        )
-    layout = _as_layout(layout, "tracinfunc.jax.make_projector")
-    # The torch factory validates layout, sizes and seed collisions; with cache_bytes=0 it
-    # generates no blocks (only kronecker side factors, which are small).
-    checked = torch_make_projector(projection, layout, cache_bytes=0)
-    # The torch path's keys: kronecker_seeds for kronecker matrices, block_seed otherwise.
-    keys = {} if projection.kind == "identity" else {
-        name: _param_keys(projection, name, shape) for name, shape in layout}
-    return Projector(projection, layout, checked.k, keys, jnp.dtype(dtype), cache_bytes)
+    plan = plan_projection(projection, layout, caller="tracinfunc.jax.make_projector")
+    return Projector(plan, jnp.dtype(dtype), cache_bytes)

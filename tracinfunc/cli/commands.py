@@ -23,9 +23,9 @@ import torch
 import zarr
 
 import tracinfunc as tif
+from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
+from tracinfunc.cli.spec import Spec, SpecError, load_spec
 from tracinfunc.progress import progress_bar
-from tracinfunc.results import check_output_path, check_writable_directory, write_results
-from tracinfunc.spec import Spec, SpecError, load_spec
 from tracinfunc.store._zarr_layout import read_meta
 
 __all__ = ["main"]

@@ -1,36 +1,24 @@
-"""The counter-based hash under every seeded projection (private to ``projection``/``factorized``).
+"""The torch kernels of the counter-based hash under every seeded projection (private).
 
 Everything here is a pure function of integer keys and row/column counters, so a block is the
 same on any device, in any process and in NumPy (``tests/numpy_projection.py``). The element
-rule is documented in :mod:`tracinfunc.projection`; changing anything here changes every saved
+rule is documented in :mod:`tracinfunc.projection.spec`; changing anything here changes every saved
 store (``tests/test_projection.py`` guards it with a golden hash).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 MASK = 0xFFFFFFFF
-PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
-MAX_ROWS = 2**32  # rows are hashed as uint32 counters
 # int64 hash elements generated per slice: on CPU small slices stay in cache (about 3x faster
 # than 32 MiB ones); accelerators want few large kernels.
 CPU_SLICE_ELEMENTS = 2**18
 DEVICE_SLICE_ELEMENTS = 2**24
-
-
-def hash_record(record: Mapping[str, Any]) -> tuple[int, int]:
-    """Two uint32 keys: blake2b (8 bytes, personalised) of the record's canonical JSON."""
-    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    digest = hashlib.blake2b(text.encode("ascii"), digest_size=8, person=PERSON).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
 def mix32(x: Tensor) -> Tensor:

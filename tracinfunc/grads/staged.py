@@ -5,7 +5,7 @@
 themselves, and the stage loop runs *outside* vmap, on ordinary batched tensors:
 
 1. forward the batch once without autograd, keeping only the input of every differentiated
-   stage (the stage boundaries; optionally offloaded, see :mod:`tracinfunc.offload`). Stages
+   stage (the stage boundaries; optionally offloaded, see :mod:`tracinfunc.grads.offload`). Stages
    before the first selected parameter (a frozen prefix) run here and are never revisited;
 2. per-example gradients of the criterion with respect to the model output;
 3. for each stage from the last: ``vmap`` over examples (with ``chunk_size``) of
@@ -29,9 +29,9 @@ from torch.func import grad, vjp, vmap
 from torch.utils._pytree import tree_map
 
 from tracinfunc.errors import ParameterSelectionError
-from tracinfunc.offload import ActivationStash
-from tracinfunc.precision import mixed_precision_context, with_mixed_precision
-from tracinfunc.stages import Stage, Stages, split_batch, stage_params
+from tracinfunc.grads.offload import ActivationStash
+from tracinfunc.grads.precision import mixed_precision_context, with_mixed_precision
+from tracinfunc.grads.stages import Stage, Stages, split_batch, stage_params
 from tracinfunc.types import Batch, Params
 
 __all__ = ["largest_stage_size", "stage_selection", "staged_grads"]

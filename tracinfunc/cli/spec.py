@@ -19,7 +19,7 @@ from torch import nn
 
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import TracInFuncError
-from tracinfunc.stages import Stages
+from tracinfunc.grads.stages import Stages
 from tracinfunc.types import Batch, LossFn
 
 __all__ = ["Spec", "SpecError", "load_spec"]

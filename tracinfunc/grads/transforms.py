@@ -7,11 +7,11 @@ only ``chunk_size`` full per-example gradients exist at any moment, never ``b`` 
 The memory and speed options compose freely and never change what is computed beyond float
 rounding (mixed precision aside, which is an approximation):
 
-- ``select``: differentiate only some parameters (:mod:`tracinfunc.selection`);
-- ``mixed_precision``: forward under autocast (:mod:`tracinfunc.precision`);
+- ``select``: differentiate only some parameters (:mod:`tracinfunc.grads.selection`);
+- ``mixed_precision``: forward under autocast (:mod:`tracinfunc.grads.precision`);
 - ``stages`` / ``offload``: functional checkpointing, activation offloading and a batched,
-  autograd-free frozen prefix (:mod:`tracinfunc.checkpointing`);
-- ``memory_budget``: ``chunk_size`` chosen from a byte budget (:mod:`tracinfunc.chunking`).
+  autograd-free frozen prefix (:mod:`tracinfunc.grads.staged`);
+- ``memory_budget``: ``chunk_size`` chosen from a byte budget (:mod:`tracinfunc.grads.chunking`).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
-from tracinfunc.checkpointing import largest_stage_size, stage_selection, staged_grads
-from tracinfunc.chunking import check_memory_budget, chunk_size_for_budget
 from tracinfunc.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     LossFunctionError,
     TrainModeError,
 )
-from tracinfunc.precision import check_mixed_precision, with_mixed_precision
+from tracinfunc.grads.chunking import check_memory_budget, chunk_size_for_budget
+from tracinfunc.grads.precision import check_mixed_precision, with_mixed_precision
+from tracinfunc.grads.selection import Selection, check_select, selected_names
+from tracinfunc.grads.staged import largest_stage_size, stage_selection, staged_grads
+from tracinfunc.grads.stages import Stages, check_stages
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
-from tracinfunc.selection import Selection, check_select, selected_names
-from tracinfunc.stages import Stages, check_stages
 from tracinfunc.types import Batch, Example, LossFn, Params
 
 __all__ = ["per_sample_grads", "projected_grads"]
@@ -158,7 +158,7 @@ def projected_grads(
         # Factorised Linear/Conv2d path (weights never materialised). With a memory option
         # the generic path below still computes the same Kronecker projection, from the
         # materialised gradient. Imported here: the module imports this one.
-        from tracinfunc.factorized import factorized_projected_grads
+        from tracinfunc.grads.factorized import factorized_projected_grads
 
         factorized = factorized_projected_grads(loss, projection, chunk_size=chunk_size)
         return lambda params, batch: _call_loss_transform(factorized, params, batch,

@@ -1,0 +1,408 @@
+"""The projection spec, framework-neutral: what a projection is, never how it is computed.
+
+Pure Python (no torch, no JAX), so the torch kernels (:mod:`tracinfunc.projection.torch`), the
+JAX frontend (:mod:`tracinfunc.jax.projection`) and the store metadata share one definition.
+
+A projection maps one example's gradients ``{name: [*shape]}`` (``p`` numbers in all) to
+``[k]``. The ``[p, k]`` matrix is never stored whole: each parameter's block is a pure function
+of ``(seed, kind, dim, nnz, name, shape)``, computed by a counter-based integer hash, so one
+spec gives the same matrix on any device, in any process and in NumPy
+(``tests/numpy_projection.py``), whatever the insertion order of the parameter dict.
+
+Element rule for row ``r`` of a parameter's block (its flattened coordinate), with the keys
+``(s0, s1) = block_seed(projection, name, shape)`` and ``mix32`` = lowbias32::
+
+    a = mix32(r ^ s0) ^ s1
+    rademacher: P[r, c] = -1 if bit 31 of mix32(a ^ c) else +1; scaled by 1/sqrt(k)
+    sjlt, t < nnz: h = mix32(a ^ t); column (h * k) >> 32; sign from bit 31 of mix32(h);
+        scaled by 1/sqrt(nnz) (columns of one row may repeat; their entries then add)
+
+Both scalings make ``E[<P g, P g'>] = <g, g'>``. ``identity`` concatenates the flattened
+gradients in sorted-name order, unscaled.
+
+``kronecker`` (LoGra-style, for Linear/Conv weights) splits ``k = k_out * k_in``
+(:func:`kronecker_split`). A parameter with two or more dimensions is read as a matrix
+``G [d_out, d_in]`` (``d_in`` = product of the other dimensions, the layout of
+``weight.reshape(d_out, -1)`` and of ``F.unfold``) and projected to
+``(P_out.T @ G @ P_in).reshape(k) / sqrt(k)``, i.e. by the Kronecker matrix ``P_out (x) P_in``,
+where ``P_out [d_out, k_out]`` and ``P_in [d_in, k_in]`` follow the Rademacher rule with the
+keys of :func:`kronecker_seeds` (``side`` ``"out"``/``"in"``). Parameters with fewer than two
+dimensions (biases) use the Rademacher rule with ``block_seed``. All blocks add into the same
+``k`` outputs, like ``rademacher``; independent zero-mean signs keep the inner products
+unbiased. Because ``G = delta.T @ x`` for a Linear layer, ``tracinfunc.grads.factorized``
+computes the same numbers from layer inputs and output gradients without materialising ``G``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
+
+__all__ = [
+    "KINDS",
+    "MAX_ROWS",
+    "Layout",
+    "Projection",
+    "ProjectionPlan",
+    "as_layout",
+    "block_seed",
+    "canonical_layout",
+    "check_block_args",
+    "check_kronecker_args",
+    "hash_record",
+    "is_matrix",
+    "kronecker_seeds",
+    "kronecker_split",
+    "param_keys",
+    "plan_projection",
+]
+
+PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
+MAX_ROWS = 2**32  # rows are hashed as uint32 counters
+
+
+def hash_record(record: Mapping[str, Any]) -> tuple[int, int]:
+    """Two uint32 keys: blake2b (8 bytes, personalised) of the record's canonical JSON."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    digest = hashlib.blake2b(text.encode("ascii"), digest_size=8, person=PERSON).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+Layout: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]
+"""Parameter names and shapes sorted by name: ``(("fc.bias", (3,)), ("fc.weight", (3, 8)))``."""
+
+KINDS = ("identity", "rademacher", "sjlt", "kronecker")
+_MAX_DIM = 2**31 - 1  # keeps Lemire's (h * k) below 2**63 in int64
+
+
+@dataclass(frozen=True)
+class Projection:
+    """How per-example gradients are projected to ``k`` numbers.
+
+    Attributes:
+        dim: ``k``. ``None`` for ``kind="identity"`` (or ``p``, checked against the layout);
+            a positive int otherwise.
+        seed: Non-negative int below ``2**63``.
+        kind: ``"identity"``, ``"rademacher"`` (dense +-1/sqrt(k)), ``"sjlt"`` (sparse,
+            ``nnz`` entries +-1/sqrt(nnz) per input coordinate; cost ``p * nnz``) or
+            ``"kronecker"`` (weights projected side by side as ``P_out.T @ G @ P_in`` with
+            ``k = k_out * k_in``; cheapest with :func:`~tracinfunc.loss_from_module`, whose
+            Linear/Conv2d layers are then never materialised per example).
+        nnz: Nonzeros per input coordinate, ``1 <= nnz <= dim``; must be 1 unless ``"sjlt"``.
+
+    Example:
+        >>> Projection(dim=512, seed=0)                  # dense Rademacher
+        >>> Projection(dim=4096, kind="sjlt", nnz=4)      # sparse, for large models
+        >>> Projection(dim=1024, kind="kronecker")       # factorised: 32 x 32 per layer
+    """
+
+    dim: int | None = None
+    seed: int = 0
+    kind: str = "rademacher"
+    nnz: int = 1
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        if kind not in KINDS:
+            raise InvalidProjectionError(
+                f"Projection: kind must be one of {', '.join(map(repr, KINDS))}, got "
+                f"{kind!r}; e.g. Projection(dim=512, kind='rademacher')."
+            )
+        seed, nnz = _as_int(self.seed, "seed", "e.g. seed=0"), _as_int(self.nnz, "nnz", "nnz=1")
+        identity_any_dim = kind == "identity" and self.dim is None
+        dim = None if identity_any_dim else _as_int(self.dim, "dim", "e.g. dim=512")
+        if dim is not None and not 1 <= dim <= _MAX_DIM:
+            raise InvalidProjectionError(
+                f"Projection: dim must be a positive int at most {_MAX_DIM}, got {dim}; use "
+                "e.g. dim=512" + (" (or dim=None)." if kind == "identity" else ".")
+            )
+        if not 0 <= seed < 2**63:
+            raise InvalidProjectionError(
+                f"Projection: seed must be in [0, 2**63), got {seed}; use e.g. seed=0."
+            )
+        if kind != "sjlt" and nnz != 1:
+            raise InvalidProjectionError(
+                f"Projection: nnz is for kind='sjlt' only, got nnz={nnz} with kind={kind!r}; "
+                "leave nnz=1 or use kind='sjlt'."
+            )
+        if kind == "sjlt" and not 1 <= nnz <= dim:
+            raise InvalidProjectionError(
+                f"Projection: nnz must be in [1, dim={dim}], got {nnz}; use e.g. nnz=1 (or a "
+                "larger dim)."
+            )
+        for field, value in (("dim", dim), ("seed", seed), ("nnz", nnz)):
+            object.__setattr__(self, field, value)  # numpy ints -> int, for JSON and hashing
+
+    def output_dim(self, layout: Layout | Mapping[str, Any]) -> int:
+        """``k`` for gradients with this layout: ``dim``, or ``p`` for ``"identity"``.
+
+        Raises:
+            InvalidProjectionError: ``kind="identity"`` with a ``dim`` other than ``p``.
+        """
+        if self.kind != "identity":
+            return self.dim
+        p = sum(math.prod(shape) for _, shape in as_layout(layout, "Projection.output_dim"))
+        if self.dim is not None and self.dim != p:
+            raise InvalidProjectionError(
+                f"Projection.output_dim: kind='identity' keeps all p={p} gradient entries but "
+                f"dim={self.dim}; use Projection(kind='identity') (dim=None)."
+            )
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types; :meth:`from_dict` inverts it."""
+        return {"kind": self.kind, "dim": self.dim, "seed": self.seed, "nnz": self.nnz}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Projection:
+        """The projection saved by :meth:`to_dict` (missing keys take their defaults)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, Mapping) or set(data) - fields:
+            got = sorted(set(data) - fields) if isinstance(data, Mapping) else type(data).__name__
+            raise InvalidProjectionError(
+                f"Projection.from_dict: expected a mapping with keys among {sorted(fields)}, "
+                f"got {got!r}; pass the dict made by Projection.to_dict()."
+            )
+        return cls(**data)
+
+
+def _as_int(value: Any, field: str, fix: str) -> int:
+    if isinstance(value, bool):
+        value = None  # True is an int to Python, never a meaningful size or seed
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidProjectionError(
+            f"Projection: {field} must be an int, got {value!r}; {fix}."
+        ) from None
+
+
+def canonical_layout(shapes: Mapping[str, Sequence[int]] | Mapping[str, Any]) -> Layout:
+    """Names and shapes sorted by name, the order every projection uses (never dict order).
+
+    Args:
+        shapes: ``{name: shape}`` or ``{name: tensor}`` (e.g. the params).
+
+    Returns:
+        ``((name, shape), ...)`` sorted by name, shapes as tuples of ints.
+    """
+    if not isinstance(shapes, Mapping):
+        raise InvalidProjectionError(
+            f"canonical_layout: expected a mapping {{name: shape or tensor}}, got "
+            f"{type(shapes).__name__}; pass e.g. dict(model.named_parameters())."
+        )
+    return tuple(sorted(
+        (check_name(name, "canonical_layout"), check_shape(value, name, "canonical_layout"))
+        for name, value in shapes.items()
+    ))
+
+
+def check_name(name: Any, caller: str) -> str:
+    if not isinstance(name, str):
+        raise InvalidProjectionError(
+            f"{caller}: parameter names must be str, got {name!r}; key params by name."
+        )
+    return name
+
+
+def check_shape(value: Any, name: str, caller: str) -> tuple[int, ...]:
+    try:
+        # Any array (torch, JAX, NumPy) has .shape; a plain sequence is the shape itself.
+        raw = tuple(getattr(value, "shape", value))
+        shape = tuple(operator.index(s) for s in raw)
+        bad = any(isinstance(s, bool) for s in raw) or any(s < 0 for s in shape)
+    except TypeError:
+        bad = True
+    if bad:
+        raise InvalidProjectionError(
+            f"{caller}: the shape of {name!r} must be a tensor or a sequence of non-negative "
+            f"ints, got {value!r}; pass {{name: tensor}} or {{name: tuple(tensor.shape)}}."
+        )
+    return shape
+
+
+def as_layout(layout: Layout | Mapping[str, Any], caller: str) -> Layout:
+    if isinstance(layout, Mapping):
+        return canonical_layout(layout)
+    pairs = [(check_name(n, caller), check_shape(s, n, caller)) for n, s in layout]
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        dups = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidProjectionError(
+            f"{caller}: layout names must be unique, got duplicates {dups}; build the layout "
+            "with canonical_layout(params)."
+        )
+    return tuple(sorted(pairs))
+
+
+def block_seed(projection: Projection, name: str, shape: Sequence[int]) -> tuple[int, int]:
+    """The two uint32 keys ``(s0, s1)`` of one parameter's block.
+
+    blake2b (8 bytes, personalised) of the canonical JSON of
+    ``{dim, kind, name, nnz, seed, shape}``; keyed by the name, never by pytree position.
+    """
+    return hash_record(_key_record(projection, name, shape))
+
+
+def _key_record(projection: Projection, name: str, shape: Sequence[int]) -> dict[str, Any]:
+    return {"dim": projection.dim, "kind": projection.kind, "name": name,
+            "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
+
+
+def kronecker_split(dim: int) -> tuple[int, int]:
+    """``(k_out, k_in)`` with ``k_out * k_in = dim``: ``k_out`` the largest divisor <= sqrt(dim).
+
+    Every layer gets the same split, so its block adds into the same ``k`` outputs as the
+    others. Powers of two and squares split evenly (512 -> 16 x 32, 1024 -> 32 x 32); a prime
+    ``dim`` gives ``1 x dim``, which is still unbiased but noisier.
+    """
+    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
+    return k_out, dim // k_out
+
+
+def kronecker_seeds(projection: Projection, name: str, shape: Sequence[int]
+                    ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The keys of ``P_out`` and ``P_in`` of parameter ``name``: ``block_seed``'s record plus
+    ``"side": "out"`` or ``"in"``."""
+    record = _key_record(projection, name, shape)
+    return hash_record({**record, "side": "out"}), hash_record({**record, "side": "in"})
+
+
+def check_kronecker_args(projection: Projection, name: str, shape: Sequence[int], *,
+                         caller: str) -> tuple[int, ...]:
+    """``shape`` as a tuple if ``projection`` is kronecker and ``name`` a matrix, else raise.
+
+    Shared by the torch and JAX ``kronecker_factors``, so both refuse the same input alike.
+    """
+    if not isinstance(projection, Projection) or projection.kind != "kronecker":
+        got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
+        raise InvalidProjectionError(
+            f"{caller}: expected a Projection with kind='kronecker', got {got!r}; use "
+            "Projection(dim=..., kind='kronecker')."
+        )
+    shape = check_shape(shape, check_name(name, caller), caller)
+    if len(shape) < 2 or max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
+        raise InvalidProjectionError(
+            f"{caller}: {name!r} needs at least two dimensions, each side at most 2**32 "
+            f"elements, got shape {list(shape)}; vectors use the Rademacher block (block_seed)."
+        )
+    return shape
+
+
+def check_block_args(projection: Projection, kind: str, name: str, shape: Sequence[int],
+                     row_start: int, row_stop: int, caller: str
+                     ) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """``(shape, block keys)`` if rows ``[row_start, row_stop)`` of ``name``'s ``kind`` block
+    exist, else raise. Shared by the torch and JAX block functions."""
+    if not isinstance(projection, Projection) or projection.kind != kind:
+        got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
+        raise InvalidProjectionError(
+            f"{caller}: expected a Projection with kind={kind!r}, got {got!r}; call the "
+            "block function of the projection's kind."
+        )
+    shape = check_shape(shape, check_name(name, caller), caller)
+    numel = math.prod(shape)
+    ints = all(isinstance(r, int) and not isinstance(r, bool) for r in (row_start, row_stop))
+    if numel > MAX_ROWS or not ints or not 0 <= row_start <= row_stop <= numel:
+        raise InvalidProjectionError(
+            f"{caller}: rows must satisfy 0 <= row_start <= row_stop <= numel={numel} "
+            f"(ints; numel at most 2**32), got [{row_start!r}, {row_stop!r}); pick rows inside "
+            f"{name!r}."
+        )
+    return shape, block_seed(projection, name, shape)
+
+
+
+def param_keys(projection: Projection, name: str, shape: tuple[int, ...]) -> tuple:
+    """A parameter's keys: ``kronecker_seeds`` for a kronecker matrix, else ``block_seed``."""
+    if projection.kind == "kronecker" and is_matrix(shape):
+        if max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
+            raise InvalidProjectionError(
+                f"make_projector: each side of {name!r} must hold at most 2**32 elements, got "
+                f"shape {list(shape)}; reshape the parameter or use kind='sjlt'."
+            )
+        return kronecker_seeds(projection, name, shape)
+    return block_seed(projection, name, shape)
+
+
+def is_matrix(shape: Sequence[int]) -> bool:
+    """Two or more dimensions: projected side by side under ``kind="kronecker"``."""
+    return len(shape) >= 2
+
+
+@dataclass(frozen=True)
+class ProjectionPlan:
+    """A projection checked against one parameter layout: everything but the numbers.
+
+    What every frontend (torch, JAX) needs to generate the same blocks: the output size and
+    each parameter's hash keys. Made by :func:`plan_projection`.
+
+    Attributes:
+        projection: The spec.
+        layout: Parameter names and shapes, sorted by name.
+        k: Output dimension.
+        keys: ``{name: keys}``: ``(s0, s1)`` (``block_seed``) or, for kronecker matrices,
+            ``((s0, s1) of P_out, (s0, s1) of P_in)``; empty for ``"identity"``.
+    """
+
+    projection: Projection
+    layout: Layout
+    k: int
+    keys: Mapping[str, tuple]
+
+    @property
+    def scale(self) -> float:
+        """The factor on the summed unscaled blocks: ``1/sqrt(nnz)`` (sjlt), else ``1/sqrt(k)``."""
+        sparse = self.projection.kind == "sjlt"
+        return 1 / math.sqrt(self.projection.nnz if sparse else self.k)
+
+    def is_kronecker_matrix(self, name: str) -> bool:
+        """Whether ``name`` is projected side by side (``P_out.T @ G @ P_in``)."""
+        return self.projection.kind == "kronecker" and is_matrix(dict(self.layout)[name])
+
+
+def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any], *,
+                    caller: str = "make_projector") -> ProjectionPlan:
+    """Check ``projection`` against ``layout`` and derive every parameter's keys.
+
+    Raises:
+        InvalidTypeError: ``projection`` is not a :class:`Projection`.
+        InvalidProjectionError: empty or malformed layout, a parameter over ``2**32``
+            elements, identity ``dim`` other than ``p``, or two parameters whose block seeds
+            collide.
+    """
+    if not isinstance(projection, Projection):
+        raise InvalidTypeError(
+            f"{caller}: projection must be a tracinfunc.Projection, got "
+            f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
+        )
+    layout = as_layout(layout, caller)
+    sizes = [math.prod(shape) for _, shape in layout]
+    if sum(sizes) == 0 or max(sizes) > MAX_ROWS:
+        raise InvalidProjectionError(
+            f"{caller}: the layout must hold at least one element and no parameter over "
+            f"2**32 elements, got {len(layout)} parameters with sizes {sizes}; build it with "
+            "canonical_layout(params)."
+        )
+    k = projection.output_dim(layout)
+    keys = {} if projection.kind == "identity" else {
+        name: param_keys(projection, name, shape) for name, shape in layout}
+    names_by_key: dict[tuple, list[str]] = {}
+    for name, key in keys.items():
+        names_by_key.setdefault(key, []).append(name)
+    clashes = "; ".join(", ".join(map(repr, names)) for names in names_by_key.values()
+                        if len(names) > 1)
+    if clashes:
+        raise InvalidProjectionError(
+            f"{caller}: parameters {clashes} got the same block seed, so their blocks "
+            "would be identical; rename one of them or use another seed."
+        )
+    return ProjectionPlan(projection, layout, k, keys)

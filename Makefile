@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e ".[dev,jax]"
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e ".[dev,jax,hf,s3,search]"
 	touch $@
 
 install: $(BIN)/.installed

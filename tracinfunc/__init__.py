@@ -49,11 +49,17 @@ from tracinfunc.store import (
     PinnedWriter,
     StoreMeta,
     StoreWriter,
+    SupportsChunkAlignment,
+    SupportsRowViews,
     ZarrStore,
     ZarrWriter,
+    open_store,
+    read_store_meta,
+    remove_store,
     save_store,
     to_memory,
     to_pinned,
+    verify_store,
 )
 
 __all__ = [
@@ -89,6 +95,8 @@ __all__ = [
     "StoreMeta",
     "StoreNotFoundError",
     "StoreWriter",
+    "SupportsChunkAlignment",
+    "SupportsRowViews",
     "TracInFuncError",
     "TrainModeError",
     "UnsupportedPrecisionError",
@@ -104,9 +112,12 @@ __all__ = [
     "loss_from_module",
     "make_projector",
     "model_stages",
+    "open_store",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
+    "read_store_meta",
+    "remove_store",
     "save_store",
     "score",
     "score_chunks",
@@ -115,6 +126,7 @@ __all__ = [
     "to_memory",
     "to_pinned",
     "top_k",
+    "verify_store",
 ]
 
 _moved.install()  # old module paths (tracinfunc.stages, ...) still import, with a warning

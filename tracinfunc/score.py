@@ -23,7 +23,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store.base import GradientStore
+from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
 from tracinfunc.store.meta import StoreMeta, check_compatible
 from tracinfunc.store.stream import compute_threads, stream_rows
 
@@ -315,12 +315,11 @@ def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
                 "let score choose from its memory budget."
             )
         return min(chunk_rows, max(1, meta.n_train))
-    budget = _CHUNK_BUDGET_BYTES if hasattr(store, "_view_rows") else _STREAM_BUDGET_BYTES
+    in_memory = isinstance(store, SupportsRowViews)
+    budget = _CHUNK_BUDGET_BYTES if in_memory else _STREAM_BUDGET_BYTES
     rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)
-    # Whole stored chunks read fastest (no partial-chunk scratch copies).
-    stored = getattr(store, "chunk_rows", 1)
-    if isinstance(stored, int) and stored > 1 and rows < meta.n_train:
-        rows = max(stored, rows // stored * stored)
+    if rows < meta.n_train:  # whole stored chunks read fastest (no partial-chunk copies)
+        rows = aligned_rows(store, rows)
     return min(rows, max(1, meta.n_train))
 
 

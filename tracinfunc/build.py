@@ -12,26 +12,23 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tracinfunc._version import __version__
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import (
-    EmptyDataError,
     IncompatibleGradientsError,
     InvalidArgumentError,
     InvalidTypeError,
     LossFunctionError,
-    NonFiniteGradientError,
     TracInFuncError,
 )
 from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.grads.stages import Stages
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
-from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.projection import Layout, Projection, canonical_layout
+from tracinfunc.progress import ProgressArg
+from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
-from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
-from tracinfunc.store.writer import StoreTarget, StoreWriter, make_writer
+from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.store.writer import StoreTarget, make_writer
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["build_store", "iter_batches"]
@@ -114,7 +111,8 @@ def build_store(
         )
     names = selected_names(checkpoints[0].params, select, caller="build_store")
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
-    meta = _initial_meta(checkpoints, layout, projection, dtype, dataset_fingerprint)
+    meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
+                          projection, dtype, dataset_fingerprint, caller="build_store")
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
     grads_fn = projected_grads(
@@ -122,36 +120,19 @@ def build_store(
         stages=stages, offload=offload, memory_budget=memory_budget,
         compile_projection=compile_projection)
     writer = make_writer(store, meta)
-    resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
-    seen = 0
-    first_batch = True
-    bar = progress_bar(progress, total=_known_size(data), desc="build_store", unit="ex")
-    bar.update(resume_at)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
-    for batch in batches:
-        size = _batch_size(batch)
-        seen += size
-        if size == 0 or seen <= resume_at:  # stored before the interruption: no gradients
-            continue
-        batch = tree_map(lambda leaf: leaf.to(device), batch)
-        if first_batch:
-            _check_loss(loss, params_per_ckpt[0], batch)
-            first_batch = False
-        # A batch straddling the resume point is computed whole, as in the first build, so
-        # the kept rows are bit-identical; its already-stored head is dropped.
-        rows = torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
-        rows = rows[:, max(0, resume_at - (seen - size)) :]
-        _check_finite(rows, meta, first_row=writer.rows_written)
-        writer.append(rows, rows.norm(dim=-1))
-        bar.update(rows.shape[1])
-    bar.close()
-    _check_resumed(writer, seen)
-    if writer.rows_written == 0:
-        raise EmptyDataError(
-            "build_store: data holds no examples; pass a non-empty batch or iterable of "
-            "batches (a tensor, a tuple/dict of tensors, a list of those, or a DataLoader)."
-        )
-    return writer.finish()
+
+    def on_device(batch: Batch) -> Batch:
+        return tree_map(lambda leaf: leaf.to(device), batch)
+
+    def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
+        batch = on_device(batch)
+        return torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
+
+    return fill_store(
+        writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,
+        check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
+        progress=progress, total=_known_size(data), caller="build_store")
 
 
 def _known_size(data: Batch | Iterable[Batch]) -> int | None:
@@ -163,14 +144,6 @@ def _known_size(data: Batch | Iterable[Batch]) -> int | None:
         sizes = [_known_size(batch) for batch in data]
         return None if None in sizes else sum(sizes)
     return None  # a DataLoader or generator: the bar counts without a total
-
-
-def _check_resumed(writer: StoreWriter, seen: int) -> None:
-    if seen < writer.rows_written:
-        raise EmptyDataError(
-            f"build_store: the incomplete store already holds {writer.rows_written} rows but "
-            f"data has only {seen}; resume with the same data as the interrupted build."
-        )
 
 
 def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
@@ -243,14 +216,8 @@ def _batch_size(batch: Batch) -> int:
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    if isinstance(checkpoints, Checkpoint):
-        checkpoints = [checkpoints]
-    checkpoints = list(checkpoints)
-    if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise InvalidTypeError(
-            "build_store: checkpoints must be a non-empty list of tracinfunc.Checkpoint, got "
-            f"{[type(c).__name__ for c in checkpoints]}; e.g. [Checkpoint.from_module(model)]."
-        )
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint",
+                                  caller="build_store")
     layouts = {canonical_layout(c.params) for c in checkpoints}
     if len(layouts) > 1:
         raise IncompatibleGradientsError(
@@ -258,35 +225,6 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
             "must be snapshots of the same model."
         )
     return checkpoints
-
-
-def _initial_meta(
-    checkpoints: list[Checkpoint],
-    layout: Layout,
-    projection: Projection,
-    dtype: torch.dtype,
-    dataset_fingerprint: str | None,
-) -> StoreMeta:
-    names = [c.name or f"checkpoint-{i}" for i, c in enumerate(checkpoints)]
-    if len(set(names)) != len(names):
-        raise InvalidArgumentError(
-            f"build_store: checkpoint names must be distinct, got {names}; name them apart, "
-            "e.g. Checkpoint.from_module(model, lr=0.1, name='epoch-3')."
-        )
-    return StoreMeta(
-        projection=projection,
-        checkpoints=tuple(
-            CheckpointMeta(name, c.lr, c.fingerprint)
-            for name, c in zip(names, checkpoints, strict=True)
-        ),
-        layout=layout,
-        n_train=0,
-        k=projection.output_dim(layout),
-        dtype=dtype_name(dtype),
-        complete=False,
-        library_version=__version__,
-        dataset_fingerprint=dataset_fingerprint,
-    )
 
 
 def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
@@ -324,17 +262,3 @@ def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
             f"build_store: loss(params, example) must return a scalar tensor, got {shape}; "
             "reduce it (e.g. with .sum()) for one example."
         )
-
-
-def _check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:
-    finite = torch.isfinite(rows).all(dim=-1)  # [n_ckpt, b]
-    if bool(finite.all()):
-        return
-    ckpt, row = (~finite).nonzero()[0].tolist()
-    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
-    raise NonFiniteGradientError(
-        f"build_store: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients for "
-        f"examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
-        "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
-        "weights."
-    )

@@ -6,6 +6,7 @@ module only turns them into tensors, with one small block strategy per kind.
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -91,7 +92,7 @@ def sjlt_block(
 _STREAM = "stream"  # cache marker: over budget, generated row-block by row-block on each call
 
 
-class _Block:
+class _Block(abc.ABC):
     """How one parameter's block is generated, budgeted and applied: one strategy per kind.
 
     Strategies hold no per-projector state (the cache lives on the Projector), so one
@@ -100,17 +101,19 @@ class _Block:
 
     always_cached = False  # True: generated even over the cache budget (small blocks)
 
+    @abc.abstractmethod
     def cache_bytes(self, shape: tuple[int, ...], plan: ProjectionPlan, itemsize: int) -> int:
-        raise NotImplementedError
+        """Bytes the cached block takes."""
 
+    @abc.abstractmethod
     def generate(self, keys: tuple, shape: tuple[int, ...], plan: ProjectionPlan,
                  dtype: torch.dtype, device: torch.device, rows_fn: Any) -> Any:
-        raise NotImplementedError
+        """The whole block, unscaled, in ``dtype`` on ``device``."""
 
+    @abc.abstractmethod
     def project(self, flat: Tensor, entry: Any, keys: tuple, plan: ProjectionPlan,
                 rows_fn: Any) -> Tensor:
         """``[numel] -> [k]``, unscaled; ``entry`` is the cached block or ``_STREAM``."""
-        raise NotImplementedError
 
 
 class _DenseBlock(_Block):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.func import vmap
 
 import tracinfunc.projection._kernels as hashing_module
-import tracinfunc.projection.spec as projection_module
+import tracinfunc.projection.keys as projection_module
 from tests import numpy_projection as ref
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection import (

@@ -9,14 +9,9 @@ of ``(seed, kind, dim, nnz, name, shape)``, computed by a counter-based integer 
 spec gives the same matrix on any device, in any process and in NumPy
 (``tests/numpy_projection.py``), whatever the insertion order of the parameter dict.
 
-Element rule for row ``r`` of a parameter's block (its flattened coordinate), with the keys
-``(s0, s1) = block_seed(projection, name, shape)`` and ``mix32`` = lowbias32::
-
-    a = mix32(r ^ s0) ^ s1
-    rademacher: P[r, c] = -1 if bit 31 of mix32(a ^ c) else +1; scaled by 1/sqrt(k)
-    sjlt, t < nnz: h = mix32(a ^ t); column (h * k) >> 32; sign from bit 31 of mix32(h);
-        scaled by 1/sqrt(nnz) (columns of one row may repeat; their entries then add)
-
+Each parameter's block follows the element rule of :mod:`tracinfunc.projection.keys`, keyed by
+``block_seed(projection, name, shape)`` (rademacher: dense +-1 scaled by 1/sqrt(k); sjlt:
+``nnz`` signed entries per row scaled by 1/sqrt(nnz)).
 Both scalings make ``E[<P g, P g'>] = <g, g'>``. ``identity`` concatenates the flattened
 gradients in sorted-name order, unscaled.
 
@@ -36,8 +31,6 @@ computes the same numbers from layer inputs and output gradients without materia
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -45,6 +38,15 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
+from tracinfunc.projection.keys import (
+    MAX_ROWS,
+    block_seed,
+    hash_record,
+    is_matrix,
+    kronecker_seeds,
+    kronecker_split,
+    param_keys,
+)
 
 __all__ = [
     "KINDS",
@@ -64,16 +66,6 @@ __all__ = [
     "param_keys",
     "plan_projection",
 ]
-
-PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
-MAX_ROWS = 2**32  # rows are hashed as uint32 counters
-
-
-def hash_record(record: Mapping[str, Any]) -> tuple[int, int]:
-    """Two uint32 keys: blake2b (8 bytes, personalised) of the record's canonical JSON."""
-    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    digest = hashlib.blake2b(text.encode("ascii"), digest_size=8, person=PERSON).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
 Layout: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]
@@ -243,39 +235,6 @@ def as_layout(layout: Layout | Mapping[str, Any], caller: str) -> Layout:
     return tuple(sorted(pairs))
 
 
-def block_seed(projection: Projection, name: str, shape: Sequence[int]) -> tuple[int, int]:
-    """The two uint32 keys ``(s0, s1)`` of one parameter's block.
-
-    blake2b (8 bytes, personalised) of the canonical JSON of
-    ``{dim, kind, name, nnz, seed, shape}``; keyed by the name, never by pytree position.
-    """
-    return hash_record(_key_record(projection, name, shape))
-
-
-def _key_record(projection: Projection, name: str, shape: Sequence[int]) -> dict[str, Any]:
-    return {"dim": projection.dim, "kind": projection.kind, "name": name,
-            "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
-
-
-def kronecker_split(dim: int) -> tuple[int, int]:
-    """``(k_out, k_in)`` with ``k_out * k_in = dim``: ``k_out`` the largest divisor <= sqrt(dim).
-
-    Every layer gets the same split, so its block adds into the same ``k`` outputs as the
-    others. Powers of two and squares split evenly (512 -> 16 x 32, 1024 -> 32 x 32); a prime
-    ``dim`` gives ``1 x dim``, which is still unbiased but noisier.
-    """
-    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
-    return k_out, dim // k_out
-
-
-def kronecker_seeds(projection: Projection, name: str, shape: Sequence[int]
-                    ) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The keys of ``P_out`` and ``P_in`` of parameter ``name``: ``block_seed``'s record plus
-    ``"side": "out"`` or ``"in"``."""
-    record = _key_record(projection, name, shape)
-    return hash_record({**record, "side": "out"}), hash_record({**record, "side": "in"})
-
-
 def check_kronecker_args(projection: Projection, name: str, shape: Sequence[int], *,
                          caller: str) -> tuple[int, ...]:
     """``shape`` as a tuple if ``projection`` is kronecker and ``name`` a matrix, else raise.
@@ -319,23 +278,6 @@ def check_block_args(projection: Projection, kind: str, name: str, shape: Sequen
         )
     return shape, block_seed(projection, name, shape)
 
-
-
-def param_keys(projection: Projection, name: str, shape: tuple[int, ...]) -> tuple:
-    """A parameter's keys: ``kronecker_seeds`` for a kronecker matrix, else ``block_seed``."""
-    if projection.kind == "kronecker" and is_matrix(shape):
-        if max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
-            raise InvalidProjectionError(
-                f"make_projector: each side of {name!r} must hold at most 2**32 elements, got "
-                f"shape {list(shape)}; reshape the parameter or use kind='sjlt'."
-            )
-        return kronecker_seeds(projection, name, shape)
-    return block_seed(projection, name, shape)
-
-
-def is_matrix(shape: Sequence[int]) -> bool:
-    """Two or more dimensions: projected side by side under ``kind="kronecker"``."""
-    return len(shape) >= 2
 
 
 @dataclass(frozen=True)

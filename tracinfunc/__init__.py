@@ -33,7 +33,7 @@ from tracinfunc.errors import (
     TrainModeError,
     UnsupportedPrecisionError,
 )
-from tracinfunc.grads import per_sample_grads, projected_grads
+from tracinfunc.grads import GradientOptions, per_sample_grads, projected_grads
 from tracinfunc.grads.chunking import chunk_size_for_budget
 from tracinfunc.grads.precision import autocast_supported
 from tracinfunc.grads.selection import last_layers, select_params
@@ -68,6 +68,7 @@ __all__ = [
     "CheckpointMeta",
     "CorruptStoreError",
     "EmptyDataError",
+    "GradientOptions",
     "GradientStore",
     "IncompatibleGradientsError",
     "IncompleteStoreError",

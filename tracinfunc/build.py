@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -20,6 +21,7 @@ from tracinfunc.errors import (
     LossFunctionError,
     TracInFuncError,
 )
+from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.grads.stages import Stages
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
@@ -34,6 +36,7 @@ from tracinfunc.types import Batch, LossFn, Params
 __all__ = ["build_store", "iter_batches"]
 
 
+@entry_point("build_store")
 def build_store(
     loss: LossFn,
     checkpoints: Sequence[Checkpoint],
@@ -53,6 +56,7 @@ def build_store(
     batch_size: int | None = None,
     store: StoreTarget = None,
     progress: ProgressArg = None,
+    options: GradientOptions | None = None,
 ) -> GradientStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -90,6 +94,8 @@ def build_store(
             gradients, and the result is bit-identical to an uninterrupted build.
         progress: A progress bar over examples: ``None`` (default) shows one on a terminal
             once the build has run for 2 s, ``True`` always, ``False`` never.
+        options: The gradient options (``chunk_size`` ... ``compile_projection``) as one
+            :class:`~tracinfunc.GradientOptions`, taken whole, instead of the keywords.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -109,16 +115,17 @@ def build_store(
             "build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
-    names = selected_names(checkpoints[0].params, select, caller="build_store")
+    options = gradient_options(
+        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget,
+        compile_projection=compile_projection)
+    names = selected_names(checkpoints[0].params, options.select, caller="build_store")
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
                           projection, dtype, dataset_fingerprint, caller="build_store")
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    grads_fn = projected_grads(
-        loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-        stages=stages, offload=offload, memory_budget=memory_budget,
-        compile_projection=compile_projection)
+    grads_fn = projected_grads(loss, projection, options=options)
     writer = make_writer(store, meta)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
@@ -170,10 +177,7 @@ def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
     Batches are split and merged (concatenated along the batch dimension) as needed; the
     order of examples is kept.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(
-            f"build_store: batch_size must be a positive int or None, got {batch_size!r}."
-        )
+    check_int(batch_size, "batch_size", optional=True, caller="build_store")
     pending: list[Batch] = []
     count = 0
     for batch in iter_batches(data):

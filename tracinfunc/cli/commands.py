@@ -193,7 +193,7 @@ def _build(args: argparse.Namespace) -> int:
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
         store=_zarr_writer(args.out, replace=args.overwrite), progress=_progress(args),
-        **_gradient_options(args, spec),
+        options=_gradient_options(args, spec),
     )
     print(f"wrote {store}")
     return 0
@@ -246,19 +246,19 @@ def _zarr_writer(path: Path, *, replace: bool) -> Callable[[tif.StoreMeta], tif.
     return make
 
 
-def _gradient_options(args: argparse.Namespace, spec: Spec) -> dict:
-    """The keyword options of build_store that the gradient flags ask for."""
+def _gradient_options(args: argparse.Namespace, spec: Spec, *,
+                      default_select: Sequence[str] | None = None) -> tif.GradientOptions:
+    """The gradient options the flags ask for (``default_select`` without --layers)."""
     if args.layers and args.last_layers:
         raise SpecError("pass --layers or --last-layers, not both.")
     if args.offload and not args.checkpointing:
         raise SpecError("--offload moves checkpointed stage boundaries: add --checkpointing.")
     select = (args.layers if args.layers else
-              tif.last_layers(args.last_layers) if args.last_layers else None)
-    return {
-        "chunk_size": args.chunk_size, "memory_budget": args.memory_budget, "select": select,
-        "mixed_precision": _AUTOCAST.get(args.mixed_precision),
-        "stages": _stages(spec) if args.checkpointing else None, "offload": args.offload,
-    }
+              tif.last_layers(args.last_layers) if args.last_layers else default_select)
+    return tif.GradientOptions(
+        chunk_size=args.chunk_size, memory_budget=args.memory_budget, select=select,
+        mixed_precision=_AUTOCAST.get(args.mixed_precision),
+        stages=_stages(spec) if args.checkpointing else None, offload=args.offload)
 
 
 def _stages(spec: Spec) -> tif.Stages:
@@ -318,11 +318,12 @@ def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.G
         raise SpecError(f"score: the spec has no test set {args.test!r}; it has "
                         f"{sorted(spec.test or {})}.")
     checkpoints = _checkpoints(spec, args.checkpoints)
-    options = _gradient_options(args, spec)
-    if options["select"] is None:  # the store's own parameters, so the layouts match
-        options["select"] = [name for name, _ in store.meta.layout]
+    # By default the store's own parameters, so the layouts match.
+    options = _gradient_options(args, spec,
+                                default_select=[name for name, _ in store.meta.layout])
     return tif.build_store(spec.loss, checkpoints, spec.test[args.test],
-                           projection=store.projection, progress=_progress(args), **options)
+                           projection=store.projection, progress=_progress(args),
+                           options=options)
 
 
 def _self_influence(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from tracinfunc.projection.spec import (
     Projection,
     ProjectionPlan,
     check_block_args,
+    check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
     kronecker_split,
@@ -385,4 +386,5 @@ def make_projector(
             block-seed collision.
     """
     plan = plan_projection(projection, layout, caller="tracinfunc.jax.make_projector")
+    check_cache_bytes(cache_bytes, caller="tracinfunc.jax.make_projector")
     return Projector(plan, jnp.dtype(dtype), cache_bytes)

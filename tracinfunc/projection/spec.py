@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from tracinfunc._validate import check_int
 from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
 from tracinfunc.projection.keys import (
     MAX_ROWS,
@@ -58,6 +59,7 @@ __all__ = [
     "block_seed",
     "canonical_layout",
     "check_block_args",
+    "check_cache_bytes",
     "check_kronecker_args",
     "hash_record",
     "is_matrix",
@@ -278,6 +280,13 @@ def check_block_args(projection: Projection, kind: str, name: str, shape: Sequen
         )
     return shape, block_seed(projection, name, shape)
 
+
+
+def check_cache_bytes(cache_bytes: Any, *, caller: str) -> int:
+    """The projector cache budget: a non-negative int (torch and JAX projectors)."""
+    return check_int(cache_bytes, "cache_bytes", caller=caller, minimum=0,
+                     error=InvalidProjectionError,
+                     fix="use e.g. cache_bytes=2**30 (0 generates every block on every call)")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._validate import check_bool
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection import _kernels
 from tracinfunc.projection.spec import (
@@ -22,6 +23,7 @@ from tracinfunc.projection.spec import (
     Projection,
     ProjectionPlan,
     check_block_args,
+    check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
     kronecker_split,
@@ -341,20 +343,13 @@ def make_projector(
         torch.Size([b, 512])
     """
     plan = plan_projection(projection, layout, caller="make_projector")
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise InvalidProjectionError(
-            f"make_projector: cache_bytes must be a non-negative int, got {cache_bytes!r}; "
-            "use e.g. cache_bytes=2**30 (0 generates every block on every call)."
-        )
+    check_cache_bytes(cache_bytes, caller="make_projector")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidProjectionError(
             f"make_projector: dtype must be a floating torch.dtype, got {dtype!r}; use e.g. "
             "dtype=torch.float32."
         )
-    if not isinstance(compile, bool):
-        raise InvalidProjectionError(
-            f"make_projector: compile must be True or False, got {compile!r}."
-        )
+    check_bool(compile, "compile", caller="make_projector", error=InvalidProjectionError)
     projector = Projector(plan, cache_bytes=cache_bytes, compile=compile)
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as gradients report
     for name, shape in plan.layout:

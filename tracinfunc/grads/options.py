@@ -56,24 +56,21 @@ class GradientOptions:
     compile_projection: bool = False
 
     def __post_init__(self) -> None:
-        check_int(self.chunk_size, "chunk_size", optional=True)
-        check_memory_budget(self.memory_budget, self.chunk_size, caller=current_caller(
-            "GradientOptions"))
+        caller = current_caller("GradientOptions")  # the function that made them, if any
+        check_int(self.chunk_size, "chunk_size", optional=True, caller=caller)
+        check_memory_budget(self.memory_budget, self.chunk_size, caller=caller)
         if self.stages is not None and not isinstance(self.stages, Stages):
             raise InvalidTypeError(
-                f"{current_caller('GradientOptions')}: stages must be a tracinfunc.Stages, got "
+                f"{caller}: stages must be a tracinfunc.Stages, got "
                 f"{type(self.stages).__name__}; build one with model_stages(model, criterion)."
             )
-        check_bool(self.offload, "offload", caller=current_caller("GradientOptions"))
+        check_bool(self.offload, "offload", caller=caller)
         if self.offload and self.stages is None:
             raise InvalidArgumentError(
-                f"{current_caller('GradientOptions')}: offload=True moves stage-boundary "
-                "activations to CPU and needs stages=; pass stages=model_stages(model, "
-                "criterion)."
+                f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
+                "stages=; pass stages=model_stages(model, criterion)."
             )
-        check_bool(self.compile_projection, "compile_projection",
-                   caller=current_caller("GradientOptions"))
-        caller = current_caller("GradientOptions")
+        check_bool(self.compile_projection, "compile_projection", caller=caller)
         # Normalised values: a frozen dataclass stores them with object.__setattr__.
         object.__setattr__(self, "select", check_select(self.select, caller=caller))
         object.__setattr__(self, "mixed_precision",

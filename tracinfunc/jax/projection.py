@@ -11,7 +11,7 @@ has no 64-bit integers, so it is assembled from 16-bit halves (exact).
 (in torch layout, after :class:`~tracinfunc.jax.ParamMapping`) is read as ``G [d_out, d_in]``
 and projected to ``(P_out.T @ G @ P_in).reshape(k)``, with the side factors keyed by
 :func:`tracinfunc.projection.kronecker_seeds` and split by
-:func:`~tracinfunc.projection.kronecker_split`; vectors use the Rademacher block.
+:func:`~tracinfunc.projection.keys.side_split`; vectors use the Rademacher block.
 
 Projections run in the gradients' dtype with ``Precision.HIGHEST`` matmuls, so GPUs and TPUs
 do not silently drop to TF32/bf16 passes.
@@ -38,8 +38,8 @@ from tracinfunc.projection.spec import (
     check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
-    kronecker_split,
     plan_projection,
+    side_split,
 )
 
 __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
@@ -144,12 +144,13 @@ def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
     shape = check_kronecker_args(projection, name, shape,
                                  caller="tracinfunc.jax.kronecker_factors")
     keys = kronecker_seeds(projection, name, shape)
-    return _kronecker_sides(keys, shape, projection.dim, jnp.float32)
+    return _kronecker_sides(keys, shape, projection, jnp.float32)
 
 
-def _kronecker_sides(keys, shape: tuple[int, ...], k: int, dtype) -> tuple[jax.Array, jax.Array]:
+def _kronecker_sides(keys, shape: tuple[int, ...], projection: Projection, dtype
+                     ) -> tuple[jax.Array, jax.Array]:
     """``(P_out, P_in)`` from ``kronecker_seeds`` keys: Rademacher rows from row 0."""
-    (k_out, k_in), (keys_out, keys_in) = kronecker_split(k), keys
+    (k_out, k_in), (keys_out, keys_in) = side_split(projection, shape), keys
     d_out, d_in = shape[0], math.prod(shape[1:])
     return (_rademacher_rows(keys_out, k_out, _rows(0, d_out), dtype),
             _rademacher_rows(keys_in, k_in, _rows(0, d_in), dtype))
@@ -239,11 +240,11 @@ class _KroneckerSides(_Block):
     always_cached = True
 
     def cache_bytes(self, shape, plan, itemsize):
-        k_out, k_in = kronecker_split(plan.k)
+        k_out, k_in = side_split(plan.projection, shape)
         return (shape[0] * k_out + math.prod(shape[1:]) * k_in) * itemsize
 
     def generate(self, keys, shape, plan, dtype):
-        return _kronecker_sides(keys, shape, plan.k, dtype)
+        return _kronecker_sides(keys, shape, plan.projection, dtype)
 
     def rows(self, keys, plan, rows, dtype):  # never streamed: always cached
         return None

@@ -36,6 +36,7 @@ __all__ = [
     "kronecker_seeds",
     "kronecker_split",
     "param_keys",
+    "side_split",
 ]
 
 PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
@@ -63,15 +64,38 @@ def _key_record(projection: Projection, name: str, shape: Sequence[int]) -> dict
             "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
 
 
-def kronecker_split(dim: int) -> tuple[int, int]:
-    """``(k_out, k_in)`` with ``k_out * k_in = dim``: ``k_out`` the largest divisor <= sqrt(dim).
+def kronecker_split(dim: int, shape: Sequence[int] | None = None) -> tuple[int, int]:
+    """``(k_out, k_in)`` with ``k_out * k_in = dim``, the sizes of a layer's side projections.
 
-    Every layer gets the same split, so its block adds into the same ``k`` outputs as the
-    others. Powers of two and squares split evenly (512 -> 16 x 32, 1024 -> 32 x 32); a prime
-    ``dim`` gives ``1 x dim``, which is still unbiased but noisier.
+    Every layer's block adds into the same ``k`` outputs, so ``k_out * k_in = dim`` always;
+    only the factorisation varies.
+
+    Args:
+        dim: ``k``.
+        shape: The parameter's shape ``[d_out, *in]``. ``None``: the square split, the same
+            for every layer (``k_out`` the largest divisor <= sqrt(dim): 512 -> 16 x 32).
+            Given: the divisor pair that never exceeds a side's own dimension (``d_out``,
+            ``d_in = prod(in)``) and keeps the most of the smaller side's relative size
+            (``max min(k_out / d_out, k_in / d_in)``): a ``10 x 64`` weight at ``k=256`` gets
+            ``8 x 32``, not ``16 x 16`` (which maps 10 outputs to 16). When no pair fits (a
+            layer with fewer than ``k`` entries), the pair that wastes least.
     """
-    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
-    return k_out, dim // k_out
+    if shape is None:
+        k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
+        return k_out, dim // k_out
+    d_out, d_in = shape[0], math.prod(shape[1:])
+    pairs = [(a, dim // a) for a in range(1, dim + 1) if dim % a == 0]
+    fitting = [(a, b) for a, b in pairs if a <= d_out and b <= d_in]
+    if fitting:
+        return max(fitting, key=lambda ab: (min(ab[0] / d_out, ab[1] / d_in), ab[0]))
+    return min(pairs, key=lambda ab: (max(ab[0] / d_out, ab[1] / d_in), -ab[0]))
+
+
+def side_split(projection: Projection, shape: Sequence[int]) -> tuple[int, int]:
+    """``(k_out, k_in)`` of one matrix parameter under ``projection.split``."""
+    if projection.split == "square":
+        return kronecker_split(projection.dim)
+    return kronecker_split(projection.dim, shape)
 
 
 def kronecker_seeds(projection: Projection, name: str, shape: Sequence[int]

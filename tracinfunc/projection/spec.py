@@ -47,6 +47,7 @@ from tracinfunc.projection.keys import (
     kronecker_seeds,
     kronecker_split,
     param_keys,
+    side_split,
 )
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "kronecker_split",
     "param_keys",
     "plan_projection",
+    "side_split",
 ]
 
 
@@ -74,6 +76,7 @@ Layout: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]
 """Parameter names and shapes sorted by name: ``(("fc.bias", (3,)), ("fc.weight", (3, 8)))``."""
 
 KINDS = ("identity", "rademacher", "sjlt", "kronecker")
+SPLITS = ("shape", "square")
 _MAX_DIM = 2**31 - 1  # keeps Lemire's (h * k) below 2**63 in int64
 
 
@@ -91,17 +94,23 @@ class Projection:
             ``k = k_out * k_in``; cheapest with :func:`~tracinfunc.loss_from_module`, whose
             Linear/Conv2d layers are then never materialised per example).
         nnz: Nonzeros per input coordinate, ``1 <= nnz <= dim``; must be 1 unless ``"sjlt"``.
+        split: How ``"kronecker"`` factors ``k = k_out * k_in`` per weight: ``"shape"``
+            (default: from each weight's shape, never more than a side's own dimension; see
+            :func:`~tracinfunc.projection.keys.kronecker_split`) or ``"square"`` (the same
+            near-square split for every weight, what stores written before 0.2 used and
+            what their metadata reads back as). Must stay ``"shape"`` for other kinds.
 
     Example:
         >>> Projection(dim=512, seed=0)                  # dense Rademacher
         >>> Projection(dim=4096, kind="sjlt", nnz=4)      # sparse, for large models
-        >>> Projection(dim=1024, kind="kronecker")       # factorised: 32 x 32 per layer
+        >>> Projection(dim=1024, kind="kronecker")       # factorised, split per weight
     """
 
     dim: int | None = None
     seed: int = 0
     kind: str = "rademacher"
     nnz: int = 1
+    split: str = "shape"
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -132,6 +141,12 @@ class Projection:
                 f"Projection: nnz must be in [1, dim={dim}], got {nnz}; use e.g. nnz=1 (or a "
                 "larger dim)."
             )
+        if self.split not in SPLITS or (kind != "kronecker" and self.split != "shape"):
+            raise InvalidProjectionError(
+                f"Projection: split must be one of {', '.join(map(repr, SPLITS))} for "
+                f"kind='kronecker' (and 'shape' for other kinds), got {self.split!r} with "
+                f"kind={kind!r}; leave the default split='shape'."
+            )
         for field, value in (("dim", dim), ("seed", seed), ("nnz", nnz)):
             object.__setattr__(self, field, value)  # numpy ints -> int, for JSON and hashing
 
@@ -153,7 +168,10 @@ class Projection:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types; :meth:`from_dict` inverts it."""
-        return {"kind": self.kind, "dim": self.dim, "seed": self.seed, "nnz": self.nnz}
+        data = {"kind": self.kind, "dim": self.dim, "seed": self.seed, "nnz": self.nnz}
+        if self.kind == "kronecker":
+            data["split"] = self.split
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Projection:
@@ -165,6 +183,8 @@ class Projection:
                 f"Projection.from_dict: expected a mapping with keys among {sorted(fields)}, "
                 f"got {got!r}; pass the dict made by Projection.to_dict()."
             )
+        if data.get("kind") == "kronecker" and "split" not in data:
+            data = {**data, "split": "square"}  # written before per-weight splits existed
         return cls(**data)
 
 

@@ -26,8 +26,8 @@ from tracinfunc.projection.spec import (
     check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
-    kronecker_split,
     plan_projection,
+    side_split,
 )
 
 __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
@@ -42,12 +42,12 @@ def kronecker_factors(
     Returns:
         ``(P_out [d_out, k_out], P_in [d_in, k_in])`` of exact +-1 in ``dtype`` on ``device``,
         ``d_out = shape[0]``, ``d_in = prod(shape[1:])``, ``(k_out, k_in) =
-        kronecker_split(dim)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k_out * k_in)``.
+        side_split(projection, shape)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k)``.
     """
     shape = check_kronecker_args(projection, name, shape, caller="kronecker_factors")
     keys_out, keys_in = kronecker_seeds(projection, name, shape)
     device = torch.empty(0, device=device).device
-    return _kronecker_sides(keys_out, keys_in, shape, *kronecker_split(projection.dim), device,
+    return _kronecker_sides(keys_out, keys_in, shape, *side_split(projection, shape), device,
                             dtype)
 
 
@@ -165,11 +165,12 @@ class _KroneckerSides(_Block):
     always_cached = True
 
     def cache_bytes(self, shape, plan, itemsize):
-        k_out, k_in = kronecker_split(plan.k)
+        k_out, k_in = side_split(plan.projection, shape)
         return (shape[0] * k_out + math.prod(shape[1:]) * k_in) * itemsize
 
     def generate(self, keys, shape, plan, dtype, device, rows_fn):
-        return _kronecker_sides(*keys, shape, *kronecker_split(plan.k), device, dtype)
+        return _kronecker_sides(*keys, shape, *side_split(plan.projection, shape), device,
+                                dtype)
 
     def project(self, flat, entry, keys, plan, rows_fn):
         p_out, p_in = entry

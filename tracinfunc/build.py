@@ -125,7 +125,9 @@ def build_store(
                           projection, dtype, dataset_fingerprint, caller="build_store")
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    grads_fn = projected_grads(loss, projection, options=options)
+    # One transform per checkpoint: a per_checkpoint projection differs between them.
+    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), options=options)
+                 for c in meta.checkpoints]
     writer = make_writer(store, meta)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
@@ -134,7 +136,8 @@ def build_store(
 
     def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
         batch = on_device(batch)
-        return torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
+        return torch.stack([grads_fn(params, batch)
+                            for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
     return fill_store(
         writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,

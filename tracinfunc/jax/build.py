@@ -126,11 +126,13 @@ def build_store(
     meta = new_store_meta(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
         mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint, caller=_CALLER)
-    grads_fn = projected_grads(loss, projection, mapping=mapping, chunk_size=chunk_size)
+    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), mapping=mapping,
+                                 chunk_size=chunk_size) for c in meta.checkpoints]
     writer = make_writer(store, meta, caller=_CALLER)
 
     def rows_of(batch: Any) -> torch.Tensor:  # [n_ckpt, b, k]
-        rows = jnp.stack([grads_fn(ckpt.params, batch) for ckpt in checkpoints])
+        rows = jnp.stack([grads_fn(ckpt.params, batch)
+                          for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)])
         return as_tensor(rows, caller=_CALLER)
 
     batches = ((tree_util.tree_leaves(batch)[0].shape[0], batch) for batch in iter_batches(data))

@@ -54,14 +54,18 @@ def block_seed(projection: Projection, name: str, shape: Sequence[int]) -> tuple
     """The two uint32 keys ``(s0, s1)`` of one parameter's block.
 
     blake2b (8 bytes, personalised) of the canonical JSON of
-    ``{dim, kind, name, nnz, seed, shape}``; keyed by the name, never by pytree position.
+    ``{dim, kind, name, nnz, seed, shape}`` (plus ``checkpoint`` for a per-checkpoint
+    projection); keyed by the name, never by pytree position.
     """
     return hash_record(_key_record(projection, name, shape))
 
 
 def _key_record(projection: Projection, name: str, shape: Sequence[int]) -> dict[str, Any]:
-    return {"dim": projection.dim, "kind": projection.kind, "name": name,
-            "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
+    record = {"dim": projection.dim, "kind": projection.kind, "name": name,
+              "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
+    if projection.checkpoint is not None:  # per-checkpoint projections only
+        record["checkpoint"] = projection.checkpoint
+    return record
 
 
 def kronecker_split(dim: int, shape: Sequence[int] | None = None) -> tuple[int, int]:

@@ -183,6 +183,14 @@ def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
             "shapes with tracinfunc.jax.ParamMapping)."
         )
     _check_checkpoints(train.checkpoints, test.checkpoints, caller=caller)
+    train_names = [c.name for c in train.checkpoints]
+    test_names = [c.name for c in test.checkpoints]
+    if train.projection.per_checkpoint and train_names != test_names:
+        raise IncompatibleGradientsError(
+            f"{caller}: the store's projection is drawn per checkpoint, by name, and its "
+            f"checkpoints are {train_names} but the test gradients' are {test_names}; name "
+            "the test checkpoints as the store's (the same Checkpoint objects)."
+        )
 
 
 def _check_checkpoints(

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidTypeError",
     "LossFunctionError",
     "MemoryBudgetError",
+    "MissingDependencyError",
     "MissingParametersError",
     "NonFiniteGradientError",
     "OutputPathError",
@@ -118,3 +119,8 @@ class MissingParametersError(TracInFuncError, KeyError):
 class OutputPathError(TracInFuncError, OSError):
     """A result file cannot be written where asked: it exists, or its directory is missing
     or not writable."""
+
+
+class MissingDependencyError(TracInFuncError, ImportError):
+    """An optional feature needs a package that is not installed; the message gives the
+    ``pip install`` command (e.g. ``pip install 'tracinfunc[hf]'``)."""

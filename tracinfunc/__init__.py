@@ -41,6 +41,7 @@ from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.loss import ModuleLoss, loss_from_module
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.search import SearchIndex, build_index, load_index, store_fingerprint
 from tracinfunc.store import (
     CheckpointMeta,
     GradientStore,
@@ -90,6 +91,7 @@ __all__ = [
     "Projection",
     "ReadOnlyStoreError",
     "RowRangeError",
+    "SearchIndex",
     "Spec",
     "Stage",
     "StageMismatchError",
@@ -107,11 +109,13 @@ __all__ = [
     "ZarrWriter",
     "__version__",
     "autocast_supported",
+    "build_index",
     "build_store",
     "canonical_layout",
     "chunk_size_for_budget",
     "iter_batches",
     "last_layers",
+    "load_index",
     "loss_from_module",
     "make_projector",
     "model_stages",
@@ -126,6 +130,7 @@ __all__ = [
     "score_chunks",
     "select_params",
     "self_influence",
+    "store_fingerprint",
     "to_memory",
     "to_pinned",
     "top_k",

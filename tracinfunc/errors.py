@@ -19,6 +19,7 @@ __all__ = [
     "InvalidTypeError",
     "LossFunctionError",
     "MemoryBudgetError",
+    "MissingDependencyError",
     "MissingParametersError",
     "NonFiniteGradientError",
     "OutputPathError",

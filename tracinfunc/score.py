@@ -11,6 +11,7 @@ few chunks plus the output, never the store.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
 from tracinfunc.store.meta import StoreMeta, check_compatible
 from tracinfunc.store.stream import compute_threads, stream_rows
+
+if TYPE_CHECKING:
+    from tracinfunc.search import SearchIndex
 
 __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 
@@ -114,6 +118,9 @@ def top_k(
     progress: ProgressArg = None,
     output: str | None = None,
     like: object = None,
+    index: SearchIndex | None = None,
+    nprobe: int | None = None,
+    candidates: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -126,6 +133,12 @@ def top_k(
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
+        index: A :class:`~tracinfunc.SearchIndex` (``tif.build_index``) of this store:
+            candidates come from it and are re-ranked exactly from the store, so only
+            candidate rows are read (see ``docs/search.md``). ``device``, ``chunk_rows`` and
+            ``progress`` do not apply; results are on the CPU.
+        nprobe, candidates: Clusters searched and rows re-ranked per test example, with
+            ``index`` only (see :func:`tracinfunc.search.indexed_top_k`).
 
     Returns:
         ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
@@ -137,6 +150,18 @@ def top_k(
     n_train = store.meta.n_train
     check_int(k, "k", maximum=n_train, maximum_label="n_train",
               fix="for every training example use tif.score and sort")
+    if index is not None or nprobe is not None or candidates is not None:
+        from tracinfunc.search import indexed_top_k  # search builds on score: import late
+
+        if index is None:
+            raise InvalidArgumentError(
+                "top_k: nprobe and candidates apply only to an approximate search; pass "
+                "index=tif.build_index(store) as well, or drop them for the exact scan."
+            )
+        values, indices = indexed_top_k(store, test_grads, k, index=index, nprobe=nprobe,
+                                        candidates=candidates, largest=largest,
+                                        normalize=normalize)
+        return to_framework(values, framework), to_framework(indices, framework)
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     for start, block in score_chunks(

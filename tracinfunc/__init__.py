@@ -39,6 +39,12 @@ from tracinfunc.grads.precision import autocast_supported
 from tracinfunc.grads.selection import last_layers, select_params
 from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.loss import ModuleLoss, loss_from_module
+from tracinfunc.precondition import (
+    AdamState,
+    Preconditioner,
+    optimizer_param_names,
+    trainer_param_names,
+)
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.store import (
@@ -64,6 +70,7 @@ from tracinfunc.store import (
 )
 
 __all__ = [
+    "AdamState",
     "Checkpoint",
     "CheckpointMeta",
     "CorruptStoreError",
@@ -86,6 +93,7 @@ __all__ = [
     "ParameterSelectionError",
     "PinnedStore",
     "PinnedWriter",
+    "Preconditioner",
     "Projection",
     "ReadOnlyStoreError",
     "RowRangeError",
@@ -115,6 +123,7 @@ __all__ = [
     "make_projector",
     "model_stages",
     "open_store",
+    "optimizer_param_names",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
@@ -128,6 +137,7 @@ __all__ = [
     "to_memory",
     "to_pinned",
     "top_k",
+    "trainer_param_names",
     "verify_store",
 ]
 

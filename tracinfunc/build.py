@@ -24,6 +24,7 @@ from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.grads.stages import Stages
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
+from tracinfunc.precondition import Preconditioner, check_preconditioners
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
@@ -53,6 +54,7 @@ def build_store(
     batch_size: int | None = None,
     store: StoreTarget = None,
     progress: ProgressArg = None,
+    preconditioners: Sequence[Preconditioner] | None = None,
 ) -> GradientStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -90,6 +92,10 @@ def build_store(
             gradients, and the result is bit-identical to an uninterrupted build.
         progress: A progress bar over examples: ``None`` (default) shows one on a terminal
             once the build has run for 2 s, ``True`` always, ``False`` never.
+        preconditioners: Optimizer-aware TracIn: one :class:`~tracinfunc.Preconditioner`
+            per checkpoint (its saved optimizer state), all of one kind, applied to these
+            (training) gradients; the store records the kind and scoring refuses test
+            gradients built with it. Each checkpoint then has its own projector cache.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -113,12 +119,17 @@ def build_store(
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
                           projection, dtype, dataset_fingerprint, caller="build_store")
+    kind = check_preconditioners(preconditioners, [c.params for c in checkpoints], names,
+                                 caller="build_store")
+    meta = meta if kind is None else meta.replace(preconditioner=kind)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    grads_fn = projected_grads(
+    grads_fns = [projected_grads(
         loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
         stages=stages, offload=offload, memory_budget=memory_budget,
-        compile_projection=compile_projection)
+        compile_projection=compile_projection, precondition=precondition)
+        for precondition in ([None] if kind is None else preconditioners)]
+    grads_fns = grads_fns * len(checkpoints) if kind is None else grads_fns
     writer = make_writer(store, meta)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
@@ -127,7 +138,8 @@ def build_store(
 
     def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
         batch = on_device(batch)
-        return torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
+        return torch.stack([grads_fn(params, batch)
+                            for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
     return fill_store(
         writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,

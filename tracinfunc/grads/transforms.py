@@ -35,6 +35,7 @@ from tracinfunc.grads.precision import check_mixed_precision, with_mixed_precisi
 from tracinfunc.grads.selection import Selection, check_select, selected_names
 from tracinfunc.grads.staged import largest_stage_size, stage_selection, staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
+from tracinfunc.precondition import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.types import Batch, Example, LossFn, Params
 
@@ -115,6 +116,7 @@ def projected_grads(
     offload: bool = False,
     memory_budget: int | None = None,
     compile_projection: bool = False,
+    precondition: Preconditioner | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -139,6 +141,10 @@ def projected_grads(
         compile_projection: Generate dense projection blocks with ``torch.compile``
             (``make_projector(compile=True)``): same numbers, ~9x faster generation after a
             one-off compile; for large models with ``kind="rademacher"``.
+        precondition: A :class:`~tracinfunc.Preconditioner` (optimizer-aware TracIn)
+            applied to each example's gradient before the projection, for training
+            gradients only. Uses the generic path (also for ``kind="kronecker"``: a
+            per-element map does not factorise); not with ``stages``.
 
     Returns:
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
@@ -154,7 +160,8 @@ def projected_grads(
         )
     options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
                             memory_budget, caller="projected_grads")
-    if projection.kind == "kronecker" and options.plain():
+    _check_precondition(precondition, options)
+    if projection.kind == "kronecker" and options.plain() and precondition is None:
         # Factorised Linear/Conv2d path (weights never materialised). With a memory option
         # the generic path below still computes the same Kronecker projection, from the
         # materialised gradient. Imported here: the module imports this one.
@@ -173,12 +180,35 @@ def projected_grads(
         names, per_stage, chunk = options.resolve(params, caller="projected_grads")
         if per_stage is None:
             project = projector_for({name: params[name] for name in names})
+            if precondition is not None:
+                project = _preconditioned(project, precondition, params, names)
             return _plain_projected(loss, project, params, batch, names, chunk, options)
         check_staged(params, batch, caller="projected_grads")
         return _staged_projected(projection, projector_for, params, batch, names, per_stage,
                                  chunk, options)
 
     return projected_grads_fn
+
+
+def _check_precondition(precondition: Preconditioner | None, options: _Options) -> None:
+    if precondition is not None and not isinstance(precondition, Preconditioner):
+        raise InvalidTypeError(
+            "projected_grads: precondition must be a tracinfunc.Preconditioner or None, got "
+            f"{type(precondition).__name__}; e.g. Preconditioner.from_optimizer(opt, model)."
+        )
+    if precondition is not None and options.stages is not None:
+        raise InvalidArgumentError(
+            "projected_grads: precondition= cannot be combined with stages= (the staged path "
+            "projects stage by stage); drop stages= or use select= to bound memory instead."
+        )
+
+
+def _preconditioned(project: Projector, precondition: Preconditioner, params: Params,
+                    names: tuple[str, ...]) -> Callable[[Params], Tensor]:
+    """``project`` after the elementwise preconditioner (inside vmap: one example's grads)."""
+    shapes = {name: tuple(value.shape) for name, value in params.items()}
+    precondition.check(shapes, names, caller="projected_grads")
+    return lambda grads: project(precondition.apply(grads))
 
 
 @dataclass(frozen=True)

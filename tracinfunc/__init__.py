@@ -68,11 +68,18 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
+from tracinfunc.training import (
+    CheckpointRecorder,
+    load_recorded_checkpoints,
+    load_recorded_preconditioners,
+    trainer_callback,
+)
 
 __all__ = [
     "AdamState",
     "Checkpoint",
     "CheckpointMeta",
+    "CheckpointRecorder",
     "CorruptStoreError",
     "EmptyDataError",
     "GradientStore",
@@ -119,6 +126,8 @@ __all__ = [
     "chunk_size_for_budget",
     "iter_batches",
     "last_layers",
+    "load_recorded_checkpoints",
+    "load_recorded_preconditioners",
     "loss_from_module",
     "make_projector",
     "model_stages",
@@ -137,6 +146,7 @@ __all__ = [
     "to_memory",
     "to_pinned",
     "top_k",
+    "trainer_callback",
     "trainer_param_names",
     "verify_store",
 ]

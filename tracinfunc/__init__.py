@@ -39,6 +39,12 @@ from tracinfunc.grads.precision import autocast_supported
 from tracinfunc.grads.selection import last_layers, select_params
 from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.loss import ModuleLoss, loss_from_module
+from tracinfunc.precondition import (
+    AdamState,
+    Preconditioner,
+    optimizer_param_names,
+    trainer_param_names,
+)
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.search import SearchIndex, build_index, load_index, store_fingerprint
@@ -63,10 +69,18 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
+from tracinfunc.training import (
+    CheckpointRecorder,
+    load_recorded_checkpoints,
+    load_recorded_preconditioners,
+    trainer_callback,
+)
 
 __all__ = [
+    "AdamState",
     "Checkpoint",
     "CheckpointMeta",
+    "CheckpointRecorder",
     "CorruptStoreError",
     "EmptyDataError",
     "GradientOptions",
@@ -88,6 +102,7 @@ __all__ = [
     "ParameterSelectionError",
     "PinnedStore",
     "PinnedWriter",
+    "Preconditioner",
     "Projection",
     "ReadOnlyStoreError",
     "RowRangeError",
@@ -116,10 +131,13 @@ __all__ = [
     "iter_batches",
     "last_layers",
     "load_index",
+    "load_recorded_checkpoints",
+    "load_recorded_preconditioners",
     "loss_from_module",
     "make_projector",
     "model_stages",
     "open_store",
+    "optimizer_param_names",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
@@ -134,6 +152,8 @@ __all__ = [
     "to_memory",
     "to_pinned",
     "top_k",
+    "trainer_callback",
+    "trainer_param_names",
     "verify_store",
 ]
 

@@ -26,6 +26,7 @@ from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.grads.stages import Stages
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
+from tracinfunc.precondition import Preconditioner, check_preconditioners
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
@@ -57,6 +58,7 @@ def build_store(
     store: StoreTarget = None,
     progress: ProgressArg = None,
     options: GradientOptions | None = None,
+    preconditioners: Sequence[Preconditioner] | None = None,
 ) -> GradientStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -96,6 +98,10 @@ def build_store(
             once the build has run for 2 s, ``True`` always, ``False`` never.
         options: The gradient options (``chunk_size`` ... ``compile_projection``) as one
             :class:`~tracinfunc.GradientOptions`, taken whole, instead of the keywords.
+        preconditioners: Optimizer-aware TracIn: one :class:`~tracinfunc.Preconditioner`
+            per checkpoint (its saved optimizer state), all of one kind, applied to these
+            (training) gradients; the store records the kind and scoring refuses test
+            gradients built with it. Each checkpoint then has its own projector cache.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -123,11 +129,16 @@ def build_store(
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
                           projection, dtype, dataset_fingerprint, caller="build_store")
+    kind = check_preconditioners(preconditioners, [c.params for c in checkpoints], names,
+                                 caller="build_store")
+    meta = meta if kind is None else meta.replace(preconditioner=kind)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    # One transform per checkpoint: a per_checkpoint projection differs between them.
-    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), options=options)
-                 for c in meta.checkpoints]
+    # One transform per checkpoint: a per_checkpoint projection and a preconditioner
+    # differ between them.
+    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), options=options,
+                                 precondition=None if kind is None else preconditioners[i])
+                 for i, c in enumerate(meta.checkpoints)]
     writer = make_writer(store, meta)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 

@@ -35,6 +35,7 @@ from tracinfunc.grads.precision import with_mixed_precision
 from tracinfunc.grads.selection import Selection
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
+from tracinfunc.precondition import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.types import Batch, Example, LossFn, Params
 
@@ -124,6 +125,7 @@ def projected_grads(
     memory_budget: int | None = None,
     compile_projection: bool = False,
     options: GradientOptions | None = None,
+    precondition: Preconditioner | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -150,6 +152,10 @@ def projected_grads(
             one-off compile; for large models with ``kind="rademacher"``.
         options: All of the above (but ``has_aux``) as one
             :class:`~tracinfunc.GradientOptions`, instead of the keywords.
+        precondition: A :class:`~tracinfunc.Preconditioner` (optimizer-aware TracIn)
+            applied to each example's gradient before the projection, for training
+            gradients only. Uses the generic path (also for ``kind="kronecker"``: a
+            per-element map does not factorise); not with ``stages``.
 
     Returns:
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
@@ -168,7 +174,9 @@ def projected_grads(
         stages=stages, offload=offload, memory_budget=memory_budget,
         compile_projection=compile_projection)
     _check_has_aux(has_aux, options)
-    if projection.kind == "kronecker" and options.plain() and not has_aux:
+    _check_precondition(precondition, options)
+    if (projection.kind == "kronecker" and options.plain() and not has_aux
+            and precondition is None):
         # Factorised Linear/Conv2d path (weights never materialised). With a memory option
         # the generic path below still computes the same Kronecker projection, from the
         # materialised gradient. Imported here: the module imports this one.
@@ -185,6 +193,8 @@ def projected_grads(
         names, per_stage, chunk = options.resolve(params)
         if per_stage is None:
             project = projector_for({name: params[name] for name in names})
+            if precondition is not None:
+                project = _preconditioned(project, precondition, params, names)
             return _plain_projected(loss, project, params, batch, names, chunk, options,
                                     has_aux)
         check_staged(params, batch, caller=current_caller())
@@ -202,6 +212,27 @@ def _check_has_aux(has_aux: Any, options: GradientOptions) -> None:
             "backward runs the model stage by stage and never calls the loss as a whole, so "
             "there is no aux to return. Drop one of them."
         )
+
+
+def _check_precondition(precondition: Preconditioner | None, options: GradientOptions) -> None:
+    if precondition is not None and not isinstance(precondition, Preconditioner):
+        raise InvalidTypeError(
+            f"{current_caller()}: precondition must be a tracinfunc.Preconditioner or None, got "
+            f"{type(precondition).__name__}; e.g. Preconditioner.from_optimizer(opt, model)."
+        )
+    if precondition is not None and options.stages is not None:
+        raise InvalidArgumentError(
+            f"{current_caller()}: precondition= cannot be combined with stages= (the staged path "
+            "projects stage by stage); drop stages= or use select= to bound memory instead."
+        )
+
+
+def _preconditioned(project: Projector, precondition: Preconditioner, params: Params,
+                    names: tuple[str, ...]) -> Callable[[Params], Tensor]:
+    """``project`` after the elementwise preconditioner (inside vmap: one example's grads)."""
+    shapes = {name: tuple(value.shape) for name, value in params.items()}
+    precondition.check(shapes, names, caller=current_caller())
+    return lambda grads: project(precondition.apply(grads))
 
 
 class _StagesCheck:

@@ -146,6 +146,7 @@ def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> No
         "k": (existing.k, requested.k),
         "checkpoints (names, lrs, fingerprints)": (existing.checkpoints, requested.checkpoints),
         "dataset fingerprint": (existing.dataset_fingerprint, requested.dataset_fingerprint),
+        "preconditioner": (existing.preconditioner, requested.preconditioner),
     }
     for what, (theirs, ours) in fields.items():
         if theirs != ours:

@@ -87,6 +87,9 @@ class StoreMeta:
         library_version: tracinfunc version that wrote the store.
         format_version: On-disk/metadata format version.
         dataset_fingerprint: Optional user-supplied identifier of the data rows.
+        preconditioner: Kind of optimizer preconditioning of the rows (``"adam"``,
+            ``"trackstar"``), or ``None`` for plain gradients (stores written before the
+            field existed read as ``None``).
     """
 
     projection: Projection
@@ -99,6 +102,7 @@ class StoreMeta:
     library_version: str = ""
     format_version: int = FORMAT_VERSION
     dataset_fingerprint: str | None = None
+    preconditioner: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -133,6 +137,7 @@ class StoreMeta:
             "dtype": self.dtype,
             "complete": self.complete,
             "dataset_fingerprint": self.dataset_fingerprint,
+            "preconditioner": self.preconditioner,
             "extra": dict(self.extra),
         }
 
@@ -153,6 +158,7 @@ class StoreMeta:
             library_version=data.get("library_version", ""),
             format_version=int(data.get("format_version", FORMAT_VERSION)),
             dataset_fingerprint=data.get("dataset_fingerprint"),
+            preconditioner=data.get("preconditioner"),
             extra=dict(data.get("extra", {})),
         )
 
@@ -162,8 +168,16 @@ def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
 
     Compared: projection spec, k, parameter layout, checkpoint count, names and parameter
     fingerprints. Learning rates are taken from the train store, so they are not compared.
+    Test gradients must be plain (``preconditioner=None``): optimizer-aware TracIn
+    preconditions the training side only.
     """
     fix = "build them with projection=store.projection and the same checkpoints"
+    if test.preconditioner is not None:
+        raise IncompatibleGradientsError(
+            f"{caller}: test gradients were preconditioned ({test.preconditioner!r}) and the "
+            f"store's training gradients {_describe_preconditioner(train)}; test gradients "
+            "must be plain: build them without preconditioners=."
+        )
     if test.projection != train.projection:
         raise IncompatibleGradientsError(
             f"{caller}: test gradients were projected with {test.projection} but the store "
@@ -223,6 +237,11 @@ def layout_differences(ours: Layout, theirs: Layout) -> str:
             problems.append(f"{name!r} is {list(a[name])}, expected {list(b[name])}"
                             f"{hint if transposed else ''}")
     return "; ".join(problems)
+
+
+def _describe_preconditioner(meta: StoreMeta) -> str:
+    kind = meta.preconditioner
+    return "are plain" if kind is None else f"were preconditioned ({kind!r})"
 
 
 def _describe_layout(layout: Layout) -> str:

@@ -6,8 +6,9 @@ TracIn scores a training example's influence on a test prediction as
 
 from tracinfunc import _moved
 from tracinfunc._version import __version__
+from tracinfunc.adapters import adapter_checkpoint
 from tracinfunc.build import build_store, iter_batches
-from tracinfunc.checkpoint import Checkpoint, params_fingerprint
+from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -19,6 +20,7 @@ from tracinfunc.errors import (
     InvalidTypeError,
     LossFunctionError,
     MemoryBudgetError,
+    MissingDependencyError,
     MissingParametersError,
     NonFiniteGradientError,
     OutputPathError,
@@ -34,10 +36,12 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.chunking import chunk_size_for_budget
+from tracinfunc.grads.factorized import factorized_weights
 from tracinfunc.grads.precision import autocast_supported
 from tracinfunc.grads.selection import last_layers, select_params
 from tracinfunc.grads.stages import Stage, Stages, model_stages
-from tracinfunc.loss import ModuleLoss, loss_from_module
+from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
+from tracinfunc.loss import ModuleLoss, loss_from_model, loss_from_module
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.store import (
@@ -71,6 +75,7 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryStore",
     "MemoryWriter",
+    "MissingDependencyError",
     "MissingParametersError",
     "ModuleLoss",
     "NonFiniteGradientError",
@@ -95,12 +100,18 @@ __all__ = [
     "ZarrStore",
     "ZarrWriter",
     "__version__",
+    "adapter_checkpoint",
     "autocast_supported",
     "build_store",
     "canonical_layout",
+    "causal_lm_loss",
     "chunk_size_for_budget",
+    "completion_labels",
+    "factorized_weights",
     "iter_batches",
     "last_layers",
+    "loss_at",
+    "loss_from_model",
     "loss_from_module",
     "make_projector",
     "model_stages",
@@ -112,6 +123,7 @@ __all__ = [
     "score_chunks",
     "select_params",
     "self_influence",
+    "sequence_classification_loss",
     "to_memory",
     "to_pinned",
     "top_k",

@@ -7,13 +7,14 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._version import __version__
-from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.errors import (
     EmptyDataError,
     IncompatibleGradientsError,
@@ -117,10 +118,17 @@ def build_store(
     meta = _initial_meta(checkpoints, layout, projection, dtype, dataset_fingerprint)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    grads_fn = projected_grads(
-        loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-        stages=stages, offload=offload, memory_budget=memory_budget,
-        compile_projection=compile_projection)
+    options = dict(chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+                   stages=stages, offload=offload, memory_budget=memory_budget,
+                   compile_projection=compile_projection)
+    grads_fn = projected_grads(loss, projection, **options)
+    # Each checkpoint is differentiated with its own buffers (BatchNorm statistics); losses
+    # that take none share one function (and its cached projector).
+    ckpt_losses = [loss_at(loss, replace(c, buffers=_params_on(c.buffers, device)))
+                   for c in checkpoints]
+    grads_fns = [grads_fn if ckpt_loss is loss else projected_grads(ckpt_loss, projection,
+                                                                    **options)
+                 for ckpt_loss in ckpt_losses]
     writer = make_writer(store, meta)
     resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
     seen = 0
@@ -139,7 +147,8 @@ def build_store(
             first_batch = False
         # A batch straddling the resume point is computed whole, as in the first build, so
         # the kept rows are bit-identical; its already-stored head is dropped.
-        rows = torch.stack([grads_fn(params, batch) for params in params_per_ckpt])
+        rows = torch.stack([fn(params, batch)
+                            for fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
         rows = rows[:, max(0, resume_at - (seen - size)) :]
         _check_finite(rows, meta, first_row=writer.rows_written)
         writer.append(rows, rows.norm(dim=-1))

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidTypeError",
     "LossFunctionError",
     "MemoryBudgetError",
+    "MissingDependencyError",
     "MissingParametersError",
     "NonFiniteGradientError",
     "OutputPathError",
@@ -109,6 +110,10 @@ class StoreNotFoundError(TracInFuncError, FileNotFoundError):
 
 class RowRangeError(TracInFuncError, IndexError):
     """A checkpoint index or row range lies outside the store."""
+
+
+class MissingDependencyError(TracInFuncError, ImportError):
+    """An optional dependency is not installed; the message gives the install command."""
 
 
 class MissingParametersError(TracInFuncError, KeyError):

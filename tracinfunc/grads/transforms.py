@@ -17,7 +17,7 @@ rounding (mixed precision aside, which is an approximation):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -154,13 +154,15 @@ def projected_grads(
         )
     options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
                             memory_budget, caller="projected_grads")
-    if projection.kind == "kronecker" and options.plain():
-        # Factorised Linear/Conv2d path (weights never materialised). With a memory option
-        # the generic path below still computes the same Kronecker projection, from the
-        # materialised gradient. Imported here: the module imports this one.
+    if projection.kind == "kronecker" and replace(options, select=None).plain():
+        # Factorised path for any loss (layer weights never materialised; a loss that calls
+        # no layer falls back inside it to the same projection). With a memory option the
+        # generic path below computes the same Kronecker projection, from the materialised
+        # gradient. Imported here: the module imports this one.
         from tracinfunc.grads.factorized import factorized_projected_grads
 
-        factorized = factorized_projected_grads(loss, projection, chunk_size=chunk_size)
+        factorized = factorized_projected_grads(loss, projection, chunk_size=chunk_size,
+                                                select=options.select)
         return lambda params, batch: _call_loss_transform(factorized, params, batch,
                                                           caller="projected_grads")
     if not isinstance(compile_projection, bool):

@@ -68,3 +68,10 @@ def test_plain_losses_and_unknown_buffers():
         assert "ModuleLoss.with_buffers" in str(error)
     else:
         raise AssertionError("unknown buffers were accepted")
+
+
+def test_equal_buffers_share_the_loss():
+    model = bn_model().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ckpt = tif.Checkpoint.from_module(model)
+    assert tif.loss_at(loss, ckpt) is loss

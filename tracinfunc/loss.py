@@ -89,6 +89,8 @@ class ModuleLoss:
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> ModuleLoss:
         """The same loss with ``buffers`` (e.g. a checkpoint's) replacing those of that name.
 
+        Returns ``self`` when the buffers equal the loss's own.
+
         Raises:
             LossFunctionError: a name is not a buffer of the module.
         """
@@ -99,6 +101,8 @@ class ModuleLoss:
                 f"{type(self.module).__name__} (its buffers are {sorted(self.buffers)[:5]}); "
                 "was the checkpoint saved from another model?"
             )
+        if all(_same(buffers[name], self.buffers[name]) for name in buffers):
+            return self  # shared: build_store then reuses one gradient function
         merged = MappingProxyType({**self.buffers, **buffers})
         return dataclasses.replace(self, buffers=merged)
 
@@ -189,6 +193,11 @@ def loss_from_model(
         )
     return ModuleLoss(model, criterion, _buffers_of(model, buffers), pair=False,
                       skip_keys=frozenset(skip_keys))
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device \
+        and bool(torch.equal(a, b))
 
 
 def _buffers_of(module: nn.Module, buffers: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:

@@ -13,7 +13,6 @@ import tracinfunc as tif
 from tests import numpy_projection as ref
 from tests.conftest import make_checkpoints, make_convnet, make_data, make_mlp
 from tests.reference import loop_grads
-from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized import factorizable_layers
 from tracinfunc.projection import kronecker_factors
 
@@ -131,7 +130,7 @@ def test_weights_used_outside_their_layer_fall_back_with_a_warning():
     model = TiedHead().double().eval()
     params, loss = params_of(model), tif.loss_from_module(model, F.cross_entropy)
     batch = make_data(5)
-    with pytest.warns(UserWarning, match=r"gradients of \['out.weight'\] are not the layer's"):
+    with pytest.warns(UserWarning, match=r"gradients of \['out.weight'\] are not their layers'"):
         got = tif.projected_grads(loss, SPEC)(params, batch)
     torch.testing.assert_close(got, explicit_kronecker(loss, params, batch, SPEC),
                                rtol=1e-10, atol=1e-12)
@@ -150,15 +149,43 @@ def test_only_plain_linear_and_conv2d_layers_are_factorised():
     assert factorizable_layers(model, params) == ["conv.weight", "fc.weight"]
 
 
-def test_a_plain_loss_function_is_refused_with_the_fix():
-    model = make_mlp().eval()
-    module_loss = tif.loss_from_module(model, F.cross_entropy)
+def test_a_plain_loss_calling_the_module_is_factorised():
+    torch.manual_seed(0)
+    model = make_mlp().double().eval()
+    params, batch = params_of(model), make_data(5)
 
-    def plain(params, example):
-        return module_loss(params, example)
+    def plain(params, example):  # a hand-written loss: functional_call, no ModuleLoss
+        inputs, target = example
+        logits = torch.func.functional_call(model, params, (inputs[None],))
+        return F.cross_entropy(logits, target[None])
 
-    with pytest.raises(LossFunctionError, match="needs the model: pass loss=tif.loss_from_module"):
-        tif.projected_grads(plain, SPEC)
+    weights = [n for n in params if n.endswith("weight")]
+    assert tif.factorized_weights(plain, params, (batch[0][0], batch[1][0])) == sorted(weights)
+    got = tif.projected_grads(plain, SPEC)(params, batch)
+    torch.testing.assert_close(got, explicit_kronecker(plain, params, batch, SPEC),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_calling_no_module_falls_back_with_a_warning():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+    inputs = torch.randn(5, 4, dtype=torch.float64)
+    target = torch.randint(0, 3, (5,))
+    batch = (inputs, target)
+
+    def functional(params, example):  # F.linear on params: no module, nothing to hook
+        x, y = example
+        return F.cross_entropy(F.linear(x, params["w"], params["b"])[None], y[None])
+
+    with pytest.warns(UserWarning, match="factorised no layer"):
+        got = tif.projected_grads(functional, SPEC)(params, batch)
+    torch.testing.assert_close(got, explicit_kronecker(functional, params, batch, SPEC),
+                               rtol=1e-10, atol=1e-12)
+    with pytest.warns(UserWarning, match="factorised no layer"):  # select= takes it too
+        again = tif.projected_grads(functional, SPEC, select=["w"])(params, batch)
+    only_w = explicit_kronecker(lambda p, ex: functional({**params, **p}, ex),
+                                {"w": params["w"]}, batch, SPEC)
+    torch.testing.assert_close(again, only_w, rtol=1e-10, atol=1e-12)
 
 
 def test_loss_from_module_returns_a_module_loss():

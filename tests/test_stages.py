@@ -9,6 +9,8 @@ from torch import nn
 
 import tracinfunc as tif
 from tests.conftest import make_convnet, make_data, make_mlp
+from tests.reference import loop_grads
+from tracinfunc.errors import StageMismatchError
 from tracinfunc.grads.stages import run_stages
 
 
@@ -125,3 +127,74 @@ def test_has_aux_with_stages_is_refused_up_front():
             a[0], tif.Projection(dim=4), **k)):
         with pytest.raises(ValueError, match="has_aux=True cannot be combined with stages="):
             transform(loss, has_aux=True, stages=stages)
+
+
+class GlueNet(nn.Module):
+    """A conv body, then a flatten that only ``forward`` does, then a head (ResNet's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+        self.fc = nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.body(x), 1))
+
+
+class TiedLM(nn.Module):
+    """Token embedding, a body, and an output head tied to the embedding (GPT-2's shape)."""
+
+    def __init__(self, vocab=11, d=6):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.body = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.wte(ids))))
+
+
+def tokens_ce(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_functional_glue_between_submodules_equals_the_plain_path():
+    torch.manual_seed(0)
+    model = GlueNet().double().eval()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(4, 1, 6, 6, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (4,), generator=g))
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    stages = tif.model_stages(model, F.cross_entropy,
+                              names=["body", lambda h: torch.flatten(h, 1), "fc"])
+    assert len(stages.stages) == 2
+    plain = tif.per_sample_grads(loss)(params, batch)
+    staged = tif.per_sample_grads(loss, stages=stages)(params, batch)
+    for name in plain:
+        torch.testing.assert_close(staged[name], plain[name], rtol=1e-10, atol=1e-12)
+    with pytest.raises(StageMismatchError):  # without the glue the stages cannot compose
+        tif.per_sample_grads(loss, stages=tif.model_stages(model, F.cross_entropy,
+                                                           names=["body", "fc"]))(params, batch)
+
+
+def test_tied_weights_in_two_stages_sum_their_gradients():
+    torch.manual_seed(0)
+    model = TiedLM().double().eval()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    assert "head.weight" not in params  # listed once, as wte.weight
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randint(0, 11, (4, 5), generator=g), torch.randint(0, 11, (4, 5), generator=g))
+    loss = tif.loss_from_module(model, tokens_ce)
+    stages = tif.model_stages(model, tokens_ce, names=["wte", "body", lambda h: torch.tanh(h),
+                                                       "head"])
+    assert stages.tied == {"wte.weight"}
+    reference = loop_grads(loss, params, batch)
+    staged = tif.per_sample_grads(loss, stages=stages)(params, batch)
+    for name in reference:
+        torch.testing.assert_close(staged[name], reference[name], rtol=1e-10, atol=1e-12)
+    spec = tif.Projection(dim=8, seed=1, kind="sjlt")
+    torch.testing.assert_close(tif.projected_grads(loss, spec, stages=stages)(params, batch),
+                               tif.projected_grads(loss, spec)(params, batch),
+                               rtol=1e-10, atol=1e-12)

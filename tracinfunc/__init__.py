@@ -6,8 +6,9 @@ TracIn scores a training example's influence on a test prediction as
 
 from tracinfunc import _moved
 from tracinfunc._version import __version__
+from tracinfunc.adapters import adapter_checkpoint
 from tracinfunc.build import build_store, iter_batches
-from tracinfunc.checkpoint import Checkpoint, params_fingerprint
+from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -35,10 +36,12 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads import GradientOptions, per_sample_grads, projected_grads
 from tracinfunc.grads.chunking import chunk_size_for_budget
+from tracinfunc.grads.factorized import factorized_weights
 from tracinfunc.grads.precision import autocast_supported
 from tracinfunc.grads.selection import last_layers, select_params
 from tracinfunc.grads.stages import Stage, Stages, model_stages
-from tracinfunc.loss import ModuleLoss, loss_from_module
+from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
+from tracinfunc.loss import ModuleLoss, loss_from_model, loss_from_module
 from tracinfunc.precondition import (
     AdamState,
     Preconditioner,
@@ -123,16 +126,22 @@ __all__ = [
     "ZarrStore",
     "ZarrWriter",
     "__version__",
+    "adapter_checkpoint",
     "autocast_supported",
     "build_index",
     "build_store",
     "canonical_layout",
+    "causal_lm_loss",
     "chunk_size_for_budget",
+    "completion_labels",
+    "factorized_weights",
     "iter_batches",
     "last_layers",
     "load_index",
     "load_recorded_checkpoints",
     "load_recorded_preconditioners",
+    "loss_at",
+    "loss_from_model",
     "loss_from_module",
     "make_projector",
     "model_stages",
@@ -148,6 +157,7 @@ __all__ = [
     "score_chunks",
     "select_params",
     "self_influence",
+    "sequence_classification_loss",
     "store_fingerprint",
     "to_memory",
     "to_pinned",

@@ -6,14 +6,15 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, entry_point
-from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -134,11 +135,21 @@ def build_store(
     meta = meta if kind is None else meta.replace(preconditioner=kind)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    # One transform per checkpoint: a per_checkpoint projection and a preconditioner
-    # differ between them.
-    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), options=options,
-                                 precondition=None if kind is None else preconditioners[i])
-                 for i, c in enumerate(meta.checkpoints)]
+    # Each checkpoint is differentiated with its own buffers (BatchNorm statistics), its own
+    # projection (per_checkpoint) and preconditioner; equal ones share one transform (and its
+    # cached projector).
+    ckpt_losses = [loss_at(loss, replace(c, buffers=_params_on(c.buffers, device)))
+                   for c in checkpoints]
+    transforms: dict[tuple, Callable[[Params, Batch], Tensor]] = {}
+    grads_fns = []
+    for i, (ckpt_meta, ckpt_loss) in enumerate(zip(meta.checkpoints, ckpt_losses, strict=True)):
+        ckpt_projection = projection.for_checkpoint(ckpt_meta.name)
+        precondition = None if kind is None else preconditioners[i]
+        key = (id(ckpt_loss), ckpt_projection, id(precondition))
+        if key not in transforms:
+            transforms[key] = projected_grads(ckpt_loss, ckpt_projection, options=options,
+                                              precondition=precondition)
+        grads_fns.append(transforms[key])
     writer = make_writer(store, meta)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 

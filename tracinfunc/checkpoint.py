@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from os import PathLike
 from types import MappingProxyType
@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from tracinfunc.errors import InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.store.meta import check_lr
-from tracinfunc.types import Params
+from tracinfunc.types import LossFn, Params
 
-__all__ = ["Checkpoint", "params_fingerprint"]
+__all__ = ["Checkpoint", "loss_at", "params_fingerprint"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +34,9 @@ class Checkpoint:
         lr: The checkpoint's weight in the TracIn sum.
         name: A label stored in gradient-store metadata; ``build_store`` names unnamed
             checkpoints ``"checkpoint-<i>"`` by position.
+        buffers: The model's non-trainable state at this snapshot (BatchNorm running
+            statistics), ``{name: tensor}``; ``build_store`` differentiates a
+            :class:`~tracinfunc.ModuleLoss` with them (:func:`loss_at`). Never differentiated.
 
     Example:
         >>> ckpt = Checkpoint.from_module(model, lr=0.1, name="epoch-3")
@@ -42,6 +45,7 @@ class Checkpoint:
     params: Params
     lr: float = 1.0
     name: str | None = None
+    buffers: Mapping[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, Mapping) or not self.params:
@@ -71,22 +75,33 @@ class Checkpoint:
         detached = {key: value.detach() for key, value in self.params.items()}
         object.__setattr__(self, "params", MappingProxyType(detached))
         object.__setattr__(self, "lr", lr)
+        if not isinstance(self.buffers, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Tensor) for k, v in self.buffers.items()):
+            raise InvalidTypeError(
+                "Checkpoint: buffers must map str names to tensors, got "
+                f"{type(self.buffers).__name__}; Checkpoint.from_module(model) fills them."
+            )
+        buffers = {key: value.detach() for key, value in self.buffers.items()}
+        object.__setattr__(self, "buffers", MappingProxyType(buffers))
 
     @classmethod
     def from_module(
         cls, module: nn.Module, *, lr: float = 1.0, name: str | None = None
     ) -> Checkpoint:
-        """Snapshot (copy) the trainable parameters of ``module``.
+        """Snapshot (copy) the trainable parameters and the buffers of ``module``.
 
         Parameters with ``requires_grad=False`` are left out: they are not differentiated, so
         they belong in the loss as constants (e.g. via :func:`tracinfunc.loss_from_module`).
+        A peft model thus gives only its trainable adapters. Buffers (BatchNorm running
+        statistics) are kept in ``buffers``, so each checkpoint is differentiated with its own.
         """
         params = {
             key: value.detach().clone()
             for key, value in module.named_parameters()
             if value.requires_grad
         }
-        return cls(params=params, lr=lr, name=name)
+        buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
+        return cls(params=params, lr=lr, name=name, buffers=buffers)
 
     @classmethod
     def from_state_dict(
@@ -99,8 +114,9 @@ class Checkpoint:
     ) -> Checkpoint:
         """Take the entries of ``state_dict`` that are trainable parameters of ``module``.
 
-        Buffers (BatchNorm statistics and the like) in the state dict are ignored here: pass
-        them to the loss explicitly. Raises :class:`MissingParametersError` (a ``KeyError``)
+        The state dict's entries that are buffers of ``module`` (BatchNorm statistics; not the
+        non-persistent ones, which state dicts leave out) become the checkpoint's ``buffers``.
+        Raises :class:`MissingParametersError` (a ``KeyError``)
         naming any parameter it lacks.
         """
         names = [key for key, value in module.named_parameters() if value.requires_grad]
@@ -111,7 +127,9 @@ class Checkpoint:
                 f"{type(module).__name__}; was it saved from another model?"
             )
         params = {key: state_dict[key].detach().clone() for key in names}
-        return cls(params=params, lr=lr, name=name)
+        buffers = {key: state_dict[key].detach().clone()
+                   for key, _ in module.named_buffers() if key in state_dict}
+        return cls(params=params, lr=lr, name=name, buffers=buffers)
 
     @classmethod
     def load(
@@ -128,9 +146,34 @@ class Checkpoint:
 
     @cached_property
     def fingerprint(self) -> str:
-        """A hex digest of names, shapes, dtypes and values (stable across processes)."""
+        """A hex digest of names, shapes, dtypes and values (stable across processes).
+
+        Buffers count when there are any (they change the gradients); without buffers the
+        digest is that of the parameters alone, as before buffers were kept.
+        """
         # cached_property writes the instance __dict__ directly, which a frozen dataclass allows.
-        return params_fingerprint(self.params)
+        if not self.buffers:
+            return params_fingerprint(self.params)
+        return params_fingerprint({**self.params,
+                                   **{f"buffer:{k}": v for k, v in self.buffers.items()
+                                      if v.is_floating_point()}})
+
+
+def loss_at(loss: LossFn, checkpoint: Checkpoint) -> LossFn:
+    """``loss`` with ``checkpoint``'s buffers, for a loss that takes them.
+
+    A :class:`~tracinfunc.ModuleLoss` (from :func:`~tracinfunc.loss_from_module` or
+    :func:`~tracinfunc.loss_from_model`) gets the checkpoint's running statistics in place of
+    the ones captured when it was built; other losses are returned unchanged (they own their
+    state). Used by :func:`~tracinfunc.build_store` for every checkpoint.
+
+    Example:
+        >>> rows = projected_grads(loss_at(loss, ckpt), projection)(ckpt.params, batch)
+    """
+    with_buffers = getattr(loss, "with_buffers", None)
+    if not checkpoint.buffers or with_buffers is None:
+        return loss
+    return with_buffers(checkpoint.buffers)
 
 
 def params_fingerprint(params: Params) -> str:

@@ -1,18 +1,36 @@
-"""Build a per-example ``loss(params, example)`` from an ``nn.Module`` and a criterion."""
+"""Build a per-example ``loss(params, example)`` from an ``nn.Module``.
+
+Two builders share one :class:`ModuleLoss`: :func:`loss_from_module` for ``(inputs, target)``
+examples and a ``criterion(outputs, target)``, and :func:`loss_from_model` for examples of any
+structure (a dict of tensors such as ``input_ids``/``attention_mask``/``labels``, a tuple, a
+tensor), passed to the model as it expects (keyword arguments for a dict), with
+``criterion(outputs, example)`` or the model's own ``outputs.loss``.
+
+Both run attention with PyTorch's math kernel: ``vmap`` has no batching rule for the fused
+CPU/flash kernels of ``scaled_dot_product_attention`` and would fall back to a slow
+per-example loop (same numbers, up to float rounding). A Hugging Face model given a 2-D
+``attention_mask`` gets it as a 4-D boolean mask (causal when the model's attention is),
+because HF inspects the 2-D mask's values (``.all()``), which vmap cannot do.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_map
 
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
 
-__all__ = ["ModuleLoss", "check_eval_mode", "loss_from_module"]
+__all__ = ["ModuleLoss", "check_eval_mode", "loss_from_model", "loss_from_module"]
 
 _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -21,20 +39,25 @@ _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancen
 class ModuleLoss:
     """``loss(params, example)`` for one example, keeping the module it is made of.
 
-    A plain :data:`~tracinfunc.types.LossFn` to every other function; the factorised
-    (``kind="kronecker"``) path of :func:`~tracinfunc.projected_grads` also reads ``module``
-    to reach the inputs and output gradients of its Linear/Conv2d layers. Build it with
-    :func:`loss_from_module`.
+    A plain :data:`~tracinfunc.types.LossFn` to every other function. Build it with
+    :func:`loss_from_module` or :func:`loss_from_model`; :meth:`with_buffers` gives the same
+    loss with a checkpoint's own buffers (BatchNorm statistics).
 
     Attributes:
         module: The model (eval mode); its own parameters are never used or changed.
-        criterion: ``criterion(outputs [1, ...], target [1, ...]) -> scalar``.
+        criterion: ``(inputs, target)`` form: ``criterion(outputs [1, ...], target [1, ...])``;
+            any-example form: ``criterion(outputs, example)`` with every leaf ``[1, ...]``,
+            or ``None`` for the model's own ``outputs.loss``.
         buffers: Non-trainable state by name, read-only.
+        pair: ``True`` for ``(inputs, target)`` examples (:func:`loss_from_module`).
+        skip_keys: Keys of a dict example not passed to the model (e.g. ``labels``).
     """
 
     module: nn.Module
-    criterion: Callable[[Tensor, Tensor], Tensor]
+    criterion: Callable[..., Tensor] | None
     buffers: Mapping[str, Tensor]
+    pair: bool = True
+    skip_keys: frozenset[str] = frozenset()
     # Names fixed when the loss is made, checked on every call: functional_call silently
     # takes the module's own weight for a name missing from ``params`` and ignores unknown
     # ones, which would give gradients of the wrong model without an error.
@@ -48,12 +71,40 @@ class ModuleLoss:
         object.__setattr__(self, "known", frozenset(named))
 
     def __call__(self, params: Params, example: Example) -> Tensor:
-        """The loss of one ``example = (inputs, target)`` (no batch dimension) at ``params``."""
+        """The loss of one ``example`` (no batch dimension) at ``params``."""
         self._check_names(params)
-        inputs, target = example
-        outputs = functional_call(self.module, ({**self.buffers, **params},),
-                                  (inputs.unsqueeze(0),))
-        return self.criterion(outputs, target.unsqueeze(0))
+        state = {**self.buffers, **params}
+        with sdpa_kernel([SDPBackend.MATH]):
+            if self.pair:
+                inputs, target = example
+                outputs = functional_call(self.module, (state,), (inputs.unsqueeze(0),))
+                return self.criterion(outputs, target.unsqueeze(0))
+            batched = tree_map(lambda leaf: leaf.unsqueeze(0), example)
+            args, kwargs = _model_arguments(self.module, batched, self.skip_keys)
+            outputs = functional_call(self.module, (state,), args, kwargs)
+        if self.criterion is not None:
+            return self.criterion(outputs, batched)
+        return _own_loss(outputs)
+
+    def with_buffers(self, buffers: Mapping[str, Tensor]) -> ModuleLoss:
+        """The same loss with ``buffers`` (e.g. a checkpoint's) replacing those of that name.
+
+        Returns ``self`` when the buffers equal the loss's own.
+
+        Raises:
+            LossFunctionError: a name is not a buffer of the module.
+        """
+        unknown = sorted(set(buffers) - set(self.buffers))
+        if unknown:
+            raise LossFunctionError(
+                f"ModuleLoss.with_buffers: {unknown[:5]} are not buffers of "
+                f"{type(self.module).__name__} (its buffers are {sorted(self.buffers)[:5]}); "
+                "was the checkpoint saved from another model?"
+            )
+        if all(_same(buffers[name], self.buffers[name]) for name in buffers):
+            return self  # shared: build_store then reuses one gradient function
+        merged = MappingProxyType({**self.buffers, **buffers})
+        return dataclasses.replace(self, buffers=merged)
 
     def _check_names(self, params: Params) -> None:
         names = params.keys()
@@ -78,7 +129,8 @@ def loss_from_module(
 
     The example is ``(inputs, target)`` with no batch dimension; the module is called on
     ``inputs[None]`` with ``torch.func.functional_call`` so the parameters come from ``params``
-    (the checkpoint) and the module's own weights are never touched.
+    (the checkpoint) and the module's own weights are never touched. For dict or other
+    examples (language models), use :func:`loss_from_model`.
 
     Args:
         module: The model, in eval mode (BatchNorm in train mode would update running
@@ -87,6 +139,7 @@ def loss_from_module(
             ``torch.nn.functional.cross_entropy``.
         buffers: Non-trainable state by name (BatchNorm statistics). Defaults to a copy of
             the module's buffers taken now; they are passed explicitly, never mutated.
+            A checkpoint's own buffers replace them in ``build_store``.
 
     Returns:
         A :class:`ModuleLoss`: ``loss(params, example) -> scalar tensor``.
@@ -95,9 +148,102 @@ def loss_from_module(
         TrainModeError: the module has BatchNorm/InstanceNorm layers in train mode.
     """
     check_eval_mode(module, caller="loss_from_module")
+    return ModuleLoss(module, criterion, _buffers_of(module, buffers))
+
+
+def loss_from_model(
+    model: nn.Module,
+    *,
+    criterion: Callable[[Any, Example], Tensor] | None = None,
+    buffers: Mapping[str, Tensor] | None = None,
+    skip_keys: tuple[str, ...] = (),
+) -> ModuleLoss:
+    """``loss(params, example)`` for examples of any structure, e.g. a dict of token tensors.
+
+    The example (no batch dimension) gets a leading batch dimension of 1 on every leaf and is
+    passed to ``model`` as it expects: a dict as keyword arguments, a tuple or list as
+    positional arguments, a tensor as the one argument. Ready-made losses for language models
+    are in :mod:`tracinfunc.lm` (:func:`~tracinfunc.causal_lm_loss`,
+    :func:`~tracinfunc.sequence_classification_loss`).
+
+    Args:
+        model: The model, in eval mode.
+        criterion: ``criterion(outputs, example) -> scalar`` with the example's leaves
+            ``[1, ...]``; ``None``: the model's own ``outputs.loss`` (a Hugging Face model
+            given ``labels``).
+        buffers: As for :func:`loss_from_module`.
+        skip_keys: Keys of a dict example that are not passed to the model (the criterion
+            still sees them), e.g. ``("labels",)`` when the criterion computes the loss.
+
+    Returns:
+        A :class:`ModuleLoss`.
+
+    Raises:
+        TrainModeError: the model has BatchNorm/InstanceNorm layers in train mode.
+
+    Example:
+        >>> loss = loss_from_model(gpt2)                       # outputs.loss from labels
+        >>> loss(params, {"input_ids": ids, "labels": ids})
+    """
+    check_eval_mode(model, caller="loss_from_model")
+    if isinstance(skip_keys, str) or not all(isinstance(key, str) for key in skip_keys):
+        raise LossFunctionError(
+            f"loss_from_model: skip_keys must be a tuple of dict keys, got {skip_keys!r}; "
+            "e.g. skip_keys=('labels',)."
+        )
+    return ModuleLoss(model, criterion, _buffers_of(model, buffers), pair=False,
+                      skip_keys=frozenset(skip_keys))
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device \
+        and bool(torch.equal(a, b))
+
+
+def _buffers_of(module: nn.Module, buffers: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:
     if buffers is None:
         buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
-    return ModuleLoss(module, criterion, MappingProxyType(dict(buffers)))
+    return MappingProxyType(dict(buffers))
+
+
+def _model_arguments(module: nn.Module, batched: Any, skip: frozenset[str]
+                     ) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for the model from a batched example."""
+    if isinstance(batched, Mapping):
+        kwargs = {key: value for key, value in batched.items() if key not in skip}
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2 and hasattr(module, "config"):
+            kwargs["attention_mask"] = _attention_mask_4d(mask, causal=_is_causal(module))
+        return (), kwargs
+    if isinstance(batched, tuple | list):
+        return tuple(batched), {}
+    return (batched,), {}
+
+
+def _attention_mask_4d(mask: Tensor, *, causal: bool) -> Tensor:
+    """``[1, T]`` 0/1 padding mask -> ``[1, 1, T, T]`` (causal) or ``[1, 1, 1, T]`` bool."""
+    keep = mask.bool()[:, None, None, :]  # [1, 1, 1, T]
+    if not causal:
+        return keep
+    length = mask.shape[-1]
+    lower = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    return keep & lower  # [1, 1, T, T]
+
+
+def _is_causal(module: nn.Module) -> bool:
+    """Whether the model's attention layers are causal (HF sets ``is_causal`` on them)."""
+    return any(getattr(sub, "is_causal", False) is True for sub in module.modules())
+
+
+def _own_loss(outputs: Any) -> Tensor:
+    value = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if not isinstance(value, Tensor):
+        raise LossFunctionError(
+            "loss_from_model: criterion=None uses the model's own outputs.loss, but the model "
+            f"returned {type(outputs).__name__} without one; give the example its labels "
+            "(e.g. {'input_ids': ids, 'labels': ids}) or pass criterion(outputs, example)."
+        )
+    return value
 
 
 def check_eval_mode(module: nn.Module, *, caller: str) -> None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import fnmatch
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from tracinfunc.errors import InvalidTypeError, ParameterSelectionError
 from tracinfunc.types import Params
@@ -35,6 +35,7 @@ class LastLayers:
     """The parameters of the last ``n`` layers; make it with :func:`last_layers`."""
 
     n: int
+    model: nn.Module | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -53,13 +54,28 @@ Selection: TypeAlias = str | Sequence[str] | LastLayers
 """A parameter/module name or glob pattern, a list of them, or :func:`last_layers`."""
 
 
-def last_layers(n: int) -> LastLayers:
+def last_layers(n: int, *, model: nn.Module | None = None) -> LastLayers:
     """Select the parameters of the last ``n`` layers (modules owning parameters directly).
+
+    Args:
+        n: How many layers, counted from the output.
+        model: The model the parameters come from. Needed for tied weights: a language
+            model's output head tied to its token embedding has no parameter name of its own
+            (``named_parameters`` lists the weight once, as ``transformer.wte.weight``), so
+            from names alone ``last_layers(1)`` is the final norm. With ``model``, layers are
+            the modules in registration order and a shared weight belongs to the last
+            module using it, so ``last_layers(1, model=gpt2)`` is the tied head.
 
     Example:
         >>> fn = projected_grads(loss, Projection(dim=512), select=last_layers(2))
+        >>> select_params(params, last_layers(1, model=gpt2))   # {"transformer.wte.weight"}
     """
-    return LastLayers(n)
+    if model is not None and not isinstance(model, nn.Module):
+        raise InvalidTypeError(
+            f"last_layers: model must be the nn.Module the parameters come from, got "
+            f"{type(model).__name__}."
+        )
+    return LastLayers(n, model)
 
 
 def check_select(select: Any, *, caller: str) -> tuple[str, ...] | LastLayers | None:
@@ -91,7 +107,9 @@ def selected_names(params: Params, select: Any, *, caller: str) -> tuple[str, ..
     if select is None:
         return tuple(names)
     if isinstance(select, LastLayers):
-        return _last_layers(names, select.n, caller=caller)
+        layers = (_layers_by_name(names) if select.model is None
+                  else _layers_of_model(select.model, names))
+        return _last_layers(names, layers, select.n, caller=caller)
     unmatched = [p for p in select if not any(_matches(name, p) for name in names)]
     if unmatched:
         shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
@@ -121,12 +139,36 @@ def _layer_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _last_layers(names: list[str], n: int, *, caller: str) -> tuple[str, ...]:
-    layers = list(dict.fromkeys(_layer_of(name) for name in names))
+def _layers_by_name(names: list[str]) -> list[set[str]]:
+    layers: dict[str, set[str]] = {}
+    for name in names:
+        layers.setdefault(_layer_of(name), set()).add(name)
+    return list(layers.values())
+
+
+def _layers_of_model(model: nn.Module, names: list[str]) -> list[set[str]]:
+    """Parameter names per module, in registration order; a shared weight goes to its last
+    user (the tied output head, registered after the embedding)."""
+    canonical = {id(value): name for name, value in model.named_parameters()}
+    owner: dict[str, int] = {}
+    modules = list(model.named_modules(remove_duplicate=False))
+    for index, (_, module) in enumerate(modules):
+        for value in module.parameters(recurse=False):
+            name = canonical.get(id(value))
+            if name in names:
+                owner[name] = index
+    layers: dict[int, set[str]] = {}
+    for name, index in sorted(owner.items(), key=lambda item: item[1]):
+        layers.setdefault(index, set()).add(name)
+    return list(layers.values())
+
+
+def _last_layers(names: list[str], layers: list[set[str]], n: int, *,
+                 caller: str) -> tuple[str, ...]:
     if n > len(layers):
         raise ParameterSelectionError(
             f"{caller}: last_layers({n}) asks for more layers than the parameters have "
-            f"({len(layers)}: {layers}); use last_layers({len(layers)}) or select=None."
+            f"({len(layers)}); use last_layers({len(layers)}) or select=None."
         )
-    chosen = set(layers[-n:])
-    return tuple(name for name in names if _layer_of(name) in chosen)
+    chosen = set().union(*layers[-n:])
+    return tuple(name for name in names if name in chosen)

@@ -49,10 +49,10 @@ def stage_selection(stages: Stages, names: Sequence[str], *, caller: str) -> lis
     per_stage: list[list[str]] = [[] for _ in stages.stages]
     orphans = []
     for name in names:
-        owner = stages.owner(name)
-        if owner is None:
+        owners = stages.owners(name)
+        if not owners:
             orphans.append(name)
-        else:
+        for owner in owners:  # a tied weight is differentiated in every stage using it
             per_stage[owner].append(name)
     if orphans:
         raise ParameterSelectionError(
@@ -109,7 +109,24 @@ def staged_grads(
         del activation
         if out is not None:
             results.append((index, out))
-    return results
+    return _sum_tied(results, stages.tied)
+
+
+def _sum_tied(results: list[tuple[int, Any]], tied: frozenset[str]) -> list[tuple[int, Any]]:
+    """Give every stage's dict output the total of a tied weight's per-stage gradients.
+
+    Callers merge per-stage dicts by name, so each must hold the sum; tensor outputs (the
+    projections) are summed by the callers, which is right for a linear projection.
+    """
+    totals: dict[str, Tensor] = {}
+    for _, out in results:
+        if isinstance(out, dict):
+            for name in tied & out.keys():
+                totals[name] = out[name] if name not in totals else totals[name] + out[name]
+    if not totals:
+        return results
+    return [(index, {**out, **{n: totals[n] for n in totals if n in out}}
+             if isinstance(out, dict) else out) for index, out in results]
 
 
 def _output_grads(stages: Stages, outputs: Tensor, targets: Tensor, chunk_size: int | None,

@@ -60,11 +60,15 @@ class Stages:
             :func:`~tracinfunc.loss_from_module`.
         forward: Optional ``forward(params, inputs) -> outputs`` of the whole model, used
             only to check that the stages reproduce it.
+        tied: Parameters used by several stages (an LM head tied to the embedding); their
+            per-example gradient is the sum of the stages' contributions. Any other
+            parameter belongs to exactly one stage.
     """
 
     stages: tuple[Stage, ...]
     criterion: Callable[[Tensor, Tensor], Tensor]
     forward: Callable[[Params, Any], Tensor] | None = None
+    tied: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -73,34 +77,45 @@ class Stages:
                 "Stages: stages must be a non-empty sequence of tracinfunc.Stage, got "
                 f"{[type(s).__name__ for s in stages]}; use model_stages(model, criterion)."
             )
+        object.__setattr__(self, "tied", frozenset(self.tied))
         owners: dict[str, int] = {}
         for index, stage in enumerate(stages):
             for name in stage.param_names:
-                if name in owners:
+                if name in owners and name not in self.tied:
                     raise StageMismatchError(
                         f"Stages: parameter {name!r} belongs to stage {owners[name]} and to "
-                        f"stage {index}; every parameter must belong to exactly one stage."
+                        f"stage {index}; every parameter must belong to exactly one stage "
+                        "unless listed in tied=."
                     )
                 owners[name] = index
         object.__setattr__(self, "stages", stages)
 
     def owner(self, name: str) -> int | None:
-        """Index of the stage that uses parameter ``name`` (``None``: no stage does)."""
+        """Index of the first stage that uses parameter ``name`` (``None``: no stage does)."""
         return next((i for i, s in enumerate(self.stages) if name in s.param_names), None)
+
+    def owners(self, name: str) -> list[int]:
+        """Indices of every stage that uses parameter ``name`` (several only if tied)."""
+        return [i for i, s in enumerate(self.stages) if name in s.param_names]
 
 
 def model_stages(
     model: nn.Module,
     criterion: Callable[[Tensor, Tensor], Tensor],
     *,
-    names: Sequence[str] | None = None,
+    names: Sequence[str | Callable[[Any], Any]] | None = None,
     buffers: Mapping[str, Tensor] | None = None,
 ) -> Stages:
     """Stages from an ``nn.Sequential`` (its children) or from submodule names in forward order.
 
     For a Sequential, each child with parameters starts a stage and parameterless children
     (activations, ``Flatten``) join the stage before them, so boundaries sit after each
-    nonlinearity. With ``names``, stage ``i`` is ``model.get_submodule(names[i])``.
+    nonlinearity. With ``names``, each submodule name is a stage; a callable in the list is
+    functional glue that ``forward`` applies between submodules (``torch.flatten`` before a
+    ResNet's ``fc``, ``lambda out: out[0]`` after a block returning a tuple) and joins the stage
+    before it. A weight shared by several submodules (an LM head tied to the token embedding)
+    is used by each of their stages under its ``named_parameters`` name, and its gradient is
+    the sum of theirs (``Stages.tied``).
 
     Args:
         model: The model, in eval mode.
@@ -114,13 +129,16 @@ def model_stages(
     Example:
         >>> stages = model_stages(model, F.cross_entropy)               # nn.Sequential
         >>> stages = model_stages(resnet, F.cross_entropy, names=["stem", "body", "head"])
+        >>> stages = model_stages(resnet, F.cross_entropy,
+        ...                       names=["features", lambda h: h.flatten(1), "fc"])
     """
     check_eval_mode(model, caller="model_stages")
     if buffers is None:
         buffers = {key: value.detach().clone() for key, value in model.named_buffers()}
     buffers = dict(buffers)
     groups = _named_groups(model, names)
-    stages = tuple(_module_stage(model, group, buffers) for group in groups)
+    canonical = {id(value): name for name, value in model.named_parameters()}
+    stages = tuple(_module_stage(model, group, buffers, canonical) for group in groups)
     owned = {name for stage in stages for name in stage.param_names}
     orphans = [name for name, _ in model.named_parameters() if name not in owned]
     if orphans:
@@ -132,7 +150,12 @@ def model_stages(
     def forward(params: Params, inputs: Any) -> Tensor:
         return functional_call(model, ({**buffers, **params},), (inputs,))
 
-    return Stages(stages=stages, criterion=criterion, forward=forward)
+    counts: dict[str, int] = {}
+    for stage in stages:
+        for name in stage.param_names:
+            counts[name] = counts.get(name, 0) + 1
+    tied = frozenset(name for name, count in counts.items() if count > 1)
+    return Stages(stages=stages, criterion=criterion, forward=forward, tied=tied)
 
 
 def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[str]]:
@@ -143,6 +166,8 @@ def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[st
                 f"{names!r}; e.g. ['features', 'classifier']."
             )
         for name in names:
+            if callable(name):
+                continue
             try:
                 model.get_submodule(name)
             except AttributeError:
@@ -151,7 +176,13 @@ def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[st
                     f"model_stages: {type(model).__name__} has no submodule {name!r}; its "
                     f"children are {children}."
                 ) from None
-        return [[name] for name in names]
+        groups: list[list] = []
+        for name in names:
+            if callable(name) and groups:
+                groups[-1].append(name)  # glue joins the stage before it
+            else:
+                groups.append([name])
+        return groups
     if not isinstance(model, nn.Sequential):
         raise InvalidTypeError(
             f"model_stages: without names the model must be an nn.Sequential, got "
@@ -168,26 +199,41 @@ def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[st
     return groups
 
 
-def _module_stage(model: nn.Module, group: list[str], buffers: dict[str, Tensor]) -> Stage:
-    """A stage that applies the submodules ``group`` in order with ``functional_call``."""
+def _module_stage(model: nn.Module, group: list, buffers: dict[str, Tensor],
+                  canonical: dict[int, str]) -> Stage:
+    """A stage applying the submodules (names) and glue (callables) of ``group`` in order.
+
+    Each submodule's parameters are named as ``model.named_parameters()`` names them, so a
+    tied weight appears under one name in every stage that uses it.
+    """
     parts = []
     param_names: list[str] = []
-    for prefix in group:
-        module = model.get_submodule(prefix)
-        own = [f"{prefix}.{n}" for n, _ in module.named_parameters()]
-        local_buffers = {n[len(prefix) + 1:]: v for n, v in buffers.items()
-                         if n.startswith(prefix + ".")}
-        parts.append((prefix, module, local_buffers))
-        param_names += own
+    for part in group:
+        if callable(part):
+            parts.append(part)
+            continue
+        module = model.get_submodule(part)
+        # local name -> global name (for a tied weight, the name it is listed under)
+        names = {local: canonical[id(value)] for local, value
+                 in module.named_parameters(remove_duplicate=False)}
+        local_buffers = {n[len(part) + 1:]: v for n, v in buffers.items()
+                         if n.startswith(part + ".")}
+        parts.append((module, names, local_buffers))
+        param_names += [name for name in dict.fromkeys(names.values())
+                        if name not in param_names]
 
     def fn(params: Params, h: Any) -> Tensor:
-        for prefix, module, local_buffers in parts:
-            start = len(prefix) + 1
-            local = {n[start:]: v for n, v in params.items() if n.startswith(prefix + ".")}
+        for part in parts:
+            if callable(part) and not isinstance(part, tuple):
+                h = part(h)
+                continue
+            module, names, local_buffers = part
+            local = {n: params[g] for n, g in names.items() if g in params}
             h = functional_call(module, ({**local_buffers, **local},), (h,))
         return h
 
-    return Stage(fn=fn, param_names=tuple(param_names), name="+".join(group))
+    label = "+".join(p if isinstance(p, str) else getattr(p, "__name__", "glue") for p in group)
+    return Stage(fn=fn, param_names=tuple(param_names), name=label)
 
 
 def split_batch(batch: Batch, *, caller: str) -> tuple[Any, Tensor]:

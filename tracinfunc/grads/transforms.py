@@ -17,6 +17,7 @@ rounding (mixed precision aside, which is an approximation):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -175,16 +176,19 @@ def projected_grads(
         compile_projection=compile_projection)
     _check_has_aux(has_aux, options)
     _check_precondition(precondition, options)
-    if (projection.kind == "kronecker" and options.plain() and not has_aux
-            and precondition is None):
-        # Factorised Linear/Conv2d path (weights never materialised). With a memory option
-        # the generic path below still computes the same Kronecker projection, from the
-        # materialised gradient. Imported here: the module imports this one.
+    if (projection.kind == "kronecker" and replace(options, select=None).plain()
+            and not has_aux and precondition is None):
+        # Factorised path for any loss (layer weights never materialised; a loss that calls
+        # no layer falls back inside it to the same projection). With a memory option the
+        # generic path below computes the same Kronecker projection, from the materialised
+        # gradient. Imported here: the module imports this one.
         from tracinfunc.grads.factorized import factorized_projected_grads
 
-        factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size)
-        return lambda params, batch: _call_loss_transform(factorized, params, batch,
-                                                          caller=current_caller())
+        factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
+                                                select=options.select)
+        return entry_point("projected_grads")(
+            lambda params, batch: _call_loss_transform(factorized, params, batch,
+                                                       caller=current_caller()))
     projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import tracinfunc as tif
+from tracinfunc.cli.evaluate import add_evaluate_command
 from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 
@@ -136,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--verify", action="store_true",
                       help="read every row and norm, check their checksums")
     info.set_defaults(run=_info)
+
+    add_evaluate_command(commands, common, _positive_int)
     return parser
 
 

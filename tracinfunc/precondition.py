@@ -127,24 +127,34 @@ class Preconditioner:
         """
         return {name: self._one(name, g) for name, g in grads.items()}
 
-    def _moments(self, name: str, like: Tensor) -> tuple[Tensor, Tensor]:
+    def _constants(self, name: str, like: Tensor) -> tuple[Tensor, ...]:
+        """Per-parameter terms that do not depend on ``g``, on ``like``'s device and dtype."""
         key = (name, like.device, like.dtype)
         if key not in self._moved:
             s = self.state[name]
-            self._moved[key] = (s.exp_avg.to(device=like.device, dtype=like.dtype),
-                                s.exp_avg_sq.to(device=like.device, dtype=like.dtype))
+            m, v = (x.to(device=like.device, dtype=like.dtype) for x in (s.exp_avg, s.exp_avg_sq))
+            if self.kind == "trackstar":
+                self._moved[key] = (torch.rsqrt(v + s.eps),)
+            else:
+                t = s.step + 1  # the update this gradient would join
+                scale_m = 1 / (1 - s.beta1**t)
+                self._moved[key] = (m * (s.beta1 * scale_m), v * s.beta2)
         return self._moved[key]
 
     def _one(self, name: str, g: Tensor) -> Tensor:
         s = self.state[name]
-        m, v = self._moments(name, g)
         if self.kind == "trackstar":
-            return g / torch.sqrt(v + s.eps)
-        t = s.step + 1  # the update this gradient would join
-        m_new = s.beta1 * m + (1 - s.beta1) * g
-        v_new = s.beta2 * v + (1 - s.beta2) * g * g
-        m_hat = m_new / (1 - s.beta1**t)
-        return m_hat / (torch.sqrt(v_new / (1 - s.beta2**t)) + s.eps)
+            (inv_root,) = self._constants(name, g)
+            return g * inv_root
+        # (b1 m + (1-b1) g) / (1-b1^t) over sqrt((b2 v + (1-b2) g^2) / (1-b2^t)) + eps, with
+        # the g-free terms precomputed: 6 elementwise passes per example instead of 12.
+        m_part, v_part = self._constants(name, g)
+        t = s.step + 1
+        scale_m = 1 / (1 - s.beta1**t)
+        numerator = torch.add(m_part, g, alpha=(1 - s.beta1) * scale_m)
+        denominator = torch.addcmul(v_part, g, g, value=1 - s.beta2).sqrt_()
+        denominator = denominator.mul_((1 - s.beta2**t) ** -0.5).add_(s.eps)
+        return numerator.div_(denominator)
 
     def check(self, shapes: Mapping[str, Sequence[int]], selected: Sequence[str], *,
               caller: str) -> None:

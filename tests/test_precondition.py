@@ -204,6 +204,13 @@ def test_bad_arguments():
     sgd.step()
     with pytest.raises(tif.InvalidArgumentError, match="not Adam's exp_avg"):
         tif.Preconditioner.from_optimizer(sgd, model)
+    amsgrad, _, _ = _trained(steps=1)
+    amsgrad_optimizer = torch.optim.Adam(amsgrad.parameters(), amsgrad=True)
+    amsgrad_optimizer.zero_grad()
+    F.cross_entropy(amsgrad(make_data(2)[0]), make_data(2)[1]).backward()
+    amsgrad_optimizer.step()
+    with pytest.raises(tif.InvalidArgumentError, match="amsgrad=True"):
+        tif.Preconditioner.from_optimizer(amsgrad_optimizer, amsgrad)
     with pytest.raises(tif.InvalidTypeError, match="precondition must be"):
         tif.projected_grads(loss, tif.Projection(dim=4), precondition="adam")
     precondition = tif.Preconditioner.from_optimizer(optimizer, model)

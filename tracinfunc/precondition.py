@@ -320,6 +320,12 @@ def _adam_state(entry: Mapping[str, Any], group: Mapping[str, Any], eps: float |
             f"Preconditioner.from_state_dict: the state of {name!r} has keys "
             f"{sorted(entry)}, not Adam's exp_avg/exp_avg_sq; save an Adam or AdamW optimizer."
         )
+    if group.get("amsgrad") or group.get("maximize"):
+        raise InvalidArgumentError(
+            f"Preconditioner.from_state_dict: {name!r} was trained with "
+            f"amsgrad={group.get('amsgrad')}, maximize={group.get('maximize')}; only the plain "
+            "Adam/AdamW update is supported, so train without them or precondition by hand."
+        )
     beta1, beta2 = (float(b) for b in group.get("betas", (0.9, 0.999)))
     return AdamState(
         exp_avg=entry["exp_avg"].detach().clone(),

@@ -217,3 +217,17 @@ def test_bad_arguments():
     with pytest.raises(tif.InvalidArgumentError, match="one tracinfunc.Preconditioner per"):
         tif.build_store(loss, [tif.Checkpoint.from_module(model)] * 2, make_data(2),
                         projection=tif.Projection(dim=4), preconditioners=[precondition])
+
+
+def test_resuming_a_plain_zarr_build_with_a_preconditioner_is_refused(tmp_path):
+    model, optimizer, loss = _trained(steps=1)
+    ckpts = [tif.Checkpoint.from_module(model, name="a")]
+    projection = tif.Projection(dim=4)
+    meta = tif.build_store(loss, ckpts, make_data(4), projection=projection).meta
+    writer = tif.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
+                            chunk_rows=2, shard_rows=2)
+    writer.append(torch.zeros(1, 2, 4), torch.zeros(1, 2))  # an interrupted plain build
+    precondition = tif.Preconditioner.from_optimizer(optimizer, model)
+    with pytest.raises(tif.IncompatibleGradientsError, match="cannot resume.*preconditioner"):
+        tif.build_store(loss, ckpts, make_data(4), projection=projection,
+                        store=str(tmp_path / "i.zarr"), preconditioners=[precondition])

@@ -78,11 +78,14 @@ def build_store(
             checks; needs float64 params). Norms are taken before the cast.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
-        select, mixed_precision, stages, offload, memory_budget, compile_projection: The
-            memory and speed options of :func:`~tracinfunc.grads.projected_grads`, passed
-            through. With
-            ``select``, the store's layout (and projection) covers only the selected
-            parameters; test gradients must use the same selection.
+        select: As for :func:`~tracinfunc.grads.projected_grads`; the store's layout (and
+            projection) covers only the selected parameters, and test gradients must use
+            the same selection.
+        mixed_precision: As for :func:`~tracinfunc.grads.projected_grads`.
+        stages: As for :func:`~tracinfunc.grads.projected_grads`.
+        offload: As for :func:`~tracinfunc.grads.projected_grads`.
+        memory_budget: As for :func:`~tracinfunc.grads.projected_grads`.
+        compile_projection: As for :func:`~tracinfunc.grads.projected_grads`.
         batch_size: Examples per gradient call: the data's batches are merged or split to
             this size (the last may be smaller); ``None`` keeps the data's own batches. Each
             call has a fixed cost (about 2 ms on a CPU), so merging small loader batches

@@ -128,8 +128,8 @@ def top_k(
     top-k of ``[n_test, k]``.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows, progress, output, like: As in
-            :func:`score`.
+        store: As in :func:`score`.
+        test_grads: As in :func:`score`.
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
@@ -137,8 +137,15 @@ def top_k(
             candidates come from it and are re-ranked exactly from the store, so only
             candidate rows are read (see ``docs/search.md``). ``device``, ``chunk_rows`` and
             ``progress`` do not apply; results are on the CPU.
-        nprobe, candidates: Clusters searched and rows re-ranked per test example, with
-            ``index`` only (see :func:`tracinfunc.search.indexed_top_k`).
+        nprobe: Clusters searched per test example, with ``index`` only (see
+            :func:`tracinfunc.search.indexed_top_k`).
+        candidates: Rows re-ranked exactly per test example, with ``index`` only.
+        normalize: As in :func:`score`.
+        device: As in :func:`score`.
+        chunk_rows: As in :func:`score`.
+        progress: As in :func:`score`.
+        output: As in :func:`score`.
+        like: As in :func:`score`.
 
     Returns:
         ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
@@ -196,7 +203,8 @@ def self_influence(
     Args:
         store: Projected training gradients.
         device: Where to compute (default: CUDA when available, else CPU).
-        output, like: Framework of the result, as in :func:`score`.
+        output: Framework of the result, as in :func:`score`.
+        like: As in :func:`score`.
 
     Returns:
         ``[n_train]``, float32 (float64 for float64 stores), on ``device``.
@@ -233,7 +241,12 @@ def score_chunks(
     over checkpoints); otherwise rows are upcast to float32 first.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows, progress: As in :func:`score`.
+        store: As in :func:`score`.
+        test_grads: As in :func:`score`.
+        normalize: As in :func:`score`.
+        device: As in :func:`score`.
+        chunk_rows: As in :func:`score`.
+        progress: As in :func:`score`.
         out: Optional ``[n_test, n_train]`` tensor (float32, float64 for float64 gradients,
             on ``device``); blocks are then written into it (``block`` is a view of
             ``out[:, start:start + rows]``) instead of being allocated per chunk.

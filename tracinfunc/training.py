@@ -211,7 +211,8 @@ def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *
         directory: As for :func:`load_recorded_checkpoints`; recorded with optimizer state.
         model: A model of the same architecture; the optimizer's parameter names recorded
             in the manifest must be its parameters.
-        kind, eps: As for :meth:`Preconditioner.from_state_dict`.
+        kind: As for :meth:`Preconditioner.from_state_dict`.
+        eps: As for :meth:`Preconditioner.from_state_dict`.
     """
     directory = Path(directory)
     entries = _entries(directory, caller="load_recorded_preconditioners")

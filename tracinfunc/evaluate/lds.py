@@ -56,7 +56,8 @@ def spearman(x: Tensor, y: Tensor) -> Tensor:
     Ties get their average rank (as ``scipy.stats.spearmanr``); a constant column gives NaN.
 
     Args:
-        x, y: ``[m, n]`` real tensors (``m`` observations of ``n`` variables).
+        x: ``[m, n]`` real tensor (``m`` observations of ``n`` variables).
+        y: ``[m, n]`` real tensor, the same shape.
 
     Returns:
         ``[n]``, float64.

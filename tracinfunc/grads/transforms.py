@@ -141,11 +141,14 @@ def projected_grads(
             function returns ``(rows, aux)``.
         chunk_size: Examples differentiated at once (``None``: the whole batch). Only this
             many full gradients are alive at once; results do not change.
-        select, mixed_precision, stages, offload: As for :func:`per_sample_grads`. The
-            projection covers only the selected parameters. With ``stages``, each stage's
-            gradients are projected as soon as they exist and then freed, so only one
-            stage's per-example gradients ever exist (the projection is linear, so the sum
-            over stages equals projecting the whole gradient).
+        select: As for :func:`per_sample_grads`; the projection covers only the selected
+            parameters.
+        mixed_precision: As for :func:`per_sample_grads`.
+        stages: As for :func:`per_sample_grads`. Each stage's gradients are projected as
+            soon as they exist and then freed, so only one stage's per-example gradients
+            ever exist (the projection is linear, so the sum over stages equals projecting
+            the whole gradient).
+        offload: As for :func:`per_sample_grads`.
         memory_budget: Bytes for per-example gradients and their temporaries; chooses
             ``chunk_size`` so the peak stays near the budget plus fixed costs.
         compile_projection: Generate dense projection blocks with ``torch.compile``

@@ -100,8 +100,8 @@ def test_something_else_at_the_path_is_refused(mlp_setup32, tmp_path):
 def test_edited_metadata_or_arrays_are_reported_at_open(built):
     group = zarr.open_group(built.path, mode="r+")
     group["norms/1"].resize((7,))
-    with pytest.raises(tif.CorruptStoreError, match=r"norms/1 .* is \(7,\) float32, the "
-                                                   r"metadata says \(40,\) float32"):
+    # Resizing rewrites norms/1/zarr.json and drops a shard: caught by the sealed manifest.
+    with pytest.raises(tif.CorruptStoreError, match=r"norms/1/zarr.json"):
         tif.GradientStore.open(built.path)
     attrs = dict(group.attrs["tracinfunc"])
     group.attrs["tracinfunc"] = {**attrs, "dtype": "int8"}

@@ -26,7 +26,8 @@ __all__ = [
     "layout_differences",
 ]
 
-FORMAT_VERSION = 1
+# 2: finished stores carry an integrity block (store/integrity.py); 1 had none.
+FORMAT_VERSION = 2
 
 _DTYPES = {
     "float64": torch.float64,
@@ -47,11 +48,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_lr(lr: Any, *, caller: str) -> float:
-    """A checkpoint's TracIn weight as a float: a finite number (torch and JAX checkpoints).
+    """A checkpoint's TracIn weight as a float: a finite positive number (torch and JAX).
 
     Raises:
         InvalidTypeError: not a number (``True``/``False`` included).
-        InvalidArgumentError: NaN or infinite.
+        InvalidArgumentError: NaN, infinite, zero or negative.
     """
     if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise InvalidTypeError(
@@ -60,6 +61,11 @@ def check_lr(lr: Any, *, caller: str) -> float:
         )
     if not math.isfinite(lr):
         raise InvalidArgumentError(f"{caller}: lr must be finite, got {lr}; e.g. lr=0.1.")
+    if lr <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
+        raise InvalidArgumentError(
+            f"{caller}: lr must be positive (the learning rate at this checkpoint), got {lr}; "
+            "e.g. lr=0.1."
+        )
     return float(lr)
 
 
@@ -138,24 +144,47 @@ class StoreMeta:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StoreMeta:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`; strict, since the dict may come from an edited file.
+
+        Raises:
+            InvalidArgumentError, InvalidTypeError, KeyError: a field is missing or has a
+                value no writer produces (``complete: "no"``, a negative lr, ...).
+        """
         return cls(
             projection=Projection.from_dict(data["projection"]),
             checkpoints=tuple(
-                CheckpointMeta(c["name"], float(c["lr"]), c["fingerprint"])
+                CheckpointMeta(c["name"], _stored_lr(c["lr"]), c["fingerprint"])
                 for c in data["checkpoints"]
             ),
             layout=tuple((name, tuple(shape)) for name, shape in data["layout"]),
-            n_train=int(data["n_train"]),
-            k=int(data["k"]),
+            n_train=_stored_int(data["n_train"], "n_train", minimum=0),
+            k=_stored_int(data["k"], "k", minimum=1),
             dtype=data["dtype"],
-            complete=bool(data["complete"]),
+            complete=_stored_bool(data["complete"], "complete"),
             library_version=data.get("library_version", ""),
-            format_version=int(data.get("format_version", FORMAT_VERSION)),
+            format_version=_stored_int(data.get("format_version", FORMAT_VERSION),
+                                       "format_version", minimum=1),
             dataset_fingerprint=data.get("dataset_fingerprint"),
             extra=dict(data.get("extra", {})),
         )
 
+
+def _stored_int(value: Any, what: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"StoreMeta.from_dict: {what} must be an integer >= {minimum}, got {value!r}."
+        )
+    return value
+
+
+def _stored_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidTypeError(f"StoreMeta.from_dict: {what} must be true or false, got {value!r}.")
+    return value
+
+
+def _stored_lr(value: Any) -> float:
+    return check_lr(value, caller="StoreMeta.from_dict")
 
 def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
     """Raise :class:`IncompatibleGradientsError` unless ``test`` was made like ``train``.

@@ -106,3 +106,51 @@ def test_self_influence_is_exact_after_a_round_trip(store_dir):
     torch.testing.assert_close(tif.self_influence(store).double(), expected, rtol=1e-5,
                                atol=1e-6)
     assert expected.shape == (N_TRAIN,)
+
+
+def _batches(x, y, size=6):
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+
+def _tiny(path, **options):
+    import functools
+
+    return functools.partial(tif.ZarrWriter, path, chunk_rows=4, shard_rows=8, **options)
+
+
+def test_rerunning_a_finished_build_returns_the_store_untouched(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    projection = tif.Projection(dim=16, seed=0)
+    first = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                            store=_tiny(tmp_path / "g.zarr"))
+    stamps = {p: p.stat().st_mtime_ns for p in first.path.rglob("*") if p.is_file()}
+    again = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                            store=_tiny(tmp_path / "g.zarr"))
+    assert isinstance(again, tif.ZarrStore) and again.meta == first.meta
+    assert torch.equal(rows_of(again), rows_of(first))
+    assert {p: p.stat().st_mtime_ns for p in first.path.rglob("*") if p.is_file()} == stamps
+    # A plain path works the same way (the CLI-less user's re-run after a crash).
+    plain = tif.build_store(loss, ckpts, train, projection=projection, store=tmp_path / "p.zarr")
+    assert torch.equal(rows_of(tif.build_store(loss, ckpts, train, projection=projection,
+                                               store=tmp_path / "p.zarr")), rows_of(plain))
+
+
+def test_rerunning_with_other_arguments_is_refused_naming_the_difference(mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    projection = tif.Projection(dim=16, seed=0)
+    path = tmp_path / "g.zarr"
+    tif.build_store(loss, ckpts, _batches(*train), projection=projection, store=_tiny(path))
+    with pytest.raises(tif.StoreExistsError, match="projection"):
+        tif.build_store(loss, ckpts, _batches(*train), projection=tif.Projection(dim=16, seed=1),
+                        store=_tiny(path))
+    with pytest.raises(tif.StoreExistsError, match="dataset fingerprint"):
+        tif.build_store(loss, ckpts, _batches(*train), projection=projection, store=_tiny(path),
+                        dataset_fingerprint="v2")
+    x, y = train
+    more = (torch.cat([x, x[:3]]), torch.cat([y, y[:3]]))
+    with pytest.raises(tif.StoreExistsError, match="40 rows"):
+        tif.build_store(loss, ckpts, _batches(*more), projection=projection, store=_tiny(path))
+    with pytest.raises(tif.EmptyDataError, match="40 rows"):
+        tif.build_store(loss, ckpts, _batches(x[:30], y[:30]), projection=projection,
+                        store=_tiny(path))
+    tif.verify_store(tif.open_store(path), progress=False)  # refusals changed nothing

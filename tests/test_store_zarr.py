@@ -76,11 +76,18 @@ def test_metadata_is_plain_json_with_everything_the_issue_lists(built):
 def test_finished_store_cannot_be_written(built, mlp_setup32):
     with pytest.raises(ValueError, match="read-only"):
         built._rows[0][0:1] = 0.0
+    # Same metadata: a re-run, which writes nothing and gives the store back.
+    writer = tif.ZarrWriter(built.path, built.meta.replace(n_train=0, complete=False))
+    assert writer.rows_written == built.n_train
+    with pytest.raises(tif.StoreExistsError, match="data has more"):
+        writer.append(torch.zeros(built.n_ckpt, 1, built.k), torch.zeros(built.n_ckpt, 1))
+    assert writer.finish().meta == built.meta
     with pytest.raises(tif.StoreExistsError, match="finished store already exists"):
-        tif.ZarrWriter(built.path, built.meta.replace(n_train=0, complete=False))
+        tif.ZarrWriter(built.path, built.meta.replace(n_train=0, complete=False, k=3))
     loss, ckpts, train, _ = mlp_setup32
     with pytest.raises(tif.StoreExistsError, match="overwrite=True"):
-        tif.build_store(loss, ckpts, train, projection=PROJ, store=built.path)
+        tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=16, seed=5),
+                        store=built.path)
     again = tif.build_store(loss, ckpts, (train[0][:5], train[1][:5]), projection=PROJ,
                             store=tiny(built.path, overwrite=True))
     assert again.n_train == 5

@@ -14,11 +14,16 @@ import torch
 import zarr
 from torch import Tensor
 
-from tracinfunc.errors import CorruptStoreError, IncompatibleGradientsError, InvalidArgumentError
+from tracinfunc.errors import (
+    CorruptStoreError,
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    StoreExistsError,
+)
 from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
 
-__all__ = ["ATTRS_KEY", "check_resumable", "chunk_files", "create_layout",
+__all__ = ["ATTRS_KEY", "check_rerun", "check_resumable", "chunk_files", "create_layout",
            "norms_numpy", "open_group", "read_meta", "rows_dtype", "sealed_files", "to_numpy",
            "writable_arrays"]
 
@@ -165,6 +170,29 @@ def sealed_files(group: zarr.Group) -> dict[str, list] | None:
 
 def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> None:
     """Raise unless an incomplete store was started with the same arguments."""
+    difference = first_difference(existing, requested)
+    if difference is not None:
+        raise IncompatibleGradientsError(
+            f"build_store: cannot resume the incomplete store at {str(path)!r}: {difference}. "
+            "Call build_store with the same arguments as the interrupted build, or delete the "
+            "directory (or use another path) to start over."
+        )
+
+
+def check_rerun(existing: StoreMeta, requested: StoreMeta, path: Path) -> None:
+    """Raise unless a finished store was made with the arguments of this (repeated) call."""
+    difference = first_difference(existing, requested)
+    if difference is not None:
+        raise StoreExistsError(
+            f"build_store: a finished store already exists at {str(path)!r} and was made "
+            f"differently: {difference}. Stores are immutable: open it with "
+            "tif.GradientStore.open(path), choose another path, or pass overwrite=True (e.g. "
+            "store=functools.partial(tif.ZarrWriter, path, overwrite=True)) to replace it."
+        )
+
+
+def first_difference(existing: StoreMeta, requested: StoreMeta) -> str | None:
+    """``"its X is A but this call asks for B"`` for the first differing argument, or None."""
     fields = {
         "projection": (existing.projection, requested.projection),
         "parameter layout": (existing.layout, requested.layout),
@@ -175,12 +203,8 @@ def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> No
     }
     for what, (theirs, ours) in fields.items():
         if theirs != ours:
-            raise IncompatibleGradientsError(
-                f"build_store: cannot resume the incomplete store at {str(path)!r}: its "
-                f"{what} is {_short(theirs)} but this call asks for {_short(ours)}. Call "
-                "build_store with the same arguments as the interrupted build, or delete the "
-                "directory (or use another path) to start over."
-            )
+            return f"its {what} is {_short(theirs)} but this call asks for {_short(ours)}"
+    return None
 
 
 def _short(value: object) -> str:

@@ -130,8 +130,8 @@ def fill_store(
             bar.update(rows.shape[1])
     if seen < resume_at:
         raise EmptyDataError(
-            f"{caller}: the incomplete store already holds {resume_at} rows but data has "
-            f"only {seen}; resume with the same data as the interrupted build."
+            f"{caller}: the store already holds {resume_at} rows but data has only "
+            f"{seen}; resume (or re-run) with the same data as the build that wrote it."
         )
     if writer.rows_written == 0:
         raise EmptyDataError(

@@ -49,6 +49,7 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store._shards import ShardReader
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
+    check_rerun,
     check_resumable,
     chunk_files,
     create_layout,
@@ -203,8 +204,11 @@ class ZarrWriter:
                  compression: str | None = None, overwrite: bool = False) -> None:
         self._path = Path(path)
         self._finished = False
+        self._rerun: ZarrStore | None = None  # a finished store this call would make again
         if self._path.exists() and not self._resumable(meta, overwrite):
             shutil.rmtree(self._path)
+        if self._rerun is not None:  # nothing to write: rows_written == n_train, finish() opens
+            return
         if not self._path.exists():
             self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
                                         shard_rows=shard_rows, compression=compression)
@@ -233,24 +237,31 @@ class ZarrWriter:
         if existing.get("complete"):
             if overwrite:
                 return False
-            raise StoreExistsError(
-                f"ZarrWriter: a finished store already exists at {str(self._path)!r}; stores "
-                "are immutable. Open it with tif.GradientStore.open(path), choose another "
-                "path, or pass overwrite=True (e.g. store=functools.partial(tif.ZarrWriter, "
-                "path, overwrite=True)) to replace it."
-            )
+            # A re-run after a crash between the build and the user's next step: same
+            # arguments give the finished store back (its data is checked as it is skipped).
+            self._rerun = ZarrStore(self._path)
+            check_rerun(self._rerun.meta, meta, self._path)
+            return True
         check_resumable(StoreMeta.from_dict(existing), meta, self._path)
         return True
 
     @property
     def rows_written(self) -> int:
-        """Rows stored so far, including those of a resumed build."""
+        """Rows stored so far, including those of a resumed build (or a finished one)."""
+        if self._rerun is not None:
+            return self._rerun.n_train
         return self._committed + self._filled
 
     def append(self, rows: Tensor, norms: Tensor) -> None:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.append: the store is already finished.")
+        if self._rerun is not None:
+            raise StoreExistsError(
+                f"build_store: the finished store at {str(self._path)!r} holds "
+                f"{self._rerun.n_train} rows but the data has more: it is not the data the "
+                "store was built from. Pass overwrite=True to rebuild it, or use another path."
+            )
         rows = as_tensor(rows, caller="ZarrWriter.append")  # any __dlpack__ array
         norms = as_tensor(norms, caller="ZarrWriter.append")
         check_block(self._meta, rows, norms, caller="ZarrWriter.append")
@@ -270,6 +281,9 @@ class ZarrWriter:
         """Write the last (partial) shard, mark the store complete and reopen it read-only."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.finish: the store is already finished.")
+        if self._rerun is not None:
+            self._finished = True
+            return self._rerun
         self._flush()
         self._finished = True
         # Sealed (files fsync'ed, manifest and metadata checksum) in the same write that

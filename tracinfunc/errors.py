@@ -27,6 +27,7 @@ __all__ = [
     "RowRangeError",
     "StageMismatchError",
     "StoreExistsError",
+    "StoreLockedError",
     "StoreNotFoundError",
     "TracInFuncError",
     "TrainModeError",
@@ -68,6 +69,10 @@ class ReadOnlyStoreError(TracInFuncError, PermissionError):
 
 class StoreExistsError(TracInFuncError, FileExistsError):
     """A finished store already exists where a new one was to be written."""
+
+
+class StoreLockedError(TracInFuncError, RuntimeError):
+    """Another writer (another build) is writing to the same store path right now."""
 
 
 class IncompleteStoreError(TracInFuncError, RuntimeError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,8 @@ class FileGuard:
     """
 
     def __init__(self, root: Path, files: dict[str, list] | None) -> None:
+        for name in files or {}:
+            _check_inside(root, name)
         self._root, self._files = root, files
         self._checked: set[str] = set()
         self._lock = threading.Lock()
@@ -172,3 +175,16 @@ class FileGuard:
                 "copy."
             )
 
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_inside(root: Path, name: object) -> None:
+    """Manifest names are relative paths of plain parts: never absolute, never ``..``."""
+    parts = name.split("/") if isinstance(name, str) else [".."]
+    if not all(_NAME.fullmatch(part) and part not in (".", "..") for part in parts):
+        raise CorruptStoreError(
+            f"ZarrStore: the metadata of {str(root)!r} lists the file {name!r}, which is not a "
+            "plain path inside the store (it would point outside); the metadata was edited. "
+            "Rebuild the store or restore it from a copy."
+        )

@@ -63,6 +63,7 @@ from tracinfunc.store._zarr_layout import (
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.integrity import FileGuard, seal, sync_files
+from tracinfunc.store.lock import WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
@@ -204,10 +205,12 @@ class ZarrWriter:
                  compression: str | None = None, overwrite: bool = False) -> None:
         self._path = Path(path)
         self._finished = False
+        self._lock = WriterLock(self._path, caller="ZarrWriter")  # before looking at the path
         self._rerun: ZarrStore | None = None  # a finished store this call would make again
         if self._path.exists() and not self._resumable(meta, overwrite):
             shutil.rmtree(self._path)
         if self._rerun is not None:  # nothing to write: rows_written == n_train, finish() opens
+            self._lock.release()
             return
         if not self._path.exists():
             self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
@@ -292,6 +295,7 @@ class ZarrWriter:
             n_train=self._committed, complete=True
         ).to_dict())
         sync_files([self._path / "zarr.json", self._path])
+        self._lock.release()
         return ZarrStore(self._path)
 
     def _flush(self) -> None:
@@ -299,6 +303,7 @@ class ZarrWriter:
         n = self._filled
         if n == 0:
             return
+        self._lock.check(caller="ZarrWriter")
         start, stop = self._committed, self._committed + n
         for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
             rows.resize((stop, self._meta.k))

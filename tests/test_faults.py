@@ -154,3 +154,56 @@ def test_rerunning_with_other_arguments_is_refused_naming_the_difference(mlp_set
         tif.build_store(loss, ckpts, _batches(x[:30], y[:30]), projection=projection,
                         store=_tiny(path))
     tif.verify_store(tif.open_store(path), progress=False)  # refusals changed nothing
+
+
+def _fail_writes_after(monkeypatch, n_writes: int) -> list[str]:
+    """Make zarr's local store raise ENOSPC from its ``n_writes``-th chunk write on."""
+    import errno
+
+    from zarr.storage import LocalStore
+
+    original, seen = LocalStore._set, []
+
+    async def failing(self, key, value, exclusive=False):
+        if "/c/" in key:
+            seen.append(key)
+            if len(seen) >= n_writes:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return await original(self, key, value, exclusive=exclusive)
+
+    monkeypatch.setattr(LocalStore, "_set", failing)
+    return seen
+
+
+def test_disk_full_stops_with_path_and_rows_then_resumes_bit_identically(
+        mlp_setup32, tmp_path, monkeypatch):
+    loss, ckpts, train, _ = mlp_setup32
+    projection = tif.Projection(dim=16, seed=0)
+    reference = tif.build_store(loss, ckpts, _batches(*train), projection=projection)
+    path = tmp_path / "g.zarr"
+    with monkeypatch.context() as patch:
+        _fail_writes_after(patch, 3 * 2 * 2 + 1)  # 3 ckpts x (rows, norms) x 2 shards, then full
+        with pytest.raises(tif.StoreWriteError) as caught:
+            tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                            store=_tiny(path))
+    message = str(caught.value)
+    assert "No space left" in message and str(path) in message and "16 rows" in message
+    assert "resume" in message
+    with pytest.raises(tif.IncompleteStoreError, match="16 rows"):
+        tif.open_store(path)
+    resumed = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                              store=_tiny(path))
+    assert torch.equal(rows_of(resumed), rows_of(reference))
+    tif.verify_store(resumed, progress=False)
+
+
+def test_disk_full_during_save_store_keeps_the_old_store(tmp_path, monkeypatch):
+    source = memory_store()
+    path = tmp_path / "g.zarr"
+    store = tif.save_store(source, path, progress=False, **LAYOUTS["raw-sharded"])
+    with monkeypatch.context() as patch:
+        _fail_writes_after(patch, 2)
+        with pytest.raises(tif.StoreWriteError, match="No space left"):
+            tif.save_store(store, path, overwrite=True, progress=False)
+    assert torch.equal(rows_of(tif.open_store(path)), rows_of(source))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr"]

@@ -29,6 +29,7 @@ __all__ = [
     "StoreExistsError",
     "StoreLockedError",
     "StoreNotFoundError",
+    "StoreWriteError",
     "TracInFuncError",
     "TrainModeError",
     "UnsupportedPrecisionError",
@@ -69,6 +70,10 @@ class ReadOnlyStoreError(TracInFuncError, PermissionError):
 
 class StoreExistsError(TracInFuncError, FileExistsError):
     """A finished store already exists where a new one was to be written."""
+
+
+class StoreWriteError(TracInFuncError, OSError):
+    """Writing a store failed (disk full, I/O error); what was stored before is kept."""
 
 
 class StoreLockedError(TracInFuncError, RuntimeError):

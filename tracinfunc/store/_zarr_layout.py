@@ -7,6 +7,8 @@ the file count low; compression gains ~7% on projected gradients (Gaussian-like 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +21,15 @@ from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
     StoreExistsError,
+    StoreWriteError,
+    TracInFuncError,
 )
 from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
 
 __all__ = ["ATTRS_KEY", "check_rerun", "check_resumable", "chunk_files", "create_layout",
            "norms_numpy", "open_group", "read_meta", "rows_dtype", "sealed_files", "to_numpy",
-           "writable_arrays"]
+           "writable_arrays", "write_errors"]
 
 ATTRS_KEY = "tracinfunc"
 CHUNK_BYTES = 4 * 2**20
@@ -114,6 +118,23 @@ def chunk_files(array: zarr.Array, start: int, stop: int) -> list[Path]:
     return [root / array.metadata.encode_chunk_key((i, *tail))
             for i in range(start // rows_per_file, (stop - 1) // rows_per_file + 1)
             ] if stop > start else []
+
+
+@contextmanager
+def write_errors(path: Path, rows_stored: int) -> Iterator[None]:
+    """Turn an OSError while writing (disk full, I/O error) into one that says what to do."""
+    try:
+        yield
+    except TracInFuncError:
+        raise
+    except OSError as error:
+        raise StoreWriteError(
+            error.errno,
+            f"ZarrWriter: writing to {str(path)!r} failed ({error.strerror or error}); the "
+            f"first {rows_stored} rows are safely stored and the rest will be redone. Free "
+            "space (or fix the device), then resume: call build_store again with the same "
+            "arguments and store=path ('tracinfunc build ... --resume').",
+        ) from error
 
 
 def open_group(path: Path, *, mode: str, caller: str) -> zarr.Group:

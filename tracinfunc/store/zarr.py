@@ -60,6 +60,7 @@ from tracinfunc.store._zarr_layout import (
     sealed_files,
     to_numpy,
     writable_arrays,
+    write_errors,
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.integrity import FileGuard, seal, sync_files
@@ -291,10 +292,11 @@ class ZarrWriter:
         self._finished = True
         # Sealed (files fsync'ed, manifest and metadata checksum) in the same write that
         # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
-        self._group.attrs[ATTRS_KEY] = seal(self._path, self._meta.replace(
-            n_train=self._committed, complete=True
-        ).to_dict())
-        sync_files([self._path / "zarr.json", self._path])
+        with write_errors(self._path, rows_stored=self._committed):
+            self._group.attrs[ATTRS_KEY] = seal(self._path, self._meta.replace(
+                n_train=self._committed, complete=True
+            ).to_dict())
+            sync_files([self._path / "zarr.json", self._path])
         self._lock.release()
         return ZarrStore(self._path)
 
@@ -305,15 +307,16 @@ class ZarrWriter:
             return
         self._lock.check(caller="ZarrWriter")
         start, stop = self._committed, self._committed + n
-        for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
-            rows.resize((stop, self._meta.k))
-            norms.resize((stop,))
-            rows[start:stop] = to_numpy(self._pending[c, :n])
-            norms[start:stop] = self._pending_norms[c, :n].numpy()
-        # On disk before they are counted: else a power loss leaves counted empty shards.
-        sync_files([f for a in self._rows + self._norms for f in chunk_files(a, start, stop)])
-        # Only now is the shard counted: a crash before this line redoes it on resume.
-        self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
+        with write_errors(self._path, rows_stored=start):
+            for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
+                rows.resize((stop, self._meta.k))
+                norms.resize((stop,))
+                rows[start:stop] = to_numpy(self._pending[c, :n])
+                norms[start:stop] = self._pending_norms[c, :n].numpy()
+            # On disk before they are counted: else a power loss leaves counted empty shards.
+            sync_files([f for a in self._rows + self._norms for f in chunk_files(a, start, stop)])
+            # Only now is the shard counted: a crash before this line redoes it on resume.
+            self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
 
 

@@ -153,18 +153,20 @@ class StoreMeta:
         return cls(
             projection=Projection.from_dict(data["projection"]),
             checkpoints=tuple(
-                CheckpointMeta(c["name"], _stored_lr(c["lr"]), c["fingerprint"])
+                CheckpointMeta(_stored_str(c["name"], "checkpoint name"), _stored_lr(c["lr"]),
+                               _stored_str(c["fingerprint"], "checkpoint fingerprint"))
                 for c in data["checkpoints"]
             ),
             layout=tuple((name, tuple(shape)) for name, shape in data["layout"]),
             n_train=_stored_int(data["n_train"], "n_train", minimum=0),
             k=_stored_int(data["k"], "k", minimum=1),
-            dtype=data["dtype"],
+            dtype=_stored_str(data["dtype"], "dtype"),
             complete=_stored_bool(data["complete"], "complete"),
-            library_version=data.get("library_version", ""),
+            library_version=_stored_str(data.get("library_version", ""), "library_version"),
             format_version=_stored_int(data.get("format_version", FORMAT_VERSION),
                                        "format_version", minimum=1),
-            dataset_fingerprint=data.get("dataset_fingerprint"),
+            dataset_fingerprint=_stored_str(data.get("dataset_fingerprint"),
+                                            "dataset_fingerprint", optional=True),
             extra=dict(data.get("extra", {})),
         )
 
@@ -174,6 +176,12 @@ def _stored_int(value: Any, what: str, *, minimum: int) -> int:
         raise InvalidArgumentError(
             f"StoreMeta.from_dict: {what} must be an integer >= {minimum}, got {value!r}."
         )
+    return value
+
+
+def _stored_str(value: Any, what: str, *, optional: bool = False) -> str | None:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise InvalidTypeError(f"StoreMeta.from_dict: {what} must be a string, got {value!r}.")
     return value
 
 

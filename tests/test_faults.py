@@ -207,3 +207,53 @@ def test_disk_full_during_save_store_keeps_the_old_store(tmp_path, monkeypatch):
             tif.save_store(store, path, overwrite=True, progress=False)
     assert torch.equal(rows_of(tif.open_store(path)), rows_of(source))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.zarr"]
+
+
+def _interrupted(loss, ckpts, batches, projection, path, *, after: int) -> None:
+    """A build whose data fails after ``after`` batches (as a SIGKILL would stop it)."""
+
+    def dying():
+        yield from batches[:after]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tif.build_store(loss, ckpts, dying(), projection=projection, store=_tiny(path))
+
+
+@pytest.mark.parametrize("change", ["data", "order", "mixed_precision"])
+def test_resuming_with_other_data_or_precision_is_refused(mlp_setup32, tmp_path, change):
+    loss, ckpts, train, _ = mlp_setup32
+    projection, path = tif.Projection(dim=16, seed=0), tmp_path / "g.zarr"
+    batches = _batches(*train)
+    _interrupted(loss, ckpts, batches, projection, path, after=4)
+    assert tif.read_store_meta(path).n_train == 24
+    x, y = train
+    options = {}
+    if change == "data":
+        batches = _batches(x + 1, y)
+    elif change == "order":
+        batches = _batches(x.flip(0), y.flip(0))
+    else:
+        options = {"mixed_precision": torch.bfloat16}
+    with pytest.raises(tif.IncompatibleGradientsError, match="does not match the store"):
+        tif.build_store(loss, ckpts, batches, projection=projection, store=_tiny(path),
+                        **options)
+    assert tif.read_store_meta(path).n_train == 24  # nothing merged
+    resumed = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                              store=_tiny(path))
+    reference = tif.build_store(loss, ckpts, _batches(*train), projection=projection)
+    assert torch.equal(rows_of(resumed), rows_of(reference))
+    with pytest.raises(tif.IncompatibleGradientsError, match="does not match the store"):
+        tif.build_store(loss, ckpts, _batches(x + 1, y), projection=projection,
+                        store=_tiny(path))  # a re-run of a finished build checks data too
+
+
+def test_a_shuffling_dataloader_is_refused(mlp_setup32):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loss, ckpts, train, _ = mlp_setup32
+    loader = DataLoader(TensorDataset(*train), batch_size=8, shuffle=True)
+    with pytest.raises(tif.InvalidArgumentError, match="shuffle=True.*shuffle=False"):
+        tif.build_store(loss, ckpts, loader, projection=tif.Projection(dim=16, seed=0))
+    ordered = DataLoader(TensorDataset(*train), batch_size=8, shuffle=False)
+    assert tif.build_store(loss, ckpts, ordered, projection=tif.Projection(dim=16)).n_train == 40

@@ -30,6 +30,7 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.resume import check_same_data
 from tracinfunc.store.writer import StoreWriter
 
 __all__ = ["checkpoint_list", "fill_store", "new_store_meta"]
@@ -119,6 +120,8 @@ def fill_store(
         bar.update(resume_at)
         for size, batch in batches:
             seen += size
+            if resume_at and seen == size and size:  # the data's first batch, stored before
+                check_same_data(writer, rows_of(batch)[:, :resume_at], meta, caller=caller)
             if size == 0 or seen <= resume_at:  # stored before the interruption: skip
                 continue
             if not checked:

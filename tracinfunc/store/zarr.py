@@ -256,6 +256,14 @@ class ZarrWriter:
             return self._rerun.n_train
         return self._committed + self._filled
 
+    def read_back(self, start: int, stop: int) -> Tensor:
+        """Stored rows ``[n_ckpt, stop - start, k]`` (a resume checks its data against them)."""
+        if self._rerun is not None:
+            return torch.stack([self._rerun.read_rows(c, start, stop)
+                                for c in range(self._rerun.n_ckpt)])
+        return torch.stack([_from_numpy(a[start:stop], self._meta.torch_dtype)
+                            for a in self._rows])
+
     def append(self, rows: Tensor, norms: Tensor) -> None:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:

@@ -257,3 +257,28 @@ def test_a_shuffling_dataloader_is_refused(mlp_setup32):
         tif.build_store(loss, ckpts, loader, projection=tif.Projection(dim=16, seed=0))
     ordered = DataLoader(TensorDataset(*train), batch_size=8, shuffle=False)
     assert tif.build_store(loss, ckpts, ordered, projection=tif.Projection(dim=16)).n_train == 40
+
+
+def test_ctrl_c_during_a_cli_build_says_how_to_resume_and_resume_is_bit_identical(
+        tmp_path, monkeypatch):
+    spec = str(Path(__file__).resolve().parent / "data" / "tiny_spec.py") + ":make"
+    args = ["build", "--spec", spec, "--projection", "rademacher:32:7", "--batch-size", "10",
+            "--quiet"]
+    assert run_cli(*args, "--out", "straight.zarr", cwd=tmp_path)[0] == 0
+    original, calls = tif.ZarrWriter.append, []
+
+    def interrupted(self, rows, norms):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what SIGINT raises in the main thread
+        return original(self, rows, norms)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tif.ZarrWriter, "append", interrupted)
+        code, stderr = run_cli(*args, "--out", "g.zarr", cwd=tmp_path)
+    assert code == 130 and len(stderr.strip().splitlines()) == 1
+    assert "--resume" in stderr and "g.zarr" in stderr
+    code, stderr = run_cli(*args, "--out", "g.zarr", "--resume", cwd=tmp_path)
+    assert code == 0, stderr
+    assert torch.equal(rows_of(tif.open_store(tmp_path / "g.zarr")),
+                       rows_of(tif.open_store(tmp_path / "straight.zarr")))

@@ -37,7 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print("tracinfunc: interrupted", file=sys.stderr)
+        resume = (f"; the rows stored so far are kept: run the same command with --resume to "
+                  f"continue building {str(args.out)!r}") if args.run is _build else ""
+        print(f"tracinfunc: interrupted{resume}", file=sys.stderr)
         return 130
     except Exception as error:
         if args.debug:

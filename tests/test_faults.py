@@ -282,3 +282,18 @@ def test_ctrl_c_during_a_cli_build_says_how_to_resume_and_resume_is_bit_identica
     assert code == 0, stderr
     assert torch.equal(rows_of(tif.open_store(tmp_path / "g.zarr")),
                        rows_of(tif.open_store(tmp_path / "straight.zarr")))
+
+
+def test_a_build_that_failed_before_storing_anything_does_not_block_the_next(
+        mlp_setup32, tmp_path):
+    loss, ckpts, train, _ = mlp_setup32
+    path = tmp_path / "g.zarr"
+
+    def broken(params, batch):
+        raise ValueError("bug in my loss")
+
+    with pytest.raises(tif.TracInFuncError):
+        tif.build_store(broken, ckpts, train, projection=tif.Projection(dim=16), store=path)
+    # the fixed call differs (another projection, say): a 0-row leftover is simply replaced
+    store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=8), store=path)
+    assert store.n_train == 40 and store.k == 8

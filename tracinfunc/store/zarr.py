@@ -246,6 +246,8 @@ class ZarrWriter:
             self._rerun = ZarrStore(self._path)
             check_rerun(self._rerun.meta, meta, self._path)
             return True
+        if existing.get("n_train") == 0:  # a build that failed before storing a row: replace
+            return False
         check_resumable(StoreMeta.from_dict(existing), meta, self._path)
         return True
 

@@ -297,3 +297,30 @@ def test_a_build_that_failed_before_storing_anything_does_not_block_the_next(
     # the fixed call differs (another projection, say): a 0-row leftover is simply replaced
     store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=8), store=path)
     assert store.n_train == 40 and store.k == 8
+
+
+@pytest.mark.parametrize("suffix", [".json", ".npy", ".zarr"])
+def test_disk_full_while_writing_cli_results_names_the_file_and_keeps_the_old(
+        store_dir, monkeypatch, suffix):
+    import errno
+
+    output = f"si{suffix}"
+    assert run_cli("self-influence", "g.zarr", "--output", output, cwd=store_dir)[0] == 0
+    before = sorted((p.relative_to(store_dir), p.read_bytes()) for p in
+                    [store_dir / output, *(store_dir / output).rglob("*")] if p.is_file())
+
+    def full(path, *args):  # the device fills up after half the bytes are written
+        path.mkdir() if suffix == ".zarr" else path.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        for name in ("_write_json", "_write_npy", "_write_zarr"):
+            patch.setattr(f"tracinfunc.cli.results.{name}", full)
+        code, stderr = run_cli("self-influence", "g.zarr", "--output", output, "--overwrite",
+                               cwd=store_dir)
+    assert code == 1 and "No space left" in stderr and output in stderr, stderr
+    assert "unchanged" in stderr and len(stderr.strip().splitlines()) == 1
+    after = sorted((p.relative_to(store_dir), p.read_bytes()) for p in
+                   [store_dir / output, *(store_dir / output).rglob("*")] if p.is_file())
+    assert after == before
+    assert sorted(p.name for p in store_dir.iterdir()) == ["g.zarr", output]

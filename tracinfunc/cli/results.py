@@ -92,6 +92,12 @@ def write_results(path: Path, arrays: dict[str, Tensor], *, columns: str) -> Non
         if path.is_dir():  # os.replace cannot replace a directory: move the old one aside
             os.rename(path, tmp.parent / "replaced")
         os.replace(tmp, path)
+    except OSError as error:  # disk full, quota, I/O error: nothing half-written is left
+        raise OutputPathError(
+            f"writing results to {str(path)!r} failed ({error.strerror or error}); "
+            f"{'the previous file is unchanged; ' if path.exists() else ''}free space or "
+            "choose another output path and run the command again."
+        ) from error
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 

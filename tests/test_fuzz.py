@@ -90,3 +90,20 @@ def test_checkpoint_lr_is_a_finite_positive_number_or_refused(lr):
         assert not valid and "lr must be" in str(error) and "e.g. lr=0.1" in str(error)
         return
     assert valid and checkpoint.lr == float(lr)
+
+
+@SETTINGS
+@given(kind=st.sampled_from(["memory", "pinned", "zarr"]),
+       bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+       ckpt=st.integers(0, 2), row=st.integers(0, 4), where=st.sampled_from(["rows", "norms"]))
+def test_writers_refuse_non_finite_rows(tmp_path_factory, kind, bad, ckpt, row, where):
+    meta = STORE.meta.replace(n_train=0, complete=False)
+    rows = ROWS[:, :5].clone()
+    norms = rows.norm(dim=-1)
+    (rows if where == "rows" else norms)[ckpt, row] = bad
+    writers = {"memory": lambda: tif.MemoryWriter(meta),
+               "pinned": lambda: tif.PinnedWriter(meta, n_train=5),
+               "zarr": lambda: tif.ZarrWriter(tmp_path_factory.mktemp("w") / "g.zarr", meta)}
+    writer = writers[kind]()
+    with pytest.raises(tif.NonFiniteGradientError, match=f"checkpoint index {ckpt}, row {row}"):
+        writer.append(rows, norms)

@@ -324,3 +324,15 @@ def test_disk_full_while_writing_cli_results_names_the_file_and_keeps_the_old(
                    [store_dir / output, *(store_dir / output).rglob("*")] if p.is_file())
     assert after == before
     assert sorted(p.name for p in store_dir.iterdir()) == ["g.zarr", output]
+
+
+def test_top_k_into_npy_is_refused_before_any_scoring(store_dir, monkeypatch):
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scored before checking the output format")
+
+    monkeypatch.setattr(tif, "top_k", no_scoring)
+    monkeypatch.setattr(tif, "open_store", no_scoring)
+    code, stderr = run_cli("score", "g.zarr", "--test-store", "g.zarr", "--top-k", "3",
+                           "--output", "top.npy", cwd=store_dir)
+    assert code == 1 and ".npy file holds one array" in stderr, stderr
+    assert not (store_dir / "top.npy").exists()

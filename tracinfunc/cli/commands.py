@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 import tracinfunc as tif
-from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
+from tracinfunc.cli.results import (
+    check_output_path,
+    check_result_format,
+    check_writable_directory,
+    write_results,
+)
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 
 __all__ = ["main"]
@@ -297,6 +302,7 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="score")
+    check_result_format(args.output, 1 if args.top_k is None else 2, caller="score")
     store = tif.open_store(str(args.store))
     test = _test_gradients(args, store)
     if args.top_k is not None:

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from tracinfunc.errors import InvalidArgumentError, OutputPathError
 
-__all__ = ["RESULT_SUFFIXES", "check_output_path", "check_writable_directory", "write_results"]
+__all__ = ["RESULT_SUFFIXES", "check_output_path", "check_result_format",
+           "check_writable_directory", "write_results"]
 
 RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
 RESULTS_MARK = "tracinfunc_results"
@@ -34,6 +35,15 @@ def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
     if path.is_dir():
         _check_replaceable_directory(path, caller=caller)
     check_writable_directory(path.resolve().parent, caller=caller, what="output directory")
+
+
+def check_result_format(path: Path, n_arrays: int, *, caller: str) -> None:
+    """Fail before any work if the output format cannot hold ``n_arrays`` arrays (.npy: one)."""
+    if path.suffix == ".npy" and n_arrays != 1:
+        raise InvalidArgumentError(
+            f"{caller}: a .npy file holds one array but --top-k gives {n_arrays} (values and "
+            "indices); use .json, .csv or .zarr for top-k results."
+        )
 
 
 def _check_replaceable_directory(path: Path, *, caller: str) -> None:

@@ -336,3 +336,8 @@ def test_top_k_into_npy_is_refused_before_any_scoring(store_dir, monkeypatch):
                            "--output", "top.npy", cwd=store_dir)
     assert code == 1 and ".npy file holds one array" in stderr, stderr
     assert not (store_dir / "top.npy").exists()
+
+
+def test_a_store_in_an_unwritable_directory_is_refused_clearly():
+    with pytest.raises(tif.StoreWriteError, match="'/proc'.*writable directory"):
+        tif.save_store(memory_store(), "/proc/g.zarr", progress=False)  # /proc refuses root too

@@ -18,7 +18,7 @@ import os
 import weakref
 from pathlib import Path
 
-from tracinfunc.errors import StoreLockedError
+from tracinfunc.errors import StoreLockedError, StoreWriteError
 
 __all__ = ["WriterLock"]
 
@@ -78,9 +78,16 @@ class WriterLock:
 
 def _acquire(lock_file: Path, path: Path, *, caller: str) -> int:
     """Open and flock ``lock_file``; retry when a releasing writer unlinked it meanwhile."""
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(100):
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            lock_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise StoreWriteError(
+                error.errno,
+                f"{caller}: cannot write to {str(path.parent)!r} ({error.strerror}); the store "
+                f"{path.name!r} needs a writable directory: choose another path.",
+            ) from error
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

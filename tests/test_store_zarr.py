@@ -279,9 +279,10 @@ def test_resume_after_sigkill_equals_an_uninterrupted_build(mlp_setup32, tmp_pat
 
     resumed = tif.build_store(counting_loss, ckpts, batches(x, y), projection=PROJ,
                               store=tiny(path))
-    # Batches 0-4 (rows 0-29) were skipped; batch 5 (rows 30-35, straddling the resume
-    # point 32) and batch 6 were differentiated: 1 loss check + 2 batches x 3 checkpoints.
-    assert len(calls) == 1 + 2 * 3
+    # Batch 0 was recomputed to check the data against the stored rows, batches 1-4 (rows
+    # 6-29) were skipped; batch 5 (rows 30-35, straddling the resume point 32) and batch 6
+    # were differentiated: 1 loss check + 3 batches x 3 checkpoints.
+    assert len(calls) == 1 + 3 * 3
     uninterrupted = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ,
                                     store=tiny(tmp_path / "whole.zarr"))
     assert resumed.meta == uninterrupted.meta and resumed.meta.complete
@@ -291,10 +292,11 @@ def test_resume_after_sigkill_equals_an_uninterrupted_build(mlp_setup32, tmp_pat
 
 def test_resume_with_less_data_than_stored_is_refused(mlp_setup32, tmp_path):
     loss, ckpts, train, _ = mlp_setup32
-    meta = tif.build_store(loss, ckpts, train, projection=PROJ).meta
-    writer = tif.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
+    full = tif.build_store(loss, ckpts, train, projection=PROJ)
+    writer = tif.ZarrWriter(tmp_path / "i.zarr", full.meta.replace(n_train=0, complete=False),
                             chunk_rows=4, shard_rows=8)
-    writer.append(torch.zeros(3, 17, 16), torch.zeros(3, 17))
+    # The real rows: a resume first checks that the data gives the rows stored for it.
+    writer.append(all_rows(full)[:, :17], all_norms(full)[:, :17])
     with pytest.raises(tif.EmptyDataError, match="already holds 16 rows but data has only 5"):
         tif.build_store(loss, ckpts, (train[0][:5], train[1][:5]), projection=PROJ,
                         store=tmp_path / "i.zarr")

@@ -105,14 +105,21 @@ def test_trainer_callback_records_checkpoints_lrs_and_optimizer_state(tmp_path):
                       callbacks=[tif.trainer_callback(record)])
     trainer.train()
 
-    checkpoints = tif.load_recorded_checkpoints(record, model)
-    assert [c.name for c in checkpoints] == ["checkpoint-2", "checkpoint-4"]
-    # Linear decay from 1e-2 to 0 over 4 steps; the lr in force after step s.
-    assert [c.lr for c in checkpoints] == pytest.approx([1e-2 * 2 / 4, 0.0], abs=1e-12)
+    # Linear decay from 1e-2 to 0 over 4 steps; the lr in force after step s. The last
+    # checkpoint (lr 0) weighs nothing in TracIn and is left out, with a warning.
+    manifest = json.loads((record / "manifest.json").read_text())["checkpoints"]
+    assert [e["name"] for e in manifest] == ["checkpoint-2", "checkpoint-4"]
+    assert [e["lr"] for e in manifest] == pytest.approx([1e-2 * 2 / 4, 0.0], abs=1e-12)
+    with pytest.warns(RuntimeWarning, match=r"\['checkpoint-4'\] were recorded at lr 0"):
+        checkpoints = tif.load_recorded_checkpoints(record, model)
+    assert [c.name for c in checkpoints] == ["checkpoint-2"]
+    assert checkpoints[0].lr == pytest.approx(1e-2 * 2 / 4, abs=1e-12)
+    final = tif.Checkpoint.load(record / manifest[-1]["weights"], model, lr=1.0)
     for name, value in model.named_parameters():
-        assert torch.equal(checkpoints[-1].params[name], value.detach())
+        assert torch.equal(final.params[name], value.detach())
     # The Trainer's own optimizer.pt, read in the Trainer's parameter order, matches.
-    ours = tif.load_recorded_preconditioners(record, model)[0]
+    with pytest.warns(RuntimeWarning, match="lr 0"):
+        ours = tif.load_recorded_preconditioners(record, model)[0]
     theirs = tif.Preconditioner.load(tmp_path / "hf" / "checkpoint-2" / "optimizer.pt",
                                      tif.trainer_param_names(model))
     assert ours.names == theirs.names

@@ -120,6 +120,7 @@ def build_store(
         StoreExistsError: a finished store already exists at the ``store`` path.
     """
     checkpoints = _check_checkpoints(checkpoints)
+    _check_ordered(data)
     if not isinstance(projection, Projection):
         raise InvalidTypeError(
             "build_store: projection must be a tracinfunc.Projection, got "
@@ -168,6 +169,19 @@ def build_store(
         writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,
         check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
         progress=progress, total=_known_size(data), caller="build_store")
+
+
+def _check_ordered(data: object) -> None:
+    """Refuse a shuffling DataLoader: row i of a store must be example i of the dataset."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    sampler = getattr(data, "sampler", None) if isinstance(data, DataLoader) else None
+    if isinstance(sampler, RandomSampler):
+        raise InvalidArgumentError(
+            "build_store: data is a DataLoader with shuffle=True, so row i of the store would "
+            "not be example i of the dataset (and a resumed build would store duplicates and "
+            "miss examples); pass DataLoader(dataset, batch_size=..., shuffle=False)."
+        )
 
 
 def _known_size(data: Batch | Iterable[Batch]) -> int | None:

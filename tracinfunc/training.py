@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -236,13 +237,25 @@ def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *
 
 
 def _entries(directory: Path, *, caller: str) -> list[dict[str, Any]]:
+    """The manifest's checkpoints that weigh in TracIn: those recorded at lr 0 (the end of a
+    linearly decaying schedule) add nothing to any score and are left out, with a warning."""
     entries = _read_manifest(directory)
     if not entries:
         raise InvalidArgumentError(
             f"{caller}: no {MANIFEST} with checkpoints in {str(directory)!r}; record them "
             "with CheckpointRecorder or trainer_callback first."
         )
-    return entries
+    idle = [entry["name"] for entry in entries if entry["lr"] == 0]
+    if idle:
+        warnings.warn(f"{caller}: {idle} were recorded at lr 0 and add nothing to TracIn "
+                      "scores; they are left out.", RuntimeWarning, stacklevel=3)
+    kept = [entry for entry in entries if entry["lr"] != 0]
+    if not kept:
+        raise InvalidArgumentError(
+            f"{caller}: every checkpoint in {str(directory)!r} was recorded at lr 0, so TracIn "
+            "weighs none of them; record checkpoints while the learning rate is positive."
+        )
+    return kept
 
 
 def _read_manifest(directory: Path) -> list[dict[str, Any]]:

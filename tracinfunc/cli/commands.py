@@ -22,7 +22,12 @@ import torch
 
 import tracinfunc as tif
 from tracinfunc.cli.evaluate import add_evaluate_command
-from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
+from tracinfunc.cli.results import (
+    check_output_path,
+    check_result_format,
+    check_writable_directory,
+    write_results,
+)
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 
 __all__ = ["main"]
@@ -38,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print("tracinfunc: interrupted", file=sys.stderr)
+        resume = (f"; the rows stored so far are kept: run the same command with --resume to "
+                  f"continue building {str(args.out)!r}") if args.run is _build else ""
+        print(f"tracinfunc: interrupted{resume}", file=sys.stderr)
         return 130
     except Exception as error:
         if args.debug:
@@ -298,6 +305,7 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="score")
+    check_result_format(args.output, 1 if args.top_k is None else 2, caller="score")
     store = tif.open_store(str(args.store))
     test = _test_gradients(args, store)
     if args.top_k is not None:

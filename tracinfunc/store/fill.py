@@ -30,6 +30,7 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.resume import check_same_data
 from tracinfunc.store.writer import StoreWriter
 
 __all__ = ["checkpoint_list", "fill_store", "new_store_meta"]
@@ -119,6 +120,8 @@ def fill_store(
         bar.update(resume_at)
         for size, batch in batches:
             seen += size
+            if resume_at and seen == size and size:  # the data's first batch, stored before
+                check_same_data(writer, rows_of(batch)[:, :resume_at], meta, caller=caller)
             if size == 0 or seen <= resume_at:  # stored before the interruption: skip
                 continue
             if not checked:
@@ -130,8 +133,8 @@ def fill_store(
             bar.update(rows.shape[1])
     if seen < resume_at:
         raise EmptyDataError(
-            f"{caller}: the incomplete store already holds {resume_at} rows but data has "
-            f"only {seen}; resume with the same data as the interrupted build."
+            f"{caller}: the store already holds {resume_at} rows but data has only "
+            f"{seen}; resume (or re-run) with the same data as the build that wrote it."
         )
     if writer.rows_written == 0:
         raise EmptyDataError(

@@ -26,7 +26,8 @@ __all__ = [
     "layout_differences",
 ]
 
-FORMAT_VERSION = 1
+# 2: finished stores carry an integrity block (store/integrity.py); 1 had none.
+FORMAT_VERSION = 2
 
 _DTYPES = {
     "float64": torch.float64,
@@ -47,11 +48,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_lr(lr: Any, *, caller: str) -> float:
-    """A checkpoint's TracIn weight as a float: a finite number (torch and JAX checkpoints).
+    """A checkpoint's TracIn weight as a float: a finite positive number (torch and JAX).
 
     Raises:
         InvalidTypeError: not a number (``True``/``False`` included).
-        InvalidArgumentError: NaN or infinite.
+        InvalidArgumentError: NaN, infinite, zero or negative.
     """
     if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise InvalidTypeError(
@@ -60,6 +61,11 @@ def check_lr(lr: Any, *, caller: str) -> float:
         )
     if not math.isfinite(lr):
         raise InvalidArgumentError(f"{caller}: lr must be finite, got {lr}; e.g. lr=0.1.")
+    if lr <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
+        raise InvalidArgumentError(
+            f"{caller}: lr must be positive (the learning rate at this checkpoint), got {lr}; "
+            "e.g. lr=0.1."
+        )
     return float(lr)
 
 
@@ -143,25 +149,57 @@ class StoreMeta:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StoreMeta:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`; strict, since the dict may come from an edited file.
+
+        Raises:
+            InvalidArgumentError, InvalidTypeError, KeyError: a field is missing or has a
+                value no writer produces (``complete: "no"``, a negative lr, ...).
+        """
         return cls(
             projection=Projection.from_dict(data["projection"]),
             checkpoints=tuple(
-                CheckpointMeta(c["name"], float(c["lr"]), c["fingerprint"])
+                CheckpointMeta(_stored_str(c["name"], "checkpoint name"), _stored_lr(c["lr"]),
+                               _stored_str(c["fingerprint"], "checkpoint fingerprint"))
                 for c in data["checkpoints"]
             ),
             layout=tuple((name, tuple(shape)) for name, shape in data["layout"]),
-            n_train=int(data["n_train"]),
-            k=int(data["k"]),
-            dtype=data["dtype"],
-            complete=bool(data["complete"]),
-            library_version=data.get("library_version", ""),
-            format_version=int(data.get("format_version", FORMAT_VERSION)),
-            dataset_fingerprint=data.get("dataset_fingerprint"),
-            preconditioner=data.get("preconditioner"),
+            n_train=_stored_int(data["n_train"], "n_train", minimum=0),
+            k=_stored_int(data["k"], "k", minimum=1),
+            dtype=_stored_str(data["dtype"], "dtype"),
+            complete=_stored_bool(data["complete"], "complete"),
+            library_version=_stored_str(data.get("library_version", ""), "library_version"),
+            format_version=_stored_int(data.get("format_version", FORMAT_VERSION),
+                                       "format_version", minimum=1),
+            dataset_fingerprint=_stored_str(data.get("dataset_fingerprint"),
+                                            "dataset_fingerprint", optional=True),
+            preconditioner=_stored_str(data.get("preconditioner"), "preconditioner",
+                                       optional=True),
             extra=dict(data.get("extra", {})),
         )
 
+
+def _stored_int(value: Any, what: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"StoreMeta.from_dict: {what} must be an integer >= {minimum}, got {value!r}."
+        )
+    return value
+
+
+def _stored_str(value: Any, what: str, *, optional: bool = False) -> str | None:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise InvalidTypeError(f"StoreMeta.from_dict: {what} must be a string, got {value!r}.")
+    return value
+
+
+def _stored_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidTypeError(f"StoreMeta.from_dict: {what} must be true or false, got {value!r}.")
+    return value
+
+
+def _stored_lr(value: Any) -> float:
+    return check_lr(value, caller="StoreMeta.from_dict")
 
 def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
     """Raise :class:`IncompatibleGradientsError` unless ``test`` was made like ``train``.

@@ -11,11 +11,10 @@ import shutil
 from pathlib import Path
 
 import torch
-import zarr
 
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store._zarr_layout import read_meta
+from tracinfunc.store._zarr_layout import open_group, read_meta
 from tracinfunc.store.base import GradientStore, aligned_rows, register_opener
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.zarr import ZarrStore
@@ -56,7 +55,7 @@ def read_store_meta(path: str | os.PathLike[str], *, caller: str = "read_store_m
             f"{caller}: no gradient store at {str(path)!r} (no zarr.json there); build one "
             f"with tif.build_store(..., store={str(path)!r}) or 'tracinfunc build --out {path}'."
         )
-    return read_meta(zarr.open_group(path, mode="r"), path, caller=caller)
+    return read_meta(open_group(path, mode="r", caller=caller), path, caller=caller)
 
 
 def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:

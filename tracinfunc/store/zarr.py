@@ -49,16 +49,22 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store._shards import ShardReader
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
+    check_rerun,
     check_resumable,
+    chunk_files,
     create_layout,
-    missing_chunk_files,
     norms_numpy,
+    open_group,
     read_meta,
     rows_dtype,
+    sealed_files,
     to_numpy,
     writable_arrays,
+    write_errors,
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
+from tracinfunc.store.integrity import FileGuard, seal, sync_files
+from tracinfunc.store.lock import WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
@@ -82,7 +88,7 @@ class ZarrStore(StoreProperties):
         CorruptStoreError: a read hits a checksum mismatch or missing data.
     """
 
-    __slots__ = ("_group", "_meta", "_norms", "_path", "_readers", "_rows")
+    __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
@@ -91,7 +97,7 @@ class ZarrStore(StoreProperties):
                 f"ZarrStore: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
             )
-        group = zarr.open_group(path, mode="r")
+        group = open_group(path, mode="r", caller="ZarrStore")
         meta = read_meta(group, path, caller="ZarrStore")
         if not meta.complete:
             raise IncompleteStoreError(
@@ -99,8 +105,10 @@ class ZarrStore(StoreProperties):
                 "written): the build that wrote it was interrupted. Resume it by calling "
                 "build_store again with the same arguments and store=path, or delete it."
             )
-        rows = [group[f"rows/{c}"] for c in range(meta.n_ckpt)]
-        norms = [group[f"norms/{c}"] for c in range(meta.n_ckpt)]
+        # Array metadata as sealed before zarr parses it; shard files on their first read.
+        guard = FileGuard(path, sealed_files(group))
+        guard.check_metadata_files(caller="ZarrStore")
+        rows, norms = _arrays(group, "rows", meta, path), _arrays(group, "norms", meta, path)
         expected = [(a, (meta.n_train, meta.k), rows_dtype(meta)) for a in rows]
         expected += [(a, (meta.n_train,), norms_numpy(meta)) for a in norms]
         for array, shape, dtype in expected:
@@ -111,8 +119,8 @@ class ZarrStore(StoreProperties):
                     "damaged or was edited by hand."
                 )
         for name, value in (("_path", path), ("_group", group), ("_meta", meta),
-                            ("_rows", rows), ("_norms", norms),
-                            ("_readers", [ShardReader.for_array(a) for a in rows])):
+                            ("_rows", rows), ("_norms", norms), ("_guard", guard),
+                            ("_readers", [ShardReader.for_array(a, guard=guard) for a in rows])):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -151,7 +159,7 @@ class ZarrStore(StoreProperties):
             if reader is not None and target.is_contiguous():
                 reader.read_into(start, stop, _bytes_of(target))
             else:
-                _require_chunk_files(self._rows[ckpt], start, stop)
+                _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
                 target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
@@ -160,7 +168,7 @@ class ZarrStore(StoreProperties):
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
         try:
-            _require_chunk_files(self._norms[ckpt], start, stop)
+            _check_chunk_files(self._guard, self._norms[ckpt], start, stop)
             values = self._norms[ckpt][start:stop]
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_norms", ckpt, start, stop, error) from error
@@ -198,8 +206,13 @@ class ZarrWriter:
                  compression: str | None = None, overwrite: bool = False) -> None:
         self._path = Path(path)
         self._finished = False
+        self._lock = WriterLock(self._path, caller="ZarrWriter")  # before looking at the path
+        self._rerun: ZarrStore | None = None  # a finished store this call would make again
         if self._path.exists() and not self._resumable(meta, overwrite):
             shutil.rmtree(self._path)
+        if self._rerun is not None:  # nothing to write: rows_written == n_train, finish() opens
+            self._lock.release()
+            return
         if not self._path.exists():
             self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
                                         shard_rows=shard_rows, compression=compression)
@@ -228,24 +241,41 @@ class ZarrWriter:
         if existing.get("complete"):
             if overwrite:
                 return False
-            raise StoreExistsError(
-                f"ZarrWriter: a finished store already exists at {str(self._path)!r}; stores "
-                "are immutable. Open it with tif.GradientStore.open(path), choose another "
-                "path, or pass overwrite=True (e.g. store=functools.partial(tif.ZarrWriter, "
-                "path, overwrite=True)) to replace it."
-            )
+            # A re-run after a crash between the build and the user's next step: same
+            # arguments give the finished store back (its data is checked as it is skipped).
+            self._rerun = ZarrStore(self._path)
+            check_rerun(self._rerun.meta, meta, self._path)
+            return True
+        if existing.get("n_train") == 0:  # a build that failed before storing a row: replace
+            return False
         check_resumable(StoreMeta.from_dict(existing), meta, self._path)
         return True
 
     @property
     def rows_written(self) -> int:
-        """Rows stored so far, including those of a resumed build."""
+        """Rows stored so far, including those of a resumed build (or a finished one)."""
+        if self._rerun is not None:
+            return self._rerun.n_train
         return self._committed + self._filled
+
+    def read_back(self, start: int, stop: int) -> Tensor:
+        """Stored rows ``[n_ckpt, stop - start, k]`` (a resume checks its data against them)."""
+        if self._rerun is not None:
+            return torch.stack([self._rerun.read_rows(c, start, stop)
+                                for c in range(self._rerun.n_ckpt)])
+        return torch.stack([_from_numpy(a[start:stop], self._meta.torch_dtype)
+                            for a in self._rows])
 
     def append(self, rows: Tensor, norms: Tensor) -> None:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.append: the store is already finished.")
+        if self._rerun is not None:
+            raise StoreExistsError(
+                f"build_store: the finished store at {str(self._path)!r} holds "
+                f"{self._rerun.n_train} rows but the data has more: it is not the data the "
+                "store was built from. Pass overwrite=True to rebuild it, or use another path."
+            )
         rows = as_tensor(rows, caller="ZarrWriter.append")  # any __dlpack__ array
         norms = as_tensor(norms, caller="ZarrWriter.append")
         check_block(self._meta, rows, norms, caller="ZarrWriter.append")
@@ -265,11 +295,19 @@ class ZarrWriter:
         """Write the last (partial) shard, mark the store complete and reopen it read-only."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.finish: the store is already finished.")
+        if self._rerun is not None:
+            self._finished = True
+            return self._rerun
         self._flush()
         self._finished = True
-        self._group.attrs[ATTRS_KEY] = self._meta.replace(
-            n_train=self._committed, complete=True
-        ).to_dict()
+        # Sealed (files fsync'ed, manifest and metadata checksum) in the same write that
+        # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
+        with write_errors(self._path, rows_stored=self._committed):
+            self._group.attrs[ATTRS_KEY] = seal(self._path, self._meta.replace(
+                n_train=self._committed, complete=True
+            ).to_dict())
+            sync_files([self._path / "zarr.json", self._path])
+        self._lock.release()
         return ZarrStore(self._path)
 
     def _flush(self) -> None:
@@ -277,21 +315,34 @@ class ZarrWriter:
         n = self._filled
         if n == 0:
             return
+        self._lock.check(caller="ZarrWriter")
         start, stop = self._committed, self._committed + n
-        for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
-            rows.resize((stop, self._meta.k))
-            norms.resize((stop,))
-            rows[start:stop] = to_numpy(self._pending[c, :n])
-            norms[start:stop] = self._pending_norms[c, :n].numpy()
-        # Only now is the shard counted: a crash before this line redoes it on resume.
-        self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
+        with write_errors(self._path, rows_stored=start):
+            for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
+                rows.resize((stop, self._meta.k))
+                norms.resize((stop,))
+                rows[start:stop] = to_numpy(self._pending[c, :n])
+                norms[start:stop] = self._pending_norms[c, :n].numpy()
+            # On disk before they are counted: else a power loss leaves counted empty shards.
+            sync_files([f for a in self._rows + self._norms for f in chunk_files(a, start, stop)])
+            # Only now is the shard counted: a crash before this line redoes it on resume.
+            self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
 
 
-def _require_chunk_files(array: zarr.Array, start: int, stop: int) -> None:
-    missing = missing_chunk_files(array, start, stop)
-    if missing:
-        raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
+def _check_chunk_files(guard: FileGuard, array: zarr.Array, start: int, stop: int) -> None:
+    for path in chunk_files(array, start, stop):
+        guard.check(path, caller="ZarrStore")
+
+
+def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[zarr.Array]:
+    try:
+        return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
+    except (KeyError, ValueError, TypeError) as error:
+        raise CorruptStoreError(
+            f"ZarrStore: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
+            f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."
+        ) from error
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

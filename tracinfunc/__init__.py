@@ -9,6 +9,7 @@ from tracinfunc._version import __version__
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
 from tracinfunc.cli.spec import Spec
+from tracinfunc.distributed import gather_top_k, merge_top_k
 from tracinfunc.errors import (
     CorruptStoreError,
     EmptyDataError,
@@ -62,6 +63,7 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
+from tracinfunc.store.parts import PartWriter, StorePart, commit_store
 
 __all__ = [
     "Checkpoint",
@@ -84,6 +86,7 @@ __all__ = [
     "NonFiniteGradientError",
     "OutputPathError",
     "ParameterSelectionError",
+    "PartWriter",
     "PinnedStore",
     "PinnedWriter",
     "Projection",
@@ -96,6 +99,7 @@ __all__ = [
     "StoreExistsError",
     "StoreMeta",
     "StoreNotFoundError",
+    "StorePart",
     "StoreWriter",
     "SupportsChunkAlignment",
     "SupportsRowViews",
@@ -109,10 +113,13 @@ __all__ = [
     "build_store",
     "canonical_layout",
     "chunk_size_for_budget",
+    "commit_store",
+    "gather_top_k",
     "iter_batches",
     "last_layers",
     "loss_from_module",
     "make_projector",
+    "merge_top_k",
     "model_stages",
     "open_store",
     "params_fingerprint",

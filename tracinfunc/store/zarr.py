@@ -225,6 +225,12 @@ class ZarrWriter:
                 f"ZarrWriter: {str(self._path)!r} exists and is not a tracinfunc store; "
                 "choose another path."
             ) from error
+        if "tracinfunc_parts" in self._group.attrs and not existing.get("complete"):
+            raise StoreExistsError(
+                f"ZarrWriter: {str(self._path)!r} holds a sharded build in progress; resume "
+                "its parts with build_store(..., shard=(index, count)) and seal it with "
+                "tif.commit_store(path), or choose another path."
+            )
         if existing.get("complete"):
             if overwrite:
                 return False

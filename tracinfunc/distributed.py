@@ -19,14 +19,28 @@ from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.parts import commit_store
 
-__all__ = ["commit_after_barrier", "gather_top_k", "is_distributed", "merge_top_k",
-           "rank_rows", "rank_shard"]
+__all__ = ["commit_after_barrier", "gather_top_k", "init_from_environment", "is_distributed",
+           "merge_top_k", "rank_rows", "rank_shard"]
 
 
 def is_distributed() -> bool:
     """True inside an initialised ``torch.distributed`` process group of more than one rank."""
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1)
+
+
+def init_from_environment() -> bool:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1), if not joined yet.
+
+    gloo on CPUs, nccl when CUDA is available. Returns whether a group of more than one
+    rank is initialised.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend)
+    return is_distributed()
 
 
 def rank_shard() -> tuple[int, int]:

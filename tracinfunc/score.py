@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from tracinfunc.distributed import merge_top_k
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -25,6 +26,7 @@ from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
 from tracinfunc.store.meta import StoreMeta, check_compatible
+from tracinfunc.store.rowrange import row_range
 from tracinfunc.store.stream import compute_threads, stream_rows
 
 __all__ = ["score", "score_chunks", "self_influence", "top_k"]
@@ -53,6 +55,7 @@ def score(
     progress: ProgressArg = None,
     output: str | None = None,
     like: object = None,
+    rows: tuple[int, int] | None = None,
 ) -> Tensor:
     """TracIn scores: ``sum over checkpoints c of lr_c * <test_c, train_c>``.
 
@@ -74,15 +77,20 @@ def score(
             :mod:`tracinfunc.interop`).
         like: An array whose framework the result takes (e.g. ``like=test_grads``);
             exclusive with ``output``.
+        rows: ``(start, stop)``: score only training rows ``[start, stop)`` (a worker's part
+            of the store; see :func:`tracinfunc.distributed.rank_rows`).
 
     Returns:
-        Scores ``[n_test, n_train]``, float32 (float64 for float64 gradients), on ``device``.
+        Scores ``[n_test, n_train]`` (``[n_test, stop - start]`` with ``rows``), float32
+        (float64 for float64 gradients), on ``device``.
 
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
     framework = resolve_output(output, like, caller="score")
     test_grads = tensor_if_array(test_grads, caller="score")
+    if rows is not None:
+        store = row_range(store, rows, caller="score")
     meta = store.meta
     _check_not_empty(meta, caller="score")
     device = _resolve_device(device, test_grads)
@@ -111,6 +119,7 @@ def top_k(
     progress: ProgressArg = None,
     output: str | None = None,
     like: object = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -123,14 +132,21 @@ def top_k(
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
+        rows: ``(start, stop)``: scan only training rows ``[start, stop)``; the partial
+            results of workers merge exactly with :func:`tracinfunc.merge_top_k` (or
+            :func:`tracinfunc.gather_top_k` under torchrun).
 
     Returns:
-        ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
-        store (int64).
+        ``(values, indices)``, both ``[n_test, k]``, sorted best first, equal scores by row;
+        indices are rows of the store (int64), also with ``rows``.
     """
     framework = resolve_output(output, like, caller="top_k")
     test_grads = tensor_if_array(test_grads, caller="top_k")
     _check_not_empty(store.meta, caller="top_k")
+    offset = 0
+    if rows is not None:
+        store = row_range(store, rows, caller="top_k")
+        offset = store.start
     n_train = store.meta.n_train
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
         raise InvalidArgumentError(
@@ -143,15 +159,12 @@ def top_k(
         store, test_grads, normalize=normalize, device=device, chunk_rows=chunk_rows,
         progress=progress,
     ):
-        take = min(k, block.shape[1])
-        values, indices = block.topk(take, dim=1, largest=largest, sorted=False)
-        indices = indices + start
-        if best_values is not None:
-            values = torch.cat([best_values, values], dim=1)
-            indices = torch.cat([best_indices, indices], dim=1)
-        keep = min(k, values.shape[1])
-        values, order = values.topk(keep, dim=1, largest=largest, sorted=True)
-        best_values, best_indices = values, indices.gather(1, order)
+        # A stable sort, not topk: equal scores keep row order, so any split of the rows
+        # (chunks here, workers with rows=) merges into the same result.
+        values, order = block.sort(dim=1, descending=largest, stable=True)
+        part = (values[:, :k], order[:, :k] + (start + offset))
+        parts = [part] if best_values is None else [(best_values, best_indices), part]
+        best_values, best_indices = merge_top_k(parts, k, largest=largest)
     return to_framework(best_values, framework), to_framework(best_indices, framework)
 
 
@@ -161,6 +174,7 @@ def self_influence(
     device: torch.device | str | None = None,
     output: str | None = None,
     like: object = None,
+    rows: tuple[int, int] | None = None,
 ) -> Tensor:
     """Self-influence ``sum_c lr_c * ||train_c||^2`` of every training row.
 
@@ -171,11 +185,15 @@ def self_influence(
         store: Projected training gradients.
         device: Where to compute (default: CUDA when available, else CPU).
         output, like: Framework of the result, as in :func:`score`.
+        rows: ``(start, stop)``: only training rows ``[start, stop)``.
 
     Returns:
-        ``[n_train]``, float32 (float64 for float64 stores), on ``device``.
+        ``[n_train]`` (``[stop - start]`` with ``rows``), float32 (float64 for float64
+        stores), on ``device``.
     """
     framework = resolve_output(output, like, caller="self_influence")
+    if rows is not None:
+        store = row_range(store, rows, caller="self_influence")
     meta = store.meta
     dtype = _compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)

@@ -23,6 +23,8 @@ import torch
 import tracinfunc as tif
 from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
+from tracinfunc.distributed import init_from_environment
+from tracinfunc.store.parts import check_shard
 
 __all__ = ["main"]
 
@@ -99,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
                        help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
     build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    build.add_argument("--shard", type=_shard, metavar="I/N",
+                       help="build only part I of N (0-based), e.g. one SLURM array task: "
+                            "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; then run "
+                            "'tracinfunc commit OUT' (under torchrun: rank/world size)")
     existing = build.add_mutually_exclusive_group()
     existing.add_argument("--resume", action="store_true",
                           help="continue an interrupted build at --out")
@@ -130,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     self_influence.add_argument("--output", required=True, type=Path)
     self_influence.add_argument("--overwrite", action="store_true")
     self_influence.set_defaults(run=_self_influence)
+
+    commit = commands.add_parser("commit", parents=[common],
+                                 help="seal a store built in parts (build --shard I/N)")
+    commit.add_argument("store", type=Path)
+    commit.set_defaults(run=_commit)
 
     info = commands.add_parser("info", parents=[common], help="describe a gradient store")
     info.add_argument("store", type=Path)
@@ -186,17 +197,52 @@ def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[tif.Checkpoint
 
 
 def _build(args: argparse.Namespace) -> int:
-    _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    sharded = args.shard is not None or init_from_environment()
+    if not sharded:
+        _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    elif args.overwrite:
+        raise tif.InvalidArgumentError(
+            "tracinfunc build: --overwrite cannot be used with --shard or torchrun (one part "
+            "would delete the others' rows); remove the store with 'rm -r' first."
+        )
+    try:
+        return _build_store(args, sharded)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _build_store(args: argparse.Namespace, sharded: bool) -> int:
     spec = load_spec(args.spec)
     checkpoints = _checkpoints(spec, args.checkpoints)
     store = tif.build_store(
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
-        store=_zarr_writer(args.out, replace=args.overwrite), progress=_progress(args),
-        **_gradient_options(args, spec),
+        store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
+        progress=_progress(args), shard=args.shard, **_gradient_options(args, spec),
     )
-    print(f"wrote {store}")
+    if isinstance(store, tif.StorePart):
+        print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
+              f"of {args.out}; when every part is done, run 'tracinfunc commit {args.out}'")
+    else:
+        print(f"wrote {store}")
     return 0
+
+
+def _commit(args: argparse.Namespace) -> int:
+    store = tif.commit_store(args.store)
+    print(f"committed {store}")
+    return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        return check_shard((int(index), int(count)), caller="--shard")
+    except (ValueError, tif.TracInFuncError):
+        raise argparse.ArgumentTypeError(
+            f"expected I/N with 0 <= I < N, e.g. 3/8, got {text!r}"
+        ) from None
 
 
 def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:

@@ -6,6 +6,7 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -14,7 +15,12 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc.checkpoint import Checkpoint
-from tracinfunc.distributed import commit_after_barrier, is_distributed, rank_shard
+from tracinfunc.distributed import (
+    commit_after_barrier,
+    is_distributed,
+    rank_shard,
+    rank_zero_first,
+)
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -101,8 +107,10 @@ def build_store(
             or a DataLoader over a sized dataset) and resumes on its own. Returns the
             :class:`~tracinfunc.store.parts.StorePart`; ``tif.commit_store(path)`` (or
             ``tracinfunc commit``) seals the store once every part is done. Under torchrun
-            (``torch.distributed`` initialised) the shard is ``(rank, world_size)`` unless
-            given, and rank 0 commits after a barrier: every rank returns the store.
+            (``torch.distributed`` initialised) a store at a path (or a
+            ``functools.partial`` of ``PartWriter``) is split by ``(rank, world_size)``
+            unless ``shard`` is given, and rank 0 commits after a barrier: every rank
+            returns the store. In-memory stores are built whole by every rank.
             With ``shard``, ``store`` may also be a callable ``(meta, shard) -> writer``,
             e.g. ``functools.partial(tif.PartWriter, path, shard_rows=4096)``.
 
@@ -134,14 +142,16 @@ def build_store(
         loss, projection, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
         stages=stages, offload=offload, memory_budget=memory_budget,
         compile_projection=compile_projection)
-    distributed = shard is None and is_distributed()
+    distributed = shard is None and _shardable(store) and is_distributed()
     if distributed:
         shard = rank_shard()
     stop = None
     if shard is None:
         writer = make_writer(store, meta)
     else:
-        writer = _part_writer(store, meta.replace(n_train=_sized(data)), shard)
+        sized = meta.replace(n_train=_sized(data))
+        writer = rank_zero_first(lambda: _part_writer(store, sized, shard)) if distributed \
+            else _part_writer(store, sized, shard)
         stop = writer.stop
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
@@ -157,6 +167,14 @@ def build_store(
         check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
         progress=progress, total=_known_size(data), stop=stop, caller="build_store")
     return commit_after_barrier(result.path) if distributed else result
+
+
+def _shardable(store: StoreTarget) -> bool:
+    """Whether ``store`` is on disk, so torchrun ranks split it (in-memory stores, such as
+    test gradients, are built whole by every rank)."""
+    if isinstance(store, functools.partial):
+        return store.func is PartWriter
+    return isinstance(store, str | os.PathLike) and store not in ("memory", "pinned")
 
 
 def _part_writer(store: StoreTarget, meta: StoreMeta, shard: object) -> PartWriter:

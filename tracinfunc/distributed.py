@@ -10,7 +10,8 @@ result (ties broken by the lower row index, as one scan breaks them), and
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -19,8 +20,10 @@ from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.parts import commit_store
 
+T = TypeVar("T")
+
 __all__ = ["commit_after_barrier", "gather_top_k", "init_from_environment", "is_distributed",
-           "merge_top_k", "rank_rows", "rank_shard"]
+           "merge_top_k", "rank_rows", "rank_shard", "rank_zero_first"]
 
 
 def is_distributed() -> bool:
@@ -46,6 +49,17 @@ def init_from_environment() -> bool:
 def rank_shard() -> tuple[int, int]:
     """``(rank, world_size)`` of this process."""
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def rank_zero_first(make: Callable[[], T]) -> T:
+    """``make()`` on rank 0, then (after a barrier) on the other ranks: rank 0 creates the
+    store's layout before anyone opens it."""
+    if torch.distributed.get_rank() == 0:
+        made = make()
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() != 0:
+        made = make()
+    return made
 
 
 def rank_rows(n_train: int, shard: tuple[int, int] | None = None) -> tuple[int, int]:

@@ -44,6 +44,7 @@ from tracinfunc.store._zarr_layout import (
 )
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.remote import Location, location
 from tracinfunc.store.zarr import ZarrStore
 
 __all__ = ["PARTS_KEY", "PartWriter", "StorePart", "check_shard", "commit_store",
@@ -62,7 +63,7 @@ class StorePart:
     :func:`commit_store`).
     """
 
-    path: Path
+    path: Path | str
     index: int
     count: int
     start: int
@@ -117,7 +118,7 @@ class PartWriter:
     def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, shard: tuple[int, int],
                  *, chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None) -> None:
-        self._path = Path(path)
+        self._path = location(path)
         self.index, self.count = check_shard(shard, caller="PartWriter")
         self._group = _open_or_create(self._path, meta, self.count, chunk_rows=chunk_rows,
                                       shard_rows=shard_rows, compression=compression)
@@ -196,7 +197,7 @@ class PartWriter:
                                       "rows_written": self._committed, "complete": complete}
 
 
-def _open_or_create(path: Path, meta: StoreMeta, count: int, **layout) -> zarr.Group:
+def _open_or_create(path: Location, meta: StoreMeta, count: int, **layout) -> zarr.Group:
     """The sharded store's group: created at full size by the first part, else waited for."""
     try:
         group = create_layout(path, meta, **layout)
@@ -211,7 +212,7 @@ def _open_or_create(path: Path, meta: StoreMeta, count: int, **layout) -> zarr.G
     return group
 
 
-def _wait_for_parts(path: Path, meta: StoreMeta, count: int) -> zarr.Group:
+def _wait_for_parts(path: Location, meta: StoreMeta, count: int) -> zarr.Group:
     deadline = time.monotonic() + _CREATE_WAIT_S
     while True:
         try:
@@ -273,7 +274,7 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
         StoreNotFoundError: ``path`` holds no sharded store.
     """
     group = _group(path, caller="commit_store")
-    meta = read_meta(group, Path(path), caller="commit_store")
+    meta = read_meta(group, location(path), caller="commit_store")
     if not meta.complete:
         states = read_parts(path)
         missing = [i for i, s in enumerate(states) if not (s and s.get("complete"))]
@@ -289,7 +290,7 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
 
 def _group(path: str | os.PathLike[str], *, caller: str) -> zarr.Group:
     try:
-        group = zarr.open_group(Path(path), mode="r+")
+        group = zarr.open_group(location(path), mode="r+")
         group.attrs[PARTS_KEY]["count"]
     except Exception as error:
         raise StoreNotFoundError(

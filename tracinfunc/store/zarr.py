@@ -30,7 +30,6 @@ same metadata and it continues from the last completed shard (see ``build_store`
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +61,7 @@ from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.remote import exists, location, missing_chunk_keys, remove
 
 __all__ = ["ZarrStore", "ZarrWriter"]
 
@@ -85,8 +85,8 @@ class ZarrStore(StoreProperties):
     __slots__ = ("_group", "_meta", "_norms", "_path", "_readers", "_rows")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        if not (path / "zarr.json").exists():
+        path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
+        if not exists(path, "zarr.json"):
             raise StoreNotFoundError(
                 f"ZarrStore: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
@@ -125,7 +125,8 @@ class ZarrStore(StoreProperties):
         return self._meta
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | str:
+        """The store's directory, or its URL (text) for remote stores."""
         return self._path
 
     @property
@@ -151,7 +152,7 @@ class ZarrStore(StoreProperties):
             if reader is not None and target.is_contiguous():
                 reader.read_into(start, stop, _bytes_of(target))
             else:
-                _require_chunk_files(self._rows[ckpt], start, stop)
+                self._require_chunk_files(self._rows[ckpt], start, stop)
                 target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
@@ -160,11 +161,17 @@ class ZarrStore(StoreProperties):
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
         try:
-            _require_chunk_files(self._norms[ckpt], start, stop)
+            self._require_chunk_files(self._norms[ckpt], start, stop)
             values = self._norms[ckpt][start:stop]
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_norms", ckpt, start, stop, error) from error
         return torch.from_numpy(np.ascontiguousarray(values)).to(norm_dtype(self._meta))
+
+    def _require_chunk_files(self, array: zarr.Array, start: int, stop: int) -> None:
+        missing = (missing_chunk_keys(array, start, stop) if isinstance(self._path, str)
+                   else missing_chunk_files(array, start, stop))
+        if missing:
+            raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
 
     def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
                  error: Exception) -> CorruptStoreError:
@@ -196,11 +203,11 @@ class ZarrWriter:
     def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
                  chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None, overwrite: bool = False) -> None:
-        self._path = Path(path)
+        self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
         self._finished = False
-        if self._path.exists() and not self._resumable(meta, overwrite):
-            shutil.rmtree(self._path)
-        if not self._path.exists():
+        if exists(self._path) and not self._resumable(meta, overwrite):
+            remove(self._path)
+        if not exists(self._path, "zarr.json"):
             self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
                                         shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path, caller="ZarrWriter")
@@ -292,12 +299,6 @@ class ZarrWriter:
         # Only now is the shard counted: a crash before this line redoes it on resume.
         self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
-
-
-def _require_chunk_files(array: zarr.Array, start: int, stop: int) -> None:
-    missing = missing_chunk_files(array, start, stop)
-    if missing:
-        raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

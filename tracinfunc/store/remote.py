@@ -10,6 +10,7 @@ existence, deletion and the check for missing chunk objects.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -74,4 +75,7 @@ def missing_chunk_keys(array, start: int, stop: int) -> list[str]:
     tail = (0,) * (array.ndim - 1)
     keys = [array.metadata.encode_chunk_key((i, *tail))
             for i in range(start // rows_per_file, (stop - 1) // rows_per_file + 1)]
-    return [key for key in keys if not sync(array.store.exists(f"{array.path}/{key}"))]
+    async def exist() -> list[bool]:  # all at once: one round trip, not one per shard
+        return await asyncio.gather(*(array.store.exists(f"{array.path}/{key}") for key in keys))
+
+    return [key for key, present in zip(keys, sync(exist()), strict=True) if not present]

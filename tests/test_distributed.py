@@ -111,6 +111,8 @@ def test_cli_shards_then_commit(tmp_path):
     assert "tracinfunc commit grads.zarr" in first.stdout
     early = cli_here("commit", "grads.zarr", cwd=tmp_path)
     assert early.returncode == 1 and "parts [0] of 2" in early.stderr
+    info = cli_here("info", "grads.zarr", cwd=tmp_path)
+    assert "sharded build: parts [1] of 2 done" in info.stdout, info.stderr
     assert cli_here("info", "grads.zarr", "--verify", cwd=tmp_path).returncode == 1
     assert cli_here("build", *args, "--shard", "0/2", cwd=tmp_path).returncode == 0
     done = cli_here("commit", "grads.zarr", cwd=tmp_path)

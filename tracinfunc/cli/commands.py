@@ -24,7 +24,7 @@ import tracinfunc as tif
 from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 from tracinfunc.distributed import init_from_environment
-from tracinfunc.store.parts import check_shard
+from tracinfunc.store.parts import check_shard, read_parts
 from tracinfunc.store.remote import exists as remote_exists
 from tracinfunc.store.remote import location
 
@@ -393,6 +393,10 @@ def _info(args: argparse.Namespace) -> int:
     print(f"shape       n_ckpt={meta.n_ckpt} n_train={meta.n_train} k={meta.k} {meta.dtype}")
     if meta.complete:
         print("complete    True")
+    elif (parts := _parts_or_none(args.store)) is not None:
+        done = [i for i, state in enumerate(parts) if state and state.get("complete")]
+        print(f"complete    False  (sharded build: parts {done} of {len(parts)} done; run the "
+              f"others with --shard I/{len(parts)}, then 'tracinfunc commit {args.store}')")
     else:
         print(f"complete    False  ({meta.n_train} rows written so far: the build was "
               f"interrupted; {resume})")
@@ -410,6 +414,14 @@ def _info(args: argparse.Namespace) -> int:
         tif.verify_store(store, progress=_progress(args))
         print("verify      every row and norm read back and matched its checksum")
     return 0
+
+
+def _parts_or_none(store: Path | str) -> list[dict | None] | None:
+    """The parts of a sharded store being built, or ``None`` for a one-process store."""
+    try:
+        return read_parts(store)
+    except tif.StoreNotFoundError:
+        return None
 
 
 def _size_on_disk(store: Path | str) -> int | None:

@@ -112,7 +112,7 @@ def bench_s3(rows: int, k: int, tmp: Path) -> None:
         meta = tif.store.fill.new_store_meta(
             [("c0", 1.0, "f")], tif.canonical_layout({"w": (k,)}),
             tif.Projection(dim=None, kind="identity"), torch.float32, None, caller="bench")
-        writer = tif.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=256,
+        writer = tif.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=1024,
                                 shard_rows=rows // 8)
         g = torch.Generator().manual_seed(0)
         for start in range(0, rows, 4096):

@@ -10,6 +10,7 @@ from tracinfunc.adapters import adapter_checkpoint
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
+from tracinfunc.distributed import gather_top_k, merge_top_k
 from tracinfunc.errors import (
     CorruptStoreError,
     EmptyDataError,
@@ -74,6 +75,7 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
+from tracinfunc.store.parts import PartWriter, StorePart, commit_store
 from tracinfunc.training import (
     CheckpointRecorder,
     load_recorded_checkpoints,
@@ -105,6 +107,7 @@ __all__ = [
     "NonFiniteGradientError",
     "OutputPathError",
     "ParameterSelectionError",
+    "PartWriter",
     "PinnedStore",
     "PinnedWriter",
     "Preconditioner",
@@ -120,6 +123,7 @@ __all__ = [
     "StoreLockedError",
     "StoreMeta",
     "StoreNotFoundError",
+    "StorePart",
     "StoreWriteError",
     "StoreWriter",
     "SupportsChunkAlignment",
@@ -137,8 +141,10 @@ __all__ = [
     "canonical_layout",
     "causal_lm_loss",
     "chunk_size_for_budget",
+    "commit_store",
     "completion_labels",
     "factorized_weights",
+    "gather_top_k",
     "iter_batches",
     "last_layers",
     "load_index",
@@ -148,6 +154,7 @@ __all__ = [
     "loss_from_model",
     "loss_from_module",
     "make_projector",
+    "merge_top_k",
     "model_stages",
     "open_store",
     "optimizer_param_names",

@@ -6,6 +6,8 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
@@ -15,6 +17,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, entry_point
 from tracinfunc.checkpoint import Checkpoint, loss_at
+from tracinfunc.distributed import (
+    commit_after_barrier,
+    is_distributed,
+    rank_shard,
+    rank_zero_first,
+)
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -32,6 +40,8 @@ from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.parts import PartWriter, StorePart, check_shard
 from tracinfunc.store.writer import StoreTarget, make_writer
 from tracinfunc.types import Batch, LossFn, Params
 
@@ -60,7 +70,8 @@ def build_store(
     progress: ProgressArg = None,
     options: GradientOptions | None = None,
     preconditioners: Sequence[Preconditioner] | None = None,
-) -> GradientStore:
+    shard: tuple[int, int] | None = None,
+) -> GradientStore | StorePart:
     """Compute projected per-example gradients at every checkpoint and store them.
 
     ``data`` is iterated once; for each batch, gradients at every checkpoint are computed
@@ -106,6 +117,18 @@ def build_store(
             per checkpoint (its saved optimizer state), all of one kind, applied to these
             (training) gradients; the store records the kind and scoring refuses test
             gradients built with it. Each checkpoint then has its own projector cache.
+        shard: ``(index, count)``: compute and write only part ``index`` of ``count`` of
+            the rows (whole Zarr shards) into the Zarr store at the path ``store``; every
+            part is given the same ``data``, needs a known size (a batch, a list of batches
+            or a DataLoader over a sized dataset) and resumes on its own. Returns the
+            :class:`~tracinfunc.store.parts.StorePart`; ``tif.commit_store(path)`` (or
+            ``tracinfunc commit``) seals the store once every part is done. Under torchrun
+            (``torch.distributed`` initialised) a store at a path (or a
+            ``functools.partial`` of ``PartWriter``) is split by ``(rank, world_size)``
+            unless ``shard`` is given, and rank 0 commits after a barrier: every rank
+            returns the store. In-memory stores are built whole by every rank.
+            With ``shard``, ``store`` may also be a callable ``(meta, shard) -> writer``,
+            e.g. ``functools.partial(tif.PartWriter, path, shard_rows=4096)``.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -154,7 +177,17 @@ def build_store(
             transforms[key] = projected_grads(ckpt_loss, ckpt_projection, options=options,
                                               precondition=precondition)
         grads_fns.append(transforms[key])
-    writer = make_writer(store, meta)
+    distributed = shard is None and _shardable(store) and is_distributed()
+    if distributed:
+        shard = rank_shard()
+    stop = None
+    if shard is None:
+        writer = make_writer(store, meta)
+    else:
+        sized = meta.replace(n_train=_sized(data))
+        writer = rank_zero_first(lambda: _part_writer(store, sized, shard)) if distributed \
+            else _part_writer(store, sized, shard)
+        stop = writer.stop
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
     def on_device(batch: Batch) -> Batch:
@@ -165,10 +198,48 @@ def build_store(
         return torch.stack([grads_fn(params, batch)
                             for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
-    return fill_store(
+    result = fill_store(
         writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,
         check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
-        progress=progress, total=_known_size(data), caller="build_store")
+        progress=progress, total=_known_size(data), stop=stop, caller="build_store")
+    return commit_after_barrier(result.path) if distributed else result
+
+
+def _shardable(store: StoreTarget) -> bool:
+    """Whether ``store`` is on disk, so torchrun ranks split it (in-memory stores, such as
+    test gradients, are built whole by every rank)."""
+    if isinstance(store, functools.partial):
+        return store.func is PartWriter
+    return isinstance(store, str | os.PathLike) and store not in ("memory", "pinned")
+
+
+def _part_writer(store: StoreTarget, meta: StoreMeta, shard: object) -> PartWriter:
+    shard = check_shard(shard, caller="build_store")
+    if isinstance(store, str | os.PathLike):
+        return PartWriter(store, meta, shard)
+    if callable(store) and not isinstance(store, type):
+        return store(meta, shard)  # e.g. functools.partial(PartWriter, path, shard_rows=...)
+    raise InvalidArgumentError(
+        f"build_store: shard= writes part of a Zarr store, so store must be its path (or a "
+        f"callable (meta, shard) -> PartWriter), got {store!r}; e.g. build_store(..., "
+        "store='grads.zarr', shard=(0, 4))."
+    )
+
+
+def _sized(data: Batch | Iterable[Batch]) -> int:
+    """Examples in ``data``, which a sharded build must know before it starts."""
+    size = _known_size(data)
+    dataset = getattr(data, "dataset", None)
+    if size is None and isinstance(data, torch.utils.data.DataLoader) and hasattr(
+            dataset, "__len__"):
+        size = len(dataset)
+    if size is None or size == 0:
+        raise InvalidArgumentError(
+            f"build_store: a sharded build needs data of known, non-zero size (a batch, a "
+            f"list of batches or a DataLoader over a sized dataset), got "
+            f"{type(data).__name__} of size {size}; every part sizes the store up front."
+        )
+    return size
 
 
 def _check_ordered(data: object) -> None:

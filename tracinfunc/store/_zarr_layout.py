@@ -26,6 +26,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
+from tracinfunc.store.remote import is_url
 
 __all__ = ["ATTRS_KEY", "check_rerun", "check_resumable", "chunk_files", "create_layout",
            "norms_numpy", "open_group", "read_meta", "rows_dtype", "sealed_files", "to_numpy",
@@ -143,7 +144,7 @@ def open_group(path: Path, *, mode: str, caller: str) -> zarr.Group:
         return zarr.open_group(path, mode=mode, zarr_format=3)
     except (ValueError, TypeError, KeyError) as error:  # JSONDecodeError is a ValueError
         raise CorruptStoreError(
-            f"{caller}: {str(path / 'zarr.json')!r} is not valid zarr v3 group metadata "
+            f"{caller}: {_join(path, 'zarr.json')!r} is not valid zarr v3 group metadata "
             f"({error}); the store is damaged or was edited. Rebuild it or restore it from a "
             "copy."
         ) from error
@@ -152,7 +153,7 @@ def open_group(path: Path, *, mode: str, caller: str) -> zarr.Group:
 def read_meta(group: zarr.Group, path: Path, *, caller: str) -> StoreMeta:
     """The store's :class:`StoreMeta`, validated (and checksummed once finished)."""
     data = group.attrs.get(ATTRS_KEY)
-    where = str(path / "zarr.json")
+    where = _join(path, "zarr.json")
     if not isinstance(data, dict):
         raise CorruptStoreError(
             f"{caller}: {str(path)!r} is a zarr group but not a tracinfunc store (no "
@@ -178,9 +179,16 @@ def read_meta(group: zarr.Group, path: Path, *, caller: str) -> StoreMeta:
             f"{caller}: the metadata in {where!r} gives storage dtype {meta.dtype!r}; "
             f"stores hold one of {sorted(_NUMPY)}. The metadata was edited or damaged."
         )
-    if meta.complete and version >= 2:
+    # Stores on object storage are not sealed (no local files to manifest); zarr's crc32c
+    # still checks every chunk there.
+    if meta.complete and version >= 2 and not is_url(path):
         check_digest(data, path, caller=caller)
     return meta
+
+
+def _join(path: Path | str, name: str) -> str:
+    """``path/name`` for a local path or an fsspec URL."""
+    return f"{str(path).rstrip('/')}/{name}" if is_url(path) else str(Path(path) / name)
 
 
 def sealed_files(group: zarr.Group) -> dict[str, list] | None:

@@ -108,3 +108,14 @@ def _acquire(lock_file: Path, path: Path, *, caller: str) -> int:
             return fd
         os.close(fd)
     raise StoreLockedError(f"{caller}: could not lock {str(lock_file)!r}; try again.")
+
+
+class NoLock:
+    """The lock of a store on object storage: there is no flock there, so nothing is held
+    (one writer per store URL is the caller's promise; see docs/concepts/stores.md)."""
+
+    def check(self, *, caller: str) -> None:
+        """Nothing to check."""
+
+    def release(self) -> None:
+        """Nothing to release."""

@@ -30,7 +30,6 @@ same metadata and it continues from the last completed shard (see ``build_store`
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,10 +63,11 @@ from tracinfunc.store._zarr_layout import (
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.integrity import FileGuard, seal, sync_files
-from tracinfunc.store.lock import WriterLock
+from tracinfunc.store.lock import NoLock, WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.remote import exists, is_url, location, missing_chunk_keys, remove
 
 __all__ = ["ZarrStore", "ZarrWriter"]
 
@@ -91,8 +91,8 @@ class ZarrStore(StoreProperties):
     __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        if not (path / "zarr.json").exists():
+        path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
+        if not exists(path, "zarr.json"):
             raise StoreNotFoundError(
                 f"ZarrStore: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
@@ -106,8 +106,10 @@ class ZarrStore(StoreProperties):
                 "build_store again with the same arguments and store=path, or delete it."
             )
         # Array metadata as sealed before zarr parses it; shard files on their first read.
-        guard = FileGuard(path, sealed_files(group))
-        guard.check_metadata_files(caller="ZarrStore")
+        # Object storage has no local files to guard: objects carry zarr's own checksums.
+        guard = None if is_url(path) else FileGuard(path, sealed_files(group))
+        if guard is not None:
+            guard.check_metadata_files(caller="ZarrStore")
         rows, norms = _arrays(group, "rows", meta, path), _arrays(group, "norms", meta, path)
         expected = [(a, (meta.n_train, meta.k), rows_dtype(meta)) for a in rows]
         expected += [(a, (meta.n_train,), norms_numpy(meta)) for a in norms]
@@ -133,7 +135,8 @@ class ZarrStore(StoreProperties):
         return self._meta
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | str:
+        """The store's directory, or its URL (text) for remote stores."""
         return self._path
 
     @property
@@ -159,7 +162,10 @@ class ZarrStore(StoreProperties):
             if reader is not None and target.is_contiguous():
                 reader.read_into(start, stop, _bytes_of(target))
             else:
-                _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
+                if self._guard is not None:
+                    _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
+                else:  # object storage: no local files to check, but objects must exist
+                    self._require_chunk_files(self._rows[ckpt], start, stop)
                 target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
@@ -168,11 +174,19 @@ class ZarrStore(StoreProperties):
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
         try:
-            _check_chunk_files(self._guard, self._norms[ckpt], start, stop)
+            if self._guard is not None:
+                _check_chunk_files(self._guard, self._norms[ckpt], start, stop)
+            else:
+                self._require_chunk_files(self._norms[ckpt], start, stop)
             values = self._norms[ckpt][start:stop]
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_norms", ckpt, start, stop, error) from error
         return torch.from_numpy(np.ascontiguousarray(values)).to(norm_dtype(self._meta))
+
+    def _require_chunk_files(self, array: zarr.Array, start: int, stop: int) -> None:
+        missing = missing_chunk_keys(array, start, stop)  # object storage (no FileGuard)
+        if missing:
+            raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
 
     def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
                  error: Exception) -> CorruptStoreError:
@@ -204,16 +218,19 @@ class ZarrWriter:
     def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
                  chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None, overwrite: bool = False) -> None:
-        self._path = Path(path)
+        self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
         self._finished = False
-        self._lock = WriterLock(self._path, caller="ZarrWriter")  # before looking at the path
+        # Before looking at the path. Object storage has no flock: one writer per path is
+        # then the caller's promise (documented).
+        self._lock = (NoLock() if is_url(self._path)
+                      else WriterLock(self._path, caller="ZarrWriter"))
         self._rerun: ZarrStore | None = None  # a finished store this call would make again
-        if self._path.exists() and not self._resumable(meta, overwrite):
-            shutil.rmtree(self._path)
+        if exists(self._path) and not self._resumable(meta, overwrite):
+            remove(self._path)
         if self._rerun is not None:  # nothing to write: rows_written == n_train, finish() opens
             self._lock.release()
             return
-        if not self._path.exists():
+        if not exists(self._path, "zarr.json"):
             self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
                                         shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path, caller="ZarrWriter")
@@ -238,6 +255,12 @@ class ZarrWriter:
                 f"ZarrWriter: {str(self._path)!r} exists and is not a tracinfunc store; "
                 "choose another path."
             ) from error
+        if "tracinfunc_parts" in self._group.attrs and not existing.get("complete"):
+            raise StoreExistsError(
+                f"ZarrWriter: {str(self._path)!r} holds a sharded build in progress; resume "
+                "its parts with build_store(..., shard=(index, count)) and seal it with "
+                "tif.commit_store(path), or choose another path."
+            )
         if existing.get("complete"):
             if overwrite:
                 return False
@@ -302,11 +325,13 @@ class ZarrWriter:
         self._finished = True
         # Sealed (files fsync'ed, manifest and metadata checksum) in the same write that
         # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
+        finished = self._meta.replace(n_train=self._committed, complete=True).to_dict()
         with write_errors(self._path, rows_stored=self._committed):
-            self._group.attrs[ATTRS_KEY] = seal(self._path, self._meta.replace(
-                n_train=self._committed, complete=True
-            ).to_dict())
-            sync_files([self._path / "zarr.json", self._path])
+            if is_url(self._path):  # object storage: no files to seal or fsync
+                self._group.attrs[ATTRS_KEY] = finished
+            else:
+                self._group.attrs[ATTRS_KEY] = seal(self._path, finished)
+                sync_files([self._path / "zarr.json", self._path])
         self._lock.release()
         return ZarrStore(self._path)
 
@@ -324,7 +349,10 @@ class ZarrWriter:
                 rows[start:stop] = to_numpy(self._pending[c, :n])
                 norms[start:stop] = self._pending_norms[c, :n].numpy()
             # On disk before they are counted: else a power loss leaves counted empty shards.
-            sync_files([f for a in self._rows + self._norms for f in chunk_files(a, start, stop)])
+            # (An object store's PUT is durable when it returns: nothing to fsync there.)
+            if not is_url(self._path):
+                sync_files([f for a in self._rows + self._norms
+                            for f in chunk_files(a, start, stop)])
             # Only now is the shard counted: a crash before this line redoes it on resume.
             self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0

@@ -95,7 +95,8 @@ def spearman(x: Tensor, y: Tensor) -> Tensor:
     Ties get their average rank (as ``scipy.stats.spearmanr``); a constant column gives NaN.
 
     Args:
-        x, y: ``[m, n]`` real tensors (``m`` observations of ``n`` variables).
+        x: ``[m, n]`` real tensor (``m`` observations of ``n`` variables).
+        y: ``[m, n]`` real tensor, paired with ``x`` column by column.
 
     Returns:
         ``[n]``, float64.

@@ -183,6 +183,13 @@ def test_resuming_with_other_settings_is_refused(tmp_path, changed):
         ev.retrain_subsets(Counting(), **{**settings, **changed}, path=tmp_path, progress=False)
 
 
+def test_harness_never_overwrites_files_it_did_not_write(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(InvalidArgumentError, match="holds other files; pass another path"):
+        ev.retrain_subsets(Counting(), 12, 3, path=tmp_path, progress=False)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 def test_load_retrain_refuses_an_unfinished_or_missing_run(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         ev.retrain_subsets(Counting(fail_after=2), 12, 7, path=tmp_path / "r", progress=False)

@@ -214,7 +214,7 @@ def save_plot(results: list[dict], ks: tuple[int, ...], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.8), squeeze=False)
     for ax, result in zip(axes[0], results, strict=True):
         rows = [r for r in result["rows"] if not r["normalize"] and not r["projection_options"]
                 and not r["build_options"]]
@@ -231,8 +231,9 @@ def save_plot(results: list[dict], ks: tuple[int, ...], path: Path) -> None:
         ax.set(xscale="log", xlabel="k", ylabel="LDS", title=result["model"])
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.tight_layout(rect=(0, 0.14, 1, 1))  # room below the panels: the legend hides no point
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -110,10 +110,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=None, help="torch/FAISS threads")
     parser.add_argument("--kinds", nargs="+", default=["ivf_flat", "ivf_pq"],
                         choices=["ivf_flat", "ivf_pq"])
+    parser.add_argument("--nprobes", nargs="+", type=int, default=None,
+                        help="clusters searched per query (default: per size)")
     parser.add_argument("--memory", action="store_true",
                         help="also compare on a MemoryStore copy (re-rank without disk reads)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
+    if args.nprobes:
+        cfg = {**cfg, "nprobes": args.nprobes}
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="tif-search-", dir=args.dir))

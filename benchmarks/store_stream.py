@@ -78,7 +78,7 @@ def readinto_seconds(path: Path, view: memoryview) -> float:
 
 
 def matmul_seconds(store: tif.MemoryStore, test: torch.Tensor, chunk: int) -> float:
-    rows = store._view_rows(0, 0, store.n_train)
+    rows = store.view_rows(0, 0, store.n_train)
     out = torch.empty(test.shape[1], chunk)
     start = time.perf_counter()
     for begin in range(0, store.n_train, chunk):
@@ -176,7 +176,7 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
 
 
 def _cast(store: tif.MemoryStore, dtype: torch.dtype) -> tif.MemoryStore:
-    rows = store._view_rows(0, 0, store.n_train)[None].to(dtype)
+    rows = store.view_rows(0, 0, store.n_train)[None].to(dtype)
     norms = store.read_norms(0, 0, store.n_train)[None]
     return tif.MemoryStore(store.meta.replace(dtype=str(dtype).split(".")[1]), rows, norms)
 

@@ -67,15 +67,35 @@ def rademacher_block(seed, dim, name, shape, row_start, row_stop, kind="rademach
     return _rademacher(*block_seed(seed, kind, dim, 1, name, shape), dim, row_start, row_stop)
 
 
-def kronecker_split(dim) -> tuple[int, int]:
-    """``(k_out, k_in)``: the largest divisor of ``dim`` not above its square root, and the rest."""
-    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
-    return k_out, dim // k_out
+def kronecker_split(dim, shape=None) -> tuple[int, int]:
+    """``(k_out, k_in)`` with ``k_out * k_in = dim``.
+
+    No shape ("square"): the largest divisor of ``dim`` not above its square root, and the
+    rest. A shape ("shape"): among the divisor pairs with ``k_out <= d_out`` and
+    ``k_in <= d_in``, the one with the largest ``min(k_out / d_out, k_in / d_in)`` (ties: the
+    larger ``k_out``); if none fits, the smallest ``max(k_out / d_out, k_in / d_in)`` (ties:
+    the larger ``k_out``). Written as a plain loop over every pair.
+    """
+    if shape is None:
+        k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
+        return k_out, dim // k_out
+    d_out, d_in = shape[0], int(np.prod(shape[1:]))
+    best, best_score, fits = None, None, False
+    for k_out in range(1, dim + 1):
+        if dim % k_out:
+            continue
+        k_in = dim // k_out
+        pair_fits = k_out <= d_out and k_in <= d_in
+        score = (min(k_out / d_out, k_in / d_in) if pair_fits
+                 else -max(k_out / d_out, k_in / d_in))
+        if (pair_fits, score) >= (fits, best_score if best_score is not None else -np.inf):
+            best, best_score, fits = (k_out, k_in), score, pair_fits
+    return best
 
 
-def kronecker_factors(seed, dim, name, shape):
+def kronecker_factors(seed, dim, name, shape, split="shape"):
     """``(P_out [d_out, k_out], P_in [d_in, k_in])`` float32 +-1 (unscaled)."""
-    k_out, k_in = kronecker_split(dim)
+    k_out, k_in = kronecker_split(dim, shape if split == "shape" else None)
     d_out, d_in = shape[0], int(np.prod(shape[1:]))
     keys_out = block_seed(seed, "kronecker", dim, 1, name, shape, side="out")
     keys_in = block_seed(seed, "kronecker", dim, 1, name, shape, side="in")
@@ -91,7 +111,7 @@ def sjlt_block(seed, dim, nnz, name, shape, row_start, row_stop):
     return cols.astype(np.int64), _signs(mix32(h))
 
 
-def project(grads: dict, seed, kind, dim, nnz=1) -> np.ndarray:
+def project(grads: dict, seed, kind, dim, nnz=1, split="shape") -> np.ndarray:
     """One example's ``{name: array}`` projected to ``[k]`` in float64, via dense matrices."""
     parts = []
     for name in sorted(grads):
@@ -100,7 +120,7 @@ def project(grads: dict, seed, kind, dim, nnz=1) -> np.ndarray:
         if kind == "identity":
             parts.append(flat)
         elif kind == "kronecker" and g.ndim >= 2:
-            p_out, p_in = kronecker_factors(seed, dim, name, shape)
+            p_out, p_in = kronecker_factors(seed, dim, name, shape, split)
             kron = np.kron(p_out.astype(np.float64), p_in.astype(np.float64))  # [numel, dim]
             parts.append(flat @ kron / np.sqrt(dim))
         elif kind in ("rademacher", "kronecker"):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tracinfunc as tif
-import tracinfunc.cli.commands as cli_main
+import tracinfunc.store.paths as store_paths
 from tracinfunc.build import rebatch
 from tracinfunc.cli import main
 from tracinfunc.cli.spec import load_spec
@@ -353,7 +353,7 @@ def test_info_verify_shows_progress_unless_quiet(built, monkeypatch):
         def __exit__(self, *exc):
             pass
 
-    monkeypatch.setattr(cli_main, "progress_bar", Bar)
+    monkeypatch.setattr(store_paths, "progress_bar", Bar)  # info --verify is verify_store
     assert cli_here("info", "grads.zarr", "--verify", cwd=built).returncode == 0
     assert cli_here("--quiet", "info", "grads.zarr", "--verify", cwd=built).returncode == 0
     assert [c["progress"] for c in calls] == [None, False]  # None: a terminal only

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import vmap
 
-import tracinfunc.projection.spec as projection_module
 import tracinfunc.projection._kernels as hashing_module
+import tracinfunc.projection.keys as projection_module
 from tests import numpy_projection as ref
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection import (
@@ -101,13 +101,52 @@ def test_projector_matches_numpy_reference(kind):
     (2**63 - 1, 37, "conv.weight", (4, 3, 2, 5)),  # prime dim: 1 x 37
     (5, 64, "emb.weight", (700, 3)),
 ])
-def test_kronecker_factors_are_bit_identical_to_numpy(seed, dim, name, shape):
-    p_out, p_in = kronecker_factors(Projection(dim=dim, seed=seed, kind="kronecker"), name, shape)
-    ref_out, ref_in = ref.kronecker_factors(seed, dim, name, shape)
-    k_out, k_in = kronecker_split(dim)
+@pytest.mark.parametrize("split", ["shape", "square"])
+def test_kronecker_factors_are_bit_identical_to_numpy(seed, dim, name, shape, split):
+    spec = Projection(dim=dim, seed=seed, kind="kronecker", split=split)
+    p_out, p_in = kronecker_factors(spec, name, shape)
+    ref_out, ref_in = ref.kronecker_factors(seed, dim, name, shape, split)
+    k_out, k_in = kronecker_split(dim, shape if split == "shape" else None)
     assert p_out.shape == (shape[0], k_out) and p_in.shape == (int(np.prod(shape[1:])), k_in)
     assert torch.equal(p_out, torch.from_numpy(ref_out))
     assert torch.equal(p_in, torch.from_numpy(ref_in))
+
+
+@pytest.mark.parametrize(("dim", "shape", "split"), [
+    (256, (10, 64), (8, 32)),     # the logistic-regression weight: 16 x 16 wasted 6 rows
+    (256, (64, 784), (4, 64)),
+    (1024, (1024, 1024), (32, 32)),
+    (256, (3, 5), (16, 16)),      # fewer entries than k: the pair that wastes least
+    (37, (4, 3, 2, 5), (1, 37)),  # prime k: only 1 x k or k x 1
+])
+def test_kronecker_split_follows_the_weight_shape(dim, shape, split):
+    assert kronecker_split(dim, shape) == split == ref.kronecker_split(dim, shape)
+    k_out, k_in = split
+    assert k_out * k_in == dim
+
+
+@settings(max_examples=60, deadline=None)
+@given(dim=st.integers(1, 4096), d_out=st.integers(1, 300), d_in=st.integers(1, 300))
+def test_kronecker_split_never_exceeds_a_side_when_a_pair_fits(dim, d_out, d_in):
+    k_out, k_in = kronecker_split(dim, (d_out, d_in))
+    assert k_out * k_in == dim and (k_out, k_in) == ref.kronecker_split(dim, (d_out, d_in))
+    fits = [(a, dim // a) for a in range(1, dim + 1)
+            if dim % a == 0 and a <= d_out and dim // a <= d_in]
+    if fits:
+        assert k_out <= d_out and k_in <= d_in
+
+
+def test_stores_written_before_per_weight_splits_read_as_square():
+    old = {"kind": "kronecker", "dim": 256, "seed": 0, "nnz": 1}  # no "split" recorded
+    assert Projection.from_dict(old) == Projection(dim=256, kind="kronecker", split="square")
+    new = Projection(dim=256, kind="kronecker")
+    assert new.split == "shape" and Projection.from_dict(new.to_dict()) == new
+    assert new != Projection.from_dict(old)  # scoring refuses to mix the two
+    assert "split" not in Projection(dim=8).to_dict()  # other kinds: unchanged metadata
+    with pytest.raises(InvalidProjectionError, match="split must be one of 'shape', 'square'"):
+        Projection(dim=8, kind="kronecker", split="auto")
+    with pytest.raises(InvalidProjectionError, match="and 'shape' for other kinds"):
+        Projection(dim=8, split="square")
 
 
 @pytest.mark.parametrize(("dim", "split"), [

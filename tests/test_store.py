@@ -1,5 +1,9 @@
 """GradientStore conformance: every store kind passes the same suite.
 
+The generic suite ships as ``tracinfunc.testing.StoreConformance`` (so users' stores can run
+it); every kind runs it below, then the built-in stores' own promises (messages, immutability,
+conversions, writers) are tested on stores built from a model.
+
 Zarr stores use tiny chunks and shards (4 and 16 rows) so 40 rows span several shards and
 end in a partial one; "zarr-zstd" exercises zarr's own read path (the fallback codec path).
 """
@@ -16,7 +20,9 @@ import torch.nn.functional as F
 
 import tracinfunc as tif
 from tests.conftest import make_checkpoints, make_data, make_mlp
+from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.testing import StoreConformance
 
 PROJ = tif.Projection(dim=16, seed=0)
 KINDS = ["memory", "pinned", "zarr", "zarr-zstd"]
@@ -165,11 +171,39 @@ def test_scores_equal_across_stores(store, reference, setup, normalize):
     torch.testing.assert_close(tif.self_influence(store), tif.self_influence(reference))
 
 
+class TestMemoryStore(StoreConformance):
+    def make_store(self, reference, tmp_path):
+        return tif.to_memory(reference)
+
+
+class TestPinnedStore(StoreConformance):
+    def make_store(self, reference, tmp_path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "no CUDA, not pinned"
+            return tif.to_pinned(reference)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+class TestZarrStore(StoreConformance):
+    @pytest.fixture
+    def store(self, reference, tmp_path, compression):
+        return tif.save_store(reference, tmp_path / "s.zarr", chunk_rows=4, shard_rows=16,
+                              compression=compression)
+
+
+class TestUserStore(StoreConformance):
+    """The suite as a user runs it on their own store (below: three members, no base class)."""
+
+    def make_store(self, reference, tmp_path):
+        return ListStore(reference.meta, all_rows(reference), all_norms(reference))
+
+
 class ListStore:
     """A user's own store: three members, no subclassing."""
 
-    def __init__(self, meta, rows):
+    def __init__(self, meta, rows, norms=None):
         self.rows = rows
+        self.norms = rows.norm(dim=-1) if norms is None else norms
         self._meta = meta
 
     @property
@@ -177,11 +211,15 @@ class ListStore:
         return self._meta
 
     def read_rows(self, ckpt, start, stop, *, out=None):
+        check_row_range(self._meta, ckpt, start, stop, caller="ListStore.read_rows")
         rows = self.rows[ckpt, start:stop].clone()
-        return rows if out is None else out[: stop - start].copy_(rows)
+        if out is None:
+            return rows
+        return check_out_buffer(out, stop - start, self._meta, caller="ListStore").copy_(rows)
 
     def read_norms(self, ckpt, start, stop):
-        return self.rows[ckpt, start:stop].norm(dim=-1)
+        check_row_range(self._meta, ckpt, start, stop, caller="ListStore.read_norms")
+        return self.norms[ckpt, start:stop].clone()
 
 
 def test_a_user_store_with_three_members_is_a_gradient_store(reference, tmp_path):

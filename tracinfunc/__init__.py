@@ -34,7 +34,7 @@ from tracinfunc.errors import (
     TrainModeError,
     UnsupportedPrecisionError,
 )
-from tracinfunc.grads import per_sample_grads, projected_grads
+from tracinfunc.grads import GradientOptions, per_sample_grads, projected_grads
 from tracinfunc.grads.chunking import chunk_size_for_budget
 from tracinfunc.grads.factorized import factorized_weights
 from tracinfunc.grads.precision import autocast_supported
@@ -44,6 +44,7 @@ from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classifica
 from tracinfunc.loss import ModuleLoss, loss_from_model, loss_from_module
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.search import SearchIndex, build_index, load_index, store_fingerprint
 from tracinfunc.store import (
     CheckpointMeta,
     GradientStore,
@@ -53,11 +54,17 @@ from tracinfunc.store import (
     PinnedWriter,
     StoreMeta,
     StoreWriter,
+    SupportsChunkAlignment,
+    SupportsRowViews,
     ZarrStore,
     ZarrWriter,
+    open_store,
+    read_store_meta,
+    remove_store,
     save_store,
     to_memory,
     to_pinned,
+    verify_store,
 )
 
 __all__ = [
@@ -65,6 +72,7 @@ __all__ = [
     "CheckpointMeta",
     "CorruptStoreError",
     "EmptyDataError",
+    "GradientOptions",
     "GradientStore",
     "IncompatibleGradientsError",
     "IncompleteStoreError",
@@ -86,6 +94,7 @@ __all__ = [
     "Projection",
     "ReadOnlyStoreError",
     "RowRangeError",
+    "SearchIndex",
     "Spec",
     "Stage",
     "StageMismatchError",
@@ -94,6 +103,8 @@ __all__ = [
     "StoreMeta",
     "StoreNotFoundError",
     "StoreWriter",
+    "SupportsChunkAlignment",
+    "SupportsRowViews",
     "TracInFuncError",
     "TrainModeError",
     "UnsupportedPrecisionError",
@@ -102,6 +113,7 @@ __all__ = [
     "__version__",
     "adapter_checkpoint",
     "autocast_supported",
+    "build_index",
     "build_store",
     "canonical_layout",
     "causal_lm_loss",
@@ -110,23 +122,29 @@ __all__ = [
     "factorized_weights",
     "iter_batches",
     "last_layers",
+    "load_index",
     "loss_at",
     "loss_from_model",
     "loss_from_module",
     "make_projector",
     "model_stages",
+    "open_store",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
+    "read_store_meta",
+    "remove_store",
     "save_store",
     "score",
     "score_chunks",
     "select_params",
     "self_influence",
     "sequence_classification_loss",
+    "store_fingerprint",
     "to_memory",
     "to_pinned",
     "top_k",
+    "verify_store",
 ]
 
 _moved.install()  # old module paths (tracinfunc.stages, ...) still import, with a warning

@@ -38,12 +38,14 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = MOVED[spec.name]
         warnings.warn(f"{spec.name} moved to {new}; import it from there (or from "
                       "tracinfunc).", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self._own_spec = module.__spec__  # importlib stamps the old spec on it next
+        return module
 
     def exec_module(self, module):
         # Already executed at its new path; importlib filed it under the old name too, but
         # also stamped the old spec on it: give the module back its own.
-        module.__spec__ = importlib.util.find_spec(module.__name__)
+        module.__spec__ = self._own_spec
 
 
 def install() -> None:

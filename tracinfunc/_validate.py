@@ -1,44 +1,112 @@
-"""The checks every public entry point repeats, written once.
+"""The checks every public entry point repeats, written once, and the name errors carry.
 
-Helpers take the public function's name (``caller``) so the message names what the user
-called, and say what was expected, what was got and how to fix it.
+Public functions are marked with :func:`entry_point`; helpers deep inside read
+:func:`current_caller` for the name of the function the user called, so the name is attached
+once, where the call enters the library, and never threaded through every helper. Nested
+public calls (``top_k`` runs ``score_chunks``) report the outermost one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["check_bool", "check_int"]
+__all__ = ["check_bool", "check_int", "current_caller", "entry_point"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("tracinfunc_caller",
+                                                                     default=None)
 
 
-def check_int(value: Any, name: str, *, caller: str, minimum: int = 1,
-              maximum: int | None = None, optional: bool = False, fix: str = "") -> Any:
+def current_caller(default: str = "tracinfunc") -> str:
+    """The public function the user called (the outermost :func:`entry_point`)."""
+    return _CALLER.get() or default
+
+
+def entry_point(name: str) -> Callable[[F], F]:
+    """Mark a public function: errors raised while it runs name ``name``.
+
+    Works for generator functions too (the name holds while each item is produced, not
+    while the caller holds the generator).
+    """
+    def decorate(fn: F) -> F:
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def generator(*args: Any, **kwargs: Any) -> Any:
+                items = _run_as(name, fn, *args, **kwargs)
+                while True:
+                    try:
+                        item = _run_as(name, next, items)
+                    except StopIteration:
+                        return
+                    yield item
+
+            return generator  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def function(*args: Any, **kwargs: Any) -> Any:
+            return _run_as(name, fn, *args, **kwargs)
+
+        return function  # type: ignore[return-value]
+
+    return decorate
+
+
+def _run_as(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if _CALLER.get() is not None:  # a public function calling another: the outer one speaks
+        return fn(*args, **kwargs)
+    token = _CALLER.set(name)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _CALLER.reset(token)
+
+
+def check_int(value: Any, name: str, *, caller: str | None = None, minimum: int = 1,
+              maximum: int | None = None, maximum_label: str = "", optional: bool = False,
+              fix: str = "", wanted: str | None = None,
+              error: type[Exception] = InvalidArgumentError) -> Any:
     """``value`` if it is an int in ``[minimum, maximum]`` (or ``None`` when ``optional``).
 
     ``True``/``False`` are refused: they are ints to Python but never a meaningful size.
 
+    Args:
+        maximum_label: How the message names the maximum (``"n_train"`` gives
+            ``[1, n_train=40]``).
+        wanted: The expectation in words, replacing the one derived from the range.
+        error: The exception class (a TracInFuncError subclass).
+
     Raises:
-        InvalidArgumentError: anything else, naming ``caller``, ``name`` and the range.
+        InvalidArgumentError (or ``error``): anything else, naming the caller, ``name``, what
+            was expected and how to fix it.
     """
     if value is None and optional:
         return None
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not is_int or value < minimum or (maximum is not None and value > maximum):
-        wanted = ("a positive int" if minimum == 1 else
-                  "a non-negative int" if minimum == 0 else f"an int >= {minimum}")
+        if wanted is None:
+            wanted = ("a positive int" if minimum == 1 else
+                      "a non-negative int" if minimum == 0 else f"an int >= {minimum}")
         if maximum is not None:
-            wanted = f"an int in [{minimum}, {maximum}]"
-        raise InvalidArgumentError(
-            f"{caller}: {name} must be {wanted}{' or None' if optional else ''}, got "
-            f"{value!r}{'; ' + fix if fix else ''}."
+            label = f"{maximum_label}=" if maximum_label else ""
+            wanted = f"an int in [{minimum}, {label}{maximum}]"
+        raise error(
+            f"{caller or current_caller()}: {name} must be {wanted}"
+            f"{' or None' if optional else ''}, got {value!r}{'; ' + fix if fix else ''}."
         )
     return value
 
 
-def check_bool(value: Any, name: str, *, caller: str) -> bool:
-    """``value`` if it is ``True`` or ``False``, else :class:`InvalidTypeError`."""
+def check_bool(value: Any, name: str, *, caller: str | None = None,
+               error: type[Exception] = InvalidTypeError) -> bool:
+    """``value`` if it is ``True`` or ``False``, else ``error`` (:class:`InvalidTypeError`)."""
     if not isinstance(value, bool):
-        raise InvalidTypeError(f"{caller}: {name} must be True or False, got {value!r}.")
+        raise error(
+            f"{caller or current_caller()}: {name} must be True or False, got {value!r}."
+        )
     return value

@@ -13,31 +13,31 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tracinfunc._version import __version__
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.errors import (
-    EmptyDataError,
     IncompatibleGradientsError,
     InvalidArgumentError,
     InvalidTypeError,
     LossFunctionError,
-    NonFiniteGradientError,
     TracInFuncError,
 )
+from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.grads.stages import Stages
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
-from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.projection import Layout, Projection, canonical_layout
+from tracinfunc.progress import ProgressArg
+from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
-from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
-from tracinfunc.store.writer import StoreTarget, StoreWriter, make_writer
+from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.store.writer import StoreTarget, make_writer
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["build_store", "iter_batches"]
 
 
+@entry_point("build_store")
 def build_store(
     loss: LossFn,
     checkpoints: Sequence[Checkpoint],
@@ -57,6 +57,7 @@ def build_store(
     batch_size: int | None = None,
     store: StoreTarget = None,
     progress: ProgressArg = None,
+    options: GradientOptions | None = None,
 ) -> GradientStore:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -94,6 +95,8 @@ def build_store(
             gradients, and the result is bit-identical to an uninterrupted build.
         progress: A progress bar over examples: ``None`` (default) shows one on a terminal
             once the build has run for 2 s, ``True`` always, ``False`` never.
+        options: The gradient options (``chunk_size`` ... ``compile_projection``) as one
+            :class:`~tracinfunc.GradientOptions`, taken whole, instead of the keywords.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -113,54 +116,36 @@ def build_store(
             "build_store: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
-    names = selected_names(checkpoints[0].params, select, caller="build_store")
+    options = gradient_options(
+        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget,
+        compile_projection=compile_projection)
+    names = selected_names(checkpoints[0].params, options.select, caller="build_store")
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
-    meta = _initial_meta(checkpoints, layout, projection, dtype, dataset_fingerprint)
+    meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
+                          projection, dtype, dataset_fingerprint, caller="build_store")
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    options = dict(chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-                   stages=stages, offload=offload, memory_budget=memory_budget,
-                   compile_projection=compile_projection)
-    grads_fn = projected_grads(loss, projection, **options)
-    # Each checkpoint is differentiated with its own buffers (BatchNorm statistics); losses
-    # that take none share one function (and its cached projector).
-    ckpt_losses = [loss_at(loss, replace(c, buffers=_params_on(c.buffers, device)))
-                   for c in checkpoints]
-    grads_fns = [grads_fn if ckpt_loss is loss else projected_grads(ckpt_loss, projection,
-                                                                    **options)
-                 for ckpt_loss in ckpt_losses]
+    # One transform per checkpoint: a per_checkpoint projection differs between them, and a
+    # ModuleLoss is differentiated with each checkpoint's own buffers (BatchNorm statistics).
+    grads_fns = [projected_grads(_loss_for(loss, ckpt, device),
+                                 projection.for_checkpoint(c.name), options=options)
+                 for ckpt, c in zip(checkpoints, meta.checkpoints, strict=True)]
     writer = make_writer(store, meta)
-    resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
-    seen = 0
-    first_batch = True
-    bar = progress_bar(progress, total=_known_size(data), desc="build_store", unit="ex")
-    bar.update(resume_at)
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
-    for batch in batches:
-        size = _batch_size(batch)
-        seen += size
-        if size == 0 or seen <= resume_at:  # stored before the interruption: no gradients
-            continue
-        batch = tree_map(lambda leaf: leaf.to(device), batch)
-        if first_batch:
-            _check_loss(loss, params_per_ckpt[0], batch)
-            first_batch = False
-        # A batch straddling the resume point is computed whole, as in the first build, so
-        # the kept rows are bit-identical; its already-stored head is dropped.
-        rows = torch.stack([fn(params, batch)
-                            for fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
-        rows = rows[:, max(0, resume_at - (seen - size)) :]
-        _check_finite(rows, meta, first_row=writer.rows_written)
-        writer.append(rows, rows.norm(dim=-1))
-        bar.update(rows.shape[1])
-    bar.close()
-    _check_resumed(writer, seen)
-    if writer.rows_written == 0:
-        raise EmptyDataError(
-            "build_store: data holds no examples; pass a non-empty batch or iterable of "
-            "batches (a tensor, a tuple/dict of tensors, a list of those, or a DataLoader)."
-        )
-    return writer.finish()
+
+    def on_device(batch: Batch) -> Batch:
+        return tree_map(lambda leaf: leaf.to(device), batch)
+
+    def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
+        batch = on_device(batch)
+        return torch.stack([grads_fn(params, batch)
+                            for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
+
+    return fill_store(
+        writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,
+        check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
+        progress=progress, total=_known_size(data), caller="build_store")
 
 
 def _known_size(data: Batch | Iterable[Batch]) -> int | None:
@@ -172,14 +157,6 @@ def _known_size(data: Batch | Iterable[Batch]) -> int | None:
         sizes = [_known_size(batch) for batch in data]
         return None if None in sizes else sum(sizes)
     return None  # a DataLoader or generator: the bar counts without a total
-
-
-def _check_resumed(writer: StoreWriter, seen: int) -> None:
-    if seen < writer.rows_written:
-        raise EmptyDataError(
-            f"build_store: the incomplete store already holds {writer.rows_written} rows but "
-            f"data has only {seen}; resume with the same data as the interrupted build."
-        )
 
 
 def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
@@ -206,10 +183,7 @@ def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
     Batches are split and merged (concatenated along the batch dimension) as needed; the
     order of examples is kept.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(
-            f"build_store: batch_size must be a positive int or None, got {batch_size!r}."
-        )
+    check_int(batch_size, "batch_size", optional=True, caller="build_store")
     pending: list[Batch] = []
     count = 0
     for batch in iter_batches(data):
@@ -252,14 +226,8 @@ def _batch_size(batch: Batch) -> int:
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    if isinstance(checkpoints, Checkpoint):
-        checkpoints = [checkpoints]
-    checkpoints = list(checkpoints)
-    if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise InvalidTypeError(
-            "build_store: checkpoints must be a non-empty list of tracinfunc.Checkpoint, got "
-            f"{[type(c).__name__ for c in checkpoints]}; e.g. [Checkpoint.from_module(model)]."
-        )
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint",
+                                  caller="build_store")
     layouts = {canonical_layout(c.params) for c in checkpoints}
     if len(layouts) > 1:
         raise IncompatibleGradientsError(
@@ -269,37 +237,15 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
     return checkpoints
 
 
-def _initial_meta(
-    checkpoints: list[Checkpoint],
-    layout: Layout,
-    projection: Projection,
-    dtype: torch.dtype,
-    dataset_fingerprint: str | None,
-) -> StoreMeta:
-    names = [c.name or f"checkpoint-{i}" for i, c in enumerate(checkpoints)]
-    if len(set(names)) != len(names):
-        raise InvalidArgumentError(
-            f"build_store: checkpoint names must be distinct, got {names}; name them apart, "
-            "e.g. Checkpoint.from_module(model, lr=0.1, name='epoch-3')."
-        )
-    return StoreMeta(
-        projection=projection,
-        checkpoints=tuple(
-            CheckpointMeta(name, c.lr, c.fingerprint)
-            for name, c in zip(names, checkpoints, strict=True)
-        ),
-        layout=layout,
-        n_train=0,
-        k=projection.output_dim(layout),
-        dtype=dtype_name(dtype),
-        complete=False,
-        library_version=__version__,
-        dataset_fingerprint=dataset_fingerprint,
-    )
-
-
 def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
     return next(iter(checkpoints[0].params.values())).device
+
+
+def _loss_for(loss: LossFn, checkpoint: Checkpoint, device: torch.device) -> LossFn:
+    """``loss`` with the checkpoint's buffers, on ``device`` (:func:`loss_at`)."""
+    if not checkpoint.buffers:
+        return loss
+    return loss_at(loss, replace(checkpoint, buffers=_params_on(checkpoint.buffers, device)))
 
 
 def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:
@@ -333,17 +279,3 @@ def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
             f"build_store: loss(params, example) must return a scalar tensor, got {shape}; "
             "reduce it (e.g. with .sum()) for one example."
         )
-
-
-def _check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:
-    finite = torch.isfinite(rows).all(dim=-1)  # [n_ckpt, b]
-    if bool(finite.all()):
-        return
-    ckpt, row = (~finite).nonzero()[0].tolist()
-    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
-    raise NonFiniteGradientError(
-        f"build_store: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients for "
-        f"examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
-        "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
-        "weights."
-    )

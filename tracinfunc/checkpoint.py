@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -13,8 +12,9 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
-from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
+from tracinfunc.errors import InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
+from tracinfunc.store.meta import check_lr
 from tracinfunc.types import LossFn, Params
 
 __all__ = ["Checkpoint", "loss_at", "params_fingerprint"]
@@ -68,19 +68,13 @@ class Checkpoint:
                     f"Checkpoint: parameter {key!r} has dtype {value.dtype}; gradients need a "
                     "floating-point dtype. Pass buffers/integer state through the loss instead."
                 )
-        if isinstance(self.lr, bool) or not isinstance(self.lr, int | float):
-            raise InvalidTypeError(
-                f"Checkpoint: lr must be a number (the learning rate weighting this "
-                f"checkpoint), got {type(self.lr).__name__}; e.g. lr=0.1."
-            )
-        if not math.isfinite(self.lr):
-            raise InvalidArgumentError(f"Checkpoint: lr must be finite, got {self.lr}.")
+        lr = check_lr(self.lr, caller="Checkpoint")
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"Checkpoint: name must be a str or None, got {self.name!r}.")
         # Frozen dataclass: the only way to store a normalised value is object.__setattr__.
         detached = {key: value.detach() for key, value in self.params.items()}
         object.__setattr__(self, "params", MappingProxyType(detached))
-        object.__setattr__(self, "lr", float(self.lr))
+        object.__setattr__(self, "lr", lr)
         if not isinstance(self.buffers, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, Tensor) for k, v in self.buffers.items()):
             raise InvalidTypeError(

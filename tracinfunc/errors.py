@@ -112,10 +112,6 @@ class RowRangeError(TracInFuncError, IndexError):
     """A checkpoint index or row range lies outside the store."""
 
 
-class MissingDependencyError(TracInFuncError, ImportError):
-    """An optional dependency is not installed; the message gives the install command."""
-
-
 class MissingParametersError(TracInFuncError, KeyError):
     """A state dict lacks parameters of the model it should fill."""
 
@@ -123,3 +119,8 @@ class MissingParametersError(TracInFuncError, KeyError):
 class OutputPathError(TracInFuncError, OSError):
     """A result file cannot be written where asked: it exists, or its directory is missing
     or not writable."""
+
+
+class MissingDependencyError(TracInFuncError, ImportError):
+    """An optional feature needs a package that is not installed; the message gives the
+    ``pip install`` command (e.g. ``pip install 'tracinfunc[hf]'``)."""

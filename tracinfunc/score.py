@@ -11,10 +11,12 @@ few chunks plus the output, never the store.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -23,9 +25,12 @@ from tracinfunc.errors import (
 )
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store.base import GradientStore
+from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
 from tracinfunc.store.meta import StoreMeta, check_compatible
 from tracinfunc.store.stream import compute_threads, stream_rows
+
+if TYPE_CHECKING:
+    from tracinfunc.search import SearchIndex
 
 __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 
@@ -43,6 +48,7 @@ _CPU_BF16_MATMUL = True
 _CPU_BF16_MAX_TEST = 128
 
 
+@entry_point("score")
 def score(
     store: GradientStore,
     test_grads: GradientStore | Tensor,
@@ -81,14 +87,14 @@ def score(
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
-    framework = resolve_output(output, like, caller="score")
-    test_grads = tensor_if_array(test_grads, caller="score")
+    framework = resolve_output(output, like, caller=current_caller())
+    test_grads = tensor_if_array(test_grads, caller=current_caller())
     meta = store.meta
-    _check_not_empty(meta, caller="score")
+    _check_not_empty(meta)
     device = _resolve_device(device, test_grads)
-    _check_test_type(test_grads, caller="score")
+    _check_test_type(test_grads)
     if isinstance(test_grads, Tensor):  # values are checked once, in score_chunks
-        _check_test_shape(meta, test_grads, caller="score")
+        _check_test_shape(meta, test_grads)
     n_test = test_grads.shape[1] if isinstance(test_grads, Tensor) else test_grads.meta.n_train
     dtype = _compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
     # Blocks are written straight into the output: no per-chunk allocation or copy.
@@ -99,6 +105,7 @@ def score(
     return to_framework(out, framework)
 
 
+@entry_point("top_k")
 def top_k(
     store: GradientStore,
     test_grads: GradientStore | Tensor,
@@ -111,6 +118,9 @@ def top_k(
     progress: ProgressArg = None,
     output: str | None = None,
     like: object = None,
+    index: SearchIndex | None = None,
+    nprobe: int | None = None,
+    candidates: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -123,20 +133,35 @@ def top_k(
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
+        index: A :class:`~tracinfunc.SearchIndex` (``tif.build_index``) of this store:
+            candidates come from it and are re-ranked exactly from the store, so only
+            candidate rows are read (see ``docs/search.md``). ``device``, ``chunk_rows`` and
+            ``progress`` do not apply; results are on the CPU.
+        nprobe, candidates: Clusters searched and rows re-ranked per test example, with
+            ``index`` only (see :func:`tracinfunc.search.indexed_top_k`).
 
     Returns:
         ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
         store (int64).
     """
-    framework = resolve_output(output, like, caller="top_k")
-    test_grads = tensor_if_array(test_grads, caller="top_k")
-    _check_not_empty(store.meta, caller="top_k")
+    framework = resolve_output(output, like, caller=current_caller())
+    test_grads = tensor_if_array(test_grads, caller=current_caller())
+    _check_not_empty(store.meta)
     n_train = store.meta.n_train
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
-        raise InvalidArgumentError(
-            f"top_k: k must be an int in [1, n_train={n_train}], got {k!r}; for every "
-            "training example use tif.score and sort."
-        )
+    check_int(k, "k", maximum=n_train, maximum_label="n_train",
+              fix="for every training example use tif.score and sort")
+    if index is not None or nprobe is not None or candidates is not None:
+        from tracinfunc.search import indexed_top_k  # search builds on score: import late
+
+        if index is None:
+            raise InvalidArgumentError(
+                "top_k: nprobe and candidates apply only to an approximate search; pass "
+                "index=tif.build_index(store) as well, or drop them for the exact scan."
+            )
+        values, indices = indexed_top_k(store, test_grads, k, index=index, nprobe=nprobe,
+                                        candidates=candidates, largest=largest,
+                                        normalize=normalize)
+        return to_framework(values, framework), to_framework(indices, framework)
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     for start, block in score_chunks(
@@ -155,6 +180,7 @@ def top_k(
     return to_framework(best_values, framework), to_framework(best_indices, framework)
 
 
+@entry_point("self_influence")
 def self_influence(
     store: GradientStore,
     *,
@@ -175,7 +201,7 @@ def self_influence(
     Returns:
         ``[n_train]``, float32 (float64 for float64 stores), on ``device``.
     """
-    framework = resolve_output(output, like, caller="self_influence")
+    framework = resolve_output(output, like, caller=current_caller())
     meta = store.meta
     dtype = _compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)
@@ -186,6 +212,7 @@ def self_influence(
     return to_framework(total, framework)
 
 
+@entry_point("score_chunks")
 def score_chunks(
     store: GradientStore,
     test_grads: GradientStore | Tensor,
@@ -216,10 +243,10 @@ def score_chunks(
         ``[start, start + rows)``. Write your own reduction over it; without ``out``,
         ``block`` is new for every chunk.
     """
-    test_grads = tensor_if_array(test_grads, caller="score_chunks")
+    test_grads = tensor_if_array(test_grads, caller=current_caller())
     meta = store.meta
     device = _resolve_device(device, test_grads)
-    test, test_norms = _test_matrix(meta, test_grads, caller="score")
+    test, test_norms = _test_matrix(meta, test_grads)
     dtype = _compute_dtype(meta.torch_dtype, test.dtype)
     # Fold lr_c (and the test side of the cosine) into the test rows once, not per chunk.
     lrs = torch.tensor(meta.lrs, dtype=dtype)
@@ -309,71 +336,68 @@ def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.devi
 def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
                 n_test: int) -> int:
     if chunk_rows is not None:
-        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-            raise InvalidArgumentError(
-                f"score: chunk_rows must be an int >= 1, got {chunk_rows!r}; pass None to "
-                "let score choose from its memory budget."
-            )
+        check_int(chunk_rows, "chunk_rows", optional=True,
+                  fix="pass None to let it choose from its memory budget")
         return min(chunk_rows, max(1, meta.n_train))
-    budget = _CHUNK_BUDGET_BYTES if hasattr(store, "_view_rows") else _STREAM_BUDGET_BYTES
+    in_memory = isinstance(store, SupportsRowViews)
+    budget = _CHUNK_BUDGET_BYTES if in_memory else _STREAM_BUDGET_BYTES
     rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)
-    # Whole stored chunks read fastest (no partial-chunk scratch copies).
-    stored = getattr(store, "chunk_rows", 1)
-    if isinstance(stored, int) and stored > 1 and rows < meta.n_train:
-        rows = max(stored, rows // stored * stored)
+    if rows < meta.n_train:  # whole stored chunks read fastest (no partial-chunk copies)
+        rows = aligned_rows(store, rows)
     return min(rows, max(1, meta.n_train))
 
 
 def _test_matrix(
-    meta: StoreMeta, test_grads: GradientStore | Tensor, *, caller: str
+    meta: StoreMeta, test_grads: GradientStore | Tensor
 ) -> tuple[Tensor, Tensor]:
     """Test gradients ``[n_ckpt, n_test, k]`` and their norms ``[n_ckpt, n_test]``, validated."""
     if isinstance(test_grads, Tensor):
-        _check_test_tensor(meta, test_grads, caller=caller)
+        _check_test_tensor(meta, test_grads)
         return test_grads, test_grads.to(_compute_dtype(test_grads.dtype)).norm(dim=-1)
-    _check_test_type(test_grads, caller=caller)
-    check_compatible(meta, test_grads.meta, caller=caller)
+    _check_test_type(test_grads)
+    check_compatible(meta, test_grads.meta, caller=current_caller())
     n_test = test_grads.meta.n_train
     rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
     norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
     return rows, norms
 
 
-def _check_test_type(test_grads: object, *, caller: str) -> None:
+def _check_test_type(test_grads: object) -> None:
     if not isinstance(test_grads, Tensor | GradientStore):
         raise InvalidTypeError(
-            f"{caller}: test_grads must be a GradientStore or a tensor [n_ckpt, n_test, k], "
-            f"got {type(test_grads).__name__}."
+            f"{current_caller()}: test_grads must be a GradientStore or a tensor "
+            f"[n_ckpt, n_test, k], got {type(test_grads).__name__}."
         )
 
 
-def _check_test_tensor(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
-    _check_test_shape(meta, test, caller=caller)
+def _check_test_tensor(meta: StoreMeta, test: Tensor) -> None:
+    _check_test_shape(meta, test)
     if not bool(torch.isfinite(test).all()):
         raise NonFiniteGradientError(
-            f"{caller}: test gradients contain NaN or inf; check the loss on those examples."
+            f"{current_caller()}: test gradients contain NaN or inf; check the loss on those "
+            "examples."
         )
 
 
-def _check_test_shape(meta: StoreMeta, test: Tensor, *, caller: str) -> None:
+def _check_test_shape(meta: StoreMeta, test: Tensor) -> None:
     if test.ndim != 3 or test.shape[0] != meta.n_ckpt or test.shape[2] != meta.k:
         raise IncompatibleGradientsError(
-            f"{caller}: test gradients must be [n_ckpt={meta.n_ckpt}, n_test, k={meta.k}], got "
-            f"{list(test.shape)}; build them with projection=store.projection and the store's "
-            "checkpoints (e.g. tif.build_store(loss, checkpoints, test_batch, "
-            "projection=store.projection))."
+            f"{current_caller()}: test gradients must be [n_ckpt={meta.n_ckpt}, n_test, "
+            f"k={meta.k}], got {list(test.shape)}; build them with "
+            "projection=store.projection and the store's checkpoints (e.g. "
+            "tif.build_store(loss, checkpoints, test_batch, projection=store.projection))."
         )
     if not test.is_floating_point():
         raise InvalidTypeError(
-            f"{caller}: test gradients must be floating point, got {test.dtype}; pass the "
-            "rows projected_grads or build_store made."
+            f"{current_caller()}: test gradients must be floating point, got {test.dtype}; "
+            "pass the rows projected_grads or build_store made."
         )
 
 
-def _check_not_empty(meta: StoreMeta, *, caller: str) -> None:
+def _check_not_empty(meta: StoreMeta) -> None:
     if meta.n_train < 1:
         raise InvalidArgumentError(
-            f"{caller}: the store holds no rows (n_train=0); nothing to score. Build it "
+            f"{current_caller()}: the store holds no rows (n_train=0); nothing to score. Build it "
             "from non-empty training data."
         )
 

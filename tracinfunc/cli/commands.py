@@ -14,25 +14,20 @@ after the command.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import zarr
 
 import tracinfunc as tif
 from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
-from tracinfunc.progress import progress_bar
-from tracinfunc.store._zarr_layout import read_meta
 
 __all__ = ["main"]
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_VERIFY_BYTES = 64 * 2**20  # rows read at once by info --verify
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,7 +193,7 @@ def _build(args: argparse.Namespace) -> int:
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
         store=_zarr_writer(args.out, replace=args.overwrite), progress=_progress(args),
-        **_gradient_options(args, spec),
+        options=_gradient_options(args, spec),
     )
     print(f"wrote {store}")
     return 0
@@ -212,7 +207,7 @@ def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
     if not path.exists():
         return
     try:
-        meta = _read_meta(path, caller=caller)
+        meta = tif.read_store_meta(path, caller=caller)
     except Exception as error:
         raise tif.StoreExistsError(
             f"{caller}: --out {shown!r} exists and is not a tracinfunc store ({error}); choose "
@@ -245,25 +240,25 @@ def _zarr_writer(path: Path, *, replace: bool) -> Callable[[tif.StoreMeta], tif.
     :func:`_check_build_out` found there, finished or not, before writing."""
     def make(meta: tif.StoreMeta) -> tif.ZarrWriter:
         if replace and path.exists():
-            shutil.rmtree(path)
+            tif.remove_store(path, caller="tracinfunc build --overwrite")
         return tif.ZarrWriter(path, meta)
 
     return make
 
 
-def _gradient_options(args: argparse.Namespace, spec: Spec) -> dict:
-    """The keyword options of build_store that the gradient flags ask for."""
+def _gradient_options(args: argparse.Namespace, spec: Spec, *,
+                      default_select: Sequence[str] | None = None) -> tif.GradientOptions:
+    """The gradient options the flags ask for (``default_select`` without --layers)."""
     if args.layers and args.last_layers:
         raise SpecError("pass --layers or --last-layers, not both.")
     if args.offload and not args.checkpointing:
         raise SpecError("--offload moves checkpointed stage boundaries: add --checkpointing.")
     select = (args.layers if args.layers else
-              tif.last_layers(args.last_layers) if args.last_layers else None)
-    return {
-        "chunk_size": args.chunk_size, "memory_budget": args.memory_budget, "select": select,
-        "mixed_precision": _AUTOCAST.get(args.mixed_precision),
-        "stages": _stages(spec) if args.checkpointing else None, "offload": args.offload,
-    }
+              tif.last_layers(args.last_layers) if args.last_layers else default_select)
+    return tif.GradientOptions(
+        chunk_size=args.chunk_size, memory_budget=args.memory_budget, select=select,
+        mixed_precision=_AUTOCAST.get(args.mixed_precision),
+        stages=_stages(spec) if args.checkpointing else None, offload=args.offload)
 
 
 def _stages(spec: Spec) -> tif.Stages:
@@ -298,19 +293,9 @@ def _progress(args: argparse.Namespace) -> bool | None:
     return False if args.quiet else None  # None: bars on a terminal only
 
 
-def _read_meta(path: Path, *, caller: str) -> tif.StoreMeta:
-    """The metadata of the store at ``path``, finished or not, read without opening it."""
-    if not (path / "zarr.json").is_file():
-        raise tif.StoreNotFoundError(
-            f"{caller}: no gradient store at {str(path)!r} (no zarr.json there); build one "
-            f"with 'tracinfunc build --spec FILE.py:FUNCTION --out {path}'."
-        )
-    return read_meta(zarr.open_group(path, mode="r"), path, caller=caller)
-
-
 def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="score")
-    store = tif.GradientStore.open(str(args.store))
+    store = tif.open_store(str(args.store))
     test = _test_gradients(args, store)
     if args.top_k is not None:
         values, indices = tif.top_k(store, test, k=args.top_k, largest=not args.opponents,
@@ -325,7 +310,7 @@ def _score(args: argparse.Namespace) -> int:
 
 def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.GradientStore:
     if args.test_store is not None:
-        return tif.GradientStore.open(str(args.test_store))
+        return tif.open_store(str(args.test_store))
     if args.spec is None:
         raise SpecError("score: pass --spec (with --test NAME) or --test-store PATH.")
     spec = load_spec(args.spec)
@@ -333,25 +318,26 @@ def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.G
         raise SpecError(f"score: the spec has no test set {args.test!r}; it has "
                         f"{sorted(spec.test or {})}.")
     checkpoints = _checkpoints(spec, args.checkpoints)
-    options = _gradient_options(args, spec)
-    if options["select"] is None:  # the store's own parameters, so the layouts match
-        options["select"] = [name for name, _ in store.meta.layout]
+    # By default the store's own parameters, so the layouts match.
+    options = _gradient_options(args, spec,
+                                default_select=[name for name, _ in store.meta.layout])
     return tif.build_store(spec.loss, checkpoints, spec.test[args.test],
-                           projection=store.projection, progress=_progress(args), **options)
+                           projection=store.projection, progress=_progress(args),
+                           options=options)
 
 
 def _self_influence(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="self-influence")
-    store = tif.GradientStore.open(str(args.store))
+    store = tif.open_store(str(args.store))
     write_results(args.output, {"self_influence": tif.self_influence(store)}, columns="vector")
     print(f"wrote {args.output}")
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    meta = _read_meta(args.store, caller="tracinfunc info")
+    meta = tif.read_store_meta(args.store, caller="tracinfunc info")
     # Opening checks the arrays against the metadata; an incomplete store cannot be opened.
-    store = tif.GradientStore.open(str(args.store)) if meta.complete else None
+    store = tif.open_store(str(args.store)) if meta.complete else None
     size = sum(f.stat().st_size for f in args.store.rglob("*") if f.is_file())
     resume = (f"continue it with 'tracinfunc build ... --out {args.store} --resume' and the "
               "arguments it was started with")
@@ -373,25 +359,9 @@ def _info(args: argparse.Namespace) -> int:
                 f"tracinfunc info --verify: {str(args.store)!r} is incomplete "
                 f"({meta.n_train} rows written); {resume}, then verify it."
             )
-        _verify(store, progress=_progress(args))
+        tif.verify_store(store, progress=_progress(args))
         print("verify      every row and norm read back and matched its checksum")
     return 0
-
-
-def _verify(store: tif.GradientStore, *, progress: bool | None) -> None:
-    """Read every row and every norm of every checkpoint: each chunk checks its crc32c."""
-    meta = store.meta
-    chunk = getattr(store, "chunk_rows", 1)  # whole chunks: none is read twice
-    step = max(chunk, _VERIFY_BYTES // (meta.k * meta.torch_dtype.itemsize) // chunk * chunk)
-    buffer = torch.empty(min(step, meta.n_train), meta.k, dtype=meta.torch_dtype)
-    with progress_bar(progress, total=meta.n_ckpt * meta.n_train,
-                      desc="tracinfunc info --verify", unit="row") as bar:
-        for ckpt in range(meta.n_ckpt):
-            for start in range(0, meta.n_train, step):
-                stop = min(meta.n_train, start + step)
-                store.read_rows(ckpt, start, stop, out=buffer)
-                store.read_norms(ckpt, start, stop)  # own chunks, own checksums
-                bar.update(stop - start)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -8,6 +8,7 @@ inside the vmap. The memory and speed options compose: :mod:`~tracinfunc.grads.s
 (``memory_budget=``), and :mod:`~tracinfunc.grads.factorized` (``kind="kronecker"``).
 """
 
+from tracinfunc.grads.options import GradientOptions
 from tracinfunc.grads.transforms import per_sample_grads, projected_grads
 
-__all__ = ["per_sample_grads", "projected_grads"]
+__all__ = ["GradientOptions", "per_sample_grads", "projected_grads"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 
+from tracinfunc._validate import check_int
 from tracinfunc.errors import InvalidArgumentError, MemoryBudgetError
 
 __all__ = ["DEFAULT_COPIES", "check_memory_budget", "chunk_size_for_budget"]
@@ -25,11 +26,8 @@ def check_memory_budget(memory_budget: object, chunk_size: int | None, *, caller
     """Validate ``memory_budget`` (positive int bytes or None) against ``chunk_size``."""
     if memory_budget is None:
         return
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
-        raise InvalidArgumentError(
-            f"{caller}: memory_budget must be a positive number of bytes or None, got "
-            f"{memory_budget!r}; e.g. memory_budget=2 * 2**30 for 2 GiB."
-        )
+    check_int(memory_budget, "memory_budget", caller=caller, optional=True,
+              wanted="a positive number of bytes", fix="e.g. memory_budget=2 * 2**30 for 2 GiB")
     if chunk_size is not None:
         raise InvalidArgumentError(
             f"{caller}: pass chunk_size or memory_budget, not both (got chunk_size="

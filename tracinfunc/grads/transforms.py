@@ -17,23 +17,23 @@ rounding (mixed precision aside, which is an approximation):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
+from tracinfunc._validate import check_bool, current_caller, entry_point
 from tracinfunc.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     LossFunctionError,
     TrainModeError,
 )
-from tracinfunc.grads.chunking import check_memory_budget, chunk_size_for_budget
-from tracinfunc.grads.precision import check_mixed_precision, with_mixed_precision
-from tracinfunc.grads.selection import Selection, check_select, selected_names
-from tracinfunc.grads.staged import largest_stage_size, stage_selection, staged_grads
+from tracinfunc.grads.options import GradientOptions, gradient_options
+from tracinfunc.grads.precision import with_mixed_precision
+from tracinfunc.grads.selection import Selection
+from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.types import Batch, Example, LossFn, Params
@@ -41,6 +41,7 @@ from tracinfunc.types import Batch, Example, LossFn, Params
 __all__ = ["per_sample_grads", "projected_grads"]
 
 
+@entry_point("per_sample_grads")
 def per_sample_grads(
     loss: LossFn,
     *,
@@ -51,6 +52,7 @@ def per_sample_grads(
     stages: Stages | None = None,
     offload: bool = False,
     memory_budget: int | None = None,
+    options: GradientOptions | None = None,
 ) -> Callable[[Params, Batch], dict[str, Tensor]]:
     """Per-example gradients of ``loss`` with respect to ``params``: ``vmap(grad(loss))``.
 
@@ -74,6 +76,8 @@ def per_sample_grads(
         memory_budget: Bytes for per-example gradients; chooses ``chunk_size``
             (:func:`~tracinfunc.chunk_size_for_budget`). The output itself, ``b`` full
             gradients, is not bounded by it: use :func:`projected_grads` for that.
+        options: All of the above (but ``has_aux``) as one
+            :class:`~tracinfunc.GradientOptions`, instead of the keywords.
 
     Returns:
         ``fn(params, batch) -> {name: [b, *shape]}`` for the selected parameters; with
@@ -83,26 +87,30 @@ def per_sample_grads(
         >>> psg = per_sample_grads(loss)
         >>> grads = psg(params, (x, y))   # {"fc.weight": [b, out, in], ...}
     """
-    options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
-                            memory_budget, caller="per_sample_grads")
+    options = gradient_options(
+        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget)
+    _check_has_aux(has_aux, options)
     check_staged = _StagesCheck(loss, options.stages)
 
+    @entry_point("per_sample_grads")
     def per_sample_grads_fn(params: Params, batch: Batch) -> dict[str, Tensor]:
-        names, per_stage, chunk = options.resolve(params, caller="per_sample_grads")
+        names, per_stage, chunk = options.resolve(params)
         if per_stage is None:
-            return _plain_per_sample(loss, params, batch, names, chunk, options)
-        check_staged(params, batch, caller="per_sample_grads")
+            return _plain_per_sample(loss, params, batch, names, chunk, options, has_aux)
+        check_staged(params, batch, caller=current_caller())
         results = staged_grads(
             options.stages, params, batch, per_stage=per_stage,
             transform=lambda index, grads: grads, chunk_size=chunk,
             mixed_precision=options.mixed_precision, offload=options.offload,
-            caller="per_sample_grads")
+            caller=current_caller())
         merged = {name: g for _, grads in results for name, g in grads.items()}
         return {name: merged[name] for name in names}
 
     return per_sample_grads_fn
 
 
+@entry_point("projected_grads")
 def projected_grads(
     loss: LossFn,
     projection: Projection,
@@ -115,6 +123,7 @@ def projected_grads(
     offload: bool = False,
     memory_budget: int | None = None,
     compile_projection: bool = False,
+    options: GradientOptions | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -139,6 +148,8 @@ def projected_grads(
         compile_projection: Generate dense projection blocks with ``torch.compile``
             (``make_projector(compile=True)``): same numbers, ~9x faster generation after a
             one-off compile; for large models with ``kind="rademacher"``.
+        options: All of the above (but ``has_aux``) as one
+            :class:`~tracinfunc.GradientOptions`, instead of the keywords.
 
     Returns:
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
@@ -152,96 +163,48 @@ def projected_grads(
             "projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
-    options = _Options.make(has_aux, chunk_size, select, mixed_precision, stages, offload,
-                            memory_budget, caller="projected_grads")
-    if projection.kind == "kronecker" and replace(options, select=None).plain():
-        # Factorised path for any loss (layer weights never materialised; a loss that calls
-        # no layer falls back inside it to the same projection). With a memory option the
-        # generic path below computes the same Kronecker projection, from the materialised
-        # gradient. Imported here: the module imports this one.
+    options = gradient_options(
+        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget,
+        compile_projection=compile_projection)
+    _check_has_aux(has_aux, options)
+    if (projection.kind == "kronecker" and not has_aux and options.mixed_precision is None
+            and options.stages is None and options.memory_budget is None):
+        # Factorised path for any loss, select= included (layer weights never materialised;
+        # a loss that calls no layer falls back inside it to the same projection). With a
+        # memory option the generic path below computes the same Kronecker projection, from
+        # the materialised gradient. Imported here: the module imports this one.
         from tracinfunc.grads.factorized import factorized_projected_grads
 
-        factorized = factorized_projected_grads(loss, projection, chunk_size=chunk_size,
+        factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
                                                 select=options.select)
         return lambda params, batch: _call_loss_transform(factorized, params, batch,
-                                                          caller="projected_grads")
-    if not isinstance(compile_projection, bool):
-        raise InvalidTypeError(f"projected_grads: compile_projection must be True or False, got "
-                        f"{compile_projection!r}.")
-    projector_for = _projector_cache(projection, compile=compile_projection)
+                                                          caller=current_caller())
+    projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 
+    @entry_point("projected_grads")
     def projected_grads_fn(params: Params, batch: Batch) -> Tensor:
-        names, per_stage, chunk = options.resolve(params, caller="projected_grads")
+        names, per_stage, chunk = options.resolve(params)
         if per_stage is None:
             project = projector_for({name: params[name] for name in names})
-            return _plain_projected(loss, project, params, batch, names, chunk, options)
-        check_staged(params, batch, caller="projected_grads")
+            return _plain_projected(loss, project, params, batch, names, chunk, options,
+                                    has_aux)
+        check_staged(params, batch, caller=current_caller())
         return _staged_projected(projection, projector_for, params, batch, names, per_stage,
                                  chunk, options)
 
     return projected_grads_fn
 
 
-@dataclass(frozen=True)
-class _Options:
-    """The validated memory and speed options shared by both transforms."""
-
-    has_aux: bool
-    chunk_size: int | None
-    select: Any
-    mixed_precision: torch.dtype | None
-    stages: Stages | None
-    offload: bool
-    memory_budget: int | None
-
-    @classmethod
-    def make(cls, has_aux, chunk_size, select, mixed_precision, stages, offload, memory_budget, *,
-             caller: str) -> _Options:
-        _check_chunk_size(chunk_size, caller=caller)
-        check_memory_budget(memory_budget, chunk_size, caller=caller)
-        if stages is not None and not isinstance(stages, Stages):
-            raise InvalidTypeError(
-                f"{caller}: stages must be a tracinfunc.Stages, got {type(stages).__name__}; "
-                "build one with model_stages(model, criterion)."
-            )
-        if not isinstance(has_aux, bool):
-            raise InvalidTypeError(f"{caller}: has_aux must be True or False, got {has_aux!r}.")
-        if has_aux and stages is not None:
-            raise InvalidArgumentError(
-                f"{caller}: has_aux=True cannot be combined with stages=: a staged backward "
-                "runs the model stage by stage and never calls the loss as a whole, so there "
-                "is no aux to return. Drop one of them."
-            )
-        if not isinstance(offload, bool):
-            raise InvalidTypeError(f"{caller}: offload must be True or False, got {offload!r}.")
-        if offload and stages is None:
-            raise InvalidArgumentError(
-                f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
-                "stages=; pass stages=model_stages(model, criterion)."
-            )
-        return cls(has_aux, chunk_size, check_select(select, caller=caller),
-                   check_mixed_precision(mixed_precision, caller=caller), stages, offload,
-                   memory_budget)
-
-    def plain(self) -> bool:
-        """No option beyond ``chunk_size``: the transform is plain ``vmap(grad(loss))``."""
-        return (not self.has_aux and self.select is None and self.mixed_precision is None
-                and self.stages is None and self.memory_budget is None)
-
-    def resolve(self, params: Params, *, caller: str):
-        """``(selected names, per-stage names or None, chunk size)`` for these params."""
-        names = selected_names(params, self.select, caller=caller)
-        per_stage = None if self.stages is None else stage_selection(
-            self.stages, names, caller=caller)
-        chunk = self.chunk_size
-        if self.memory_budget is not None:
-            n_params = (largest_stage_size(per_stage, params) if per_stage is not None
-                        else sum(params[name].numel() for name in names))
-            itemsize = next(iter(params.values())).element_size()
-            chunk = chunk_size_for_budget(self.memory_budget, n_params, itemsize=itemsize,
-                                          caller=caller)
-        return names, per_stage, chunk
+def _check_has_aux(has_aux: Any, options: GradientOptions) -> None:
+    check_bool(has_aux, "has_aux")
+    if has_aux and options.stages is not None:
+        raise InvalidArgumentError(
+            f"{current_caller()}: has_aux=True cannot be combined with stages=: a staged "
+            "backward runs the model stage by stage and never calls the loss as a whole, so "
+            "there is no aux to return. Drop one of them."
+        )
 
 
 class _StagesCheck:
@@ -262,7 +225,7 @@ def _split(params: Params, names: tuple[str, ...]) -> tuple[dict, dict]:
             {name: value for name, value in params.items() if name not in chosen})
 
 
-def _selected_loss(loss: LossFn, params: Params, options: _Options, caller: str):
+def _selected_loss(loss: LossFn, params: Params, options: GradientOptions, caller: str):
     """``loss(selected, frozen, example)``, under autocast if asked."""
 
     def selected_loss(selected: Params, frozen: Params, example: Example) -> Tensor:
@@ -272,26 +235,26 @@ def _selected_loss(loss: LossFn, params: Params, options: _Options, caller: str)
     return with_mixed_precision(selected_loss, options.mixed_precision, device, caller=caller)
 
 
-def _plain_per_sample(loss, params, batch, names, chunk, options) -> dict[str, Tensor]:
+def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
+                      ) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
-    fn = _selected_loss(loss, params, options, "per_sample_grads")
-    batched = vmap(grad(fn, has_aux=options.has_aux), in_dims=(None, None, 0), chunk_size=chunk)
-    return _call_loss_transform(batched, selected, frozen, batch, caller="per_sample_grads")
+    fn = _selected_loss(loss, params, options, current_caller())
+    batched = vmap(grad(fn, has_aux=has_aux), in_dims=(None, None, 0), chunk_size=chunk)
+    return _call_loss_transform(batched, selected, frozen, batch, caller=current_caller())
 
 
-def _plain_projected(loss, project, params, batch, names, chunk, options) -> Tensor:
+def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
-    grad_fn = grad(_selected_loss(loss, params, options, "projected_grads"),
-                   has_aux=options.has_aux)
+    grad_fn = grad(_selected_loss(loss, params, options, current_caller()), has_aux=has_aux)
 
     def one_example(selected: Params, frozen: Params, example: Example) -> Any:
-        if options.has_aux:
+        if has_aux:
             grads, aux = grad_fn(selected, frozen, example)
             return project(grads), aux
         return project(grad_fn(selected, frozen, example))
 
     batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
-    return _call_loss_transform(batched, selected, frozen, batch, caller="projected_grads")
+    return _call_loss_transform(batched, selected, frozen, batch, caller=current_caller())
 
 
 def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,
@@ -310,7 +273,7 @@ def _staged_projected(projection, projector_for, params, batch, names, per_stage
     results = staged_grads(
         options.stages, params, batch, per_stage=per_stage, transform=transform,
         chunk_size=chunk, mixed_precision=options.mixed_precision, offload=options.offload,
-        caller="projected_grads")
+        caller=current_caller())
     if projection.kind == "identity":
         flat = {name: g for _, part in results for name, g in part.items()}
         return torch.cat([flat[name] for name in sorted(names)], dim=1)
@@ -365,13 +328,3 @@ def explain_loss_error(error: Exception, *, caller: str) -> Exception | None:
             "`example` has no batch dimension."
         )
     return None
-
-
-def _check_chunk_size(chunk_size: int | None, *, caller: str) -> None:
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise InvalidArgumentError(
-            f"{caller}: chunk_size must be a positive int or None, got {chunk_size!r}."
-        )
-

@@ -20,10 +20,7 @@ import torch
 from jax import tree_util
 
 from tracinfunc import checkpoint as torch_checkpoint
-from tracinfunc._version import __version__
-from tracinfunc.build import _check_finite
 from tracinfunc.errors import (
-    EmptyDataError,
     IncompatibleGradientsError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -32,13 +29,16 @@ from tracinfunc.errors import (
 from tracinfunc.interop import as_tensor
 from tracinfunc.jax.grads import as_jax_tree, projected_grads
 from tracinfunc.jax.layout import ParamMapping
-from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection
 from tracinfunc.store.base import GradientStore
-from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.store.meta import check_lr
 from tracinfunc.store.writer import StoreTarget, make_writer
 
 __all__ = ["Checkpoint", "build_store"]
+
+_CALLER = "tracinfunc.jax.build_store"
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,15 +57,12 @@ class Checkpoint:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not (
-                math.isfinite(self.lr)):
-            raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: lr must be a finite number, got "
-                            f"{self.lr!r}.")
+        lr = check_lr(self.lr, caller="tracinfunc.jax.Checkpoint")
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
         object.__setattr__(self, "params", as_jax_tree(self.params))
-        object.__setattr__(self, "lr", float(self.lr))
+        object.__setattr__(self, "lr", lr)
 
     def to_torch(self, mapping: ParamMapping | None = None) -> torch_checkpoint.Checkpoint:
         """The torch :class:`tracinfunc.Checkpoint` with the same weights in torch layout.
@@ -126,41 +123,22 @@ def build_store(
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
     mapping = mapping or ParamMapping.identity(checkpoints[0].params)
-    meta = _initial_meta(checkpoints, mapping, projection, _storage_dtype(dtype),
-                         dataset_fingerprint)
-    grads_fn = projected_grads(loss, projection, mapping=mapping, chunk_size=chunk_size)
-    writer = make_writer(store, meta, caller="tracinfunc.jax.build_store")
-    resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
-    seen = 0
-    bar = progress_bar(progress, total=None, desc="jax.build_store", unit="ex")
-    bar.update(resume_at)
-    for batch in iter_batches(data):
-        b = tree_util.tree_leaves(batch)[0].shape[0]
-        seen += b
-        if b == 0 or seen <= resume_at:  # stored before the interruption: no gradients
-            continue
-        if writer.rows_written == resume_at:
-            _check_loss(loss, checkpoints[0].params, batch)
-        rows = jnp.stack([grads_fn(ckpt.params, batch) for ckpt in checkpoints])  # [n_ckpt,b,k]
-        # A batch straddling the resume point is computed whole, as in the first build, and
-        # its already-stored head dropped, so the kept rows are the same bits.
-        rows = rows[:, max(0, resume_at - (seen - b)) :]
-        rows_t = as_tensor(rows, caller="tracinfunc.jax.build_store")
-        _check_finite(rows_t, meta, first_row=writer.rows_written)
-        writer.append(rows_t, as_tensor(jnp.linalg.norm(rows, axis=-1)))
-        bar.update(rows.shape[1])
-    bar.close()
-    if seen < resume_at:
-        raise EmptyDataError(
-            f"tracinfunc.jax.build_store: the incomplete store already holds {resume_at} rows "
-            f"but data has only {seen}; resume with the same data as the interrupted build."
-        )
-    if writer.rows_written == 0:
-        raise EmptyDataError(
-            "tracinfunc.jax.build_store: data holds no examples; pass a non-empty batch or an "
-            "iterable of batches (arrays, or tuples/dicts of arrays)."
-        )
-    return writer.finish()
+    meta = new_store_meta(
+        [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
+        mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint, caller=_CALLER)
+    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), mapping=mapping,
+                                 chunk_size=chunk_size) for c in meta.checkpoints]
+    writer = make_writer(store, meta, caller=_CALLER)
+
+    def rows_of(batch: Any) -> torch.Tensor:  # [n_ckpt, b, k]
+        rows = jnp.stack([grads_fn(ckpt.params, batch)
+                          for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)])
+        return as_tensor(rows, caller=_CALLER)
+
+    batches = ((tree_util.tree_leaves(batch)[0].shape[0], batch) for batch in iter_batches(data))
+    return fill_store(writer, batches, rows_of, meta=meta,
+                      check_first=lambda batch: _check_loss(loss, checkpoints[0].params, batch),
+                      progress=progress, caller=_CALLER)
 
 
 def iter_batches(data: Any) -> Iterator[Any]:
@@ -197,14 +175,8 @@ def _storage_dtype(dtype: Any) -> torch.dtype:
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    if isinstance(checkpoints, Checkpoint):
-        checkpoints = [checkpoints]
-    checkpoints = list(checkpoints)
-    if not checkpoints or not all(isinstance(c, Checkpoint) for c in checkpoints):
-        raise InvalidTypeError(
-            "tracinfunc.jax.build_store: checkpoints must be a non-empty sequence of "
-            "tracinfunc.jax.Checkpoint; e.g. [Checkpoint(params, lr=0.1, name='epoch-1')]."
-        )
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.jax.Checkpoint",
+                                  caller=_CALLER)
     structures = {tree_util.tree_structure(c.params) for c in checkpoints}
     shapes = {tuple(x.shape for x in tree_util.tree_leaves(c.params)) for c in checkpoints}
     if len(structures) > 1 or len(shapes) > 1:
@@ -213,27 +185,6 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
             "all checkpoints must be snapshots of the same model."
         )
     return checkpoints
-
-
-def _initial_meta(checkpoints, mapping, projection, dtype, dataset_fingerprint) -> StoreMeta:
-    names = [c.name or f"checkpoint-{i}" for i, c in enumerate(checkpoints)]
-    if len(set(names)) != len(names):
-        raise InvalidArgumentError(
-            f"tracinfunc.jax.build_store: checkpoint names must be distinct, got {names}.")
-    return StoreMeta(
-        projection=projection,
-        checkpoints=tuple(
-            CheckpointMeta(name, c.lr, c.to_torch(mapping).fingerprint)
-            for name, c in zip(names, checkpoints, strict=True)
-        ),
-        layout=mapping.layout,
-        n_train=0,
-        k=projection.output_dim(mapping.layout),
-        dtype=dtype_name(dtype),
-        complete=False,
-        library_version=__version__,
-        dataset_fingerprint=dataset_fingerprint,
-    )
 
 
 def _check_loss(loss: Any, params: Any, batch: Any) -> None:

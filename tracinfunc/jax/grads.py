@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
+from tracinfunc._validate import check_int
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
@@ -40,7 +41,7 @@ def per_sample_grads(
         ``[b, *shape]`` (``(grads, aux)`` with ``has_aux``). Torch tensors in ``params`` or
         ``batch`` are imported through DLPack.
     """
-    _check_chunk_size(chunk_size, "tracinfunc.jax.per_sample_grads")
+    check_int(chunk_size, "chunk_size", optional=True, caller="tracinfunc.jax.per_sample_grads")
     batched = jax.jit(jax.vmap(jax.grad(loss, has_aux=has_aux), in_axes=(None, 0)))
 
     def per_sample_grads_fn(params: Any, batch: Any) -> Any:
@@ -75,7 +76,7 @@ def projected_grads(
             "tracinfunc.jax.projected_grads: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
         )
-    _check_chunk_size(chunk_size, "tracinfunc.jax.projected_grads")
+    check_int(chunk_size, "chunk_size", optional=True, caller="tracinfunc.jax.projected_grads")
     compiled: dict[Any, tuple[Projector, Callable]] = {}
 
     def compile_for(params: Any) -> tuple[Projector, Callable]:
@@ -130,9 +131,3 @@ def _in_chunks(fn: Callable, params: Any, batch: Any, chunk_size: int | None) ->
     return tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
-def _check_chunk_size(chunk_size: int | None, caller: str) -> None:
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise InvalidArgumentError(f"{caller}: chunk_size must be a positive int or None, got "
-                         f"{chunk_size!r}.")

@@ -11,7 +11,7 @@ has no 64-bit integers, so it is assembled from 16-bit halves (exact).
 (in torch layout, after :class:`~tracinfunc.jax.ParamMapping`) is read as ``G [d_out, d_in]``
 and projected to ``(P_out.T @ G @ P_in).reshape(k)``, with the side factors keyed by
 :func:`tracinfunc.projection.kronecker_seeds` and split by
-:func:`~tracinfunc.projection.kronecker_split`; vectors use the Rademacher block.
+:func:`~tracinfunc.projection.keys.side_split`; vectors use the Rademacher block.
 
 Projections run in the gradients' dtype with ``Precision.HIGHEST`` matmuls, so GPUs and TPUs
 do not silently drop to TF32/bf16 passes.
@@ -19,6 +19,7 @@ do not silently drop to TF32/bf16 passes.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,10 +35,11 @@ from tracinfunc.projection.spec import (
     Projection,
     ProjectionPlan,
     check_block_args,
+    check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
-    kronecker_split,
     plan_projection,
+    side_split,
 )
 
 __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
@@ -142,26 +144,131 @@ def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
     shape = check_kronecker_args(projection, name, shape,
                                  caller="tracinfunc.jax.kronecker_factors")
     keys = kronecker_seeds(projection, name, shape)
-    return _kronecker_sides(keys, shape, projection.dim, jnp.float32)
+    return _kronecker_sides(keys, shape, projection, jnp.float32)
 
 
-def _kronecker_sides(keys, shape: tuple[int, ...], k: int, dtype) -> tuple[jax.Array, jax.Array]:
+def _kronecker_sides(keys, shape: tuple[int, ...], projection: Projection, dtype
+                     ) -> tuple[jax.Array, jax.Array]:
     """``(P_out, P_in)`` from ``kronecker_seeds`` keys: Rademacher rows from row 0."""
-    (k_out, k_in), (keys_out, keys_in) = kronecker_split(k), keys
+    (k_out, k_in), (keys_out, keys_in) = side_split(projection, shape), keys
     d_out, d_in = shape[0], math.prod(shape[1:])
     return (_rademacher_rows(keys_out, k_out, _rows(0, d_out), dtype),
             _rademacher_rows(keys_in, k_in, _rows(0, d_in), dtype))
 
 
-def _project_kronecker(flat: jax.Array, shape: tuple[int, ...], sides: tuple) -> jax.Array:
-    """``(P_out.T @ G @ P_in).reshape(k)``, contracted in the torch path's order."""
-    p_out, p_in = (side.astype(flat.dtype) for side in sides)
-    matrix = flat.reshape(shape[0], -1)  # [d_out, d_in], as torch's weight.reshape(d_out, -1)
-    if p_out.shape[1] <= p_in.shape[1]:  # contract the larger side with the smaller k first
-        left = jnp.matmul(p_out.T, matrix, precision=_HIGHEST)  # [k_out, d_in]
-        return jnp.matmul(left, p_in, precision=_HIGHEST).reshape(-1)  # [k_out, k_in] -> [k]
-    right = jnp.matmul(matrix, p_in, precision=_HIGHEST)  # [d_out, k_in]
-    return jnp.matmul(p_out.T, right, precision=_HIGHEST).reshape(-1)
+class _Block(abc.ABC):
+    """How one parameter's block is generated, budgeted and applied (as on the torch path).
+
+    ``project`` uses the cached block when there is one; otherwise it generates the block
+    slice by slice inside a ``lax.fori_loop`` on every call (same matrix).
+    """
+
+    always_cached = False  # True: generated even over the cache budget (small blocks)
+
+    @abc.abstractmethod
+    def cache_bytes(self, shape, plan: ProjectionPlan, itemsize: int) -> int:
+        """Bytes the cached block takes."""
+
+    @abc.abstractmethod
+    def rows(self, keys, plan: ProjectionPlan, rows: jax.Array, dtype) -> Any:
+        """Rows ``rows`` of the block, unscaled."""
+
+    @abc.abstractmethod
+    def apply_block(self, flat: jax.Array, block: Any, plan: ProjectionPlan) -> jax.Array:
+        """``flat [rows] @ block -> [k]``."""
+
+    @abc.abstractmethod
+    def row_elements(self, plan: ProjectionPlan) -> int:
+        """Hash elements per row (sizes the streamed slices)."""
+
+    def generate(self, keys, shape, plan: ProjectionPlan, dtype) -> Any:
+        return self.rows(keys, plan, _rows(0, math.prod(shape)), dtype)
+
+    def project(self, flat: jax.Array, block: Any, keys, plan: ProjectionPlan) -> jax.Array:
+        """``[numel] -> [k]``, unscaled."""
+        if block is not None:
+            return self.apply_block(flat, block, plan)
+        step = max(1, _SLICE_ELEMENTS // self.row_elements(plan))
+        n_slices = -(-flat.shape[0] // step)
+        padded = jnp.pad(flat, (0, n_slices * step - flat.shape[0])).reshape(n_slices, step)
+
+        def add_slice(i, total):
+            # uint32 before multiplying: int32 i * step would overflow past 2**31 rows.
+            rows = _rows(i.astype(jnp.uint32) * np.uint32(step), step)  # padding: zeros
+            block = self.rows(keys, plan, rows, flat.dtype)
+            return total + self.apply_block(padded[i], block, plan)
+
+        return lax.fori_loop(0, n_slices, add_slice, jnp.zeros(plan.k, flat.dtype))
+
+
+class _DenseBlock(_Block):
+    """Rademacher ``[numel, k]``: one matmul."""
+
+    def cache_bytes(self, shape, plan, itemsize):
+        return math.prod(shape) * plan.k * itemsize
+
+    def rows(self, keys, plan, rows, dtype):
+        return _rademacher_rows(keys, plan.k, rows, dtype)
+
+    def apply_block(self, flat, block, plan):
+        return jnp.matmul(flat, block.astype(flat.dtype), precision=_HIGHEST)
+
+    def row_elements(self, plan):
+        return plan.k
+
+
+class _SparseBlock(_Block):
+    """SJLT ``(cols, signs)`` ``[numel, nnz]``: a scatter-add costing ``p * nnz``."""
+
+    def cache_bytes(self, shape, plan, itemsize):
+        return math.prod(shape) * plan.projection.nnz * (4 + itemsize)
+
+    def rows(self, keys, plan, rows, dtype):
+        return _sjlt_rows(keys, plan.k, plan.projection.nnz, rows, dtype)
+
+    def apply_block(self, flat, block, plan):
+        cols, signs = block
+        return _scatter(plan.k, cols, flat[:, None] * signs.astype(flat.dtype))
+
+    def row_elements(self, plan):
+        return plan.projection.nnz
+
+
+class _KroneckerSides(_Block):
+    """``P_out.T @ G @ P_in`` for a matrix parameter; the sides are small, always cached."""
+
+    always_cached = True
+
+    def cache_bytes(self, shape, plan, itemsize):
+        k_out, k_in = side_split(plan.projection, shape)
+        return (shape[0] * k_out + math.prod(shape[1:]) * k_in) * itemsize
+
+    def generate(self, keys, shape, plan, dtype):
+        return _kronecker_sides(keys, shape, plan.projection, dtype)
+
+    def rows(self, keys, plan, rows, dtype):  # never streamed: always cached
+        return None
+
+    def apply_block(self, flat, block, plan):
+        p_out, p_in = (side.astype(flat.dtype) for side in block)
+        matrix = flat.reshape(p_out.shape[0], -1)  # [d_out, d_in], as weight.reshape(d_out, -1)
+        if p_out.shape[1] <= p_in.shape[1]:  # contract the larger side with the smaller k first
+            left = jnp.matmul(p_out.T, matrix, precision=_HIGHEST)  # [k_out, d_in]
+            return jnp.matmul(left, p_in, precision=_HIGHEST).reshape(-1)  # [k]
+        right = jnp.matmul(matrix, p_in, precision=_HIGHEST)  # [d_out, k_in]
+        return jnp.matmul(p_out.T, right, precision=_HIGHEST).reshape(-1)
+
+    def row_elements(self, plan):
+        return plan.k
+
+
+_DENSE, _SPARSE, _SIDES = _DenseBlock(), _SparseBlock(), _KroneckerSides()
+
+
+def _strategy(plan: ProjectionPlan, name: str) -> _Block:
+    if plan.projection.kind == "sjlt":
+        return _SPARSE
+    return _SIDES if plan.is_kronecker_matrix(name) else _DENSE
 
 
 class Projector:
@@ -181,10 +288,8 @@ class Projector:
     def __init__(self, plan: ProjectionPlan, dtype: Any, cache_bytes: int) -> None:
         self.plan, self.dtype = plan, dtype
         self.projection, self.layout, self.k = plan.projection, plan.layout, plan.k
-        self._keys = plan.keys
-        self._shapes = dict(plan.layout)
-        self._sparse = plan.projection.kind == "sjlt"
-        self._scale = plan.scale
+        self._strategies = ({} if plan.projection.kind == "identity" else
+                            {name: _strategy(plan, name) for name, _ in plan.layout})
         self.blocks = self._generate(cache_bytes)
         self._apply_jit = jax.jit(self.apply)
 
@@ -201,40 +306,17 @@ class Projector:
     def apply(self, blocks: Mapping[str, Any], grads: Mapping[str, jax.Array]) -> jax.Array:
         """``__call__`` with the blocks as an argument, for ``jax.jit`` (pass ``self.blocks``)."""
         self._check(grads)
-        if self.projection.kind == "identity":
+        if not self._strategies:  # identity: every entry, in sorted-name order
             return jnp.concatenate([jnp.ravel(grads[name]) for name, _ in self.layout])
         dtype = jnp.result_type(*(grads[name] for name, _ in self.layout))
         total = None
         for name, shape in self.layout:  # canonical order fixes the float summation order
             if math.prod(shape) > 0:
                 flat = jnp.ravel(grads[name]).astype(dtype)
-                part = self._project_one(name, flat, blocks.get(name))
+                part = self._strategies[name].project(flat, blocks.get(name),
+                                                      self.plan.keys[name], self.plan)
                 total = part if total is None else total + part
-        return total * jnp.asarray(self._scale, dtype)
-
-    def _project_one(self, name: str, flat: jax.Array, block: Any) -> jax.Array:
-        keys, k, nnz = self._keys[name], self.k, self.projection.nnz
-        if self._is_matrix_kronecker(name):
-            return _project_kronecker(flat, self._shapes[name], block)
-        if block is not None and not self._sparse:
-            return jnp.matmul(flat, block.astype(flat.dtype), precision=_HIGHEST)
-        if block is not None:
-            cols, signs = block
-            return _scatter(k, cols, flat[:, None] * signs.astype(flat.dtype))
-        step = max(1, _SLICE_ELEMENTS // (nnz if self._sparse else k))
-        n_slices = -(-flat.shape[0] // step)
-        padded = jnp.pad(flat, (0, n_slices * step - flat.shape[0])).reshape(n_slices, step)
-
-        def add_slice(i, total):
-            # uint32 before multiplying: int32 i * step would overflow past 2**31 rows.
-            rows = _rows(i.astype(jnp.uint32) * np.uint32(step), step)  # padding: zeros
-            if self._sparse:
-                cols, signs = _sjlt_rows(keys, k, nnz, rows, flat.dtype)
-                return total + _scatter(k, cols, padded[i][:, None] * signs)
-            block = _rademacher_rows(keys, k, rows, flat.dtype)
-            return total + jnp.matmul(padded[i], block, precision=_HIGHEST)
-
-        return lax.fori_loop(0, n_slices, add_slice, jnp.zeros(k, flat.dtype))
+        return total * jnp.asarray(self.plan.scale, dtype)
 
     def _generate(self, cache_bytes: int) -> dict[str, Any]:
         blocks: dict[str, Any] = {}
@@ -242,28 +324,16 @@ class Projector:
         itemsize = np.dtype(self.dtype).itemsize
         with jax.ensure_compile_time_eval():  # concrete arrays even if called under jit
             for name, shape in self.layout:
-                numel = math.prod(shape)
-                if not self._keys or numel == 0:
+                strategy = self._strategies.get(name)
+                if strategy is None or math.prod(shape) == 0:
                     continue
-                if self._is_matrix_kronecker(name):
-                    k_out, k_in = kronecker_split(self.k)
-                    left -= (shape[0] * k_out + numel // shape[0] * k_in) * itemsize
-                    blocks[name] = _kronecker_sides(self._keys[name], shape, self.k, self.dtype)
+                nbytes = strategy.cache_bytes(shape, self.plan, itemsize)
+                if nbytes > left and not strategy.always_cached:
                     continue
-                per_row = (self.projection.nnz * (4 + itemsize) if self._sparse
-                           else self.k * itemsize)
-                if numel * per_row > left:
-                    continue
-                left -= numel * per_row
-                rows = _rows(0, numel)
-                blocks[name] = (
-                    _sjlt_rows(self._keys[name], self.k, self.projection.nnz, rows, self.dtype)
-                    if self._sparse else
-                    _rademacher_rows(self._keys[name], self.k, rows, self.dtype))
+                left -= nbytes
+                blocks[name] = strategy.generate(self.plan.keys[name], shape, self.plan,
+                                                 self.dtype)
         return blocks
-
-    def _is_matrix_kronecker(self, name: str) -> bool:
-        return self.plan.is_kronecker_matrix(name)
 
     def _check(self, grads: Mapping[str, Any]) -> None:
         if not isinstance(grads, Mapping):
@@ -317,4 +387,5 @@ def make_projector(
             block-seed collision.
     """
     plan = plan_projection(projection, layout, caller="tracinfunc.jax.make_projector")
+    check_cache_bytes(cache_bytes, caller="tracinfunc.jax.make_projector")
     return Projector(plan, jnp.dtype(dtype), cache_bytes)

@@ -6,6 +6,7 @@ module only turns them into tensors, with one small block strategy per kind.
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._validate import check_bool
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection import _kernels
 from tracinfunc.projection.spec import (
@@ -21,10 +23,11 @@ from tracinfunc.projection.spec import (
     Projection,
     ProjectionPlan,
     check_block_args,
+    check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
-    kronecker_split,
     plan_projection,
+    side_split,
 )
 
 __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
@@ -39,12 +42,12 @@ def kronecker_factors(
     Returns:
         ``(P_out [d_out, k_out], P_in [d_in, k_in])`` of exact +-1 in ``dtype`` on ``device``,
         ``d_out = shape[0]``, ``d_in = prod(shape[1:])``, ``(k_out, k_in) =
-        kronecker_split(dim)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k_out * k_in)``.
+        side_split(projection, shape)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k)``.
     """
     shape = check_kronecker_args(projection, name, shape, caller="kronecker_factors")
     keys_out, keys_in = kronecker_seeds(projection, name, shape)
     device = torch.empty(0, device=device).device
-    return _kronecker_sides(keys_out, keys_in, shape, *kronecker_split(projection.dim), device,
+    return _kronecker_sides(keys_out, keys_in, shape, *side_split(projection, shape), device,
                             dtype)
 
 
@@ -91,7 +94,7 @@ def sjlt_block(
 _STREAM = "stream"  # cache marker: over budget, generated row-block by row-block on each call
 
 
-class _Block:
+class _Block(abc.ABC):
     """How one parameter's block is generated, budgeted and applied: one strategy per kind.
 
     Strategies hold no per-projector state (the cache lives on the Projector), so one
@@ -100,17 +103,19 @@ class _Block:
 
     always_cached = False  # True: generated even over the cache budget (small blocks)
 
+    @abc.abstractmethod
     def cache_bytes(self, shape: tuple[int, ...], plan: ProjectionPlan, itemsize: int) -> int:
-        raise NotImplementedError
+        """Bytes the cached block takes."""
 
+    @abc.abstractmethod
     def generate(self, keys: tuple, shape: tuple[int, ...], plan: ProjectionPlan,
                  dtype: torch.dtype, device: torch.device, rows_fn: Any) -> Any:
-        raise NotImplementedError
+        """The whole block, unscaled, in ``dtype`` on ``device``."""
 
+    @abc.abstractmethod
     def project(self, flat: Tensor, entry: Any, keys: tuple, plan: ProjectionPlan,
                 rows_fn: Any) -> Tensor:
         """``[numel] -> [k]``, unscaled; ``entry`` is the cached block or ``_STREAM``."""
-        raise NotImplementedError
 
 
 class _DenseBlock(_Block):
@@ -160,11 +165,12 @@ class _KroneckerSides(_Block):
     always_cached = True
 
     def cache_bytes(self, shape, plan, itemsize):
-        k_out, k_in = kronecker_split(plan.k)
+        k_out, k_in = side_split(plan.projection, shape)
         return (shape[0] * k_out + math.prod(shape[1:]) * k_in) * itemsize
 
     def generate(self, keys, shape, plan, dtype, device, rows_fn):
-        return _kronecker_sides(*keys, shape, *kronecker_split(plan.k), device, dtype)
+        return _kronecker_sides(*keys, shape, *side_split(plan.projection, shape), device,
+                                dtype)
 
     def project(self, flat, entry, keys, plan, rows_fn):
         p_out, p_in = entry
@@ -338,20 +344,13 @@ def make_projector(
         torch.Size([b, 512])
     """
     plan = plan_projection(projection, layout, caller="make_projector")
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise InvalidProjectionError(
-            f"make_projector: cache_bytes must be a non-negative int, got {cache_bytes!r}; "
-            "use e.g. cache_bytes=2**30 (0 generates every block on every call)."
-        )
+    check_cache_bytes(cache_bytes, caller="make_projector")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidProjectionError(
             f"make_projector: dtype must be a floating torch.dtype, got {dtype!r}; use e.g. "
             "dtype=torch.float32."
         )
-    if not isinstance(compile, bool):
-        raise InvalidProjectionError(
-            f"make_projector: compile must be True or False, got {compile!r}."
-        )
+    check_bool(compile, "compile", caller="make_projector", error=InvalidProjectionError)
     projector = Projector(plan, cache_bytes=cache_bytes, compile=compile)
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as gradients report
     for name, shape in plan.layout:

@@ -1,9 +1,16 @@
-"""Gradient stores: immutable projected training gradients ``[n_ckpt, n_train, k]``."""
+"""Gradient stores: immutable projected training gradients ``[n_ckpt, n_train, k]``.
 
-from tracinfunc.store.base import GradientStore
+``base`` is the protocol and its optional abilities; ``memory``, ``pinned`` and ``zarr`` are
+the implementations; ``writer`` picks one for ``store=``; ``fill`` is the build loop every
+frontend shares; ``convert`` copies between stores; ``paths`` opens, verifies and removes
+stores by path; ``stream`` feeds scoring.
+"""
+
+from tracinfunc.store.base import GradientStore, SupportsChunkAlignment, SupportsRowViews
 from tracinfunc.store.convert import save_store, to_memory, to_pinned
 from tracinfunc.store.memory import MemoryStore, MemoryWriter
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, check_compatible
+from tracinfunc.store.paths import open_store, read_store_meta, remove_store, verify_store
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter
 from tracinfunc.store.writer import StoreWriter, make_writer
 from tracinfunc.store.zarr import ZarrStore, ZarrWriter
@@ -17,11 +24,17 @@ __all__ = [
     "PinnedWriter",
     "StoreMeta",
     "StoreWriter",
+    "SupportsChunkAlignment",
+    "SupportsRowViews",
     "ZarrStore",
     "ZarrWriter",
     "check_compatible",
     "make_writer",
+    "open_store",
+    "read_store_meta",
+    "remove_store",
     "save_store",
     "to_memory",
     "to_pinned",
+    "verify_store",
 ]

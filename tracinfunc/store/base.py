@@ -1,23 +1,28 @@
-"""The GradientStore protocol and the few helpers every implementation shares."""
+"""The GradientStore protocol, its optional abilities, and the checks every store shares.
+
+A protocol file: it imports no implementation (optax ``_src/base.py``). Optional abilities are
+separate ``Protocol``s (zarr ``storage/_protocols.py``) that code tests with ``isinstance``.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
-import torch
 from torch import Tensor
 
-from tracinfunc.errors import InvalidArgumentError, RowRangeError
-from tracinfunc.projection import Projection
+from tracinfunc.errors import InvalidArgumentError, RowRangeError, StoreNotFoundError
 from tracinfunc.store.meta import StoreMeta
 
-if TYPE_CHECKING:
-    from tracinfunc.store.memory import MemoryStore
-    from tracinfunc.store.pinned import PinnedStore
-    from tracinfunc.store.zarr import ZarrStore
-
-__all__ = ["GradientStore", "StoreProperties", "check_row_range"]
+__all__ = [
+    "GradientStore",
+    "SupportsChunkAlignment",
+    "SupportsRowViews",
+    "aligned_rows",
+    "check_out_buffer",
+    "check_row_range",
+]
 
 
 class _GradientStoreType(type(Protocol)):
@@ -25,25 +30,29 @@ class _GradientStoreType(type(Protocol)):
 
     A method in the protocol's own namespace would be one more member every user store must
     implement (``typing`` collects the class ``__dict__``); one on the metaclass is reachable
-    as ``GradientStore.open(path)`` and invisible to ``isinstance`` checks.
+    as ``GradientStore.open(path)`` and invisible to ``isinstance`` checks. The protocol knows
+    no implementation: :mod:`tracinfunc.store.paths` (which does) registers the opener.
     """
 
-    def open(cls, path: str | os.PathLike[str]) -> ZarrStore:
-        """Reopen a finished Zarr gradient store read-only, in any process.
+    def open(cls, path: str | os.PathLike[str]) -> Any:
+        """Reopen a finished Zarr gradient store read-only: :func:`tracinfunc.open_store`."""
+        if _opener is None:
+            raise StoreNotFoundError(
+                "GradientStore.open: no store opener is registered; import tracinfunc (or "
+                "tracinfunc.store) first, or call tracinfunc.open_store(path)."
+            )
+        return _opener(path)
 
-        Args:
-            path: Directory written by ``build_store(..., store=path)`` or ``save_store``.
 
-        Returns:
-            A read-only :class:`~tracinfunc.store.zarr.ZarrStore`.
+# Module state, not a metaclass attribute: typing would read an annotated metaclass attribute
+# as one more protocol member.
+_opener: Callable[[str | os.PathLike[str]], Any] | None = None
 
-        Raises:
-            FileNotFoundError: nothing at ``path``.
-            IncompleteStoreError: the build that wrote it was interrupted (resume it).
-        """
-        from tracinfunc.store.zarr import ZarrStore
 
-        return ZarrStore(path)
+def register_opener(opener: Callable[[str | os.PathLike[str]], Any]) -> None:
+    """Make ``GradientStore.open(path)`` call ``opener(path)`` (done by ``store.paths``)."""
+    global _opener
+    _opener = opener
 
 
 @runtime_checkable
@@ -75,64 +84,36 @@ class GradientStore(Protocol, metaclass=_GradientStoreType):
         ...
 
 
-class StoreProperties:
-    """Convenience properties derived from ``self.meta`` (for the built-in stores)."""
+@runtime_checkable
+class SupportsRowViews(Protocol):
+    """Optional ability: rows are in memory and can be lent without a copy.
 
-    meta: StoreMeta
+    Streaming readers use the views directly (no buffers, no background thread) and size
+    their chunks for memory, not for I/O.
+    """
 
-    @property
-    def projection(self) -> Projection:
-        return self.meta.projection
+    def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` of checkpoint ``ckpt`` as a view of the store's memory,
+        ``[stop - start, k]``; the caller must not write to it."""
+        ...
 
-    @property
-    def n_train(self) -> int:
-        return self.meta.n_train
 
-    @property
-    def n_ckpt(self) -> int:
-        return self.meta.n_ckpt
-
-    @property
-    def k(self) -> int:
-        return self.meta.k
+@runtime_checkable
+class SupportsChunkAlignment(Protocol):
+    """Optional ability: rows are stored in chunks, and reads aligned to them are fastest."""
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.meta.torch_dtype
+    def chunk_rows(self) -> int:
+        """Rows per stored chunk."""
+        ...
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """``(n_ckpt, n_train, k)``."""
-        return (self.meta.n_ckpt, self.meta.n_train, self.meta.k)
 
-    def __len__(self) -> int:
-        return self.meta.n_train
-
-    def to_memory(self) -> MemoryStore:
-        """A :class:`MemoryStore` copy of this store (see :func:`tracinfunc.to_memory`)."""
-        from tracinfunc.store.convert import to_memory
-
-        return to_memory(self)
-
-    def to_pinned(self) -> PinnedStore:
-        """A :class:`PinnedStore` copy of this store (see :func:`tracinfunc.to_pinned`)."""
-        from tracinfunc.store.convert import to_pinned
-
-        return to_pinned(self)
-
-    def to_zarr(self, path: str | os.PathLike[str], **options: Any) -> ZarrStore:
-        """Write this store to a new Zarr directory (see :func:`tracinfunc.save_store`)."""
-        from tracinfunc.store.convert import save_store
-
-        return save_store(self, path, **options)
-
-    def __repr__(self) -> str:
-        meta = self.meta
-        names = ", ".join(c.name for c in meta.checkpoints)
-        return (
-            f"{type(self).__name__}(n_ckpt={meta.n_ckpt}, n_train={meta.n_train}, k={meta.k}, "
-            f"dtype={meta.dtype}, projection={meta.projection}, checkpoints=[{names}])"
-        )
+def aligned_rows(store: GradientStore, rows: int) -> int:
+    """``rows`` rounded down to whole stored chunks (at least one) for chunked stores."""
+    stored = store.chunk_rows if isinstance(store, SupportsChunkAlignment) else 1
+    if isinstance(stored, int) and stored > 1:
+        return max(stored, rows // stored * stored)
+    return rows
 
 
 def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int, *, caller: str) -> None:

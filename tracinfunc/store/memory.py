@@ -7,8 +7,9 @@ from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, ReadOnlyStoreError
 from tracinfunc.interop import as_tensor
-from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
+from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.properties import StoreProperties
 
 __all__ = ["MemoryStore", "MemoryWriter"]
 
@@ -69,8 +70,10 @@ class MemoryStore(StoreProperties):
         check_row_range(self._meta, ckpt, start, stop, caller="MemoryStore.read_norms")
         return self._norms[ckpt, start:stop].clone()
 
-    def _view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
-        """A view, not a copy: only for library internals (``score``) that never write to it."""
+    def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` as a view of the store's memory, ``[stop - start, k]``
+        (:class:`~tracinfunc.store.base.SupportsRowViews`): no copy, so never write to it."""
+        check_row_range(self._meta, ckpt, start, stop, caller="MemoryStore.view_rows")
         return self._rows[ckpt, start:stop]
 
 

@@ -6,20 +6,22 @@ it, and a query against gradients made differently fails loudly instead of scori
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError
-from tracinfunc.projection import Layout, Projection
+from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
+from tracinfunc.projection.spec import Layout, Projection
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointMeta",
     "StoreMeta",
     "check_compatible",
+    "check_lr",
     "dtype_name",
     "layout_differences",
 ]
@@ -42,6 +44,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise InvalidArgumentError(
         f"unsupported storage dtype {dtype}; expected one of torch.{', torch.'.join(_DTYPES)}."
     )
+
+
+def check_lr(lr: Any, *, caller: str) -> float:
+    """A checkpoint's TracIn weight as a float: a finite number (torch and JAX checkpoints).
+
+    Raises:
+        InvalidTypeError: not a number (``True``/``False`` included).
+        InvalidArgumentError: NaN or infinite.
+    """
+    if isinstance(lr, bool) or not isinstance(lr, int | float):
+        raise InvalidTypeError(
+            f"{caller}: lr must be a number (the learning rate weighting this checkpoint), "
+            f"got {type(lr).__name__}; e.g. lr=0.1."
+        )
+    if not math.isfinite(lr):
+        raise InvalidArgumentError(f"{caller}: lr must be finite, got {lr}; e.g. lr=0.1.")
+    return float(lr)
 
 
 @dataclass(frozen=True)
@@ -164,6 +183,14 @@ def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
             "shapes with tracinfunc.jax.ParamMapping)."
         )
     _check_checkpoints(train.checkpoints, test.checkpoints, caller=caller)
+    train_names = [c.name for c in train.checkpoints]
+    test_names = [c.name for c in test.checkpoints]
+    if train.projection.per_checkpoint and train_names != test_names:
+        raise IncompatibleGradientsError(
+            f"{caller}: the store's projection is drawn per checkpoint, by name, and its "
+            f"checkpoints are {train_names} but the test gradients' are {test_names}; name "
+            "the test checkpoints as the store's (the same Checkpoint objects)."
+        )
 
 
 def _check_checkpoints(

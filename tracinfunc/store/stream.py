@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from tracinfunc.store.base import GradientStore
+from tracinfunc.store.base import GradientStore, SupportsRowViews
 from tracinfunc.store.pinned import pinned_empty
 
 __all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
@@ -48,9 +48,8 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
     """
     cuda = device.type == "cuda"
     depth = depth or (3 if cuda else 2)
-    view = getattr(store, "_view_rows", None)
-    if view is not None and (not cuda or _is_pinned(view(0, 0, 0))):
-        host = _views(view, pieces)
+    if isinstance(store, SupportsRowViews) and (not cuda or _is_pinned(store.view_rows(0, 0, 0))):
+        host = _views(store.view_rows, pieces)
     else:
         host = _prefetch(store, pieces, max_rows=max_rows, pin=cuda, depth=depth)
     if not cuda:
@@ -164,6 +163,6 @@ class ComputeThreads:
 
 def compute_threads(store: GradientStore, device: torch.device) -> ComputeThreads:
     """The thread policy for compute over ``stream_rows(store, ...)`` on ``device``."""
-    streamed = device.type == "cpu" and not hasattr(store, "_view_rows")
+    streamed = device.type == "cpu" and not isinstance(store, SupportsRowViews)
     threads = torch.get_num_threads()
     return ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)

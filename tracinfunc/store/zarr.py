@@ -58,9 +58,10 @@ from tracinfunc.store._zarr_layout import (
     to_numpy,
     writable_arrays,
 )
-from tracinfunc.store.base import StoreProperties, check_out_buffer, check_row_range
+from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.properties import StoreProperties
 
 __all__ = ["ZarrStore", "ZarrWriter"]
 

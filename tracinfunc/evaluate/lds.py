@@ -1,0 +1,163 @@
+"""The linear datamodeling score (LDS, Park et al. 2023, "TRAK") with bootstrap intervals.
+
+For each test example, the attribution predicts the output of a model retrained on a subset
+``S_j`` as ``sum_{i in S_j} score(test, i)``; LDS is the Spearman rank correlation, across the
+``m`` subsets, between these predictions and the retrained models' measured outputs, averaged
+over test examples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["LDSResult", "lds", "spearman"]
+
+
+@dataclass(frozen=True)
+class LDSResult:
+    """An LDS and its bootstrap confidence interval.
+
+    Attributes:
+        mean: LDS, the mean of ``per_test`` over test examples whose correlation is defined.
+        low, high: The ``confidence`` percentile interval of the bootstrap LDS values.
+        per_test: Spearman correlation per test example, ``[n_test]`` float64; NaN where the
+            predictions or the outputs are constant across subsets (undefined correlation).
+        n_subsets: ``m``, the number of retrained subsets.
+        confidence: Level of ``[low, high]``, e.g. 0.95.
+    """
+
+    mean: float
+    low: float
+    high: float
+    per_test: Tensor
+    n_subsets: int
+    confidence: float
+
+
+def _average_ranks(values: Tensor) -> Tensor:
+    """1-based ranks along dim 0, ties given their average rank. ``[m, n] -> [m, n]``."""
+    columns = values.T.contiguous()  # searchsorted works along the last dim
+    ordered = columns.sort(dim=-1).values
+    below = torch.searchsorted(ordered, columns, side="left")
+    up_to = torch.searchsorted(ordered, columns, side="right")
+    # Tied values occupy ranks below+1 .. up_to; their average is (below + 1 + up_to) / 2.
+    return ((below + up_to + 1).double() / 2).T
+
+
+def spearman(x: Tensor, y: Tensor) -> Tensor:
+    """Spearman rank correlation of each column of ``x`` with the same column of ``y``.
+
+    Ties get their average rank (as ``scipy.stats.spearmanr``); a constant column gives NaN.
+
+    Args:
+        x, y: ``[m, n]`` real tensors (``m`` observations of ``n`` variables).
+
+    Returns:
+        ``[n]``, float64.
+    """
+    rank_x, rank_y = _average_ranks(x), _average_ranks(y)
+    rank_x = rank_x - rank_x.mean(0)
+    rank_y = rank_y - rank_y.mean(0)
+    denom = (rank_x.square().sum(0) * rank_y.square().sum(0)).sqrt()
+    # A zero denominator (constant column) means the correlation is undefined: NaN, not 0.
+    return (rank_x * rank_y).sum(0) / torch.where(denom > 0, denom, torch.nan)
+
+
+def lds(
+    scores: Tensor,
+    subsets: Tensor,
+    outputs: Tensor,
+    *,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> LDSResult:
+    """Linear datamodeling score of attribution ``scores`` against retrained models.
+
+    Args:
+        scores: Attribution scores ``[n_test, n_train]`` (e.g. :func:`tracinfunc.score`);
+            larger means training on the example raises the measured output.
+        subsets: Training subsets as masks ``[m, n_train]``, bool.
+        outputs: The measurement of the model retrained on each subset, ``[m, n_test]``
+            (e.g. the correct-class margin).
+        n_bootstrap: Bootstrap resamples of the subsets (with replacement); 0 skips the
+            interval (``low = high = mean``).
+        confidence: Level of the percentile interval, in (0, 1).
+        seed: Seed of the bootstrap resampling (the result is a function of the arguments).
+
+    Returns:
+        An :class:`LDSResult`.
+
+    Raises:
+        InvalidTypeError: An argument is not a tensor, or ``subsets`` is not bool.
+        InvalidArgumentError: Shapes disagree, fewer than 3 subsets, or no test example has
+            a defined correlation.
+    """
+    _check_inputs(scores, subsets, outputs, n_bootstrap, confidence)
+    predicted = subsets.double() @ scores.double().T  # [m, n_train] @ [n_train, n_test]
+    measured = outputs.double()
+    per_test = spearman(predicted, measured)
+    if torch.isnan(per_test).all():
+        raise InvalidArgumentError(
+            "lds: expected predictions and outputs that vary across subsets for at least one "
+            "test example, got constant ones for all; check that the subsets differ and that "
+            "outputs are the retrained models' measurements, not a constant."
+        )
+    mean = per_test.nanmean().item()
+    low = high = mean
+    if n_bootstrap:
+        generator = torch.Generator().manual_seed(seed)
+        m = subsets.shape[0]
+        values = []
+        for _ in range(n_bootstrap):
+            pick = torch.randint(m, (m,), generator=generator)
+            values.append(spearman(predicted[pick], measured[pick]).nanmean())
+        boot = torch.stack(values)
+        boot = boot[~torch.isnan(boot)]
+        tail = (1 - confidence) / 2
+        low, high = (torch.quantile(boot, q).item() for q in (tail, 1 - tail))
+    return LDSResult(mean=mean, low=low, high=high, per_test=per_test,
+                     n_subsets=int(subsets.shape[0]), confidence=confidence)
+
+
+def _check_inputs(scores: object, subsets: object, outputs: object, n_bootstrap: object,
+                  confidence: object) -> None:
+    for name, value in (("scores", scores), ("subsets", subsets), ("outputs", outputs)):
+        if not isinstance(value, Tensor) or value.dim() != 2:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise InvalidTypeError(
+                f"lds: {name} must be a 2-D tensor, got {got}; pass scores [n_test, n_train], "
+                "subsets [m, n_train] (bool) and outputs [m, n_test]."
+            )
+    if subsets.dtype != torch.bool:
+        raise InvalidTypeError(
+            f"lds: subsets must be a bool mask [m, n_train], got dtype {subsets.dtype}; "
+            "convert indices with a mask (mask[j, indices] = True) or use subsets.bool()."
+        )
+    (n_test, n_train), (m, n_sub), (m_out, n_out) = scores.shape, subsets.shape, outputs.shape
+    if n_sub != n_train or m_out != m or n_out != n_test:
+        raise InvalidArgumentError(
+            f"lds: expected scores [n_test, n_train], subsets [m, n_train], outputs [m, n_test] "
+            f"with matching sizes, got scores {list(scores.shape)}, subsets "
+            f"{list(subsets.shape)}, outputs {list(outputs.shape)}; transpose or re-slice "
+            "the one that disagrees."
+        )
+    if m < 3:
+        raise InvalidArgumentError(
+            f"lds: expected at least 3 subsets (a rank correlation across subsets), got {m}; "
+            "retrain on more subsets (the TRAK paper uses 50-100)."
+        )
+    if not isinstance(n_bootstrap, int) or n_bootstrap < 0:
+        raise InvalidArgumentError(
+            f"lds: n_bootstrap must be an int >= 0, got {n_bootstrap!r}; e.g. n_bootstrap=1000."
+        )
+    if not isinstance(confidence, float) or not 0 < confidence < 1 or math.isnan(confidence):
+        raise InvalidArgumentError(
+            f"lds: confidence must be a float in (0, 1), got {confidence!r}; e.g. 0.95."
+        )

@@ -1,0 +1,126 @@
+"""GradientOptions: the memory and speed options of every gradient transform, in one value.
+
+``per_sample_grads``, ``projected_grads`` and ``build_store`` take the same options; one frozen
+value carries them, built with keywords and validated once, so a configuration can be named,
+reused and passed whole (``build_store(..., options=opts)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from tracinfunc._validate import check_bool, check_int, current_caller
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+from tracinfunc.grads.chunking import check_memory_budget, chunk_size_for_budget
+from tracinfunc.grads.precision import check_mixed_precision
+from tracinfunc.grads.selection import Selection, check_select, selected_names
+from tracinfunc.grads.staged import largest_stage_size, stage_selection
+from tracinfunc.grads.stages import Stages
+from tracinfunc.types import Params
+
+__all__ = ["GradientOptions", "gradient_options"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientOptions:
+    """How per-example gradients are computed; none changes the result beyond float rounding
+    (mixed precision aside, an approximation).
+
+    Attributes:
+        chunk_size: Examples differentiated at once inside vmap (``None``: the whole batch).
+        select: Differentiate only these parameters (names, module names, glob patterns or
+            :func:`~tracinfunc.last_layers`); the others are constants.
+        mixed_precision: ``torch.bfloat16`` or ``torch.float16``: the forward under autocast.
+            Slow on CPUs (measured 9-15x the float32 forward+backward); meant for GPUs.
+        stages: The model as :class:`~tracinfunc.Stages`: differentiate stage by stage
+            (functional checkpointing).
+        offload: With ``stages``, keep stage-boundary activations in CPU memory.
+        memory_budget: Bytes for per-example gradients; chooses ``chunk_size``.
+        compile_projection: Generate dense projection blocks with ``torch.compile``
+            (projected gradients only).
+
+    Example:
+        >>> opts = GradientOptions(select=last_layers(2), memory_budget=2**30)
+        >>> store = build_store(loss, ckpts, loader, projection=proj, options=opts)
+    """
+
+    chunk_size: int | None = None
+    select: Selection | None = None
+    mixed_precision: torch.dtype | None = None
+    stages: Stages | None = None
+    offload: bool = False
+    memory_budget: int | None = None
+    compile_projection: bool = False
+
+    def __post_init__(self) -> None:
+        caller = current_caller("GradientOptions")  # the function that made them, if any
+        check_int(self.chunk_size, "chunk_size", optional=True, caller=caller)
+        check_memory_budget(self.memory_budget, self.chunk_size, caller=caller)
+        if self.stages is not None and not isinstance(self.stages, Stages):
+            raise InvalidTypeError(
+                f"{caller}: stages must be a tracinfunc.Stages, got "
+                f"{type(self.stages).__name__}; build one with model_stages(model, criterion)."
+            )
+        check_bool(self.offload, "offload", caller=caller)
+        if self.offload and self.stages is None:
+            raise InvalidArgumentError(
+                f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
+                "stages=; pass stages=model_stages(model, criterion)."
+            )
+        check_bool(self.compile_projection, "compile_projection", caller=caller)
+        # Normalised values: a frozen dataclass stores them with object.__setattr__.
+        object.__setattr__(self, "select", check_select(self.select, caller=caller))
+        object.__setattr__(self, "mixed_precision",
+                           check_mixed_precision(self.mixed_precision, caller=caller))
+
+    def plain(self) -> bool:
+        """No option beyond ``chunk_size``: the transform is plain ``vmap(grad(loss))``."""
+        return (self.select is None and self.mixed_precision is None and self.stages is None
+                and self.memory_budget is None)
+
+    def resolve(self, params: Params) -> tuple[tuple[str, ...], list | None, int | None]:
+        """``(selected names, per-stage names or None, chunk size)`` for these params."""
+        caller = current_caller()
+        names = selected_names(params, self.select, caller=caller)
+        per_stage = None if self.stages is None else stage_selection(
+            self.stages, names, caller=caller)
+        chunk = self.chunk_size
+        if self.memory_budget is not None:
+            n_params = (largest_stage_size(per_stage, params) if per_stage is not None
+                        else sum(params[name].numel() for name in names))
+            itemsize = next(iter(params.values())).element_size()
+            chunk = chunk_size_for_budget(self.memory_budget, n_params, itemsize=itemsize,
+                                          caller=caller)
+        return names, per_stage, chunk
+
+
+_DEFAULTS = {f.name: f.default for f in fields(GradientOptions)}
+
+
+def gradient_options(options: GradientOptions | None, **keywords: Any) -> GradientOptions:
+    """The options a public function was called with: ``options=`` whole, or its keywords.
+
+    Raises:
+        InvalidTypeError: ``options`` is not a GradientOptions.
+        InvalidArgumentError: ``options=`` together with a keyword set to a non-default value
+            (put it into the options instead).
+    """
+    if options is None:
+        return GradientOptions(**keywords)
+    if not isinstance(options, GradientOptions):
+        raise InvalidTypeError(
+            f"{current_caller()}: options must be a tracinfunc.GradientOptions, got "
+            f"{type(options).__name__}; e.g. options=GradientOptions(chunk_size=64)."
+        )
+    extra = sorted(name for name, value in keywords.items() if value is not _DEFAULTS[name]
+                   and value != _DEFAULTS[name])
+    if extra:
+        raise InvalidArgumentError(
+            f"{current_caller()}: got options= and also {', '.join(extra)}=; put "
+            f"{'them' if len(extra) > 1 else 'it'} into the options, e.g. "
+            f"dataclasses.replace(options, {extra[0]}=...)."
+        )
+    return options

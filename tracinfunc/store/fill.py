@@ -1,0 +1,157 @@
+"""The one build loop every frontend shares: batches -> rows -> a writer -> a read-only store.
+
+``tracinfunc.build_store`` (torch) and ``tracinfunc.jax.build_store`` differ only in how a
+batch becomes rows; what a build promises lives here, once:
+
+- **resume**: a writer that already holds rows (an interrupted Zarr build) skips the batches
+  stored before, without computing them; a batch straddling the resume point is computed
+  whole, as in the first build, and its stored head dropped, so the result is bit-identical;
+- **checks**: the first computed batch is checked (the frontend's loss check) before any real
+  work; every row must be finite, or the error names the checkpoint and the rows;
+- **empty data** and **resuming with less data** than was stored are clear errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tracinfunc._version import __version__
+from tracinfunc.errors import (
+    EmptyDataError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NonFiniteGradientError,
+)
+from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.projection.spec import Layout, Projection
+from tracinfunc.store.base import GradientStore
+from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.writer import StoreWriter
+
+__all__ = ["checkpoint_list", "fill_store", "new_store_meta"]
+
+
+def checkpoint_list(checkpoints: Any, kind: type, *, caller: str, name: str) -> list[Any]:
+    """``checkpoints`` as a non-empty list of ``kind`` (one checkpoint alone is accepted);
+    ``name`` is how the user spells ``kind`` (``"tracinfunc.Checkpoint"``).
+
+    Raises:
+        InvalidTypeError: empty, or an element that is not a ``kind``.
+    """
+    if isinstance(checkpoints, kind):
+        checkpoints = [checkpoints]
+    checkpoints = list(checkpoints) if isinstance(checkpoints, Iterable) else [checkpoints]
+    if not checkpoints or not all(isinstance(c, kind) for c in checkpoints):
+        raise InvalidTypeError(
+            f"{caller}: checkpoints must be a non-empty list of {name}, got "
+            f"{[type(c).__name__ for c in checkpoints]}; e.g. [{name}(params, lr=0.1, "
+            "name='epoch-1')]."
+        )
+    return checkpoints
+
+
+def new_store_meta(
+    checkpoints: Sequence[tuple[str | None, float, str]], layout: Layout,
+    projection: Projection, dtype: torch.dtype, dataset_fingerprint: str | None, *,
+    caller: str,
+) -> StoreMeta:
+    """The metadata a build starts from (``n_train=0``, ``complete=False``).
+
+    Args:
+        checkpoints: ``(name or None, lr, fingerprint)`` per checkpoint, in order; unnamed
+            checkpoints become ``"checkpoint-<i>"``.
+        layout, projection: What the rows are projected from and with.
+        dtype: The storage dtype.
+
+    Raises:
+        InvalidArgumentError: two checkpoints share a name.
+    """
+    names = [name or f"checkpoint-{i}" for i, (name, _, _) in enumerate(checkpoints)]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"{caller}: checkpoint names must be distinct, got {names}; name them apart, "
+            "e.g. Checkpoint(params, lr=0.1, name='epoch-3')."
+        )
+    return StoreMeta(
+        projection=projection,
+        checkpoints=tuple(CheckpointMeta(name, lr, fingerprint)
+                          for name, (_, lr, fingerprint) in zip(names, checkpoints, strict=True)),
+        layout=layout,
+        n_train=0,
+        k=projection.output_dim(layout),
+        dtype=dtype_name(dtype),
+        complete=False,
+        library_version=__version__,
+        dataset_fingerprint=dataset_fingerprint,
+    )
+
+
+def fill_store(
+    writer: StoreWriter, batches: Iterable[tuple[int, Any]], rows_of: Callable[[Any], Tensor],
+    *, meta: StoreMeta, check_first: Callable[[Any], None] | None = None,
+    progress: ProgressArg = None, total: int | None = None, caller: str,
+) -> GradientStore:
+    """Append the rows of every batch to ``writer`` and seal it.
+
+    Args:
+        writer: Where rows go; one holding ``rows_written > 0`` rows is resumed.
+        batches: ``(b, batch)`` pairs, ``b`` the batch's number of examples.
+        rows_of: ``batch -> [n_ckpt, b, k]`` rows (a tensor, any float dtype).
+        meta: The store's metadata (names checkpoints in errors).
+        check_first: Called with the first batch to be computed, before ``rows_of``.
+        progress, total: The progress bar over examples (``total`` when known).
+
+    Returns:
+        ``writer.finish()``: the read-only store ``[n_ckpt, n_train, k]``.
+
+    Raises:
+        EmptyDataError: no examples, or fewer than an interrupted build already stored.
+        NonFiniteGradientError: a row is NaN/inf (names the checkpoint and examples).
+    """
+    resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
+    seen = 0
+    checked = check_first is None
+    with progress_bar(progress, total=total, desc=caller, unit="ex") as bar:
+        bar.update(resume_at)
+        for size, batch in batches:
+            seen += size
+            if size == 0 or seen <= resume_at:  # stored before the interruption: skip
+                continue
+            if not checked:
+                check_first(batch)
+                checked = True
+            rows = rows_of(batch)[:, max(0, resume_at - (seen - size)):]  # [n_ckpt, b', k]
+            check_finite(rows, meta, first_row=writer.rows_written, caller=caller)
+            writer.append(rows, rows.norm(dim=-1))
+            bar.update(rows.shape[1])
+    if seen < resume_at:
+        raise EmptyDataError(
+            f"{caller}: the incomplete store already holds {resume_at} rows but data has "
+            f"only {seen}; resume with the same data as the interrupted build."
+        )
+    if writer.rows_written == 0:
+        raise EmptyDataError(
+            f"{caller}: data holds no examples; pass a non-empty batch or iterable of "
+            "batches (a tensor or array, a tuple/dict of them, a list of those, or a "
+            "DataLoader)."
+        )
+    return writer.finish()
+
+
+def check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int, caller: str) -> None:
+    """Raise :class:`NonFiniteGradientError` naming the checkpoint and rows of any NaN/inf."""
+    finite = torch.isfinite(rows).all(dim=-1)  # [n_ckpt, b]
+    if bool(finite.all()):
+        return
+    ckpt, row = (~finite).nonzero()[0].tolist()
+    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
+    raise NonFiniteGradientError(
+        f"{caller}: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients for "
+        f"examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
+        "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
+        "weights."
+    )

@@ -1,0 +1,93 @@
+"""Stores by path: open, read metadata, verify, remove. The operations the CLI and users need.
+
+``open_store`` is also reachable as ``GradientStore.open`` (registered here, so the protocol
+module never imports an implementation).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import zarr
+
+from tracinfunc.errors import StoreNotFoundError
+from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.store._zarr_layout import read_meta
+from tracinfunc.store.base import GradientStore, aligned_rows, register_opener
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.zarr import ZarrStore
+
+__all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
+
+_VERIFY_BYTES = 64 * 2**20  # rows read at once by verify_store
+
+
+def open_store(path: str | os.PathLike[str]) -> ZarrStore:
+    """Reopen a finished Zarr gradient store read-only, in any process.
+
+    Args:
+        path: Directory written by ``build_store(..., store=path)`` or ``save_store``.
+
+    Returns:
+        A read-only :class:`~tracinfunc.store.zarr.ZarrStore`.
+
+    Raises:
+        StoreNotFoundError: no store at ``path``.
+        IncompleteStoreError: the build that wrote it was interrupted (resume it).
+        CorruptStoreError: the metadata or arrays do not describe a valid store.
+    """
+    return ZarrStore(path)
+
+
+def read_store_meta(path: str | os.PathLike[str], *, caller: str = "read_store_meta"
+                    ) -> StoreMeta:
+    """The metadata of the store at ``path``, finished or not, without opening its arrays.
+
+    Raises:
+        StoreNotFoundError: no ``zarr.json`` at ``path``.
+        CorruptStoreError: a zarr group that is not a (readable) tracinfunc store.
+    """
+    path = Path(path)
+    if not (path / "zarr.json").is_file():
+        raise StoreNotFoundError(
+            f"{caller}: no gradient store at {str(path)!r} (no zarr.json there); build one "
+            f"with tif.build_store(..., store={str(path)!r}) or 'tracinfunc build --out {path}'."
+        )
+    return read_meta(zarr.open_group(path, mode="r"), path, caller=caller)
+
+
+def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:
+    """Read every row and every norm of every checkpoint once.
+
+    Zarr stores check each chunk's crc32c as it is read, so a damaged chunk raises
+    :class:`~tracinfunc.CorruptStoreError` naming its checkpoint and rows. Reads are whole
+    stored chunks, so none is read twice.
+    """
+    meta = store.meta
+    step = aligned_rows(store, max(1, _VERIFY_BYTES // (meta.k * meta.torch_dtype.itemsize)))
+    buffer = torch.empty(min(step, meta.n_train), meta.k, dtype=meta.torch_dtype)
+    with progress_bar(progress, total=meta.n_ckpt * meta.n_train, desc="verify",
+                      unit="row") as bar:
+        for ckpt in range(meta.n_ckpt):
+            for start in range(0, meta.n_train, step):
+                stop = min(meta.n_train, start + step)
+                store.read_rows(ckpt, start, stop, out=buffer)
+                store.read_norms(ckpt, start, stop)  # own chunks, own checksums
+                bar.update(stop - start)
+
+
+def remove_store(path: str | os.PathLike[str], *, caller: str = "remove_store") -> None:
+    """Delete the gradient store at ``path``, finished or not; never anything else.
+
+    Raises:
+        StoreNotFoundError, CorruptStoreError: ``path`` is not a tracinfunc store (nothing
+            is deleted).
+    """
+    read_store_meta(path, caller=caller)  # refuses anything that is not one of ours
+    shutil.rmtree(path)
+
+
+register_opener(open_store)  # GradientStore.open(path) == open_store(path)

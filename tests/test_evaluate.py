@@ -3,7 +3,11 @@ retraining harness, mislabel curves, and the quality benchmark's quick mode."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +183,13 @@ def test_resuming_with_other_settings_is_refused(tmp_path, changed):
         ev.retrain_subsets(Counting(), **{**settings, **changed}, path=tmp_path, progress=False)
 
 
+def test_harness_never_overwrites_files_it_did_not_write(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(InvalidArgumentError, match="holds other files; pass another path"):
+        ev.retrain_subsets(Counting(), 12, 3, path=tmp_path, progress=False)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 def test_load_retrain_refuses_an_unfinished_or_missing_run(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         ev.retrain_subsets(Counting(fail_after=2), 12, 7, path=tmp_path / "r", progress=False)
@@ -256,3 +267,26 @@ def test_mislabel_errors():
         ev.mislabel_curve(torch.zeros(4), torch.tensor([0.5]))
     with pytest.raises(InvalidTypeError, match="suspicion must be a real 1-D tensor"):
         ev.mislabel_curve(torch.zeros(4, 1), torch.tensor([0]))
+
+
+# ---- benchmarks/quality.py --quick ----------------------------------------------------------
+
+def test_quality_benchmark_quick_mode_writes_its_table_and_plot(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--model", "logreg",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| exact-all | identity | p | all | dot |" in done.stdout
+    (result,) = json.loads((tmp_path / "quality.json").read_text())
+    names = {row["name"] for row in result["rows"]}
+    for kind in ("identity", "rademacher", "sjlt", "kronecker"):
+        assert any(row["kind"] == kind for row in result["rows"])
+    assert {"exact-last", "exact-all-cos", "kronecker-64-last-cos"} <= names
+    for row in result["rows"]:
+        assert -1 <= row["low"] <= row["lds"] <= row["high"] <= 1
+        # exact rows are the reference of their own (checkpoints, normalize) group
+        assert (row["score_error"] == 0) == (row["kind"] == "identity")
+    assert (tmp_path / "quality.png").stat().st_size > 0
+    assert len(list(tmp_path.glob("retrain-logreg-*.zarr"))) == 2  # kept, so a rerun resumes

@@ -73,7 +73,8 @@ def test_ivf_pq_values_are_exact_scores_of_the_rows_returned():
 
 
 def test_zarr_index_is_saved_beside_the_store_and_reloaded(tmp_path):
-    store = tif.save_store(_store(), tmp_path / "grads.zarr", chunk_rows=16)
+    # Stores on disk hold positive lrs only (the negative one above lives in memory metadata).
+    store = tif.save_store(_store(lrs=(0.5, 0.2)), tmp_path / "grads.zarr", chunk_rows=16)
     test = _test_grads()
     index = tif.build_index(store, nlist=6)
     assert index.path == tmp_path / "grads.zarr.faiss"
@@ -87,8 +88,8 @@ def test_zarr_index_is_saved_beside_the_store_and_reloaded(tmp_path):
 
 
 def test_load_index_refuses_another_store_naming_both_fingerprints(tmp_path):
-    store = tif.save_store(_store(seed=0), tmp_path / "a.zarr")
-    other = tif.save_store(_store(seed=5), tmp_path / "b.zarr")  # same metadata, other rows
+    store = tif.save_store(_store(seed=0, lrs=(0.5, 0.2)), tmp_path / "a.zarr")
+    other = tif.save_store(_store(seed=5, lrs=(0.5, 0.2)), tmp_path / "b.zarr")  # other rows
     index = tif.build_index(store, nlist=6)
     theirs = tif.store_fingerprint(other)
     assert theirs != index.fingerprint
@@ -167,7 +168,7 @@ def test_row_groups_cover_indices_in_runs_within_a_chunk(rows, chunk_rows):
 
 
 def test_read_rows_at_equals_fancy_indexing(tmp_path):
-    memory = _store(n=200)
+    memory = _store(n=200, lrs=(0.5, 0.2))  # on disk: positive lrs only
     store = tif.save_store(memory, tmp_path / "g.zarr", chunk_rows=8)
     indices = torch.tensor([0, 1, 2, 5, 7, 8, 40, 41, 42, 43, 99, 150, 199])
     for ckpt in range(2):

@@ -10,6 +10,7 @@ from tracinfunc.adapters import adapter_checkpoint
 from tracinfunc.build import build_store, iter_batches
 from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
+from tracinfunc.distributed import gather_top_k, merge_top_k
 from tracinfunc.errors import (
     CorruptStoreError,
     EmptyDataError,
@@ -29,7 +30,9 @@ from tracinfunc.errors import (
     RowRangeError,
     StageMismatchError,
     StoreExistsError,
+    StoreLockedError,
     StoreNotFoundError,
+    StoreWriteError,
     TracInFuncError,
     TrainModeError,
     UnsupportedPrecisionError,
@@ -42,6 +45,12 @@ from tracinfunc.grads.selection import last_layers, select_params
 from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
 from tracinfunc.loss import ModuleLoss, loss_from_model, loss_from_module
+from tracinfunc.precondition import (
+    AdamState,
+    Preconditioner,
+    optimizer_param_names,
+    trainer_param_names,
+)
 from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.search import SearchIndex, build_index, load_index, store_fingerprint
@@ -66,10 +75,19 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
+from tracinfunc.store.parts import PartWriter, StorePart, commit_store
+from tracinfunc.training import (
+    CheckpointRecorder,
+    load_recorded_checkpoints,
+    load_recorded_preconditioners,
+    trainer_callback,
+)
 
 __all__ = [
+    "AdamState",
     "Checkpoint",
     "CheckpointMeta",
+    "CheckpointRecorder",
     "CorruptStoreError",
     "EmptyDataError",
     "GradientOptions",
@@ -89,8 +107,10 @@ __all__ = [
     "NonFiniteGradientError",
     "OutputPathError",
     "ParameterSelectionError",
+    "PartWriter",
     "PinnedStore",
     "PinnedWriter",
+    "Preconditioner",
     "Projection",
     "ReadOnlyStoreError",
     "RowRangeError",
@@ -100,8 +120,11 @@ __all__ = [
     "StageMismatchError",
     "Stages",
     "StoreExistsError",
+    "StoreLockedError",
     "StoreMeta",
     "StoreNotFoundError",
+    "StorePart",
+    "StoreWriteError",
     "StoreWriter",
     "SupportsChunkAlignment",
     "SupportsRowViews",
@@ -118,17 +141,23 @@ __all__ = [
     "canonical_layout",
     "causal_lm_loss",
     "chunk_size_for_budget",
+    "commit_store",
     "completion_labels",
     "factorized_weights",
+    "gather_top_k",
     "iter_batches",
     "last_layers",
     "load_index",
+    "load_recorded_checkpoints",
+    "load_recorded_preconditioners",
     "loss_at",
     "loss_from_model",
     "loss_from_module",
     "make_projector",
+    "merge_top_k",
     "model_stages",
     "open_store",
+    "optimizer_param_names",
     "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
@@ -144,6 +173,8 @@ __all__ = [
     "to_memory",
     "to_pinned",
     "top_k",
+    "trainer_callback",
+    "trainer_param_names",
     "verify_store",
 ]
 

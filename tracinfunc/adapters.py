@@ -55,7 +55,8 @@ def adapter_checkpoint(
         model: The live peft model (``get_peft_model(base, config)``), whose trainable
             parameters are the adapters.
         adapter_name: The adapter the file holds (peft's default is ``"default"``).
-        lr, name: As for :class:`~tracinfunc.Checkpoint`.
+        lr: As for :class:`~tracinfunc.Checkpoint`.
+        name: As for :class:`~tracinfunc.Checkpoint`.
 
     Returns:
         A :class:`~tracinfunc.Checkpoint` holding exactly the trainable parameters of

@@ -6,7 +6,9 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -15,6 +17,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, entry_point
 from tracinfunc.checkpoint import Checkpoint, loss_at
+from tracinfunc.distributed import (
+    commit_after_barrier,
+    is_distributed,
+    rank_shard,
+    rank_zero_first,
+)
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -27,10 +35,13 @@ from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.grads.stages import Stages
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
+from tracinfunc.precondition import Preconditioner, check_preconditioners
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.parts import PartWriter, StorePart, check_shard
 from tracinfunc.store.writer import StoreTarget, make_writer
 from tracinfunc.types import Batch, LossFn, Params
 
@@ -58,7 +69,9 @@ def build_store(
     store: StoreTarget = None,
     progress: ProgressArg = None,
     options: GradientOptions | None = None,
-) -> GradientStore:
+    preconditioners: Sequence[Preconditioner] | None = None,
+    shard: tuple[int, int] | None = None,
+) -> GradientStore | StorePart:
     """Compute projected per-example gradients at every checkpoint and store them.
 
     ``data`` is iterated once; for each batch, gradients at every checkpoint are computed
@@ -76,11 +89,14 @@ def build_store(
             checks; needs float64 params). Norms are taken before the cast.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
-        select, mixed_precision, stages, offload, memory_budget, compile_projection: The
-            memory and speed options of :func:`~tracinfunc.grads.projected_grads`, passed
-            through. With
-            ``select``, the store's layout (and projection) covers only the selected
-            parameters; test gradients must use the same selection.
+        select: As for :func:`~tracinfunc.grads.projected_grads`; the store's layout (and
+            projection) covers only the selected parameters, and test gradients must use
+            the same selection.
+        mixed_precision: As for :func:`~tracinfunc.grads.projected_grads`.
+        stages: As for :func:`~tracinfunc.grads.projected_grads`.
+        offload: As for :func:`~tracinfunc.grads.projected_grads`.
+        memory_budget: As for :func:`~tracinfunc.grads.projected_grads`.
+        compile_projection: As for :func:`~tracinfunc.grads.projected_grads`.
         batch_size: Examples per gradient call: the data's batches are merged or split to
             this size (the last may be smaller); ``None`` keeps the data's own batches. Each
             call has a fixed cost (about 2 ms on a CPU), so merging small loader batches
@@ -97,6 +113,22 @@ def build_store(
             once the build has run for 2 s, ``True`` always, ``False`` never.
         options: The gradient options (``chunk_size`` ... ``compile_projection``) as one
             :class:`~tracinfunc.GradientOptions`, taken whole, instead of the keywords.
+        preconditioners: Optimizer-aware TracIn: one :class:`~tracinfunc.Preconditioner`
+            per checkpoint (its saved optimizer state), all of one kind, applied to these
+            (training) gradients; the store records the kind and scoring refuses test
+            gradients built with it. Each checkpoint then has its own projector cache.
+        shard: ``(index, count)``: compute and write only part ``index`` of ``count`` of
+            the rows (whole Zarr shards) into the Zarr store at the path ``store``; every
+            part is given the same ``data``, needs a known size (a batch, a list of batches
+            or a DataLoader over a sized dataset) and resumes on its own. Returns the
+            :class:`~tracinfunc.store.parts.StorePart`; ``tif.commit_store(path)`` (or
+            ``tracinfunc commit``) seals the store once every part is done. Under torchrun
+            (``torch.distributed`` initialised) a store at a path (or a
+            ``functools.partial`` of ``PartWriter``) is split by ``(rank, world_size)``
+            unless ``shard`` is given, and rank 0 commits after a barrier: every rank
+            returns the store. In-memory stores are built whole by every rank.
+            With ``shard``, ``store`` may also be a callable ``(meta, shard) -> writer``,
+            e.g. ``functools.partial(tif.PartWriter, path, shard_rows=4096)``.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
@@ -111,6 +143,7 @@ def build_store(
         StoreExistsError: a finished store already exists at the ``store`` path.
     """
     checkpoints = _check_checkpoints(checkpoints)
+    _check_ordered(data)
     if not isinstance(projection, Projection):
         raise InvalidTypeError(
             "build_store: projection must be a tracinfunc.Projection, got "
@@ -124,14 +157,37 @@ def build_store(
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
                           projection, dtype, dataset_fingerprint, caller="build_store")
+    kind = check_preconditioners(preconditioners, [c.params for c in checkpoints], names,
+                                 caller="build_store")
+    meta = meta if kind is None else meta.replace(preconditioner=kind)
     device = torch.device(device) if device is not None else _params_device(checkpoints)
     params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
-    # One transform per checkpoint: a per_checkpoint projection differs between them, and a
-    # ModuleLoss is differentiated with each checkpoint's own buffers (BatchNorm statistics).
-    grads_fns = [projected_grads(_loss_for(loss, ckpt, device),
-                                 projection.for_checkpoint(c.name), options=options)
-                 for ckpt, c in zip(checkpoints, meta.checkpoints, strict=True)]
-    writer = make_writer(store, meta)
+    # Each checkpoint is differentiated with its own buffers (BatchNorm statistics), its own
+    # projection (per_checkpoint) and preconditioner; equal ones share one transform (and its
+    # cached projector).
+    ckpt_losses = [loss_at(loss, replace(c, buffers=_params_on(c.buffers, device)))
+                   for c in checkpoints]
+    transforms: dict[tuple, Callable[[Params, Batch], Tensor]] = {}
+    grads_fns = []
+    for i, (ckpt_meta, ckpt_loss) in enumerate(zip(meta.checkpoints, ckpt_losses, strict=True)):
+        ckpt_projection = projection.for_checkpoint(ckpt_meta.name)
+        precondition = None if kind is None else preconditioners[i]
+        key = (id(ckpt_loss), ckpt_projection, id(precondition))
+        if key not in transforms:
+            transforms[key] = projected_grads(ckpt_loss, ckpt_projection, options=options,
+                                              precondition=precondition)
+        grads_fns.append(transforms[key])
+    distributed = shard is None and _shardable(store) and is_distributed()
+    if distributed:
+        shard = rank_shard()
+    stop = None
+    if shard is None:
+        writer = make_writer(store, meta)
+    else:
+        sized = meta.replace(n_train=_sized(data))
+        writer = rank_zero_first(lambda: _part_writer(store, sized, shard)) if distributed \
+            else _part_writer(store, sized, shard)
+        stop = writer.stop
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
     def on_device(batch: Batch) -> Batch:
@@ -142,10 +198,61 @@ def build_store(
         return torch.stack([grads_fn(params, batch)
                             for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
-    return fill_store(
+    result = fill_store(
         writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,
         check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
-        progress=progress, total=_known_size(data), caller="build_store")
+        progress=progress, total=_known_size(data), stop=stop, caller="build_store")
+    return commit_after_barrier(result.path) if distributed else result
+
+
+def _shardable(store: StoreTarget) -> bool:
+    """Whether ``store`` is on disk, so torchrun ranks split it (in-memory stores, such as
+    test gradients, are built whole by every rank)."""
+    if isinstance(store, functools.partial):
+        return store.func is PartWriter
+    return isinstance(store, str | os.PathLike) and store not in ("memory", "pinned")
+
+
+def _part_writer(store: StoreTarget, meta: StoreMeta, shard: object) -> PartWriter:
+    shard = check_shard(shard, caller="build_store")
+    if isinstance(store, str | os.PathLike):
+        return PartWriter(store, meta, shard)
+    if callable(store) and not isinstance(store, type):
+        return store(meta, shard)  # e.g. functools.partial(PartWriter, path, shard_rows=...)
+    raise InvalidArgumentError(
+        f"build_store: shard= writes part of a Zarr store, so store must be its path (or a "
+        f"callable (meta, shard) -> PartWriter), got {store!r}; e.g. build_store(..., "
+        "store='grads.zarr', shard=(0, 4))."
+    )
+
+
+def _sized(data: Batch | Iterable[Batch]) -> int:
+    """Examples in ``data``, which a sharded build must know before it starts."""
+    size = _known_size(data)
+    dataset = getattr(data, "dataset", None)
+    if size is None and isinstance(data, torch.utils.data.DataLoader) and hasattr(
+            dataset, "__len__"):
+        size = len(dataset)
+    if size is None or size == 0:
+        raise InvalidArgumentError(
+            f"build_store: a sharded build needs data of known, non-zero size (a batch, a "
+            f"list of batches or a DataLoader over a sized dataset), got "
+            f"{type(data).__name__} of size {size}; every part sizes the store up front."
+        )
+    return size
+
+
+def _check_ordered(data: object) -> None:
+    """Refuse a shuffling DataLoader: row i of a store must be example i of the dataset."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    sampler = getattr(data, "sampler", None) if isinstance(data, DataLoader) else None
+    if isinstance(sampler, RandomSampler):
+        raise InvalidArgumentError(
+            "build_store: data is a DataLoader with shuffle=True, so row i of the store would "
+            "not be example i of the dataset (and a resumed build would store duplicates and "
+            "miss examples); pass DataLoader(dataset, batch_size=..., shuffle=False)."
+        )
 
 
 def _known_size(data: Batch | Iterable[Batch]) -> int | None:

@@ -28,7 +28,9 @@ __all__ = [
     "RowRangeError",
     "StageMismatchError",
     "StoreExistsError",
+    "StoreLockedError",
     "StoreNotFoundError",
+    "StoreWriteError",
     "TracInFuncError",
     "TrainModeError",
     "UnsupportedPrecisionError",
@@ -69,6 +71,14 @@ class ReadOnlyStoreError(TracInFuncError, PermissionError):
 
 class StoreExistsError(TracInFuncError, FileExistsError):
     """A finished store already exists where a new one was to be written."""
+
+
+class StoreWriteError(TracInFuncError, OSError):
+    """Writing a store failed (disk full, I/O error); what was stored before is kept."""
+
+
+class StoreLockedError(TracInFuncError, RuntimeError):
+    """Another writer (another build) is writing to the same store path right now."""
 
 
 class IncompleteStoreError(TracInFuncError, RuntimeError):

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc.distributed import merge_top_k
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -27,6 +28,7 @@ from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
 from tracinfunc.store.meta import StoreMeta, check_compatible
+from tracinfunc.store.rowrange import row_range
 from tracinfunc.store.stream import compute_threads, stream_rows
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ def score(
     progress: ProgressArg = None,
     output: str | None = None,
     like: object = None,
+    rows: tuple[int, int] | None = None,
 ) -> Tensor:
     """TracIn scores: ``sum over checkpoints c of lr_c * <test_c, train_c>``.
 
@@ -80,15 +83,20 @@ def score(
             :mod:`tracinfunc.interop`).
         like: An array whose framework the result takes (e.g. ``like=test_grads``);
             exclusive with ``output``.
+        rows: ``(start, stop)``: score only training rows ``[start, stop)`` (a worker's part
+            of the store; see :func:`tracinfunc.distributed.rank_rows`).
 
     Returns:
-        Scores ``[n_test, n_train]``, float32 (float64 for float64 gradients), on ``device``.
+        Scores ``[n_test, n_train]`` (``[n_test, stop - start]`` with ``rows``), float32
+        (float64 for float64 gradients), on ``device``.
 
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
     framework = resolve_output(output, like, caller=current_caller())
     test_grads = tensor_if_array(test_grads, caller=current_caller())
+    if rows is not None:
+        store = row_range(store, rows, caller=current_caller())
     meta = store.meta
     _check_not_empty(meta)
     device = _resolve_device(device, test_grads)
@@ -121,6 +129,7 @@ def top_k(
     index: SearchIndex | None = None,
     nprobe: int | None = None,
     candidates: int | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -128,8 +137,8 @@ def top_k(
     top-k of ``[n_test, k]``.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows, progress, output, like: As in
-            :func:`score`.
+        store: As in :func:`score`.
+        test_grads: As in :func:`score`.
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
@@ -137,16 +146,30 @@ def top_k(
             candidates come from it and are re-ranked exactly from the store, so only
             candidate rows are read (see ``docs/search.md``). ``device``, ``chunk_rows`` and
             ``progress`` do not apply; results are on the CPU.
-        nprobe, candidates: Clusters searched and rows re-ranked per test example, with
-            ``index`` only (see :func:`tracinfunc.search.indexed_top_k`).
+        nprobe: Clusters searched per test example, with ``index`` only (see
+            :func:`tracinfunc.search.indexed_top_k`).
+        candidates: Rows re-ranked exactly per test example, with ``index`` only.
+        normalize: As in :func:`score`.
+        device: As in :func:`score`.
+        chunk_rows: As in :func:`score`.
+        progress: As in :func:`score`.
+        output: As in :func:`score`.
+        like: As in :func:`score`.
+        rows: ``(start, stop)``: scan only training rows ``[start, stop)``; the partial
+            results of workers merge exactly with :func:`tracinfunc.merge_top_k` (or
+            :func:`tracinfunc.gather_top_k` under torchrun).
 
     Returns:
-        ``(values, indices)``, both ``[n_test, k]``, sorted best first; indices are rows of the
-        store (int64).
+        ``(values, indices)``, both ``[n_test, k]``, sorted best first, equal scores by row;
+        indices are rows of the store (int64), also with ``rows``.
     """
     framework = resolve_output(output, like, caller=current_caller())
     test_grads = tensor_if_array(test_grads, caller=current_caller())
     _check_not_empty(store.meta)
+    offset = 0
+    if rows is not None:
+        store = row_range(store, rows, caller=current_caller())
+        offset = store.start
     n_train = store.meta.n_train
     check_int(k, "k", maximum=n_train, maximum_label="n_train",
               fix="for every training example use tif.score and sort")
@@ -168,15 +191,12 @@ def top_k(
         store, test_grads, normalize=normalize, device=device, chunk_rows=chunk_rows,
         progress=progress,
     ):
-        take = min(k, block.shape[1])
-        values, indices = block.topk(take, dim=1, largest=largest, sorted=False)
-        indices = indices + start
-        if best_values is not None:
-            values = torch.cat([best_values, values], dim=1)
-            indices = torch.cat([best_indices, indices], dim=1)
-        keep = min(k, values.shape[1])
-        values, order = values.topk(keep, dim=1, largest=largest, sorted=True)
-        best_values, best_indices = values, indices.gather(1, order)
+        # A stable sort, not topk: equal scores keep row order, so any split of the rows
+        # (chunks here, workers with rows=) merges into the same result.
+        values, order = block.sort(dim=1, descending=largest, stable=True)
+        part = (values[:, :k], order[:, :k] + (start + offset))
+        parts = [part] if best_values is None else [(best_values, best_indices), part]
+        best_values, best_indices = merge_top_k(parts, k, largest=largest)
     return to_framework(best_values, framework), to_framework(best_indices, framework)
 
 
@@ -187,6 +207,7 @@ def self_influence(
     device: torch.device | str | None = None,
     output: str | None = None,
     like: object = None,
+    rows: tuple[int, int] | None = None,
 ) -> Tensor:
     """Self-influence ``sum_c lr_c * ||train_c||^2`` of every training row.
 
@@ -196,12 +217,17 @@ def self_influence(
     Args:
         store: Projected training gradients.
         device: Where to compute (default: CUDA when available, else CPU).
-        output, like: Framework of the result, as in :func:`score`.
+        output: Framework of the result, as in :func:`score`.
+        like: As in :func:`score`.
+        rows: ``(start, stop)``: only training rows ``[start, stop)``.
 
     Returns:
-        ``[n_train]``, float32 (float64 for float64 stores), on ``device``.
+        ``[n_train]`` (``[stop - start]`` with ``rows``), float32 (float64 for float64
+        stores), on ``device``.
     """
     framework = resolve_output(output, like, caller=current_caller())
+    if rows is not None:
+        store = row_range(store, rows, caller=current_caller())
     meta = store.meta
     dtype = _compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)
@@ -233,7 +259,12 @@ def score_chunks(
     over checkpoints); otherwise rows are upcast to float32 first.
 
     Args:
-        store, test_grads, normalize, device, chunk_rows, progress: As in :func:`score`.
+        store: As in :func:`score`.
+        test_grads: As in :func:`score`.
+        normalize: As in :func:`score`.
+        device: As in :func:`score`.
+        chunk_rows: As in :func:`score`.
+        progress: As in :func:`score`.
         out: Optional ``[n_test, n_train]`` tensor (float32, float64 for float64 gradients,
             on ``device``); blocks are then written into it (``block`` is a view of
             ``out[:, start:start + rows]``) instead of being allocated per chunk.

@@ -21,8 +21,18 @@ from pathlib import Path
 import torch
 
 import tracinfunc as tif
-from tracinfunc.cli.results import check_output_path, check_writable_directory, write_results
+from tracinfunc.cli.evaluate import add_evaluate_command
+from tracinfunc.cli.results import (
+    check_output_path,
+    check_result_format,
+    check_writable_directory,
+    write_results,
+)
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
+from tracinfunc.distributed import init_from_environment
+from tracinfunc.store.parts import check_shard, read_parts
+from tracinfunc.store.remote import exists as remote_exists
+from tracinfunc.store.remote import location
 
 __all__ = ["main"]
 
@@ -37,7 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print("tracinfunc: interrupted", file=sys.stderr)
+        resume = (f"; the rows stored so far are kept: run the same command with --resume to "
+                  f"continue building {str(args.out)!r}") if args.run is _build else ""
+        print(f"tracinfunc: interrupted{resume}", file=sys.stderr)
         return 130
     except Exception as error:
         if args.debug:
@@ -90,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build", parents=[common, gradients],
                                 help="compute a gradient store")
     build.add_argument("--spec", required=True, help="file.py:function or module:function")
-    build.add_argument("--out", required=True, type=Path,
+    build.add_argument("--out", required=True, type=location,
                        help="directory of the Zarr store to write, e.g. grads.zarr")
     build.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
                        help="state-dict files (need Spec.model); default: the spec's")
@@ -99,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
                        help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
     build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    build.add_argument("--shard", type=_shard, metavar="I/N",
+                       help="build only part I of N (0-based), e.g. one SLURM array task: "
+                            "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; then run "
+                            "'tracinfunc commit OUT' (under torchrun: rank/world size)")
     existing = build.add_mutually_exclusive_group()
     existing.add_argument("--resume", action="store_true",
                           help="continue an interrupted build at --out")
@@ -108,12 +124,12 @@ def _parser() -> argparse.ArgumentParser:
 
     score = commands.add_parser("score", parents=[common, gradients],
                                 help="score test examples")
-    score.add_argument("store", type=Path)
+    score.add_argument("store", type=location)
     score.add_argument("--spec", help="file.py:function or module:function")
     score.add_argument("--test", default="test", help="name of the spec's test set")
     score.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
                        help="state-dict files the store was built from (as in build)")
-    score.add_argument("--test-store", type=Path,
+    score.add_argument("--test-store", type=location,
                        help="a store of test gradients instead of --spec/--test")
     score.add_argument("--top-k", type=_positive_int,
                        help="keep the k best training rows per test row")
@@ -126,16 +142,23 @@ def _parser() -> argparse.ArgumentParser:
     self_influence = commands.add_parser(
         "self-influence", parents=[common], help="self-influence of every training row"
     )
-    self_influence.add_argument("store", type=Path)
+    self_influence.add_argument("store", type=location)
     self_influence.add_argument("--output", required=True, type=Path)
     self_influence.add_argument("--overwrite", action="store_true")
     self_influence.set_defaults(run=_self_influence)
 
+    commit = commands.add_parser("commit", parents=[common],
+                                 help="seal a store built in parts (build --shard I/N)")
+    commit.add_argument("store", type=location)
+    commit.set_defaults(run=_commit)
+
     info = commands.add_parser("info", parents=[common], help="describe a gradient store")
-    info.add_argument("store", type=Path)
+    info.add_argument("store", type=location)
     info.add_argument("--verify", action="store_true",
                       help="read every row and norm, check their checksums")
     info.set_defaults(run=_info)
+
+    add_evaluate_command(commands, common, _positive_int)
     return parser
 
 
@@ -186,17 +209,52 @@ def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[tif.Checkpoint
 
 
 def _build(args: argparse.Namespace) -> int:
-    _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    sharded = args.shard is not None or init_from_environment()
+    if not sharded and isinstance(args.out, Path):  # a URL: the writer refuses what it must
+        _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    elif args.overwrite:
+        raise tif.InvalidArgumentError(
+            "tracinfunc build: --overwrite cannot be used with --shard or torchrun (one part "
+            "would delete the others' rows); remove the store with 'rm -r' first."
+        )
+    try:
+        return _build_store(args, sharded)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _build_store(args: argparse.Namespace, sharded: bool) -> int:
     spec = load_spec(args.spec)
     checkpoints = _checkpoints(spec, args.checkpoints)
     store = tif.build_store(
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
-        store=_zarr_writer(args.out, replace=args.overwrite), progress=_progress(args),
-        options=_gradient_options(args, spec),
+        store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
+        progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
     )
-    print(f"wrote {store}")
+    if isinstance(store, tif.StorePart):
+        print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
+              f"of {args.out}; when every part is done, run 'tracinfunc commit {args.out}'")
+    else:
+        print(f"wrote {store}")
     return 0
+
+
+def _commit(args: argparse.Namespace) -> int:
+    store = tif.commit_store(args.store)
+    print(f"committed {store}")
+    return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        return check_shard((int(index), int(count)), caller="--shard")
+    except (ValueError, tif.TracInFuncError):
+        raise argparse.ArgumentTypeError(
+            f"expected I/N with 0 <= I < N, e.g. 3/8, got {text!r}"
+        ) from None
 
 
 def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
@@ -234,12 +292,12 @@ def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
         check_writable_directory(path, caller=caller, what="the store")
 
 
-def _zarr_writer(path: Path, *, replace: bool) -> Callable[[tif.StoreMeta], tif.ZarrWriter]:
+def _zarr_writer(path: Path | str, *, replace: bool) -> Callable[[tif.StoreMeta], tif.ZarrWriter]:
     """``store=`` for build_store: a Zarr directory at ``path``, whatever its name (a plain
     ``"memory"`` or ``"zarr"`` would name a store kind). ``replace``: delete the store that
     :func:`_check_build_out` found there, finished or not, before writing."""
     def make(meta: tif.StoreMeta) -> tif.ZarrWriter:
-        if replace and path.exists():
+        if replace and remote_exists(path):
             tif.remove_store(path, caller="tracinfunc build --overwrite")
         return tif.ZarrWriter(path, meta)
 
@@ -295,6 +353,7 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="score")
+    check_result_format(args.output, 1 if args.top_k is None else 2, caller="score")
     store = tif.open_store(str(args.store))
     test = _test_gradients(args, store)
     if args.top_k is not None:
@@ -338,13 +397,18 @@ def _info(args: argparse.Namespace) -> int:
     meta = tif.read_store_meta(args.store, caller="tracinfunc info")
     # Opening checks the arrays against the metadata; an incomplete store cannot be opened.
     store = tif.open_store(str(args.store)) if meta.complete else None
-    size = sum(f.stat().st_size for f in args.store.rglob("*") if f.is_file())
+    size = _size_on_disk(args.store)
     resume = (f"continue it with 'tracinfunc build ... --out {args.store} --resume' and the "
               "arguments it was started with")
-    print(f"store       {args.store}  ({size / 2**20:.1f} MiB on disk)")
+    print(f"store       {args.store}" + ("" if size is None else
+                                             f"  ({size / 2**20:.1f} MiB on disk)"))
     print(f"shape       n_ckpt={meta.n_ckpt} n_train={meta.n_train} k={meta.k} {meta.dtype}")
     if meta.complete:
         print("complete    True")
+    elif (parts := _parts_or_none(args.store)) is not None:
+        done = [i for i, state in enumerate(parts) if state and state.get("complete")]
+        print(f"complete    False  (sharded build: parts {done} of {len(parts)} done; run the "
+              f"others with --shard I/{len(parts)}, then 'tracinfunc commit {args.store}')")
     else:
         print(f"complete    False  ({meta.n_train} rows written so far: the build was "
               f"interrupted; {resume})")
@@ -362,6 +426,21 @@ def _info(args: argparse.Namespace) -> int:
         tif.verify_store(store, progress=_progress(args))
         print("verify      every row and norm read back and matched its checksum")
     return 0
+
+
+def _parts_or_none(store: Path | str) -> list[dict | None] | None:
+    """The parts of a sharded store being built, or ``None`` for a one-process store."""
+    try:
+        return read_parts(store)
+    except tif.StoreNotFoundError:
+        return None
+
+
+def _size_on_disk(store: Path | str) -> int | None:
+    """Bytes of a local store's files; ``None`` for a URL (listing a bucket costs requests)."""
+    if isinstance(store, str):
+        return None
+    return sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
 
 
 def _numel(shape: Sequence[int]) -> int:

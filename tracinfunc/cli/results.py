@@ -15,9 +15,11 @@ from torch import Tensor
 
 from tracinfunc.errors import InvalidArgumentError, OutputPathError
 
-__all__ = ["RESULT_SUFFIXES", "check_output_path", "check_writable_directory", "write_results"]
+__all__ = ["RESULT_SUFFIXES", "check_output_path", "check_result_format",
+           "check_writable_directory", "write_results"]
 
 RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
+RESULTS_MARK = "tracinfunc_results"
 
 
 def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
@@ -30,7 +32,37 @@ def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
         raise OutputPathError(
             f"{caller}: output {str(path)!r} exists; choose another path or pass --overwrite."
         )
+    if path.is_dir():
+        _check_replaceable_directory(path, caller=caller)
     check_writable_directory(path.resolve().parent, caller=caller, what="output directory")
+
+
+def check_result_format(path: Path, n_arrays: int, *, caller: str) -> None:
+    """Fail before any work if the output format cannot hold ``n_arrays`` arrays (.npy: one)."""
+    if path.suffix == ".npy" and n_arrays != 1:
+        raise InvalidArgumentError(
+            f"{caller}: a .npy file holds one array but --top-k gives {n_arrays} (values and "
+            "indices); use .json, .csv or .zarr for top-k results."
+        )
+
+
+def _check_replaceable_directory(path: Path, *, caller: str) -> None:
+    """--overwrite replaces a directory only if it is a result this CLI wrote."""
+    try:
+        attrs = json.loads((path / "zarr.json").read_text()).get("attributes", {})
+    except (OSError, ValueError, AttributeError):
+        attrs = {}
+    if isinstance(attrs, dict) and "tracinfunc" in attrs:
+        raise OutputPathError(
+            f"{caller}: output {str(path)!r} is a gradient store; results never replace one "
+            "(it may be the store being scored). Choose another output path."
+        )
+    if not (isinstance(attrs, dict) and attrs.get(RESULTS_MARK) is True):
+        raise OutputPathError(
+            f"{caller}: output {str(path)!r} is a directory but not a result written by "
+            "tracinfunc, so --overwrite will not delete it; choose another output path or "
+            "remove it yourself."
+        )
 
 
 def check_writable_directory(directory: Path, *, caller: str, what: str) -> None:
@@ -67,9 +99,15 @@ def write_results(path: Path, arrays: dict[str, Tensor], *, columns: str) -> Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.resolve().parent)) / path.name
     try:
         writers[path.suffix](tmp)
-        if path.is_dir():
-            shutil.rmtree(path)
+        if path.is_dir():  # os.replace cannot replace a directory: move the old one aside
+            os.rename(path, tmp.parent / "replaced")
         os.replace(tmp, path)
+    except OSError as error:  # disk full, quota, I/O error: nothing half-written is left
+        raise OutputPathError(
+            f"writing results to {str(path)!r} failed ({error.strerror or error}); "
+            f"{'the previous file is unchanged; ' if path.exists() else ''}free space or "
+            "choose another output path and run the command again."
+        ) from error
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
@@ -92,6 +130,7 @@ def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
     import zarr
 
     group = zarr.open_group(str(path), mode="w-")
+    group.attrs[RESULTS_MARK] = True  # what --overwrite may replace later
     for name, value in arrays.items():
         group.create_array(name, data=value)
 

@@ -31,7 +31,9 @@ def evaluate_lds_from_files(
             --output scores.npy`` writes) or a ``.pt`` file holding one tensor.
         retrain_path: The Zarr group of a finished
             :func:`~tracinfunc.evaluate.retrain_subsets` run.
-        n_bootstrap, confidence, seed: As in :func:`~tracinfunc.evaluate.lds`.
+        n_bootstrap: Bootstrap resamples, as in :func:`~tracinfunc.evaluate.lds`.
+        confidence: Level of the interval, as in :func:`~tracinfunc.evaluate.lds`.
+        seed: Seed of the resampling, as in :func:`~tracinfunc.evaluate.lds`.
 
     Returns:
         An :class:`~tracinfunc.evaluate.LDSResult`.

@@ -164,6 +164,13 @@ def _open_group(path: Path, config: dict):
     import zarr
 
     if not (path / "zarr.json").exists():
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            # mode="w" would clear the directory: never delete what this harness did not write
+            raise InvalidArgumentError(
+                f"retrain_subsets: expected path to be a new or empty directory or a previous "
+                f"run's Zarr group, got {str(path)!r}, which holds other files; pass another "
+                "path."
+            )
         group = zarr.open_group(path, mode="w")
         group.attrs[ATTRS_KEY] = config
         return group

@@ -40,14 +40,53 @@ class LDSResult:
     confidence: float
 
 
-def _average_ranks(values: Tensor) -> Tensor:
-    """1-based ranks along dim 0, ties given their average rank. ``[m, n] -> [m, n]``."""
-    columns = values.T.contiguous()  # searchsorted works along the last dim
-    ordered = columns.sort(dim=-1).values
-    below = torch.searchsorted(ordered, columns, side="left")
-    up_to = torch.searchsorted(ordered, columns, side="right")
-    # Tied values occupy ranks below+1 .. up_to; their average is (below + 1 + up_to) / 2.
-    return ((below + up_to + 1).double() / 2).T
+def _tie_runs(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per column of ``[m, n]``: the sort order and, at each sorted position, the first and
+    last sorted positions of its run of tied values (each ``[m, n]``, int64)."""
+    ordered, order = values.sort(dim=0)
+    m = values.shape[0]
+    position = torch.arange(m).unsqueeze(1).expand_as(ordered)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    ends = torch.ones_like(starts)
+    ends[:-1] = starts[1:]
+    # cummax/cummin carry a run's first (last) position to every member: O(m) per column.
+    first = torch.where(starts, position, 0).cummax(0).values
+    last = torch.where(ends, position, m - 1).flip(0).cummin(0).values.flip(0)
+    return order, first, last
+
+
+def _weighted_ranks(runs: tuple[Tensor, Tensor, Tensor], weights: Tensor) -> Tensor:
+    """Average ranks in the multiset holding row j ``weights[j]`` times, ``[m, n]``.
+
+    A value with ``below`` items strictly smaller and ``tied`` items equal (copies included)
+    has average rank ``below + (tied + 1) / 2``. This is what lets a bootstrap resample
+    (rows drawn with replacement) reuse one sort instead of sorting again.
+    """
+    order, first, last = runs
+    # [m, n]: weight of the row at each sorted position (gather: measured ~400x faster
+    # than weights[order] on CPU)
+    in_order = weights.unsqueeze(1).expand_as(order).gather(0, order)
+    through = in_order.cumsum(0)
+    below = through.gather(0, first) - in_order.gather(0, first)
+    tied = through.gather(0, last) - below
+    return torch.empty_like(in_order).scatter_(0, order, below + (tied + 1) / 2)
+
+
+def _weighted_pearson(x: Tensor, y: Tensor, weights: Tensor) -> Tensor:
+    """Pearson correlation of the columns of ``[m, n]`` tensors, row j counted weights[j]
+    times; NaN where a column is constant."""
+    w = (weights / weights.sum()).unsqueeze(1)
+    x = x - (w * x).sum(0)
+    y = y - (w * y).sum(0)
+    denom = ((w * x.square()).sum(0) * (w * y.square()).sum(0)).sqrt()
+    # A zero denominator (constant column) means the correlation is undefined: NaN, not 0.
+    return (w * x * y).sum(0) / torch.where(denom > 0, denom, torch.nan)
+
+
+def _spearman_runs(x_runs, y_runs, weights: Tensor) -> Tensor:
+    return _weighted_pearson(_weighted_ranks(x_runs, weights),
+                             _weighted_ranks(y_runs, weights), weights)
 
 
 def spearman(x: Tensor, y: Tensor) -> Tensor:
@@ -56,17 +95,14 @@ def spearman(x: Tensor, y: Tensor) -> Tensor:
     Ties get their average rank (as ``scipy.stats.spearmanr``); a constant column gives NaN.
 
     Args:
-        x, y: ``[m, n]`` real tensors (``m`` observations of ``n`` variables).
+        x: ``[m, n]`` real tensor (``m`` observations of ``n`` variables).
+        y: ``[m, n]`` real tensor, paired with ``x`` column by column.
 
     Returns:
         ``[n]``, float64.
     """
-    rank_x, rank_y = _average_ranks(x), _average_ranks(y)
-    rank_x = rank_x - rank_x.mean(0)
-    rank_y = rank_y - rank_y.mean(0)
-    denom = (rank_x.square().sum(0) * rank_y.square().sum(0)).sqrt()
-    # A zero denominator (constant column) means the correlation is undefined: NaN, not 0.
-    return (rank_x * rank_y).sum(0) / torch.where(denom > 0, denom, torch.nan)
+    ones = torch.ones(x.shape[0], dtype=torch.float64)
+    return _spearman_runs(_tie_runs(x.cpu()), _tie_runs(y.cpu()), ones)
 
 
 def lds(
@@ -100,8 +136,8 @@ def lds(
             a defined correlation.
     """
     _check_inputs(scores, subsets, outputs, n_bootstrap, confidence)
-    predicted = subsets.double() @ scores.double().T  # [m, n_train] @ [n_train, n_test]
-    measured = outputs.double()
+    predicted = subsets.double().cpu() @ scores.double().cpu().T  # [m, n_train] @ [n_train, n_test]
+    measured = outputs.double().cpu()
     per_test = spearman(predicted, measured)
     if torch.isnan(per_test).all():
         raise InvalidArgumentError(
@@ -112,18 +148,25 @@ def lds(
     mean = per_test.nanmean().item()
     low = high = mean
     if n_bootstrap:
-        generator = torch.Generator().manual_seed(seed)
-        m = subsets.shape[0]
-        values = []
-        for _ in range(n_bootstrap):
-            pick = torch.randint(m, (m,), generator=generator)
-            values.append(spearman(predicted[pick], measured[pick]).nanmean())
-        boot = torch.stack(values)
-        boot = boot[~torch.isnan(boot)]
+        boot = _bootstrap(predicted, measured, n_bootstrap, seed)
         tail = (1 - confidence) / 2
         low, high = (torch.quantile(boot, q).item() for q in (tail, 1 - tail))
     return LDSResult(mean=mean, low=low, high=high, per_test=per_test,
                      n_subsets=int(subsets.shape[0]), confidence=confidence)
+
+
+def _bootstrap(predicted: Tensor, measured: Tensor, n_bootstrap: int, seed: int) -> Tensor:
+    """LDS of ``n_bootstrap`` resamples of the subsets (rows, with replacement), ``[<= B]``."""
+    generator = torch.Generator().manual_seed(seed)
+    m = predicted.shape[0]
+    runs = _tie_runs(predicted), _tie_runs(measured)
+    values = []
+    for _ in range(n_bootstrap):
+        # A resample is the original rows with multiplicities: weights, not copies.
+        weights = torch.randint(m, (m,), generator=generator).bincount(minlength=m).double()
+        values.append(_spearman_runs(*runs, weights).nanmean())
+    boot = torch.stack(values)
+    return boot[~torch.isnan(boot)]
 
 
 def _check_inputs(scores: object, subsets: object, outputs: object, n_bootstrap: object,

@@ -17,6 +17,7 @@ rounding (mixed precision aside, which is an approximation):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from tracinfunc.grads.precision import with_mixed_precision
 from tracinfunc.grads.selection import Selection
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
+from tracinfunc.precondition import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.types import Batch, Example, LossFn, Params
 
@@ -124,6 +126,7 @@ def projected_grads(
     memory_budget: int | None = None,
     compile_projection: bool = False,
     options: GradientOptions | None = None,
+    precondition: Preconditioner | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -138,11 +141,14 @@ def projected_grads(
             function returns ``(rows, aux)``.
         chunk_size: Examples differentiated at once (``None``: the whole batch). Only this
             many full gradients are alive at once; results do not change.
-        select, mixed_precision, stages, offload: As for :func:`per_sample_grads`. The
-            projection covers only the selected parameters. With ``stages``, each stage's
-            gradients are projected as soon as they exist and then freed, so only one
-            stage's per-example gradients ever exist (the projection is linear, so the sum
-            over stages equals projecting the whole gradient).
+        select: As for :func:`per_sample_grads`; the projection covers only the selected
+            parameters.
+        mixed_precision: As for :func:`per_sample_grads`.
+        stages: As for :func:`per_sample_grads`. Each stage's gradients are projected as
+            soon as they exist and then freed, so only one stage's per-example gradients
+            ever exist (the projection is linear, so the sum over stages equals projecting
+            the whole gradient).
+        offload: As for :func:`per_sample_grads`.
         memory_budget: Bytes for per-example gradients and their temporaries; chooses
             ``chunk_size`` so the peak stays near the budget plus fixed costs.
         compile_projection: Generate dense projection blocks with ``torch.compile``
@@ -150,6 +156,10 @@ def projected_grads(
             one-off compile; for large models with ``kind="rademacher"``.
         options: All of the above (but ``has_aux``) as one
             :class:`~tracinfunc.GradientOptions`, instead of the keywords.
+        precondition: A :class:`~tracinfunc.Preconditioner` (optimizer-aware TracIn)
+            applied to each example's gradient before the projection, for training
+            gradients only. Uses the generic path (also for ``kind="kronecker"``: a
+            per-element map does not factorise); not with ``stages``.
 
     Returns:
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
@@ -168,18 +178,20 @@ def projected_grads(
         stages=stages, offload=offload, memory_budget=memory_budget,
         compile_projection=compile_projection)
     _check_has_aux(has_aux, options)
-    if (projection.kind == "kronecker" and not has_aux and options.mixed_precision is None
-            and options.stages is None and options.memory_budget is None):
-        # Factorised path for any loss, select= included (layer weights never materialised;
-        # a loss that calls no layer falls back inside it to the same projection). With a
-        # memory option the generic path below computes the same Kronecker projection, from
-        # the materialised gradient. Imported here: the module imports this one.
+    _check_precondition(precondition, options)
+    if (projection.kind == "kronecker" and replace(options, select=None).plain()
+            and not has_aux and precondition is None):
+        # Factorised path for any loss (layer weights never materialised; a loss that calls
+        # no layer falls back inside it to the same projection). With a memory option the
+        # generic path below computes the same Kronecker projection, from the materialised
+        # gradient. Imported here: the module imports this one.
         from tracinfunc.grads.factorized import factorized_projected_grads
 
         factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
                                                 select=options.select)
-        return lambda params, batch: _call_loss_transform(factorized, params, batch,
-                                                          caller=current_caller())
+        return entry_point("projected_grads")(
+            lambda params, batch: _call_loss_transform(factorized, params, batch,
+                                                       caller=current_caller()))
     projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -188,6 +200,8 @@ def projected_grads(
         names, per_stage, chunk = options.resolve(params)
         if per_stage is None:
             project = projector_for({name: params[name] for name in names})
+            if precondition is not None:
+                project = _preconditioned(project, precondition, params, names)
             return _plain_projected(loss, project, params, batch, names, chunk, options,
                                     has_aux)
         check_staged(params, batch, caller=current_caller())
@@ -205,6 +219,27 @@ def _check_has_aux(has_aux: Any, options: GradientOptions) -> None:
             "backward runs the model stage by stage and never calls the loss as a whole, so "
             "there is no aux to return. Drop one of them."
         )
+
+
+def _check_precondition(precondition: Preconditioner | None, options: GradientOptions) -> None:
+    if precondition is not None and not isinstance(precondition, Preconditioner):
+        raise InvalidTypeError(
+            f"{current_caller()}: precondition must be a tracinfunc.Preconditioner or None, got "
+            f"{type(precondition).__name__}; e.g. Preconditioner.from_optimizer(opt, model)."
+        )
+    if precondition is not None and options.stages is not None:
+        raise InvalidArgumentError(
+            f"{current_caller()}: precondition= cannot be combined with stages= (the staged path "
+            "projects stage by stage); drop stages= or use select= to bound memory instead."
+        )
+
+
+def _preconditioned(project: Projector, precondition: Preconditioner, params: Params,
+                    names: tuple[str, ...]) -> Callable[[Params], Tensor]:
+    """``project`` after the elementwise preconditioner (inside vmap: one example's grads)."""
+    shapes = {name: tuple(value.shape) for name, value in params.items()}
+    precondition.check(shapes, names, caller=current_caller())
+    return lambda grads: project(precondition.apply(grads))
 
 
 class _StagesCheck:

@@ -47,19 +47,24 @@ class ShardReader:
     """
 
     def __init__(self, directory: Path, *, n_rows: int, row_bytes: int, chunk_rows: int,
-                 shard_rows: int, chunk_crc: bool, index_crc: bool, chunk_key) -> None:
+                 shard_rows: int, chunk_crc: bool, index_crc: bool, chunk_key,
+                 guard=None) -> None:
         self._directory = directory
         self._n_rows, self._row_bytes = n_rows, row_bytes
         self._chunk_rows, self._shard_rows = chunk_rows, shard_rows
         self._chunks_per_shard = shard_rows // chunk_rows
         self._chunk_crc, self._index_crc = chunk_crc, index_crc
         self._chunk_key = chunk_key
+        self._guard = guard  # FileGuard: a file's size and tail as sealed, on its first read
         self._indices: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def for_array(cls, array) -> ShardReader | None:
-        """A reader for ``array`` (a ``zarr.Array``), or ``None`` if its layout is not raw."""
+    def for_array(cls, array, *, guard=None) -> ShardReader | None:
+        """A reader for ``array`` (a ``zarr.Array``), or ``None`` if its layout is not raw.
+
+        ``guard``: an optional :class:`~tracinfunc.store.integrity.FileGuard` checking each
+        shard file before its first read."""
         from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
         from zarr.storage import LocalStore
 
@@ -92,6 +97,7 @@ class ShardReader:
             chunk_crc=chunk_crc,
             index_crc=index_crc,
             chunk_key=lambda shard: metadata.encode_chunk_key((shard, 0)),
+            guard=guard,
         )
 
     @property
@@ -115,6 +121,8 @@ class ShardReader:
 
     def _read_shard(self, shard: int, start: int, stop: int, out: memoryview) -> None:
         path = self._directory / self._chunk_key(shard)
+        if self._guard is not None:
+            self._guard.check(path, caller="ZarrStore")
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

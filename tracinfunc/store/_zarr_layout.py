@@ -7,6 +7,8 @@ the file count low; compression gains ~7% on projected gradients (Gaussian-like 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +16,21 @@ import torch
 import zarr
 from torch import Tensor
 
-from tracinfunc.errors import CorruptStoreError, IncompatibleGradientsError, InvalidArgumentError
+from tracinfunc.errors import (
+    CorruptStoreError,
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    StoreExistsError,
+    StoreWriteError,
+    TracInFuncError,
+)
+from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
+from tracinfunc.store.remote import is_url
 
-__all__ = ["ATTRS_KEY", "check_resumable", "create_layout", "missing_chunk_files",
-           "norms_numpy", "read_meta", "rows_dtype", "to_numpy", "writable_arrays"]
+__all__ = ["ATTRS_KEY", "check_rerun", "check_resumable", "chunk_files", "create_layout",
+           "norms_numpy", "open_group", "read_meta", "rows_dtype", "sealed_files", "to_numpy",
+           "writable_arrays", "write_errors"]
 
 ATTRS_KEY = "tracinfunc"
 CHUNK_BYTES = 4 * 2**20
@@ -95,50 +107,121 @@ def writable_arrays(group: zarr.Group, kind: str, n_ckpt: int) -> list[zarr.Arra
     return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
 
 
-def missing_chunk_files(array: zarr.Array, start: int, stop: int) -> list[str]:
-    """Keys of the chunk (or shard) files that rows ``[start, stop)`` need but are absent.
+def chunk_files(array: zarr.Array, start: int, stop: int) -> list[Path]:
+    """The chunk (or shard) files that rows ``[start, stop)`` of ``array`` are read from.
 
-    zarr reads a missing file as the fill value (zeros); every tracinfunc writer writes each
-    chunk, so an absent one is damage. Checked before zarr's own (non-raw) reads.
+    zarr reads a missing or empty file as the fill value (zeros); every tracinfunc writer
+    writes each chunk, so the caller checks these files before zarr's own (non-raw) reads.
     """
     rows_per_file = (array.shards or array.chunks)[0]
     tail = (0,) * (array.ndim - 1)
     root = Path(array.store.root) / array.path
-    keys = (array.metadata.encode_chunk_key((i, *tail))
-            for i in range(start // rows_per_file, (stop - 1) // rows_per_file + 1))
-    return [key for key in keys if not (root / key).exists()] if stop > start else []
+    return [root / array.metadata.encode_chunk_key((i, *tail))
+            for i in range(start // rows_per_file, (stop - 1) // rows_per_file + 1)
+            ] if stop > start else []
+
+
+@contextmanager
+def write_errors(path: Path, rows_stored: int) -> Iterator[None]:
+    """Turn an OSError while writing (disk full, I/O error) into one that says what to do."""
+    try:
+        yield
+    except TracInFuncError:
+        raise
+    except OSError as error:
+        raise StoreWriteError(
+            error.errno,
+            f"ZarrWriter: writing to {str(path)!r} failed ({error.strerror or error}); the "
+            f"first {rows_stored} rows are safely stored and the rest will be redone. Free "
+            "space (or fix the device), then resume: call build_store again with the same "
+            "arguments and store=path ('tracinfunc build ... --resume').",
+        ) from error
+
+
+def open_group(path: Path, *, mode: str, caller: str) -> zarr.Group:
+    """``zarr.open_group`` with a CorruptStoreError naming the file for malformed metadata."""
+    try:
+        return zarr.open_group(path, mode=mode, zarr_format=3)
+    except (ValueError, TypeError, KeyError) as error:  # JSONDecodeError is a ValueError
+        raise CorruptStoreError(
+            f"{caller}: {_join(path, 'zarr.json')!r} is not valid zarr v3 group metadata "
+            f"({error}); the store is damaged or was edited. Rebuild it or restore it from a "
+            "copy."
+        ) from error
 
 
 def read_meta(group: zarr.Group, path: Path, *, caller: str) -> StoreMeta:
-    """The store's :class:`StoreMeta`, validated; a clear error for anything else."""
+    """The store's :class:`StoreMeta`, validated (and checksummed once finished)."""
     data = group.attrs.get(ATTRS_KEY)
+    where = _join(path, "zarr.json")
     if not isinstance(data, dict):
         raise CorruptStoreError(
             f"{caller}: {str(path)!r} is a zarr group but not a tracinfunc store (no "
-            f"{ATTRS_KEY!r} attribute); open it with zarr directly."
+            f"{ATTRS_KEY!r} attribute in {where!r}); open it with zarr directly."
         )
     version = data.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= \
+            FORMAT_VERSION:
         raise CorruptStoreError(
-            f"{caller}: {str(path)!r} has store format version {version!r}; this tracinfunc "
-            f"reads versions up to {FORMAT_VERSION}. Upgrade tracinfunc."
+            f"{caller}: {where!r} gives store format version {version!r}; this tracinfunc "
+            f"reads versions 1 to {FORMAT_VERSION}. Upgrade tracinfunc, or the metadata was "
+            "edited or damaged."
         )
     try:
         meta = StoreMeta.from_dict(data)
     except (KeyError, TypeError, ValueError) as error:
         raise CorruptStoreError(
-            f"{caller}: the metadata of {str(path)!r} is malformed ({error!r})."
+            f"{caller}: the metadata in {where!r} is malformed ({error!r}); it was edited or "
+            "damaged. Rebuild the store or restore it from a copy."
         ) from error
     if meta.dtype not in _NUMPY:
         raise CorruptStoreError(
-            f"{caller}: the metadata of {str(path)!r} gives storage dtype {meta.dtype!r}; "
+            f"{caller}: the metadata in {where!r} gives storage dtype {meta.dtype!r}; "
             f"stores hold one of {sorted(_NUMPY)}. The metadata was edited or damaged."
         )
+    # Stores on object storage are not sealed (no local files to manifest); zarr's crc32c
+    # still checks every chunk there.
+    if meta.complete and version >= 2 and not is_url(path):
+        check_digest(data, path, caller=caller)
     return meta
+
+
+def _join(path: Path | str, name: str) -> str:
+    """``path/name`` for a local path or an fsspec URL."""
+    return f"{str(path).rstrip('/')}/{name}" if is_url(path) else str(Path(path) / name)
+
+
+def sealed_files(group: zarr.Group) -> dict[str, list] | None:
+    """The sealed file manifest of a finished store; ``None`` for format 1 stores."""
+    block = group.attrs[ATTRS_KEY].get(INTEGRITY_KEY)
+    return block["files"] if isinstance(block, dict) else None
 
 
 def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> None:
     """Raise unless an incomplete store was started with the same arguments."""
+    difference = first_difference(existing, requested)
+    if difference is not None:
+        raise IncompatibleGradientsError(
+            f"build_store: cannot resume the incomplete store at {str(path)!r}: {difference}. "
+            "Call build_store with the same arguments as the interrupted build, or delete the "
+            "directory (or use another path) to start over."
+        )
+
+
+def check_rerun(existing: StoreMeta, requested: StoreMeta, path: Path) -> None:
+    """Raise unless a finished store was made with the arguments of this (repeated) call."""
+    difference = first_difference(existing, requested)
+    if difference is not None:
+        raise StoreExistsError(
+            f"build_store: a finished store already exists at {str(path)!r} and was made "
+            f"differently: {difference}. Stores are immutable: open it with "
+            "tif.GradientStore.open(path), choose another path, or pass overwrite=True (e.g. "
+            "store=functools.partial(tif.ZarrWriter, path, overwrite=True)) to replace it."
+        )
+
+
+def first_difference(existing: StoreMeta, requested: StoreMeta) -> str | None:
+    """``"its X is A but this call asks for B"`` for the first differing argument, or None."""
     fields = {
         "projection": (existing.projection, requested.projection),
         "parameter layout": (existing.layout, requested.layout),
@@ -146,15 +229,12 @@ def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> No
         "k": (existing.k, requested.k),
         "checkpoints (names, lrs, fingerprints)": (existing.checkpoints, requested.checkpoints),
         "dataset fingerprint": (existing.dataset_fingerprint, requested.dataset_fingerprint),
+        "preconditioner": (existing.preconditioner, requested.preconditioner),
     }
     for what, (theirs, ours) in fields.items():
         if theirs != ours:
-            raise IncompatibleGradientsError(
-                f"build_store: cannot resume the incomplete store at {str(path)!r}: its "
-                f"{what} is {_short(theirs)} but this call asks for {_short(ours)}. Call "
-                "build_store with the same arguments as the interrupted build, or delete the "
-                "directory (or use another path) to start over."
-            )
+            return f"its {what} is {_short(theirs)} but this call asks for {_short(ours)}"
+    return None
 
 
 def _short(value: object) -> str:

@@ -6,13 +6,19 @@ separate ``Protocol``s (zarr ``storage/_protocols.py``) that code tests with ``i
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from tracinfunc.errors import InvalidArgumentError, RowRangeError, StoreNotFoundError
+from tracinfunc.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    RowRangeError,
+    StoreNotFoundError,
+)
 from tracinfunc.store.meta import StoreMeta
 
 __all__ = [
@@ -118,12 +124,24 @@ def aligned_rows(store: GradientStore, rows: int) -> int:
 
 def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int, *, caller: str) -> None:
     """Raise ``IndexError`` unless ``0 <= ckpt < n_ckpt`` and ``0 <= start <= stop <= n_train``."""
+    for name, value in (("ckpt", ckpt), ("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not _is_index(value):  # a bool would index every ckpt
+            raise InvalidTypeError(f"{caller}: {name} must be an integer, got "
+                                   f"{type(value).__name__} {value!r}; e.g. {caller}(0, 0, 10).")
     if not 0 <= ckpt < meta.n_ckpt:
         raise RowRangeError(f"{caller}: checkpoint index {ckpt} out of range [0, {meta.n_ckpt}).")
     if not 0 <= start <= stop <= meta.n_train:
         raise RowRangeError(
             f"{caller}: row range [{start}, {stop}) is not within [0, {meta.n_train}]."
         )
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_out_buffer(out: Tensor, rows: int, meta: StoreMeta, *, caller: str) -> Tensor:

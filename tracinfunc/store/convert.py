@@ -7,14 +7,23 @@ They work for any store, including user-written ones: each reads rows through ``
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.errors import (
+    CorruptStoreError,
+    InvalidArgumentError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore, norm_dtype
+from tracinfunc.store.paths import read_store_meta
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter
 from tracinfunc.store.zarr import ZarrStore, ZarrWriter
 
@@ -51,24 +60,56 @@ def to_pinned(store: GradientStore, *, progress: ProgressArg = None) -> PinnedSt
 
 
 def save_store(store: GradientStore, path: str | os.PathLike[str], *,
-               progress: ProgressArg = None, **options: Any) -> ZarrStore:
+               progress: ProgressArg = None, overwrite: bool = False,
+               **options: Any) -> ZarrStore:
     """Write any store to a new Zarr directory and return it reopened read-only.
 
     Args:
         store: The store to copy (memory, pinned, another Zarr store, a user's).
         path: Directory to create; an existing finished store there is refused.
         progress: As in :func:`to_memory`.
+        overwrite: Replace a gradient store at ``path``. The copy is written beside it and
+            swapped in only once complete, so ``store`` may be the store at ``path`` itself
+            and a failed copy leaves the old store as it was.
         **options: Passed to :class:`~tracinfunc.store.zarr.ZarrWriter` (``chunk_rows``,
-            ``shard_rows``, ``compression``, ``overwrite``).
+            ``shard_rows``, ``compression``).
+
+    Raises:
+        StoreExistsError: something is at ``path`` (without ``overwrite``), or it is not a
+            tracinfunc store (never replaced).
     """
-    meta = store.meta
-    writer = ZarrWriter(path, meta.replace(n_train=0, complete=False), **options)
+    path = Path(path)
+    if overwrite and path.exists():
+        return _replace_store(store, path, progress=progress, options=options)
+    writer = ZarrWriter(path, store.meta.replace(n_train=0, complete=False), **options)
     if writer.rows_written:
         raise InvalidArgumentError(
             f"save_store: {str(path)!r} holds an incomplete store; save_store writes new "
             "stores only. Delete it or choose another path."
         )
     return _copy_rows(store, writer, progress=progress, desc="save_store")
+
+
+def _replace_store(store: GradientStore, path: Path, *, progress: ProgressArg,
+                   options: dict[str, Any]) -> ZarrStore:
+    """Copy into a sibling directory, then swap it for the store at ``path`` (two renames)."""
+    try:
+        read_store_meta(path, caller="save_store")
+    except (StoreNotFoundError, CorruptStoreError) as error:
+        raise StoreExistsError(
+            f"save_store: {str(path)!r} exists and is not a tracinfunc store, so overwrite=True "
+            "will not delete it; choose another path."
+        ) from error
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.resolve().parent))
+    try:
+        fresh = scratch / path.name
+        writer = ZarrWriter(fresh, store.meta.replace(n_train=0, complete=False), **options)
+        _copy_rows(store, writer, progress=progress, desc="save_store")
+        os.rename(path, scratch / "replaced")  # only now is the old store let go
+        os.rename(fresh, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return ZarrStore(path)
 
 
 def _copy_rows(store: GradientStore, writer: Any, *, progress: ProgressArg, desc: str) -> Any:

@@ -30,6 +30,8 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.parts import StorePart
+from tracinfunc.store.resume import SupportsReadBack, check_same_data
 from tracinfunc.store.writer import StoreWriter
 
 __all__ = ["checkpoint_list", "fill_store", "new_store_meta"]
@@ -93,8 +95,9 @@ def new_store_meta(
 def fill_store(
     writer: StoreWriter, batches: Iterable[tuple[int, Any]], rows_of: Callable[[Any], Tensor],
     *, meta: StoreMeta, check_first: Callable[[Any], None] | None = None,
-    progress: ProgressArg = None, total: int | None = None, caller: str,
-) -> GradientStore:
+    progress: ProgressArg = None, total: int | None = None, stop: int | None = None,
+    caller: str,
+) -> GradientStore | StorePart:
     """Append the rows of every batch to ``writer`` and seal it.
 
     Args:
@@ -104,36 +107,54 @@ def fill_store(
         meta: The store's metadata (names checkpoints in errors).
         check_first: Called with the first batch to be computed, before ``rows_of``.
         progress, total: The progress bar over examples (``total`` when known).
+        stop: Write no row at or past ``stop`` and stop iterating there: a part of a sharded
+            build (its writer's ``rows_written`` starts at the part's first row).
 
     Returns:
-        ``writer.finish()``: the read-only store ``[n_ckpt, n_train, k]``.
+        ``writer.finish()``: the read-only store ``[n_ckpt, n_train, k]`` (for a part
+        writer, the finished part).
 
     Raises:
         EmptyDataError: no examples, or fewer than an interrupted build already stored.
         NonFiniteGradientError: a row is NaN/inf (names the checkpoint and examples).
     """
-    resume_at = writer.rows_written  # > 0 when resuming an interrupted Zarr build
+    resume_at = writer.rows_written  # > 0 when resuming, or at a part's first row
     seen = 0
+    stop = float("inf") if stop is None else stop
     checked = check_first is None
     with progress_bar(progress, total=total, desc=caller, unit="ex") as bar:
         bar.update(resume_at)
         for size, batch in batches:
+            if seen >= stop:  # past this part: later batches are other parts' work
+                break
             seen += size
+            # The data's first batch, stored before by the build being resumed: same data?
+            # (Only writers that can read rows back; a part of a sharded build starts later.)
+            if resume_at and seen == size and size and isinstance(writer, SupportsReadBack):
+                check_same_data(writer, rows_of(batch)[:, :resume_at], meta, caller=caller)
             if size == 0 or seen <= resume_at:  # stored before the interruption: skip
                 continue
             if not checked:
                 check_first(batch)
                 checked = True
-            rows = rows_of(batch)[:, max(0, resume_at - (seen - size)):]  # [n_ckpt, b', k]
+            # A batch straddling the resume point or the part's end is computed whole, as in
+            # a one-process build, and cut: the rows are bit-identical.
+            first = seen - size
+            rows = rows_of(batch)[:, max(0, resume_at - first) : min(size, stop - first)]
             check_finite(rows, meta, first_row=writer.rows_written, caller=caller)
             writer.append(rows, rows.norm(dim=-1))
             bar.update(rows.shape[1])
+    if stop != float("inf") and seen < stop:
+        raise EmptyDataError(
+            f"{caller}: this part needs rows up to {stop} but data has only {seen}; every "
+            "part of a sharded build must see the same data as the whole build."
+        )
     if seen < resume_at:
         raise EmptyDataError(
-            f"{caller}: the incomplete store already holds {resume_at} rows but data has "
-            f"only {seen}; resume with the same data as the interrupted build."
+            f"{caller}: the store already holds {resume_at} rows but data has only "
+            f"{seen}; resume (or re-run) with the same data as the build that wrote it."
         )
-    if writer.rows_written == 0:
+    if writer.rows_written == 0 and stop == float("inf"):
         raise EmptyDataError(
             f"{caller}: data holds no examples; pass a non-empty batch or iterable of "
             "batches (a tensor or array, a tuple/dict of them, a list of those, or a "

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, ReadOnlyStoreError
+from tracinfunc.errors import (
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NonFiniteGradientError,
+    ReadOnlyStoreError,
+)
 from tracinfunc.interop import as_tensor
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
@@ -137,6 +143,19 @@ def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor, *, caller: str) ->
         raise IncompatibleGradientsError(
             f"{caller}: norms must be [n_ckpt, b] = {list(rows.shape[:2])}, got "
             f"{list(norms.shape)}; pass rows.norm(dim=-1) of the unrounded rows."
+        )
+    if not (rows.is_floating_point() and norms.is_floating_point()):
+        raise InvalidTypeError(
+            f"{caller}: rows and norms must be floating point, got {rows.dtype} and "
+            f"{norms.dtype}; pass the projected gradients as computed (e.g. float32)."
+        )
+    finite = torch.isfinite(rows).all(dim=-1) & torch.isfinite(norms)  # [n_ckpt, b]
+    if not bool(finite.all()):
+        ckpt, row = (~finite).nonzero()[0].tolist()
+        raise NonFiniteGradientError(
+            f"{caller}: the block holds NaN/inf values (checkpoint index {ckpt}, row {row} of "
+            "the block first); they would rank as the strongest proponents. Check the loss and "
+            "the checkpoint weights on those examples, or drop them."
         )
 
 

@@ -26,7 +26,8 @@ __all__ = [
     "layout_differences",
 ]
 
-FORMAT_VERSION = 1
+# 2: finished stores carry an integrity block (store/integrity.py); 1 had none.
+FORMAT_VERSION = 2
 
 _DTYPES = {
     "float64": torch.float64,
@@ -47,11 +48,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_lr(lr: Any, *, caller: str) -> float:
-    """A checkpoint's TracIn weight as a float: a finite number (torch and JAX checkpoints).
+    """A checkpoint's TracIn weight as a float: a finite positive number (torch and JAX).
 
     Raises:
         InvalidTypeError: not a number (``True``/``False`` included).
-        InvalidArgumentError: NaN or infinite.
+        InvalidArgumentError: NaN, infinite, zero or negative.
     """
     if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise InvalidTypeError(
@@ -60,6 +61,11 @@ def check_lr(lr: Any, *, caller: str) -> float:
         )
     if not math.isfinite(lr):
         raise InvalidArgumentError(f"{caller}: lr must be finite, got {lr}; e.g. lr=0.1.")
+    if lr <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
+        raise InvalidArgumentError(
+            f"{caller}: lr must be positive (the learning rate at this checkpoint), got {lr}; "
+            "e.g. lr=0.1."
+        )
     return float(lr)
 
 
@@ -87,6 +93,9 @@ class StoreMeta:
         library_version: tracinfunc version that wrote the store.
         format_version: On-disk/metadata format version.
         dataset_fingerprint: Optional user-supplied identifier of the data rows.
+        preconditioner: Kind of optimizer preconditioning of the rows (``"adam"``,
+            ``"trackstar"``), or ``None`` for plain gradients (stores written before the
+            field existed read as ``None``).
     """
 
     projection: Projection
@@ -99,6 +108,7 @@ class StoreMeta:
     library_version: str = ""
     format_version: int = FORMAT_VERSION
     dataset_fingerprint: str | None = None
+    preconditioner: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -133,37 +143,79 @@ class StoreMeta:
             "dtype": self.dtype,
             "complete": self.complete,
             "dataset_fingerprint": self.dataset_fingerprint,
+            "preconditioner": self.preconditioner,
             "extra": dict(self.extra),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StoreMeta:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`; strict, since the dict may come from an edited file.
+
+        Raises:
+            InvalidArgumentError, InvalidTypeError, KeyError: a field is missing or has a
+                value no writer produces (``complete: "no"``, a negative lr, ...).
+        """
         return cls(
             projection=Projection.from_dict(data["projection"]),
             checkpoints=tuple(
-                CheckpointMeta(c["name"], float(c["lr"]), c["fingerprint"])
+                CheckpointMeta(_stored_str(c["name"], "checkpoint name"), _stored_lr(c["lr"]),
+                               _stored_str(c["fingerprint"], "checkpoint fingerprint"))
                 for c in data["checkpoints"]
             ),
             layout=tuple((name, tuple(shape)) for name, shape in data["layout"]),
-            n_train=int(data["n_train"]),
-            k=int(data["k"]),
-            dtype=data["dtype"],
-            complete=bool(data["complete"]),
-            library_version=data.get("library_version", ""),
-            format_version=int(data.get("format_version", FORMAT_VERSION)),
-            dataset_fingerprint=data.get("dataset_fingerprint"),
+            n_train=_stored_int(data["n_train"], "n_train", minimum=0),
+            k=_stored_int(data["k"], "k", minimum=1),
+            dtype=_stored_str(data["dtype"], "dtype"),
+            complete=_stored_bool(data["complete"], "complete"),
+            library_version=_stored_str(data.get("library_version", ""), "library_version"),
+            format_version=_stored_int(data.get("format_version", FORMAT_VERSION),
+                                       "format_version", minimum=1),
+            dataset_fingerprint=_stored_str(data.get("dataset_fingerprint"),
+                                            "dataset_fingerprint", optional=True),
+            preconditioner=_stored_str(data.get("preconditioner"), "preconditioner",
+                                       optional=True),
             extra=dict(data.get("extra", {})),
         )
 
+
+def _stored_int(value: Any, what: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"StoreMeta.from_dict: {what} must be an integer >= {minimum}, got {value!r}."
+        )
+    return value
+
+
+def _stored_str(value: Any, what: str, *, optional: bool = False) -> str | None:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise InvalidTypeError(f"StoreMeta.from_dict: {what} must be a string, got {value!r}.")
+    return value
+
+
+def _stored_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidTypeError(f"StoreMeta.from_dict: {what} must be true or false, got {value!r}.")
+    return value
+
+
+def _stored_lr(value: Any) -> float:
+    return check_lr(value, caller="StoreMeta.from_dict")
 
 def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
     """Raise :class:`IncompatibleGradientsError` unless ``test`` was made like ``train``.
 
     Compared: projection spec, k, parameter layout, checkpoint count, names and parameter
     fingerprints. Learning rates are taken from the train store, so they are not compared.
+    Test gradients must be plain (``preconditioner=None``): optimizer-aware TracIn
+    preconditions the training side only.
     """
     fix = "build them with projection=store.projection and the same checkpoints"
+    if test.preconditioner is not None:
+        raise IncompatibleGradientsError(
+            f"{caller}: test gradients were preconditioned ({test.preconditioner!r}) and the "
+            f"store's training gradients {_describe_preconditioner(train)}; test gradients "
+            "must be plain: build them without preconditioners=."
+        )
     if test.projection != train.projection:
         raise IncompatibleGradientsError(
             f"{caller}: test gradients were projected with {test.projection} but the store "
@@ -223,6 +275,11 @@ def layout_differences(ours: Layout, theirs: Layout) -> str:
             problems.append(f"{name!r} is {list(a[name])}, expected {list(b[name])}"
                             f"{hint if transposed else ''}")
     return "; ".join(problems)
+
+
+def _describe_preconditioner(meta: StoreMeta) -> str:
+    kind = meta.preconditioner
+    return "are plain" if kind is None else f"were preconditioned ({kind!r})"
 
 
 def _describe_layout(layout: Layout) -> str:

@@ -7,17 +7,15 @@ module never imports an implementation).
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
 import torch
-import zarr
 
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store._zarr_layout import read_meta
+from tracinfunc.store._zarr_layout import open_group, read_meta
 from tracinfunc.store.base import GradientStore, aligned_rows, register_opener
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.remote import exists, location, remove
 from tracinfunc.store.zarr import ZarrStore
 
 __all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
@@ -50,13 +48,13 @@ def read_store_meta(path: str | os.PathLike[str], *, caller: str = "read_store_m
         StoreNotFoundError: no ``zarr.json`` at ``path``.
         CorruptStoreError: a zarr group that is not a (readable) tracinfunc store.
     """
-    path = Path(path)
-    if not (path / "zarr.json").is_file():
+    path = location(path)  # a directory or an fsspec URL
+    if not exists(path, "zarr.json"):
         raise StoreNotFoundError(
             f"{caller}: no gradient store at {str(path)!r} (no zarr.json there); build one "
             f"with tif.build_store(..., store={str(path)!r}) or 'tracinfunc build --out {path}'."
         )
-    return read_meta(zarr.open_group(path, mode="r"), path, caller=caller)
+    return read_meta(open_group(path, mode="r", caller=caller), path, caller=caller)
 
 
 def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:
@@ -87,7 +85,7 @@ def remove_store(path: str | os.PathLike[str], *, caller: str = "remove_store") 
             is deleted).
     """
     read_store_meta(path, caller=caller)  # refuses anything that is not one of ours
-    shutil.rmtree(path)
+    remove(location(path))
 
 
 register_opener(open_store)  # GradientStore.open(path) == open_store(path)

@@ -30,7 +30,6 @@ same metadata and it continues from the last completed shard (see ``build_store`
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -49,19 +48,26 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store._shards import ShardReader
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
+    check_rerun,
     check_resumable,
+    chunk_files,
     create_layout,
-    missing_chunk_files,
     norms_numpy,
+    open_group,
     read_meta,
     rows_dtype,
+    sealed_files,
     to_numpy,
     writable_arrays,
+    write_errors,
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
+from tracinfunc.store.integrity import FileGuard, seal, sync_files
+from tracinfunc.store.lock import NoLock, WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.remote import exists, is_url, location, missing_chunk_keys, remove
 
 __all__ = ["ZarrStore", "ZarrWriter"]
 
@@ -82,16 +88,16 @@ class ZarrStore(StoreProperties):
         CorruptStoreError: a read hits a checksum mismatch or missing data.
     """
 
-    __slots__ = ("_group", "_meta", "_norms", "_path", "_readers", "_rows")
+    __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        if not (path / "zarr.json").exists():
+        path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
+        if not exists(path, "zarr.json"):
             raise StoreNotFoundError(
                 f"ZarrStore: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
             )
-        group = zarr.open_group(path, mode="r")
+        group = open_group(path, mode="r", caller="ZarrStore")
         meta = read_meta(group, path, caller="ZarrStore")
         if not meta.complete:
             raise IncompleteStoreError(
@@ -99,8 +105,12 @@ class ZarrStore(StoreProperties):
                 "written): the build that wrote it was interrupted. Resume it by calling "
                 "build_store again with the same arguments and store=path, or delete it."
             )
-        rows = [group[f"rows/{c}"] for c in range(meta.n_ckpt)]
-        norms = [group[f"norms/{c}"] for c in range(meta.n_ckpt)]
+        # Array metadata as sealed before zarr parses it; shard files on their first read.
+        # Object storage has no local files to guard: objects carry zarr's own checksums.
+        guard = None if is_url(path) else FileGuard(path, sealed_files(group))
+        if guard is not None:
+            guard.check_metadata_files(caller="ZarrStore")
+        rows, norms = _arrays(group, "rows", meta, path), _arrays(group, "norms", meta, path)
         expected = [(a, (meta.n_train, meta.k), rows_dtype(meta)) for a in rows]
         expected += [(a, (meta.n_train,), norms_numpy(meta)) for a in norms]
         for array, shape, dtype in expected:
@@ -111,8 +121,8 @@ class ZarrStore(StoreProperties):
                     "damaged or was edited by hand."
                 )
         for name, value in (("_path", path), ("_group", group), ("_meta", meta),
-                            ("_rows", rows), ("_norms", norms),
-                            ("_readers", [ShardReader.for_array(a) for a in rows])):
+                            ("_rows", rows), ("_norms", norms), ("_guard", guard),
+                            ("_readers", [ShardReader.for_array(a, guard=guard) for a in rows])):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -125,7 +135,8 @@ class ZarrStore(StoreProperties):
         return self._meta
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | str:
+        """The store's directory, or its URL (text) for remote stores."""
         return self._path
 
     @property
@@ -151,7 +162,10 @@ class ZarrStore(StoreProperties):
             if reader is not None and target.is_contiguous():
                 reader.read_into(start, stop, _bytes_of(target))
             else:
-                _require_chunk_files(self._rows[ckpt], start, stop)
+                if self._guard is not None:
+                    _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
+                else:  # object storage: no local files to check, but objects must exist
+                    self._require_chunk_files(self._rows[ckpt], start, stop)
                 target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
@@ -160,11 +174,19 @@ class ZarrStore(StoreProperties):
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
         try:
-            _require_chunk_files(self._norms[ckpt], start, stop)
+            if self._guard is not None:
+                _check_chunk_files(self._guard, self._norms[ckpt], start, stop)
+            else:
+                self._require_chunk_files(self._norms[ckpt], start, stop)
             values = self._norms[ckpt][start:stop]
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_norms", ckpt, start, stop, error) from error
         return torch.from_numpy(np.ascontiguousarray(values)).to(norm_dtype(self._meta))
+
+    def _require_chunk_files(self, array: zarr.Array, start: int, stop: int) -> None:
+        missing = missing_chunk_keys(array, start, stop)  # object storage (no FileGuard)
+        if missing:
+            raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
 
     def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
                  error: Exception) -> CorruptStoreError:
@@ -196,11 +218,19 @@ class ZarrWriter:
     def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
                  chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None, overwrite: bool = False) -> None:
-        self._path = Path(path)
+        self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
         self._finished = False
-        if self._path.exists() and not self._resumable(meta, overwrite):
-            shutil.rmtree(self._path)
-        if not self._path.exists():
+        # Before looking at the path. Object storage has no flock: one writer per path is
+        # then the caller's promise (documented).
+        self._lock = (NoLock() if is_url(self._path)
+                      else WriterLock(self._path, caller="ZarrWriter"))
+        self._rerun: ZarrStore | None = None  # a finished store this call would make again
+        if exists(self._path) and not self._resumable(meta, overwrite):
+            remove(self._path)
+        if self._rerun is not None:  # nothing to write: rows_written == n_train, finish() opens
+            self._lock.release()
+            return
+        if not exists(self._path, "zarr.json"):
             self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
                                         shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path, caller="ZarrWriter")
@@ -225,27 +255,50 @@ class ZarrWriter:
                 f"ZarrWriter: {str(self._path)!r} exists and is not a tracinfunc store; "
                 "choose another path."
             ) from error
+        if "tracinfunc_parts" in self._group.attrs and not existing.get("complete"):
+            raise StoreExistsError(
+                f"ZarrWriter: {str(self._path)!r} holds a sharded build in progress; resume "
+                "its parts with build_store(..., shard=(index, count)) and seal it with "
+                "tif.commit_store(path), or choose another path."
+            )
         if existing.get("complete"):
             if overwrite:
                 return False
-            raise StoreExistsError(
-                f"ZarrWriter: a finished store already exists at {str(self._path)!r}; stores "
-                "are immutable. Open it with tif.GradientStore.open(path), choose another "
-                "path, or pass overwrite=True (e.g. store=functools.partial(tif.ZarrWriter, "
-                "path, overwrite=True)) to replace it."
-            )
+            # A re-run after a crash between the build and the user's next step: same
+            # arguments give the finished store back (its data is checked as it is skipped).
+            self._rerun = ZarrStore(self._path)
+            check_rerun(self._rerun.meta, meta, self._path)
+            return True
+        if existing.get("n_train") == 0:  # a build that failed before storing a row: replace
+            return False
         check_resumable(StoreMeta.from_dict(existing), meta, self._path)
         return True
 
     @property
     def rows_written(self) -> int:
-        """Rows stored so far, including those of a resumed build."""
+        """Rows stored so far, including those of a resumed build (or a finished one)."""
+        if self._rerun is not None:
+            return self._rerun.n_train
         return self._committed + self._filled
+
+    def read_back(self, start: int, stop: int) -> Tensor:
+        """Stored rows ``[n_ckpt, stop - start, k]`` (a resume checks its data against them)."""
+        if self._rerun is not None:
+            return torch.stack([self._rerun.read_rows(c, start, stop)
+                                for c in range(self._rerun.n_ckpt)])
+        return torch.stack([_from_numpy(a[start:stop], self._meta.torch_dtype)
+                            for a in self._rows])
 
     def append(self, rows: Tensor, norms: Tensor) -> None:
         """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.append: the store is already finished.")
+        if self._rerun is not None:
+            raise StoreExistsError(
+                f"build_store: the finished store at {str(self._path)!r} holds "
+                f"{self._rerun.n_train} rows but the data has more: it is not the data the "
+                "store was built from. Pass overwrite=True to rebuild it, or use another path."
+            )
         rows = as_tensor(rows, caller="ZarrWriter.append")  # any __dlpack__ array
         norms = as_tensor(norms, caller="ZarrWriter.append")
         check_block(self._meta, rows, norms, caller="ZarrWriter.append")
@@ -265,11 +318,21 @@ class ZarrWriter:
         """Write the last (partial) shard, mark the store complete and reopen it read-only."""
         if self._finished:
             raise ReadOnlyStoreError("ZarrWriter.finish: the store is already finished.")
+        if self._rerun is not None:
+            self._finished = True
+            return self._rerun
         self._flush()
         self._finished = True
-        self._group.attrs[ATTRS_KEY] = self._meta.replace(
-            n_train=self._committed, complete=True
-        ).to_dict()
+        # Sealed (files fsync'ed, manifest and metadata checksum) in the same write that
+        # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
+        finished = self._meta.replace(n_train=self._committed, complete=True).to_dict()
+        with write_errors(self._path, rows_stored=self._committed):
+            if is_url(self._path):  # object storage: no files to seal or fsync
+                self._group.attrs[ATTRS_KEY] = finished
+            else:
+                self._group.attrs[ATTRS_KEY] = seal(self._path, finished)
+                sync_files([self._path / "zarr.json", self._path])
+        self._lock.release()
         return ZarrStore(self._path)
 
     def _flush(self) -> None:
@@ -277,21 +340,37 @@ class ZarrWriter:
         n = self._filled
         if n == 0:
             return
+        self._lock.check(caller="ZarrWriter")
         start, stop = self._committed, self._committed + n
-        for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
-            rows.resize((stop, self._meta.k))
-            norms.resize((stop,))
-            rows[start:stop] = to_numpy(self._pending[c, :n])
-            norms[start:stop] = self._pending_norms[c, :n].numpy()
-        # Only now is the shard counted: a crash before this line redoes it on resume.
-        self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
+        with write_errors(self._path, rows_stored=start):
+            for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
+                rows.resize((stop, self._meta.k))
+                norms.resize((stop,))
+                rows[start:stop] = to_numpy(self._pending[c, :n])
+                norms[start:stop] = self._pending_norms[c, :n].numpy()
+            # On disk before they are counted: else a power loss leaves counted empty shards.
+            # (An object store's PUT is durable when it returns: nothing to fsync there.)
+            if not is_url(self._path):
+                sync_files([f for a in self._rows + self._norms
+                            for f in chunk_files(a, start, stop)])
+            # Only now is the shard counted: a crash before this line redoes it on resume.
+            self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
 
 
-def _require_chunk_files(array: zarr.Array, start: int, stop: int) -> None:
-    missing = missing_chunk_files(array, start, stop)
-    if missing:
-        raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
+def _check_chunk_files(guard: FileGuard, array: zarr.Array, start: int, stop: int) -> None:
+    for path in chunk_files(array, start, stop):
+        guard.check(path, caller="ZarrStore")
+
+
+def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[zarr.Array]:
+    try:
+        return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
+    except (KeyError, ValueError, TypeError) as error:
+        raise CorruptStoreError(
+            f"ZarrStore: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
+            f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."
+        ) from error
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

@@ -1,0 +1,218 @@
+"""GPU figures in one command, each ratio measured side by side in the same run.
+
+* **PinnedStore** ``score`` throughput (GB/s of rows) against the pinned host-to-device copy
+  bandwidth of the same bytes (target >= 0.8x);
+* **ZarrStore** ``score``, warm (page cache) and cold (``posix_fadvise(DONTNEED)``), against
+  the same pinned copy bandwidth;
+* **projected gradients** (``kronecker``, ``sjlt``): examples/s of ``projected_grads``
+  against one batched forward + backward of the same batch (the cost of training on it);
+* **dattri PR #257 configuration** (784 -> 10 logistic regression, 10k train / 2k test,
+  batch 100, 2 checkpoints, k=512) end to end, gradients to the score matrix:
+  ``build_store`` + ``score`` against the naive torch.func reference (``vmap(grad)``, a dense
+  Gaussian ``[p, k]`` per checkpoint, ``test @ train.T``), both on the GPU.
+
+    python benchmarks/gpu.py            # needs CUDA; on a CPU machine it says so, exit 0
+    python benchmarks/gpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def cuda_time(fn, repeat: int = 3) -> float:
+    """Best wall time of ``fn()`` in seconds, synchronising the device around each run."""
+    fn()  # warm-up: allocations, kernels, thread pools
+    best = float("inf")
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def h2d_bandwidth(nbytes: int) -> float:
+    """Pinned host -> device copy bandwidth in GB/s, in 64 MiB pieces like the streamer."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    device = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    step = device.numel()
+
+    def copy():
+        for start in range(0, nbytes, step):
+            piece = host[start : start + step]
+            device[: piece.numel()].copy_(piece, non_blocking=True)
+
+    return nbytes / cuda_time(copy) / 1e9
+
+
+def random_meta(tif, n: int, k: int):
+    from tracinfunc.store.fill import new_store_meta
+
+    return new_store_meta([("c0", 1.0, "f")], tif.canonical_layout({"w": (k,)}),
+                          tif.Projection(dim=None, kind="identity"), torch.float32, None,
+                          caller="gpu.py")
+
+
+def fill(writer, n: int, k: int):
+    g = torch.Generator().manual_seed(0)
+    for start in range(0, n, 65536):
+        rows = torch.randn(1, min(65536, n - start), k, generator=g)
+        writer.append(rows, rows.norm(dim=-1))
+    return writer.finish()
+
+
+def drop_cache(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def bench_stores(tif, n: int, k: int) -> None:
+    nbytes = n * k * 4
+    bandwidth = h2d_bandwidth(nbytes)
+    test = torch.randn(1, 64, k, device="cuda")
+    print(f"stores: {n} x {k} float32 ({nbytes / 1e9:.1f} GB), 64 test rows")
+    print(f"  pinned H2D copy                  {bandwidth:6.1f} GB/s")
+    pinned = fill(tif.PinnedWriter(random_meta(tif, n, k), n_train=n), n, k)
+    rate = nbytes / cuda_time(lambda: tif.score(pinned, test, device="cuda")) / 1e9
+    print(f"  PinnedStore score                {rate:6.1f} GB/s   {rate / bandwidth:.2f}x "
+          "(target >= 0.8x)")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        path = Path(tmp) / "grads.zarr"
+        store = fill(tif.ZarrWriter(path, random_meta(tif, n, k)), n, k)
+        warm = nbytes / cuda_time(lambda: tif.score(store, test, device="cuda")) / 1e9
+        print(f"  ZarrStore score, warm            {warm:6.1f} GB/s   {warm / bandwidth:.2f}x")
+
+        def cold():
+            drop_cache(path)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            tif.score(store, test, device="cuda")
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        cold_rate = nbytes / min(cold() for _ in range(2)) / 1e9
+        print(f"  ZarrStore score, cold            {cold_rate:6.1f} GB/s   "
+              f"{cold_rate / bandwidth:.2f}x")
+
+
+def bench_projected(tif, batch: int) -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+                          nn.Linear(1024, 10)).cuda().eval()
+    x = torch.randn(batch, 1024, device="cuda")
+    y = torch.randint(0, 10, (batch,), device="cuda")
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    loss = tif.loss_from_module(model, F.cross_entropy)
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    base = batch / cuda_time(forward_backward)
+    print(f"projected gradients: MLP 1024-1024-1024-10, batch {batch}")
+    print(f"  batched forward + backward       {base:10.0f} examples/s")
+    for projection in (tif.Projection(dim=1024, kind="kronecker", seed=0),
+                       tif.Projection(dim=4096, kind="sjlt", nnz=4, seed=0)):
+        fn = tif.projected_grads(loss, projection)
+        rate = batch / cuda_time(lambda fn=fn: fn(params, (x, y)))
+        print(f"  {projection.kind:<10} k={projection.dim:<5}            {rate:10.0f} "
+              f"examples/s   {rate / base:.2f}x of forward + backward")
+
+
+def bench_dattri(tif, n_train: int, n_test: int) -> None:
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Linear(784, 10).cuda().eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_train + n_test, 784, generator=g).cuda()
+    y = torch.randint(0, 10, (n_train + n_test,), generator=g).cuda()
+    train, test = (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+    states = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    states.append({n: v + 0.01 * torch.randn_like(v) for n, v in states[0].items()})
+    lrs, k, batch = (0.1, 0.05), 512, 100
+
+    def batches(data):
+        return [(data[0][i : i + batch], data[1][i : i + batch])
+                for i in range(0, len(data[1]), batch)]
+
+    def tracinfunc_run():
+        loss = tif.loss_from_module(model, F.cross_entropy)
+        ckpts = [tif.Checkpoint(params=s, lr=lr, name=f"e{i}")
+                 for i, (s, lr) in enumerate(zip(states, lrs, strict=True))]
+        store = tif.build_store(loss, ckpts, batches(train), projection=tif.Projection(dim=k),
+                                store="pinned", progress=False)
+        test_grads = tif.build_store(loss, ckpts, batches(test), projection=store.projection,
+                                     progress=False)
+        return tif.score(store, test_grads, device="cuda")
+
+    def per_example_loss(params, xi, yi):
+        return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
+
+    per_example = vmap(grad(per_example_loss), in_dims=(None, 0, 0))
+
+    def naive_run():
+        scores = torch.zeros(n_test, n_train, device="cuda")
+        for c, (params, lr) in enumerate(zip(states, lrs, strict=True)):
+            p = sum(v.numel() for v in params.values())
+            gen = torch.Generator(device="cuda").manual_seed(c)
+            gauss = torch.randn(p, k, generator=gen, device="cuda") / k**0.5  # [p, k]
+
+            def project(data, params=params, gauss=gauss):
+                rows = []
+                for xb, yb in batches(data):
+                    grads = per_example(params, xb, yb)
+                    flat = torch.cat([grads[n].reshape(len(yb), -1) for n in sorted(grads)], 1)
+                    rows.append(flat @ gauss)  # [b, p] @ [p, k]
+                return torch.cat(rows)
+
+            scores += lr * project(test) @ project(train).T
+        return scores
+
+    ours, naive = cuda_time(tracinfunc_run, repeat=2), cuda_time(naive_run, repeat=2)
+    print(f"dattri PR #257 configuration: {n_train} train / {n_test} test, 784->10, batch "
+          f"{batch}, 2 checkpoints, k={k}, end to end")
+    print(f"  naive torch.func reference       {naive:7.3f} s")
+    print(f"  tracinfunc build_store + score   {ours:7.3f} s   {naive / ours:.2f}x faster")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA device; none is available here, nothing to "
+              "measure (exit 0).")
+        return 0
+    import tracinfunc as tif
+
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"tracinfunc {tif.__version__}")
+    n = 1_000_000 if not args.quick else 200_000
+    bench_stores(tif, n, 1024)
+    bench_projected(tif, 1024 if not args.quick else 256)
+    bench_dattri(tif, 10_000, 2_000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""torch.distributed glue (torchrun) and the exact merge of partial top-k results.
+
+Under ``torchrun``, ``build_store`` takes its shard from the rank and world size and rank 0
+commits the store after a barrier; ``top_k(..., rows=...)`` results of workers that each
+scanned part of a store merge with :func:`merge_top_k` into exactly the single-process
+result (ties broken by the lower row index, as one scan breaks them), and
+:func:`gather_top_k` does the gathering and merging on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.store.base import GradientStore
+from tracinfunc.store.parts import commit_store
+
+T = TypeVar("T")
+
+__all__ = ["commit_after_barrier", "gather_top_k", "init_from_environment", "is_distributed",
+           "merge_top_k", "rank_rows", "rank_shard", "rank_zero_first"]
+
+
+def is_distributed() -> bool:
+    """True inside an initialised ``torch.distributed`` process group of more than one rank."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+def init_from_environment() -> bool:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1), if not joined yet.
+
+    gloo on CPUs, nccl when CUDA is available. Returns whether a group of more than one
+    rank is initialised.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend)
+    return is_distributed()
+
+
+def rank_shard() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process."""
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def rank_zero_first(make: Callable[[], T]) -> T:
+    """``make()`` on rank 0, then (after a barrier) on the other ranks: rank 0 creates the
+    store's layout before anyone opens it."""
+    if torch.distributed.get_rank() == 0:
+        made = make()
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() != 0:
+        made = make()
+    return made
+
+
+def rank_rows(n_train: int, shard: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``n_train`` that part ``shard`` (default: this rank) scans."""
+    index, count = shard if shard is not None else rank_shard()
+    return index * n_train // count, (index + 1) * n_train // count
+
+
+def commit_after_barrier(path: str | os.PathLike[str]) -> GradientStore:
+    """Wait for every rank's part, commit the store on rank 0, and open it on every rank."""
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        commit_store(path)
+    torch.distributed.barrier()  # nobody opens the store before rank 0 sealed it
+    from tracinfunc.store.paths import open_store
+
+    return open_store(path)
+
+
+def merge_top_k(parts: Sequence[tuple[Tensor, Tensor]], k: int, *, largest: bool = True
+                ) -> tuple[Tensor, Tensor]:
+    """Merge partial ``top_k`` results into the top-k of their union.
+
+    Args:
+        parts: ``(values, indices)`` pairs, each ``[n_test, k_i]``, indices being rows of the
+            whole store (as ``top_k(..., rows=...)`` returns them).
+        k: Results kept per test example.
+        largest: As in ``top_k``.
+
+    Returns:
+        ``(values, indices)`` ``[n_test, min(k, sum k_i)]`` sorted best first; equal values
+        are ordered by row index, so the merge equals one scan of the whole store.
+    """
+    if not parts:
+        raise InvalidArgumentError("merge_top_k: parts is empty; pass at least one "
+                                   "(values, indices) pair from top_k.")
+    values = torch.cat([v for v, _ in parts], dim=1)  # [n_test, sum k_i]
+    indices = torch.cat([i.to(torch.long) for _, i in parts], dim=1)
+    if values.shape != indices.shape:
+        raise InvalidArgumentError(
+            f"merge_top_k: values {list(values.shape)} and indices {list(indices.shape)} "
+            "differ in shape; pass the (values, indices) pairs top_k returned."
+        )
+    # Two stable sorts: by row, then by value; equal values keep the row order.
+    by_row = indices.argsort(dim=1, stable=True)
+    values, indices = values.gather(1, by_row), indices.gather(1, by_row)
+    by_value = values.argsort(dim=1, descending=largest, stable=True)[:, :k]
+    return values.gather(1, by_value), indices.gather(1, by_value)
+
+
+def gather_top_k(values: Tensor, indices: Tensor, k: int, *, largest: bool = True
+                 ) -> tuple[Tensor, Tensor]:
+    """All-gather every rank's partial top-k and merge them; every rank gets the result."""
+    if not is_distributed():
+        return merge_top_k([(values, indices)], k, largest=largest)
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (values.cpu(), indices.cpu()))
+    merged = merge_top_k(gathered, k, largest=largest)
+    return merged[0].to(values.device), merged[1].to(indices.device)

@@ -1,0 +1,377 @@
+"""Optimizer-aware TracIn: training gradients preconditioned by the saved optimizer state.
+
+Plain TracIn weights ``<grad L(test), grad L(train)>``, but an Adam-trained model moved along
+Adam's update direction, not the gradient. LESS (Xia et al., 2024) therefore replaces each
+*training* gradient by the Adam update it would have caused at the checkpoint; TrackStar
+(Chang et al., 2024) divides it by the square root of Adam's second moment. Test gradients
+stay plain in both.
+
+A :class:`Preconditioner` holds, per parameter name, the optimizer state saved with one
+checkpoint, and maps an example's gradient dict elementwise (so it runs inside ``vmap``,
+before the projection). Build one from an optimizer, its ``state_dict()``, a saved file
+(a HF Trainer's ``optimizer.pt`` has the same format) and pass one per checkpoint to
+``build_store(..., preconditioners=[...])``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tracinfunc.errors import (
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    MissingDependencyError,
+    MissingParametersError,
+)
+
+__all__ = ["KINDS", "AdamState", "Preconditioner", "check_preconditioners", "optimizer_param_names",
+           "trainer_param_names"]
+
+KINDS = ("adam", "trackstar")
+
+
+@dataclass(frozen=True, eq=False)
+class AdamState:
+    """One parameter's Adam/AdamW state after ``step`` optimizer steps.
+
+    Attributes:
+        exp_avg: First moment ``m``, the parameter's shape.
+        exp_avg_sq: Second moment ``v``, the parameter's shape.
+        step: Updates taken so far (``t``).
+        beta1, beta2, eps: The parameter group's hyper-parameters.
+    """
+
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: float
+    beta1: float
+    beta2: float
+    eps: float
+
+
+@dataclass(frozen=True, eq=False)
+class Preconditioner:
+    """The map applied to each training gradient at one checkpoint.
+
+    ``kind="adam"`` (LESS): the direction of the Adam update the example's gradient ``g``
+    would cause from the saved state, with ``torch.optim.Adam``/``AdamW``'s bias correction::
+
+        m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g**2,   t' = t + 1
+        direction = (m' / (1 - b1**t')) / (sqrt(v' / (1 - b2**t')) + eps)
+
+    i.e. the update without ``-lr`` (AdamW's weight decay is not a gradient term and is left
+    out). The LESS paper defines the same ``m'``, ``v'`` with bias correction; its code drops
+    the correction and puts ``eps`` under the square root. Not linear in ``g``.
+
+    ``kind="trackstar"`` (TrackStar's second-moment normalisation, linear in ``g``)::
+
+        g / sqrt(v + eps)
+
+    with ``v`` as saved (no bias correction; constant per parameter group anyway).
+
+    The factorised ``kind="kronecker"`` projection path cannot apply a per-element map to
+    gradient factors, so with a preconditioner ``projected_grads`` materialises each
+    example's gradient and projects it with the same Kronecker matrix (generic path).
+
+    Attributes:
+        kind: ``"adam"`` or ``"trackstar"``.
+        state: ``{parameter name: AdamState}``, read-only.
+    """
+
+    kind: str
+    state: Mapping[str, AdamState]
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgumentError(
+                f"Preconditioner: kind must be one of {list(KINDS)}, got {self.kind!r}; use "
+                "'adam' (LESS's Adam update direction) or 'trackstar' (g / sqrt(v + eps))."
+            )
+        if not isinstance(self.state, Mapping) or not self.state:
+            raise InvalidTypeError(
+                "Preconditioner: state must be a non-empty dict {name: AdamState}, got "
+                f"{type(self.state).__name__}; build one with Preconditioner.from_optimizer."
+            )
+        for name, value in self.state.items():
+            if not isinstance(value, AdamState):
+                raise InvalidTypeError(
+                    f"Preconditioner: state[{name!r}] must be an AdamState, got "
+                    f"{type(value).__name__}."
+                )
+        object.__setattr__(self, "state", MappingProxyType(dict(self.state)))
+        # State copied to the gradients' device/dtype once, not on every call (a cache only).
+        object.__setattr__(self, "_moved", {})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names covered, sorted."""
+        return tuple(sorted(self.state))
+
+    def apply(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Precondition one example's gradients (elementwise; safe inside ``vmap``).
+
+        Args:
+            grads: ``{name: [*shape]}`` for some or all of :attr:`names`.
+
+        Returns:
+            ``{name: [*shape]}``, same dtype and device as ``grads``.
+        """
+        return {name: self._one(name, g) for name, g in grads.items()}
+
+    def _constants(self, name: str, like: Tensor) -> tuple[Tensor, ...]:
+        """Per-parameter terms that do not depend on ``g``, on ``like``'s device and dtype."""
+        key = (name, like.device, like.dtype)
+        if key not in self._moved:
+            s = self.state[name]
+            m, v = (x.to(device=like.device, dtype=like.dtype) for x in (s.exp_avg, s.exp_avg_sq))
+            if self.kind == "trackstar":
+                self._moved[key] = (torch.rsqrt(v + s.eps),)
+            else:
+                t = s.step + 1  # the update this gradient would join
+                scale_m = 1 / (1 - s.beta1**t)
+                self._moved[key] = (m * (s.beta1 * scale_m), v * s.beta2)
+        return self._moved[key]
+
+    def _one(self, name: str, g: Tensor) -> Tensor:
+        s = self.state[name]
+        if self.kind == "trackstar":
+            (inv_root,) = self._constants(name, g)
+            return g * inv_root
+        # (b1 m + (1-b1) g) / (1-b1^t) over sqrt((b2 v + (1-b2) g^2) / (1-b2^t)) + eps, with
+        # the g-free terms precomputed: 6 elementwise passes per example instead of 12.
+        m_part, v_part = self._constants(name, g)
+        t = s.step + 1
+        scale_m = 1 / (1 - s.beta1**t)
+        numerator = torch.add(m_part, g, alpha=(1 - s.beta1) * scale_m)
+        denominator = torch.addcmul(v_part, g, g, value=1 - s.beta2).sqrt_()
+        denominator = denominator.mul_((1 - s.beta2**t) ** -0.5).add_(s.eps)
+        return numerator.div_(denominator)
+
+    def check(self, shapes: Mapping[str, Sequence[int]], selected: Sequence[str], *,
+              caller: str) -> None:
+        """Raise unless the state fits a checkpoint's parameters and covers the selection.
+
+        Args:
+            shapes: ``{name: shape}`` of the checkpoint's parameters.
+            selected: Names that are differentiated (the store's layout).
+
+        Raises:
+            MissingParametersError: selected parameters have no optimizer state.
+            IncompatibleGradientsError: state for parameters the checkpoint lacks, or of
+                other shapes.
+        """
+        extra = sorted(set(self.state) - set(shapes))
+        if extra:
+            raise IncompatibleGradientsError(
+                f"{caller}: the preconditioner has optimizer state for {extra}, which the "
+                f"checkpoint lacks (it has {_few(shapes)}); build it from the optimizer that "
+                "trained this model, with the names in optimizer order."
+            )
+        missing = sorted(set(selected) - set(self.state))
+        if missing:
+            raise MissingParametersError(
+                f"{caller}: the preconditioner has no optimizer state for selected parameters "
+                f"{missing} (it covers {_few(self.state)}); select only parameters the "
+                "optimizer trained, or save the optimizer state after they were stepped."
+            )
+        for name, s in self.state.items():
+            if tuple(s.exp_avg_sq.shape) != tuple(shapes[name]):
+                raise IncompatibleGradientsError(
+                    f"{caller}: optimizer state for {name!r} has shape "
+                    f"{list(s.exp_avg_sq.shape)} but the parameter is {list(shapes[name])}; "
+                    "the names are probably not in optimizer order (pass "
+                    "Preconditioner.from_optimizer(optimizer, model), or the names in "
+                    "param_groups order)."
+                )
+
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, Any], names: Sequence[str] | nn.Module,
+                        *, kind: str = "adam", eps: float | None = None) -> Preconditioner:
+        """Read an Adam/AdamW ``optimizer.state_dict()``.
+
+        Args:
+            state_dict: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
+                "param_groups": [...]}``; indices count parameters in ``param_groups`` order.
+            names: Parameter names in that order, or the module, whose
+                ``named_parameters()`` order is used when the optimizer has one param group
+                (names recorded in the state dict, ``param_groups[i]["param_names"]``, win).
+            kind: ``"adam"`` or ``"trackstar"``.
+            eps: Overrides the optimizer's ``eps`` (e.g. a larger floor for TrackStar).
+
+        Raises:
+            InvalidArgumentError: not an Adam-style state dict, or names cannot be matched.
+        """
+        ordered, groups = _ordered_names(state_dict, names)
+        states = state_dict["state"]
+        result = {}
+        for index, (name, group) in enumerate(zip(ordered, groups, strict=True)):
+            entry = states.get(index, states.get(str(index)))
+            if entry is None:
+                continue  # never stepped (frozen or unused): selecting it fails in check()
+            result[name] = _adam_state(entry, group, eps, name)
+        return cls(kind, result)
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, module: nn.Module, *,
+                       kind: str = "adam", eps: float | None = None) -> Preconditioner:
+        """Read a live optimizer, naming its parameters by identity with ``module``'s."""
+        names = optimizer_param_names(optimizer, module)
+        return cls.from_state_dict(optimizer.state_dict(), names, kind=kind, eps=eps)
+
+    @classmethod
+    def load(cls, path: str | PathLike, names: Sequence[str] | nn.Module, *,
+             kind: str = "adam", eps: float | None = None) -> Preconditioner:
+        """Load a saved ``optimizer.state_dict()`` (``torch.save``, or HF's ``optimizer.pt``;
+        for a Trainer's file pass ``names=trainer_param_names(model)``)."""
+        state_dict = torch.load(Path(path), map_location="cpu", weights_only=True)
+        return cls.from_state_dict(state_dict, names, kind=kind, eps=eps)
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+    """Names of ``optimizer``'s parameters in ``param_groups`` order, matched by identity."""
+    by_id = {id(p): name for name, p in module.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    unknown = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unknown:
+        raise InvalidArgumentError(
+            f"optimizer_param_names: optimizer parameters at indices {unknown[:5]} are not "
+            f"parameters of {type(module).__name__}; pass the module the optimizer trains."
+        )
+    return [by_id[id(p)] for p in params]
+
+
+def trainer_param_names(model: nn.Module) -> list[str]:
+    """The order in which a HF ``Trainer``'s default optimizer holds ``model``'s parameters.
+
+    The Trainer makes two groups, weight-decayed parameters then the rest (biases, norms),
+    each in ``named_parameters()`` order, trainable ones only; its ``optimizer.pt`` indexes
+    parameters in that order.
+    """
+    try:
+        from transformers import Trainer
+    except ImportError as error:
+        raise MissingDependencyError(
+            "trainer_param_names: needs transformers; install it with "
+            "pip install 'tracinfunc[hf]'."
+        ) from error
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    return [n for n in trainable if n in decay] + [n for n in trainable if n not in decay]
+
+
+def _ordered_names(state_dict: Mapping[str, Any], names: Sequence[str] | nn.Module
+                   ) -> tuple[list[str], list[Mapping[str, Any]]]:
+    """Parameter names and their param group, in optimizer index order."""
+    caller = "Preconditioner.from_state_dict"
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise InvalidArgumentError(
+            f"{caller}: expected an optimizer state dict with 'state' and 'param_groups', got "
+            f"{type(state_dict).__name__}; pass optimizer.state_dict(), not a model's."
+        )
+    groups = [g for g in state_dict["param_groups"] for _ in g["params"]]
+    recorded = [n for g in state_dict["param_groups"] for n in g.get("param_names", [])]
+    if isinstance(names, nn.Module):
+        module = names
+        if len(recorded) == len(groups):
+            names = recorded
+        elif len(state_dict["param_groups"]) > 1:
+            raise InvalidArgumentError(
+                f"{caller}: the optimizer has {len(state_dict['param_groups'])} param groups, "
+                f"so its order need not follow {type(module).__name__}.named_parameters(); "
+                "pass the names in optimizer order (optimizer_param_names(optimizer, model) "
+                "when saving, trainer_param_names(model) for a HF Trainer's optimizer.pt)."
+            )
+        else:
+            names = _module_names(module, len(groups), caller)
+    names = list(names)
+    if len(names) != len(groups) or not all(isinstance(n, str) for n in names):
+        raise InvalidArgumentError(
+            f"{caller}: the optimizer holds {len(groups)} parameters but {len(names)} names "
+            f"were given; pass one str name per optimizer parameter, in param_groups order."
+        )
+    return names, groups
+
+
+def _module_names(module: nn.Module, count: int, caller: str) -> list[str]:
+    every = [name for name, _ in module.named_parameters()]
+    trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    for candidate in (every, trainable):
+        if len(candidate) == count:
+            return candidate
+    raise InvalidArgumentError(
+        f"{caller}: the optimizer holds {count} parameters but {type(module).__name__} has "
+        f"{len(every)} ({len(trainable)} trainable); pass the names in optimizer order."
+    )
+
+
+def _adam_state(entry: Mapping[str, Any], group: Mapping[str, Any], eps: float | None,
+                name: str) -> AdamState:
+    if "exp_avg_sq" not in entry or "exp_avg" not in entry:
+        raise InvalidArgumentError(
+            f"Preconditioner.from_state_dict: the state of {name!r} has keys "
+            f"{sorted(entry)}, not Adam's exp_avg/exp_avg_sq; save an Adam or AdamW optimizer."
+        )
+    if group.get("amsgrad") or group.get("maximize"):
+        raise InvalidArgumentError(
+            f"Preconditioner.from_state_dict: {name!r} was trained with "
+            f"amsgrad={group.get('amsgrad')}, maximize={group.get('maximize')}; only the plain "
+            "Adam/AdamW update is supported, so train without them or precondition by hand."
+        )
+    beta1, beta2 = (float(b) for b in group.get("betas", (0.9, 0.999)))
+    return AdamState(
+        exp_avg=entry["exp_avg"].detach().clone(),
+        exp_avg_sq=entry["exp_avg_sq"].detach().clone(),
+        step=float(entry.get("step", 0)), beta1=beta1, beta2=beta2,
+        eps=float(group.get("eps", 1e-8) if eps is None else eps),
+    )
+
+
+def _few(names: Mapping[str, Any] | Sequence[str]) -> str:
+    shown = sorted(names)
+    return str(shown[:6])[:-1] + (f", … ({len(shown)} in all)]" if len(shown) > 6 else "]")
+
+
+def check_preconditioners(preconditioners: Sequence[Preconditioner] | None,
+                          params: Sequence[Mapping[str, Tensor]], selected: Sequence[str], *,
+                          caller: str) -> str | None:
+    """Check one preconditioner per checkpoint, all of one kind; return that kind or None.
+
+    Args:
+        preconditioners: ``n_ckpt`` preconditioners, or ``None`` (plain gradients).
+        params: Each checkpoint's parameters, ``n_ckpt`` dicts.
+        selected: The differentiated parameter names.
+    """
+    if preconditioners is None:
+        return None
+    if not isinstance(preconditioners, Sequence):
+        raise InvalidTypeError(
+            f"{caller}: preconditioners must be a list with one tracinfunc.Preconditioner per "
+            f"checkpoint, got {type(preconditioners).__name__}; wrap a single one in a list."
+        )
+    if len(preconditioners) != len(params) or not all(
+            isinstance(p, Preconditioner) for p in preconditioners):
+        raise InvalidArgumentError(
+            f"{caller}: preconditioners must be one tracinfunc.Preconditioner per checkpoint "
+            f"({len(params)}), got {[type(p).__name__ for p in preconditioners]}; e.g. "
+            "load_recorded_preconditioners(directory, model)."
+        )
+    kinds = sorted({p.kind for p in preconditioners})
+    if len(kinds) > 1:
+        raise InvalidArgumentError(
+            f"{caller}: preconditioners mix kinds {kinds}; the store records one kind, so use "
+            "one kind for every checkpoint."
+        )
+    for position, (precondition, values) in enumerate(zip(preconditioners, params,
+                                                           strict=True)):
+        shapes = {name: tuple(value.shape) for name, value in values.items()}
+        precondition.check(shapes, selected, caller=f"{caller} (checkpoint {position})")
+    return kinds[0]

@@ -1,0 +1,121 @@
+"""One writer per store path: an exclusive ``flock`` on a lock file beside the store.
+
+Two builds into one path would interleave their rows (and a resume would merge them), so a
+writer holds ``.<name>.lock`` next to the store from the moment it opens the path until it
+finishes. The kernel drops the lock when the process dies (SIGKILL included), so a killed
+build never leaves a stale lock: the next call resumes. Within one process, a writer whose
+build raised is never told so (the exception passes it by); a later writer of the same path
+in the same process takes its lock over and the old writer refuses to write from then on.
+
+``flock`` is honoured by local file systems (and NFSv4 via POSIX locks on Linux); object
+stores have no locks, which is why S3 stores are written once, locally, then uploaded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import weakref
+from pathlib import Path
+
+from tracinfunc.errors import StoreLockedError, StoreWriteError
+
+__all__ = ["WriterLock"]
+
+# Locks this process holds, by lock file: how a later writer in the same process takes over
+# from one whose build raised (process-wide by nature, like the kernel's own lock table).
+# Weak: a writer that is dropped unfinished frees its path (``__del__``).
+_HELD: weakref.WeakValueDictionary[str, WriterLock] = weakref.WeakValueDictionary()
+
+
+class WriterLock:
+    """The exclusive right to write the store at ``path``.
+
+    Args:
+        path: The store directory (need not exist yet).
+        caller: Named in errors.
+
+    Raises:
+        StoreLockedError: another process is writing to ``path``.
+    """
+
+    def __init__(self, path: Path, *, caller: str) -> None:
+        self._path = path
+        self._file = path.parent / f".{path.name}.lock"
+        self._key = str(self._file.resolve())
+        self._superseded = False
+        previous = _HELD.pop(self._key, None)
+        if previous is not None:  # an earlier writer in this process that never finished
+            previous._superseded = True
+            self._fd = previous._fd
+        else:
+            self._fd = _acquire(self._file, path, caller=caller)
+        _HELD[self._key] = self
+
+    def check(self, *, caller: str) -> None:
+        """Raise if a later writer of the same path (in this process) has taken over."""
+        if self._superseded or self._fd < 0:
+            raise StoreLockedError(
+                f"{caller}: this writer of {str(self._path)!r} was superseded by a later "
+                "writer of the same path (or already released it); use the later one."
+            )
+
+    def release(self) -> None:
+        """Give the path up (idempotent); the lock file is removed while still locked."""
+        if self._superseded or self._fd < 0:
+            return
+        _HELD.pop(self._key, None)
+        try:
+            self._file.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = -1
+
+    def __del__(self) -> None:  # a writer dropped without finishing: free the path
+        if getattr(self, "_fd", -1) >= 0 and not self._superseded:
+            self.release()
+
+
+def _acquire(lock_file: Path, path: Path, *, caller: str) -> int:
+    """Open and flock ``lock_file``; retry when a releasing writer unlinked it meanwhile."""
+    for _ in range(100):
+        try:
+            lock_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise StoreWriteError(
+                error.errno,
+                f"{caller}: cannot write to {str(path.parent)!r} ({error.strerror}); the store "
+                f"{path.name!r} needs a writable directory: choose another path.",
+            ) from error
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(
+                f"{caller}: another build (process {holder}) is writing to {str(path)!r} "
+                "right now; wait for it to finish (then call again: a finished store is "
+                "returned, an interrupted one resumed) or write to another path."
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock_file).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # the file we locked is still the lock file: it is ours
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            return fd
+        os.close(fd)
+    raise StoreLockedError(f"{caller}: could not lock {str(lock_file)!r}; try again.")
+
+
+class NoLock:
+    """The lock of a store on object storage: there is no flock there, so nothing is held
+    (one writer per store URL is the caller's promise; see docs/concepts/stores.md)."""
+
+    def check(self, *, caller: str) -> None:
+        """Nothing to check."""
+
+    def release(self) -> None:
+        """Nothing to release."""

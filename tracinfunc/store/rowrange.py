@@ -1,0 +1,68 @@
+"""A row range of a store as a store: how workers each score their part of one store.
+
+``score``/``top_k``/``self_influence`` take ``rows=(start, stop)`` and scan only
+:func:`row_range` of the store; in a process group, :func:`tracinfunc.distributed.rank_rows`
+gives each rank its range.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from tracinfunc.errors import RowRangeError
+from tracinfunc.store.base import GradientStore, SupportsChunkAlignment, check_row_range
+from tracinfunc.store.meta import StoreMeta
+
+__all__ = ["RowRange", "check_rows", "row_range"]
+
+
+def check_rows(rows: object, n_train: int, *, caller: str) -> tuple[int, int]:
+    """``rows`` as ``(start, stop)`` with ``0 <= start < stop <= n_train``, or a clear error."""
+    ok = (isinstance(rows, tuple | list) and len(rows) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in rows)
+          and 0 <= rows[0] < rows[1] <= n_train)
+    if not ok:
+        raise RowRangeError(
+            f"{caller}: rows must be (start, stop) with 0 <= start < stop <= n_train="
+            f"{n_train}, got {rows!r}; e.g. rows=tif.distributed.rank_rows(n_train) for this "
+            "rank's part."
+        )
+    return int(rows[0]), int(rows[1])
+
+
+class RowRange:
+    """Rows ``[start, stop)`` of ``store`` read through it: ``[n_ckpt, stop - start, k]``.
+
+    Row ``i`` of the range is row ``start + i`` of the store; its ``meta.n_train`` is
+    ``stop - start``.
+    """
+
+    __slots__ = ("_meta", "start", "stop", "store")
+
+    def __init__(self, store: GradientStore, start: int, stop: int) -> None:
+        self.store, self.start, self.stop = store, start, stop
+        self._meta: StoreMeta = store.meta.replace(n_train=stop - start)
+
+    @property
+    def meta(self) -> StoreMeta:
+        return self._meta
+
+    @property
+    def chunk_rows(self) -> int:
+        """The store's chunk rows when the range starts on a chunk, else 1 (no alignment)."""
+        stored = self.store.chunk_rows if isinstance(self.store, SupportsChunkAlignment) else 1
+        return stored if self.start % stored == 0 else 1
+
+    def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop, caller="RowRange.read_rows")
+        return self.store.read_rows(ckpt, self.start + start, self.start + stop, out=out)
+
+    def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop, caller="RowRange.read_norms")
+        return self.store.read_norms(ckpt, self.start + start, self.start + stop)
+
+
+def row_range(store: GradientStore, rows: object, *, caller: str = "row_range") -> RowRange:
+    """Rows ``rows=(start, stop)`` of ``store`` as a store (see :class:`RowRange`)."""
+    start, stop = check_rows(rows, store.meta.n_train, caller=caller)
+    return RowRange(store, start, stop)

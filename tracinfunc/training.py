@@ -1,0 +1,272 @@
+"""Recording checkpoints while training: the lr in force and, optionally, the optimizer state.
+
+TracIn needs checkpoints ``w_c`` with their learning rates ``lr_c`` (and, for optimizer-aware
+TracIn, the optimizer state saved with each). These helpers do that bookkeeping during
+training and read it back:
+
+- :class:`CheckpointRecorder` for a plain PyTorch loop (call ``.step()`` after each
+  ``optimizer.step()``);
+- :func:`trainer_callback` for a HF ``transformers.Trainer`` (``callbacks=[...]``);
+- :func:`load_recorded_checkpoints` / :func:`load_recorded_preconditioners` to build
+  ``Checkpoint`` and ``Preconditioner`` lists for :func:`~tracinfunc.build_store`.
+
+A directory holds ``checkpoint-<step>.pt`` (``model.state_dict()``), ``optimizer-<step>.pt``
+(``optimizer.state_dict()``) and ``manifest.json``: one entry per checkpoint with its name,
+step, lr, files and the optimizer's parameter names in ``param_groups`` order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    MissingDependencyError,
+)
+from tracinfunc.precondition import Preconditioner, optimizer_param_names
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointRecorder",
+    "current_lr",
+    "load_recorded_checkpoints",
+    "load_recorded_preconditioners",
+    "record_checkpoint",
+    "trainer_callback",
+]
+
+MANIFEST = "manifest.json"
+
+
+def current_lr(optimizer: torch.optim.Optimizer, scheduler: Any = None) -> float:
+    """The learning rate in force: the scheduler's last lr, else the first param group's.
+
+    With several param groups of different lrs the first group's is recorded (TracIn's
+    per-checkpoint weight is one number).
+    """
+    if scheduler is not None:
+        return float(scheduler.get_last_lr()[0])
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def record_checkpoint(directory: str | PathLike, model: nn.Module,
+                      optimizer: torch.optim.Optimizer | None, *, step: int, lr: float,
+                      save_optimizer_state: bool = True) -> dict[str, Any]:
+    """Save ``model`` (and ``optimizer``) at ``step`` and add an entry to the manifest.
+
+    Returns:
+        The manifest entry: ``{"name", "step", "lr", "weights", "optimizer",
+        "optimizer_param_names"}`` (the last two ``None`` without optimizer state).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"checkpoint-{step}"
+    torch.save(model.state_dict(), directory / f"{name}.pt")
+    entry = {"name": name, "step": int(step), "lr": float(lr), "weights": f"{name}.pt",
+             "optimizer": None, "optimizer_param_names": None}
+    if save_optimizer_state and optimizer is not None:
+        entry["optimizer"] = f"optimizer-{step}.pt"
+        entry["optimizer_param_names"] = optimizer_param_names(optimizer, model)
+        torch.save(optimizer.state_dict(), directory / entry["optimizer"])
+    entries = [e for e in _read_manifest(directory) if e["name"] != name] + [entry]
+    _write_manifest(directory, sorted(entries, key=lambda e: e["step"]))
+    return entry
+
+
+class CheckpointRecorder:
+    """Saves checkpoints every ``every`` optimizer steps of a plain training loop.
+
+    Args:
+        directory: Where checkpoints and ``manifest.json`` go (created if missing).
+        model: The model being trained.
+        optimizer: Its optimizer (the lr is read from its first param group).
+        every: Save after every ``every``-th call to :meth:`step`.
+        scheduler: An lr scheduler whose ``get_last_lr()[0]`` is the lr in force.
+        save_optimizer_state: Also save ``optimizer.state_dict()`` (for preconditioners).
+
+    Example:
+        >>> recorder = CheckpointRecorder("ckpts", model, opt, every=100)
+        >>> for batch in loader:
+        ...     loss(model, batch).backward(); opt.step(); opt.zero_grad(); recorder.step()
+        >>> checkpoints = load_recorded_checkpoints("ckpts", model)
+    """
+
+    def __init__(self, directory: str | PathLike, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, *, every: int = 1, scheduler: Any = None,
+                 save_optimizer_state: bool = True) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise InvalidArgumentError(
+                f"CheckpointRecorder: every must be a positive int (optimizer steps between "
+                f"checkpoints), got {every!r}; e.g. every=100."
+            )
+        if not isinstance(model, nn.Module):
+            raise InvalidTypeError(
+                f"CheckpointRecorder: model must be a torch.nn.Module, got "
+                f"{type(model).__name__}."
+            )
+        self.directory, self.model, self.optimizer = Path(directory), model, optimizer
+        self.every, self.scheduler = every, scheduler
+        self.save_optimizer_state = save_optimizer_state
+        self.steps = 0
+
+    def step(self) -> dict[str, Any] | None:
+        """Count one optimizer step; save when it is a multiple of ``every``.
+
+        Returns:
+            The manifest entry when a checkpoint was saved, else ``None``.
+        """
+        self.steps += 1
+        return self.save() if self.steps % self.every == 0 else None
+
+    def save(self) -> dict[str, Any]:
+        """Save a checkpoint now, named by the number of steps counted so far."""
+        return record_checkpoint(
+            self.directory, self.model, self.optimizer, step=self.steps,
+            lr=current_lr(self.optimizer, self.scheduler),
+            save_optimizer_state=self.save_optimizer_state)
+
+
+def trainer_callback(directory: str | PathLike, *, every: int | None = None,
+                     save_optimizer_state: bool = True) -> Any:
+    """A ``transformers.TrainerCallback`` recording checkpoints like :class:`CheckpointRecorder`.
+
+    Args:
+        directory: Where checkpoints and ``manifest.json`` go.
+        every: Save every ``every`` optimizer steps (``on_step_end``); ``None``: whenever
+            the Trainer saves its own checkpoints (``on_save``, following ``save_steps``).
+        save_optimizer_state: Also save the optimizer state, named in optimizer order.
+
+    Returns:
+        A callback for ``Trainer(..., callbacks=[...])``.
+
+    Raises:
+        MissingDependencyError: transformers is not installed.
+    """
+    try:
+        from transformers import TrainerCallback
+    except ImportError as error:
+        raise MissingDependencyError(
+            "trainer_callback: needs transformers; install it with "
+            "pip install 'tracinfunc[hf]'."
+        ) from error
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                              or every < 1):
+        raise InvalidArgumentError(
+            f"trainer_callback: every must be a positive int or None, got {every!r}."
+        )
+
+    class TracInCheckpointCallback(TrainerCallback):
+        """Records ``checkpoint-<global_step>`` with the scheduler's lr in force."""
+
+        def _record(self, state, model, optimizer, lr_scheduler) -> None:
+            lr = current_lr(optimizer, lr_scheduler)
+            record_checkpoint(directory, model, optimizer, step=state.global_step, lr=lr,
+                              save_optimizer_state=save_optimizer_state)
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None,
+                        lr_scheduler=None, **kwargs):
+            if every is not None and state.global_step % every == 0:
+                self._record(state, model, optimizer, lr_scheduler)
+
+        def on_save(self, args, state, control, model=None, optimizer=None,
+                    lr_scheduler=None, **kwargs):
+            if every is None:
+                self._record(state, model, optimizer, lr_scheduler)
+
+    return TracInCheckpointCallback()
+
+
+def load_recorded_checkpoints(directory: str | PathLike, model: nn.Module) -> list[Checkpoint]:
+    """The recorded checkpoints, by step, each weighted by the lr recorded with it.
+
+    Args:
+        directory: A directory written by :class:`CheckpointRecorder` or
+            :func:`trainer_callback`.
+        model: A model of the same architecture (names the trainable parameters).
+
+    Returns:
+        ``n_ckpt`` :class:`~tracinfunc.Checkpoint` s named ``checkpoint-<step>``.
+    """
+    directory = Path(directory)
+    return [Checkpoint.load(directory / entry["weights"], model, lr=entry["lr"],
+                            name=entry["name"])
+            for entry in _entries(directory, caller="load_recorded_checkpoints")]
+
+
+def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *,
+                                  kind: str = "adam", eps: float | None = None
+                                  ) -> list[Preconditioner]:
+    """One :class:`~tracinfunc.Preconditioner` per recorded checkpoint, in the same order.
+
+    Args:
+        directory: As for :func:`load_recorded_checkpoints`; recorded with optimizer state.
+        model: A model of the same architecture; the optimizer's parameter names recorded
+            in the manifest must be its parameters.
+        kind: As for :meth:`Preconditioner.from_state_dict`.
+        eps: As for :meth:`Preconditioner.from_state_dict`.
+    """
+    directory = Path(directory)
+    entries = _entries(directory, caller="load_recorded_preconditioners")
+    missing = [e["name"] for e in entries if e["optimizer"] is None]
+    if missing:
+        raise InvalidArgumentError(
+            f"load_recorded_preconditioners: checkpoints {missing} in {str(directory)!r} were "
+            "saved without optimizer state; record them with save_optimizer_state=True."
+        )
+    known = {name for name, _ in model.named_parameters()}
+    for entry in entries:
+        unknown = sorted(set(entry["optimizer_param_names"]) - known)
+        if unknown:
+            raise InvalidArgumentError(
+                f"load_recorded_preconditioners: {entry['name']!r} has optimizer state for "
+                f"{unknown[:5]}, which {type(model).__name__} lacks; pass the model that was "
+                "trained."
+            )
+    return [Preconditioner.load(directory / e["optimizer"], e["optimizer_param_names"],
+                                kind=kind, eps=eps) for e in entries]
+
+
+def _entries(directory: Path, *, caller: str) -> list[dict[str, Any]]:
+    """The manifest's checkpoints that weigh in TracIn: those recorded at lr 0 (the end of a
+    linearly decaying schedule) add nothing to any score and are left out, with a warning."""
+    entries = _read_manifest(directory)
+    if not entries:
+        raise InvalidArgumentError(
+            f"{caller}: no {MANIFEST} with checkpoints in {str(directory)!r}; record them "
+            "with CheckpointRecorder or trainer_callback first."
+        )
+    idle = [entry["name"] for entry in entries if entry["lr"] == 0]
+    if idle:
+        warnings.warn(f"{caller}: {idle} were recorded at lr 0 and add nothing to TracIn "
+                      "scores; they are left out.", RuntimeWarning, stacklevel=3)
+    kept = [entry for entry in entries if entry["lr"] != 0]
+    if not kept:
+        raise InvalidArgumentError(
+            f"{caller}: every checkpoint in {str(directory)!r} was recorded at lr 0, so TracIn "
+            "weighs none of them; record checkpoints while the learning rate is positive."
+        )
+    return kept
+
+
+def _read_manifest(directory: Path) -> list[dict[str, Any]]:
+    path = directory / MANIFEST
+    if not path.exists():
+        return []
+    return json.loads(path.read_text())["checkpoints"]
+
+
+def _write_manifest(directory: Path, entries: list[dict[str, Any]]) -> None:
+    # Written aside, then renamed: an interrupted run never leaves a half-written manifest.
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"format_version": 1, "checkpoints": entries}, indent=1))
+    os.replace(tmp, directory / MANIFEST)

@@ -348,13 +348,6 @@ def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
     return next(iter(checkpoints[0].params.values())).device
 
 
-def _loss_for(loss: LossFn, checkpoint: Checkpoint, device: torch.device) -> LossFn:
-    """``loss`` with the checkpoint's buffers, on ``device`` (:func:`loss_at`)."""
-    if not checkpoint.buffers:
-        return loss
-    return loss_at(loss, replace(checkpoint, buffers=_params_on(checkpoint.buffers, device)))
-
-
 def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:
     return {name: value.to(device) for name, value in params.items()}
 

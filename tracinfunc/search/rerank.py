@@ -37,7 +37,11 @@ def indexed_top_k(
     scores.
 
     Args:
-        store, test_grads, k, largest, normalize: As in :func:`tracinfunc.top_k`.
+        store: As in :func:`tracinfunc.top_k`.
+        test_grads: As in :func:`tracinfunc.top_k`.
+        k: As in :func:`tracinfunc.top_k`.
+        largest: As in :func:`tracinfunc.top_k`.
+        normalize: As in :func:`tracinfunc.top_k`.
         index: Built by :func:`~tracinfunc.build_index` from this store, with the same
             ``normalize``.
         nprobe: Clusters searched per test example (default ``max(1, nlist // 16)``; ``nlist``

@@ -108,8 +108,9 @@ class PartWriter:
         path: The store directory, created by whichever part comes first.
         meta: Metadata with ``n_train`` the final number of rows.
         shard: ``(index, count)``.
-        chunk_rows, shard_rows, compression: As for :class:`~tracinfunc.ZarrWriter`; every
-            part must pass the same values.
+        chunk_rows: As for :class:`~tracinfunc.ZarrWriter`; every part must pass the same.
+        shard_rows: As for :class:`~tracinfunc.ZarrWriter`; every part must pass the same.
+        compression: As for :class:`~tracinfunc.ZarrWriter`; every part must pass the same.
 
     Raises:
         StoreExistsError: a finished store, or a store split into another count, is there.

@@ -51,9 +51,21 @@ class Config:
                            {key: str(v) for key, v in self.build_options.items()}])
 
 
-# Later rows (issue 17 items 3 and 4) go here, e.g.
-#   Config("rademacher-256-int8", "rademacher", 256, build_options={"dtype": torch.int8}),
+# Issue 17 item 3: the near-square kronecker split every weight used before per-weight splits
+# (the default now follows each weight's shape), and one projection per checkpoint instead of
+# one shared by all. Quantised stores (item 4) will be rows here too.
 EXTRA_CONFIGS: list[Config] = []
+
+
+def variant_configs(ks: tuple[int, ...]) -> list[Config]:
+    """Item 3's variants at every ``k``: the old square kronecker split, per-checkpoint
+    projections."""
+    return [
+        *(Config(f"kronecker-{k}-square-all", "kronecker", k,
+                 projection_options={"split": "square"}) for k in ks),
+        *(Config(f"{kind}-{k}-per-ckpt-all", kind, k,
+                 projection_options={"per_checkpoint": True}) for kind in KINDS for k in ks),
+    ]
 
 
 def configs(ks: tuple[int, ...]) -> list[Config]:
@@ -64,7 +76,7 @@ def configs(ks: tuple[int, ...]) -> list[Config]:
             rows.append(Config(f"exact-{tag}", checkpoints=checkpoints, normalize=normalize))
             rows += [Config(f"{kind}-{k}-{tag}", kind, k, checkpoints, normalize)
                      for kind in KINDS for k in ks]
-    return rows + EXTRA_CONFIGS
+    return rows + variant_configs(ks) + EXTRA_CONFIGS
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from tracinfunc.loss import ModuleLoss, check_eval_mode
 from tracinfunc.precondition import Preconditioner, check_preconditioners
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
+from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.store.meta import StoreMeta
@@ -144,11 +145,7 @@ def build_store(
     """
     checkpoints = _check_checkpoints(checkpoints)
     _check_ordered(data)
-    if not isinstance(projection, Projection):
-        raise InvalidTypeError(
-            "build_store: projection must be a tracinfunc.Projection, got "
-            f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
-        )
+    check_projection(projection, caller="build_store")
     options = gradient_options(
         options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
         stages=stages, offload=offload, memory_budget=memory_budget,

@@ -38,6 +38,7 @@ from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
 from tracinfunc.precondition import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
+from tracinfunc.projection.spec import check_projection
 from tracinfunc.types import Batch, Example, LossFn, Params
 
 __all__ = ["per_sample_grads", "projected_grads"]
@@ -168,11 +169,7 @@ def projected_grads(
         >>> fn = projected_grads(loss, Projection(dim=512), stages=model_stages(model, ce),
         ...                      mixed_precision=torch.bfloat16, memory_budget=2**30)
     """
-    if not isinstance(projection, Projection):
-        raise InvalidTypeError(
-            "projected_grads: projection must be a tracinfunc.Projection, got "
-            f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
-        )
+    check_projection(projection, caller="projected_grads")
     options = gradient_options(
         options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
         stages=stages, offload=offload, memory_budget=memory_budget,

@@ -31,6 +31,7 @@ from tracinfunc.jax.grads import as_jax_tree, projected_grads
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection
+from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.store.meta import check_lr
@@ -117,11 +118,7 @@ def build_store(
         IncompatibleGradientsError: as :func:`tracinfunc.build_store`.
     """
     checkpoints = _check_checkpoints(checkpoints)
-    if not isinstance(projection, Projection):
-        raise InvalidTypeError(
-            "tracinfunc.jax.build_store: projection must be a tracinfunc.Projection, got "
-            f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
-        )
+    check_projection(projection, caller="tracinfunc.jax.build_store")
     mapping = mapping or ParamMapping.identity(checkpoints[0].params)
     meta = new_store_meta(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],

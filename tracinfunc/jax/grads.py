@@ -16,11 +16,12 @@ import torch
 from jax import tree_util
 
 from tracinfunc._validate import check_int
-from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.jax.projection import Projector, make_projector
 from tracinfunc.projection import Projection
+from tracinfunc.projection.spec import check_projection
 
 __all__ = ["as_jax_tree", "per_sample_grads", "projected_grads"]
 
@@ -71,11 +72,7 @@ def projected_grads(
     Returns:
         ``fn(params, batch) -> [b, k]`` jax.Array in the params' dtype.
     """
-    if not isinstance(projection, Projection):
-        raise InvalidTypeError(
-            "tracinfunc.jax.projected_grads: projection must be a tracinfunc.Projection, got "
-            f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
-        )
+    check_projection(projection, caller="tracinfunc.jax.projected_grads")
     check_int(chunk_size, "chunk_size", optional=True, caller="tracinfunc.jax.projected_grads")
     compiled: dict[Any, tuple[Projector, Callable]] = {}
 

@@ -62,6 +62,7 @@ __all__ = [
     "check_block_args",
     "check_cache_bytes",
     "check_kronecker_args",
+    "check_projection",
     "hash_record",
     "is_matrix",
     "kronecker_seeds",
@@ -330,6 +331,16 @@ def check_block_args(projection: Projection, kind: str, name: str, shape: Sequen
 
 
 
+def check_projection(projection: Any, *, caller: str) -> Projection:
+    """``projection`` if it is a :class:`Projection`, else :class:`InvalidTypeError`."""
+    if not isinstance(projection, Projection):
+        raise InvalidTypeError(
+            f"{caller}: projection must be a tracinfunc.Projection, got "
+            f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
+        )
+    return projection
+
+
 def check_cache_bytes(cache_bytes: Any, *, caller: str) -> int:
     """The projector cache budget: a non-negative int (torch and JAX projectors)."""
     return check_int(cache_bytes, "cache_bytes", caller=caller, minimum=0,
@@ -378,11 +389,7 @@ def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any], 
             elements, identity ``dim`` other than ``p``, or two parameters whose block seeds
             collide.
     """
-    if not isinstance(projection, Projection):
-        raise InvalidTypeError(
-            f"{caller}: projection must be a tracinfunc.Projection, got "
-            f"{type(projection).__name__}; e.g. Projection(dim=512, seed=0)."
-        )
+    check_projection(projection, caller=caller)
     if projection.per_checkpoint and projection.checkpoint is None:
         raise InvalidProjectionError(
             f"{caller}: a per_checkpoint projection is drawn per checkpoint; pass "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,9 +29,9 @@ from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
 from tracinfunc.store.remote import is_url
 
-__all__ = ["ATTRS_KEY", "check_rerun", "check_resumable", "chunk_files", "create_layout",
-           "norms_numpy", "open_group", "read_meta", "rows_dtype", "sealed_files", "to_numpy",
-           "writable_arrays", "write_errors"]
+__all__ = ["ATTRS_KEY", "buffer_rows", "check_rerun", "check_resumable", "chunk_files",
+           "create_layout", "norms_numpy", "open_group", "read_meta", "rows_dtype",
+           "sealed_files", "to_numpy", "writable_arrays", "write_errors"]
 
 ATTRS_KEY = "tracinfunc"
 CHUNK_BYTES = 4 * 2**20
@@ -105,6 +106,22 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
 def writable_arrays(group: zarr.Group, kind: str, n_ckpt: int) -> list[zarr.Array]:
     """The ``kind`` ("rows" or "norms") arrays of ``group``, set to write empty chunks."""
     return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
+
+
+def buffer_rows(writer: Any, rows: Tensor, norms: Tensor) -> None:
+    """Copy ``rows`` ``[n_ckpt, b, k]`` and ``norms`` into a Zarr writer's shard buffer
+    (``_pending``, ``_pending_norms``, ``_filled`` of ``_shard_rows``), calling its
+    ``_flush()`` each time a whole shard is buffered: writes are whole shards only."""
+    done = 0
+    while done < rows.shape[1]:
+        take = min(rows.shape[1] - done, writer._shard_rows - writer._filled)
+        into = slice(writer._filled, writer._filled + take)
+        writer._pending[:, into] = rows[:, done : done + take]
+        writer._pending_norms[:, into] = norms[:, done : done + take]
+        writer._filled += take
+        done += take
+        if writer._filled == writer._shard_rows:
+            writer._flush()
 
 
 def chunk_files(array: zarr.Array, start: int, stop: int) -> list[Path]:

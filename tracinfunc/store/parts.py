@@ -36,6 +36,7 @@ from tracinfunc.errors import (
 from tracinfunc.interop import as_tensor
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
+    buffer_rows,
     check_resumable,
     create_layout,
     read_meta,
@@ -156,16 +157,7 @@ class PartWriter:
                 f"but {self.rows_written + rows.shape[1]} rows would be written; append only "
                 "the part's rows (build_store does)."
             )
-        done = 0
-        while done < rows.shape[1]:
-            take = min(rows.shape[1] - done, self._shard_rows - self._filled)
-            into = slice(self._filled, self._filled + take)
-            self._pending[:, into] = rows[:, done : done + take]
-            self._pending_norms[:, into] = norms[:, done : done + take]
-            self._filled += take
-            done += take
-            if self._filled == self._shard_rows:
-                self._flush()
+        buffer_rows(self, rows, norms)
 
     def finish(self) -> StorePart:
         """Write the last shard and mark the part complete (the store needs a commit)."""

@@ -48,6 +48,7 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store._shards import ShardReader
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
+    buffer_rows,
     check_rerun,
     check_resumable,
     chunk_files,
@@ -303,16 +304,7 @@ class ZarrWriter:
         norms = as_tensor(norms, caller="ZarrWriter.append")
         check_block(self._meta, rows, norms, caller="ZarrWriter.append")
         rows, norms = rows.detach(), norms.detach()
-        done = 0
-        while done < rows.shape[1]:
-            take = min(rows.shape[1] - done, self._shard_rows - self._filled)
-            into = slice(self._filled, self._filled + take)
-            self._pending[:, into] = rows[:, done : done + take]
-            self._pending_norms[:, into] = norms[:, done : done + take]
-            self._filled += take
-            done += take
-            if self._filled == self._shard_rows:
-                self._flush()
+        buffer_rows(self, rows, norms)
 
     def finish(self) -> ZarrStore:
         """Write the last (partial) shard, mark the store complete and reopen it read-only."""

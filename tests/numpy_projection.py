@@ -93,7 +93,7 @@ def kronecker_split(dim, shape=None) -> tuple[int, int]:
     return best
 
 
-def kronecker_factors(seed, dim, name, shape, split="shape"):
+def kronecker_factors(seed, dim, name, shape, split="square"):
     """``(P_out [d_out, k_out], P_in [d_in, k_in])`` float32 +-1 (unscaled)."""
     k_out, k_in = kronecker_split(dim, shape if split == "shape" else None)
     d_out, d_in = shape[0], int(np.prod(shape[1:]))
@@ -111,7 +111,7 @@ def sjlt_block(seed, dim, nnz, name, shape, row_start, row_stop):
     return cols.astype(np.int64), _signs(mix32(h))
 
 
-def project(grads: dict, seed, kind, dim, nnz=1, split="shape") -> np.ndarray:
+def project(grads: dict, seed, kind, dim, nnz=1, split="square") -> np.ndarray:
     """One example's ``{name: array}`` projected to ``[k]`` in float64, via dense matrices."""
     parts = []
     for name in sorted(grads):

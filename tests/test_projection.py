@@ -136,17 +136,17 @@ def test_kronecker_split_never_exceeds_a_side_when_a_pair_fits(dim, d_out, d_in)
         assert k_out <= d_out and k_in <= d_in
 
 
-def test_stores_written_before_per_weight_splits_read_as_square():
+def test_the_square_split_stays_the_default_and_shape_is_recorded():
     old = {"kind": "kronecker", "dim": 256, "seed": 0, "nnz": 1}  # no "split" recorded
-    assert Projection.from_dict(old) == Projection(dim=256, kind="kronecker", split="square")
-    new = Projection(dim=256, kind="kronecker")
-    assert new.split == "shape" and Projection.from_dict(new.to_dict()) == new
-    assert new != Projection.from_dict(old)  # scoring refuses to mix the two
-    assert "split" not in Projection(dim=8).to_dict()  # other kinds: unchanged metadata
-    with pytest.raises(InvalidProjectionError, match="split must be one of 'shape', 'square'"):
+    assert Projection.from_dict(old) == Projection(dim=256, kind="kronecker")
+    assert Projection(dim=256, kind="kronecker").to_dict() == old  # metadata unchanged
+    shape = Projection(dim=256, kind="kronecker", split="shape")
+    assert Projection.from_dict(shape.to_dict()) == shape
+    assert shape != Projection.from_dict(old)  # scoring refuses to mix the two
+    with pytest.raises(InvalidProjectionError, match="split must be one of 'square', 'shape'"):
         Projection(dim=8, kind="kronecker", split="auto")
-    with pytest.raises(InvalidProjectionError, match="and 'shape' for other kinds"):
-        Projection(dim=8, split="square")
+    with pytest.raises(InvalidProjectionError, match="and 'square' for other kinds"):
+        Projection(dim=8, split="shape")
 
 
 @pytest.mark.parametrize(("dim", "split"), [

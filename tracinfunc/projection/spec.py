@@ -106,7 +106,8 @@ class Projection:
         per_checkpoint: Draw an independent projection for every checkpoint (the
             checkpoint's name joins the hash keys), so projection errors average out across
             checkpoints instead of adding up (measured on digits at k=256: score error vs
-            exact 0.24 -> 0.10 for rademacher). Test gradients must then come from checkpoints of the same names.
+            exact 0.24 -> 0.10 for rademacher). Test gradients must then come from
+            checkpoints of the same names.
             ``build_store`` applies it; a projector needs :meth:`for_checkpoint`.
         checkpoint: Set by :meth:`for_checkpoint` only: the checkpoint a per-checkpoint
             projection is drawn for.

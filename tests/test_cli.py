@@ -411,3 +411,30 @@ def test_zarr_output_reads_back(built):
                     cwd=built).returncode == 0
     saved = zarr.open_group(str(built / "si.zarr"), mode="r")
     np.testing.assert_allclose(saved["self_influence"][:], tif.self_influence(store).numpy())
+
+
+def test_identity_dim_is_checked_not_ignored(built):
+    """Issue 16: '--projection identity:5' silently ignored 5."""
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "id5.zarr",
+                      "--projection", "identity:5", "--quiet", cwd=built)
+    assert result.returncode == 1
+    assert "kind='identity' keeps all p=" in result.stderr and "dim=5" in result.stderr
+    assert not (built / "id5.zarr" / "zarr.json").exists()
+
+
+@pytest.mark.parametrize("size", ["infGB", "nanMB", "1e400"])
+def test_memory_budget_that_is_not_a_size_is_a_usage_error(built, size):
+    """Issue 16: '--memory-budget infGB' raised a bare OverflowError."""
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "mb.zarr",
+                      "--memory-budget", size, cwd=built)
+    assert result.returncode == 2
+    assert f"expected a positive size such as 2GB, 512MiB or 1000000, got {size!r}" in (
+        result.stderr)
+
+
+def test_build_records_a_dataset_fingerprint(built):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "fp.zarr", "--quiet",
+                      "--projection", "rademacher:32:7", "--dataset-fingerprint", "digits-v2",
+                      cwd=built)
+    assert result.returncode == 0, result.stderr
+    assert tif.open_store(built / "fp.zarr").meta.dataset_fingerprint == "digits-v2"

@@ -213,11 +213,27 @@ def test_bfloat16_cpu_matmul_matches_the_float32_upcast(mlp_setup32, monkeypatch
     loss, ckpts, train, test = mlp_setup32
     store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=torch.bfloat16)
     test_store = tif.build_store(loss, ckpts, test, projection=PROJ)
+    upcast = tif.score(store, test_store, device="cpu")  # the default
+    monkeypatch.setattr(score_module, "_CPU_BF16_MATMUL", True)
     fast = tif.score(store, test_store, device="cpu")
-    monkeypatch.setattr(score_module, "_CPU_BF16_MATMUL", False)
-    upcast = tif.score(store, test_store, device="cpu")
     assert not torch.equal(fast, upcast)  # really two different paths
     assert (fast - upcast).norm() / upcast.norm() < 1e-2
+
+
+def test_a_test_rows_bfloat16_scores_do_not_depend_on_the_rows_scored_with_it(mlp_setup32):
+    """Issue 16: with the bf16 matmul, a test row's top-10 changed with n_test (<= 128)."""
+    loss, ckpts, train, test = mlp_setup32
+    store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=torch.bfloat16)
+    many = tif.build_store(loss, ckpts, test, projection=PROJ)
+    one = torch.stack([many.read_rows(c, 0, 1) for c in range(many.n_ckpt)])  # [n_ckpt, 1, k]
+    rows = torch.stack([many.read_rows(c, 0, many.n_train) for c in range(many.n_ckpt)])
+    rows = rows.repeat(1, 200 // rows.shape[1] + 1, 1)[:, :200]  # over the old 128-row switch
+    alone = tif.score(store, one, device="cpu")[0]
+    together = tif.score(store, rows, device="cpu")[0]
+    torch.testing.assert_close(alone, together, rtol=1e-6, atol=1e-7)
+    k = min(10, store.n_train)
+    assert torch.equal(tif.top_k(store, one, k=k, device="cpu")[1][0],
+                       tif.top_k(store, rows, k=k, device="cpu")[1][0])
 
 
 def test_open_refuses_an_incomplete_store(mlp_setup32, tmp_path):

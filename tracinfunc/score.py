@@ -43,10 +43,11 @@ _CHUNK_BUDGET_BYTES = 64 * 2**20
 # are fresh memory per pass, and first-touch page faults cost more than the matmul on VMs.
 _STREAM_BUDGET_BYTES = 16 * 2**20
 _MIN_CHUNK_ROWS = 256
-# bfloat16 stores on the CPU are multiplied in bfloat16 when few test rows make the matmul
-# memory-bound: measured 1.13x faster than upcasting at n_test=64 but 0.68x at n_test=512
-# on the development machine (AVX512-BF16, no AMX); benchmarks/store_stream.py reports it.
-_CPU_BF16_MATMUL = True
+# bfloat16 stores on the CPU could be multiplied in bfloat16 when few test rows make the
+# matmul memory-bound (measured 1.13x faster than upcasting at n_test=64, 0.68x at 512), but
+# each checkpoint's block is then rounded to bfloat16, so a test row's scores (and top-k)
+# depended on how many rows were scored with it. Off: accumulation is float32, as documented.
+_CPU_BF16_MATMUL = False
 _CPU_BF16_MAX_TEST = 128
 
 
@@ -253,10 +254,8 @@ def score_chunks(
 
     Rows are read by a background thread (chunk i+1 while chunk i is multiplied) into
     reusable buffers, copied to a GPU asynchronously on a side stream, and accumulated over
-    checkpoints in float32. On the CPU, a bfloat16 store scored against at most 128 test
-    rows is multiplied in bfloat16 (products accumulate in float32 inside the kernel; each
-    checkpoint's ``[n_test, rows]`` block is rounded to bfloat16 once before the float32 sum
-    over checkpoints); otherwise rows are upcast to float32 first.
+    checkpoints in float32; float16 and bfloat16 rows are upcast to float32 first, so a test
+    row's scores never depend on the other test rows scored with it.
 
     Args:
         store: As in :func:`score`.

@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--spec", required=True, help="file.py:function or module:function")
     build.add_argument("--out", required=True, type=location,
                        help="directory of the Zarr store to write, e.g. grads.zarr")
+    build.add_argument("--dataset-fingerprint", metavar="TEXT", default=None,
+                       help="an identifier of the training data (a hash, a dataset version), "
+                            "recorded in the store and compared on --resume")
     build.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
                        help="state-dict files (need Spec.model); default: the spec's")
     build.add_argument("--batch-size", type=_positive_int,
@@ -182,11 +185,12 @@ def _projection(text: str) -> tif.Projection:
         raise argparse.ArgumentTypeError(
             f"expected KIND[:DIM[:SEED[:NNZ]]] with integers, got {text!r}"
         ) from None
-    if kind == "identity":
-        return tif.Projection(kind="identity", seed=values[1] if len(values) > 1 else 0)
     fields = dict(zip(("dim", "seed", "nnz"), values, strict=False))
+    # identity keeps every entry: a DIM given is checked against p when the layout is known
+    # (it used to be ignored); other kinds default to 512.
+    defaults = {} if kind == "identity" else {"dim": 512}
     try:
-        return tif.Projection(kind=kind, **{"dim": 512, **fields})
+        return tif.Projection(kind=kind, **{**defaults, **fields})
     except tif.InvalidProjectionError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -230,6 +234,7 @@ def _build_store(args: argparse.Namespace, sharded: bool) -> int:
     store = tif.build_store(
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
+        dataset_fingerprint=args.dataset_fingerprint,
         store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
         progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
     )
@@ -338,7 +343,7 @@ def _bytes(text: str) -> int:
     unit = text.lower()[len(number):]
     try:
         size = int(float(number) * units[unit])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):  # OverflowError: "infGB"
         size = 0
     if size < 1:
         raise argparse.ArgumentTypeError(

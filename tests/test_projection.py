@@ -519,3 +519,13 @@ def test_build_store_with_compiled_projection_equals_eager(mlp_setup32):
     fast = tif.build_store(loss, ckpts, train, projection=spec, compile_projection=True)
     for c in range(len(ckpts)):
         assert torch.equal(fast.read_rows(c, 0, 40), eager.read_rows(c, 0, 40))
+
+
+def test_a_projector_refuses_a_dim_no_machine_can_hold():
+    """Issue 16: Projection(dim=2**31-1) was accepted until the process was OOM-killed."""
+    layout = canonical_layout({"w": (3, 4)})
+    for kind in ("rademacher", "sjlt", "kronecker"):
+        with pytest.raises(InvalidProjectionError, match=r"dim=2147483647 would give every "
+                                                         r"example a \[2147483647\] row"):
+            make_projector(Projection(dim=2**31 - 1, kind=kind), layout)
+    make_projector(Projection(dim=4096, kind="sjlt"), layout)  # ordinary sizes are fine

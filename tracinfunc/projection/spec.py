@@ -52,6 +52,7 @@ from tracinfunc.projection.keys import (
 
 __all__ = [
     "KINDS",
+    "MAX_PROJECTED_DIM",
     "MAX_ROWS",
     "Layout",
     "Projection",
@@ -78,6 +79,9 @@ Layout: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]
 
 KINDS = ("identity", "rademacher", "sjlt", "kronecker")
 SPLITS = ("square", "shape")
+# Largest k a projector builds: one example's row is 4 * k bytes and a dense block row 8 * k
+# while hashed; past this a typo (dim=2**31-1) ran until the process was OOM-killed.
+MAX_PROJECTED_DIM = 2**24
 _MAX_DIM = 2**31 - 1  # keeps Lemire's (h * k) below 2**63 in int64
 
 
@@ -407,6 +411,14 @@ def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any], 
             "canonical_layout(params)."
         )
     k = projection.output_dim(layout)
+    if projection.kind != "identity" and k > MAX_PROJECTED_DIM:
+        raise InvalidProjectionError(
+            f"{caller}: dim={k} would give every example a [{k}] row "
+            f"({4 * k / 2**30:.1f} GiB in float32) and dense blocks rows of {8 * k / 2**30:.1f} "
+            f"GiB while they are generated; projectors take dim up to {MAX_PROJECTED_DIM}. "
+            "Use a smaller dim (TracIn needs thousands, e.g. 4096), or kind='identity' for "
+            "every entry."
+        )
     keys = {} if projection.kind == "identity" else {
         name: param_keys(projection, name, shape) for name, shape in layout}
     names_by_key: dict[tuple, list[str]] = {}

@@ -256,7 +256,9 @@ def _known_size(data: Batch | Iterable[Batch]) -> int | None:
     """Examples in ``data`` when that is cheap to know (one batch or a list of them)."""
     if isinstance(data, Tensor | tuple | Mapping):
         leaves = tree_leaves(data)
-        return leaves[0].shape[0] if leaves and isinstance(leaves[0], Tensor) else None
+        first = leaves[0] if leaves else None
+        # A 0-d leaf has no batch dimension: left for iter_batches to report.
+        return first.shape[0] if isinstance(first, Tensor) and first.ndim else None
     if isinstance(data, list):
         sizes = [_known_size(batch) for batch in data]
         return None if None in sizes else sum(sizes)

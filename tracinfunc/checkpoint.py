@@ -12,7 +12,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
-from tracinfunc.errors import InvalidTypeError, MissingParametersError
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.store.meta import check_lr
 from tracinfunc.types import LossFn, Params
@@ -67,6 +67,12 @@ class Checkpoint:
                 raise InvalidTypeError(
                     f"Checkpoint: parameter {key!r} has dtype {value.dtype}; gradients need a "
                     "floating-point dtype. Pass buffers/integer state through the loss instead."
+                )
+            if value.is_meta:
+                raise InvalidArgumentError(
+                    f"Checkpoint: parameter {key!r} is on the meta device, which holds shapes "
+                    "but no values; load real weights first (e.g. model.to_empty(device='cpu') "
+                    "then load_state_dict, or Checkpoint.load)."
                 )
         lr = check_lr(self.lr, caller="Checkpoint")
         if self.name is not None and not isinstance(self.name, str):

@@ -417,6 +417,11 @@ def _check_test_shape(meta: StoreMeta, test: Tensor) -> None:
             "projection=store.projection and the store's checkpoints (e.g. "
             "tif.build_store(loss, checkpoints, test_batch, projection=store.projection))."
         )
+    if test.is_meta:
+        raise InvalidArgumentError(
+            f"{current_caller()}: test gradients are on the meta device (shapes, no values); "
+            "compute them with build_store or projected_grads on a real device."
+        )
     if not test.is_floating_point():
         raise InvalidTypeError(
             f"{current_caller()}: test gradients must be floating point, got {test.dtype}; "

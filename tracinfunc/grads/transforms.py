@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.func import grad, vmap
+from torch.utils._pytree import tree_leaves
 
 from tracinfunc._validate import check_bool, current_caller, entry_point
 from tracinfunc.errors import (
@@ -334,6 +335,13 @@ def _projector_cache(projection: Projection, *, compile: bool
 
 def _call_loss_transform(fn, *args: Any, caller: str):
     """Call a vmapped gradient function, turning torch.func's errors into actionable ones."""
+    batch = args[-1]
+    flat = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
+    if any(leaf.ndim == 0 for leaf in flat):
+        raise InvalidArgumentError(
+            f"{caller}: every tensor of a batch needs a leading batch dimension, got shapes "
+            f"{[list(leaf.shape) for leaf in flat]}; pass x[None] for a single example."
+        )
     try:
         return fn(*args)
     except RuntimeError as error:

@@ -30,6 +30,7 @@ from tracinfunc.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     LossFunctionError,
+    TracInFuncError,
     TrainModeError,
 )
 from tracinfunc.grads.options import GradientOptions, gradient_options
@@ -344,11 +345,20 @@ def _call_loss_transform(fn, *args: Any, caller: str):
         )
     try:
         return fn(*args)
+    except TracInFuncError:
+        raise  # already says what is wrong and how to fix it
     except RuntimeError as error:
         clearer = explain_loss_error(error, caller=caller)
         if clearer is None:
             raise
         raise clearer from error
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+        # The user's loss failed on this batch (other batches may have passed): say so.
+        raise LossFunctionError(
+            f"{caller}: loss(params, example) failed with {type(error).__name__}: {error}. "
+            "Check that every batch has the structure the loss expects (the same as the "
+            "first batch's) and that the loss takes one example without a batch dimension."
+        ) from error
 
 
 def explain_loss_error(error: Exception, *, caller: str) -> Exception | None:

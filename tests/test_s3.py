@@ -4,6 +4,7 @@ build, open, score, resume, sharded builds, CLI info --verify, and corruption de
 from __future__ import annotations
 
 import functools
+import json
 
 import boto3
 import pytest
@@ -111,6 +112,19 @@ def test_corrupted_and_missing_objects_are_reported(mlp_setup32, bucket, s3_serv
         tif.open_store(url).read_rows(0, 20, 30)
     result = cli_here("info", url, "--verify", cwd=".")
     assert result.returncode == 1 and "damaged" in result.stderr
+
+
+def test_edited_metadata_on_s3_is_refused(mlp_setup32, bucket, s3_server):
+    """Issue 16 on object storage: the metadata scoring depends on carries a checksum."""
+    loss, ckpts, (x, y), _ = mlp_setup32
+    url = f"s3://{bucket}/grads.zarr"
+    tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, store=tiny(url))
+    key = "grads.zarr/zarr.json"
+    document = json.loads(s3_server.get_object(Bucket=bucket, Key=key)["Body"].read())
+    document["attributes"]["tracinfunc"]["checkpoints"][0]["lr"] = 10.0
+    s3_server.put_object(Bucket=bucket, Key=key, Body=json.dumps(document).encode())
+    with pytest.raises(tif.CorruptStoreError, match="does not match its checksum"):
+        tif.open_store(url)
 
 
 def test_cli_builds_verifies_and_scores_a_store_on_s3(bucket, tmp_path):

@@ -196,9 +196,9 @@ def read_meta(group: zarr.Group, path: Path, *, caller: str) -> StoreMeta:
             f"{caller}: the metadata in {where!r} gives storage dtype {meta.dtype!r}; "
             f"stores hold one of {sorted(_NUMPY)}. The metadata was edited or damaged."
         )
-    # Stores on object storage are not sealed (no local files to manifest); zarr's crc32c
-    # still checks every chunk there.
-    if meta.complete and version >= 2 and not is_url(path):
+    # Stores on object storage carry a checksum of their metadata only (no file manifest);
+    # zarr's crc32c checks every chunk there.
+    if meta.complete and version >= 2:
         check_digest(data, path, caller=caller)
     return meta
 

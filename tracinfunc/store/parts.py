@@ -43,7 +43,7 @@ from tracinfunc.store._zarr_layout import (
     to_numpy,
     writable_arrays,
 )
-from tracinfunc.store.integrity import seal
+from tracinfunc.store.integrity import seal, seal_metadata
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.remote import Location, is_url, location
@@ -282,7 +282,8 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
         where = location(path)
         # Sealed like a one-process build (files fsync'ed, manifest, metadata checksum), so
         # tampering is caught the same way; object storage has no files to seal.
-        group.attrs[ATTRS_KEY] = finished if is_url(where) else seal(where, finished)
+        group.attrs[ATTRS_KEY] = seal_metadata(finished) if is_url(where) else seal(where,
+                                                                                     finished)
     return ZarrStore(path)
 
 

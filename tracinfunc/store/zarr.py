@@ -63,7 +63,7 @@ from tracinfunc.store._zarr_layout import (
     write_errors,
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
-from tracinfunc.store.integrity import FileGuard, seal, sync_files
+from tracinfunc.store.integrity import FileGuard, seal, seal_metadata, sync_files
 from tracinfunc.store.lock import NoLock, WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
@@ -319,8 +319,8 @@ class ZarrWriter:
         # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
         finished = self._meta.replace(n_train=self._committed, complete=True).to_dict()
         with write_errors(self._path, rows_stored=self._committed):
-            if is_url(self._path):  # object storage: no files to seal or fsync
-                self._group.attrs[ATTRS_KEY] = finished
+            if is_url(self._path):  # object storage: no files to manifest or fsync
+                self._group.attrs[ATTRS_KEY] = seal_metadata(finished)
             else:
                 self._group.attrs[ATTRS_KEY] = seal(self._path, finished)
                 sync_files([self._path / "zarr.json", self._path])

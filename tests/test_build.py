@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import tracinfunc as tif
 from tests.conftest import make_data, make_mlp
-from tracinfunc.build import rebatch
+from tracinfunc.batches import rebatch
 
 PROJ = tif.Projection(dim=16, seed=0)
 

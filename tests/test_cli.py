@@ -19,7 +19,7 @@ import torch
 
 import tracinfunc as tif
 import tracinfunc.store.paths as store_paths
-from tracinfunc.build import rebatch
+from tracinfunc.batches import rebatch
 from tracinfunc.cli import main
 from tracinfunc.cli.spec import load_spec
 

@@ -7,7 +7,8 @@ TracIn scores a training example's influence on a test prediction as
 from tracinfunc import _moved
 from tracinfunc._version import __version__
 from tracinfunc.adapters import adapter_checkpoint
-from tracinfunc.build import build_store, iter_batches
+from tracinfunc.batches import iter_batches
+from tracinfunc.build import build_store
 from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
 from tracinfunc.distributed import gather_top_k, merge_top_k

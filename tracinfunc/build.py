@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
-from tracinfunc._validate import check_int, entry_point
+from tracinfunc._validate import entry_point
+from tracinfunc.batches import (
+    batch_size_of,
+    check_ordered,
+    iter_batches,
+    known_size,
+    rebatch,
+    sized,
+)
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.distributed import (
     commit_after_barrier,
@@ -26,7 +34,6 @@ from tracinfunc.distributed import (
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
-    InvalidTypeError,
     LossFunctionError,
     TracInFuncError,
 )
@@ -46,7 +53,7 @@ from tracinfunc.store.parts import PartWriter, StorePart, check_shard
 from tracinfunc.store.writer import StoreTarget, make_writer
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["build_store", "iter_batches"]
+__all__ = ["build_store"]
 
 
 @entry_point("build_store")
@@ -144,7 +151,7 @@ def build_store(
         StoreExistsError: a finished store already exists at the ``store`` path.
     """
     checkpoints = _check_checkpoints(checkpoints)
-    _check_ordered(data)
+    check_ordered(data)
     check_projection(projection, caller="build_store")
     options = gradient_options(
         options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
@@ -181,9 +188,9 @@ def build_store(
     if shard is None:
         writer = make_writer(store, meta)
     else:
-        sized = meta.replace(n_train=_sized(data))
-        writer = rank_zero_first(lambda: _part_writer(store, sized, shard)) if distributed \
-            else _part_writer(store, sized, shard)
+        full = meta.replace(n_train=sized(data))  # every part sizes the store up front
+        writer = rank_zero_first(lambda: _part_writer(store, full, shard)) if distributed \
+            else _part_writer(store, full, shard)
         stop = writer.stop
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
 
@@ -196,9 +203,9 @@ def build_store(
                             for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
     result = fill_store(
-        writer, ((_batch_size(batch), batch) for batch in batches), rows_of, meta=meta,
+        writer, ((batch_size_of(batch), batch) for batch in batches), rows_of, meta=meta,
         check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
-        progress=progress, total=_known_size(data), stop=stop, caller="build_store")
+        progress=progress, total=known_size(data), stop=stop, caller="build_store")
     return commit_after_barrier(result.path) if distributed else result
 
 
@@ -221,114 +228,6 @@ def _part_writer(store: StoreTarget, meta: StoreMeta, shard: object) -> PartWrit
         f"callable (meta, shard) -> PartWriter), got {store!r}; e.g. build_store(..., "
         "store='grads.zarr', shard=(0, 4))."
     )
-
-
-def _sized(data: Batch | Iterable[Batch]) -> int:
-    """Examples in ``data``, which a sharded build must know before it starts."""
-    size = _known_size(data)
-    dataset = getattr(data, "dataset", None)
-    if size is None and isinstance(data, torch.utils.data.DataLoader) and hasattr(
-            dataset, "__len__"):
-        size = len(dataset)
-    if size is None or size == 0:
-        raise InvalidArgumentError(
-            f"build_store: a sharded build needs data of known, non-zero size (a batch, a "
-            f"list of batches or a DataLoader over a sized dataset), got "
-            f"{type(data).__name__} of size {size}; every part sizes the store up front."
-        )
-    return size
-
-
-def _check_ordered(data: object) -> None:
-    """Refuse a shuffling DataLoader: row i of a store must be example i of the dataset."""
-    from torch.utils.data import DataLoader, RandomSampler
-
-    sampler = getattr(data, "sampler", None) if isinstance(data, DataLoader) else None
-    if isinstance(sampler, RandomSampler):
-        raise InvalidArgumentError(
-            "build_store: data is a DataLoader with shuffle=True, so row i of the store would "
-            "not be example i of the dataset (and a resumed build would store duplicates and "
-            "miss examples); pass DataLoader(dataset, batch_size=..., shuffle=False)."
-        )
-
-
-def _known_size(data: Batch | Iterable[Batch]) -> int | None:
-    """Examples in ``data`` when that is cheap to know (one batch or a list of them)."""
-    if isinstance(data, Tensor | tuple | Mapping):
-        leaves = tree_leaves(data)
-        first = leaves[0] if leaves else None
-        # A 0-d leaf has no batch dimension: left for iter_batches to report.
-        return first.shape[0] if isinstance(first, Tensor) and first.ndim else None
-    if isinstance(data, list):
-        sizes = [_known_size(batch) for batch in data]
-        return None if None in sizes else sum(sizes)
-    return None  # a DataLoader or generator: the bar counts without a total
-
-
-def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
-    """Yield batches from ``data``: one batch, or an iterable of batches.
-
-    One batch is a tensor, a tuple or a dict whose leaves are tensors. Anything else that is
-    iterable (a list, a DataLoader, a generator) is taken as a sequence of batches.
-    """
-    if isinstance(data, Tensor | tuple | Mapping):
-        yield _check_batch(data)
-        return
-    if not isinstance(data, Iterable):
-        raise InvalidTypeError(
-            "build_store: data must be a batch (tensor, tuple or dict of tensors) or an "
-            f"iterable of batches, got {type(data).__name__}."
-        )
-    for batch in data:
-        yield _check_batch(batch)
-
-
-def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
-    """Yield the examples of ``data`` in batches of exactly ``batch_size`` (the last: fewer).
-
-    Batches are split and merged (concatenated along the batch dimension) as needed; the
-    order of examples is kept.
-    """
-    check_int(batch_size, "batch_size", optional=True, caller="build_store")
-    pending: list[Batch] = []
-    count = 0
-    for batch in iter_batches(data):
-        pending.append(batch)
-        count += _batch_size(batch)
-        while count >= batch_size:
-            merged = _concat(pending)
-            yield tree_map(lambda leaf: leaf[:batch_size], merged)
-            count -= batch_size
-            pending = [tree_map(lambda leaf: leaf[batch_size:], merged)] if count else []
-    if count:
-        yield _concat(pending)
-
-
-def _concat(batches: list[Batch]) -> Batch:
-    if len(batches) == 1:
-        return batches[0]
-    return tree_map(lambda *leaves: torch.cat(leaves), *batches)
-
-
-def _check_batch(batch: Batch) -> Batch:
-    leaves = tree_leaves(batch)
-    if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
-        kinds = sorted({type(leaf).__name__ for leaf in leaves})
-        raise InvalidTypeError(
-            "build_store: a batch must be a pytree of tensors with a leading batch dimension, "
-            f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
-        )
-    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
-    if len(sizes) != 1 or None in sizes:
-        raise InvalidArgumentError(
-            "build_store: all tensors of a batch need the same leading (batch) dimension, got "
-            f"shapes {[list(leaf.shape) for leaf in leaves]}."
-        )
-    return batch
-
-
-def _batch_size(batch: Batch) -> int:
-    return tree_leaves(batch)[0].shape[0]
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:

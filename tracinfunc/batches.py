@@ -1,0 +1,128 @@
+"""Training data as batches: what ``build_store`` iterates, checks and re-batches.
+
+One batch is a tensor, a tuple or a dict of tensors with a leading batch dimension; data is one
+batch or an iterable of them (a list, a DataLoader, a generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+from tracinfunc._validate import check_int
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+from tracinfunc.types import Batch
+
+__all__ = ["batch_size_of", "check_ordered", "iter_batches", "known_size", "rebatch",
+           "sized"]
+
+
+def sized(data: Batch | Iterable[Batch]) -> int:
+    """Examples in ``data``, which a sharded build must know before it starts."""
+    size = known_size(data)
+    dataset = getattr(data, "dataset", None)
+    if size is None and isinstance(data, torch.utils.data.DataLoader) and hasattr(
+            dataset, "__len__"):
+        size = len(dataset)
+    if size is None or size == 0:
+        raise InvalidArgumentError(
+            f"build_store: a sharded build needs data of known, non-zero size (a batch, a "
+            f"list of batches or a DataLoader over a sized dataset), got "
+            f"{type(data).__name__} of size {size}; every part sizes the store up front."
+        )
+    return size
+
+
+def check_ordered(data: object) -> None:
+    """Refuse a shuffling DataLoader: row i of a store must be example i of the dataset."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    sampler = getattr(data, "sampler", None) if isinstance(data, DataLoader) else None
+    if isinstance(sampler, RandomSampler):
+        raise InvalidArgumentError(
+            "build_store: data is a DataLoader with shuffle=True, so row i of the store would "
+            "not be example i of the dataset (and a resumed build would store duplicates and "
+            "miss examples); pass DataLoader(dataset, batch_size=..., shuffle=False)."
+        )
+
+
+def known_size(data: Batch | Iterable[Batch]) -> int | None:
+    """Examples in ``data`` when that is cheap to know (one batch or a list of them)."""
+    if isinstance(data, Tensor | tuple | Mapping):
+        leaves = tree_leaves(data)
+        first = leaves[0] if leaves else None
+        # A 0-d leaf has no batch dimension: left for iter_batches to report.
+        return first.shape[0] if isinstance(first, Tensor) and first.ndim else None
+    if isinstance(data, list):
+        sizes = [known_size(batch) for batch in data]
+        return None if None in sizes else sum(sizes)
+    return None  # a DataLoader or generator: the bar counts without a total
+
+
+def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
+    """Yield batches from ``data``: one batch, or an iterable of batches.
+
+    One batch is a tensor, a tuple or a dict whose leaves are tensors. Anything else that is
+    iterable (a list, a DataLoader, a generator) is taken as a sequence of batches.
+    """
+    if isinstance(data, Tensor | tuple | Mapping):
+        yield _check_batch(data)
+        return
+    if not isinstance(data, Iterable):
+        raise InvalidTypeError(
+            "build_store: data must be a batch (tensor, tuple or dict of tensors) or an "
+            f"iterable of batches, got {type(data).__name__}."
+        )
+    for batch in data:
+        yield _check_batch(batch)
+
+
+def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
+    """Yield the examples of ``data`` in batches of exactly ``batch_size`` (the last: fewer).
+
+    Batches are split and merged (concatenated along the batch dimension) as needed; the
+    order of examples is kept.
+    """
+    check_int(batch_size, "batch_size", optional=True, caller="build_store")
+    pending: list[Batch] = []
+    count = 0
+    for batch in iter_batches(data):
+        pending.append(batch)
+        count += batch_size_of(batch)
+        while count >= batch_size:
+            merged = _concat(pending)
+            yield tree_map(lambda leaf: leaf[:batch_size], merged)
+            count -= batch_size
+            pending = [tree_map(lambda leaf: leaf[batch_size:], merged)] if count else []
+    if count:
+        yield _concat(pending)
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    if len(batches) == 1:
+        return batches[0]
+    return tree_map(lambda *leaves: torch.cat(leaves), *batches)
+
+
+def _check_batch(batch: Batch) -> Batch:
+    leaves = tree_leaves(batch)
+    if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
+        kinds = sorted({type(leaf).__name__ for leaf in leaves})
+        raise InvalidTypeError(
+            "build_store: a batch must be a pytree of tensors with a leading batch dimension, "
+            f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
+        )
+    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise InvalidArgumentError(
+            "build_store: all tensors of a batch need the same leading (batch) dimension, got "
+            f"shapes {[list(leaf.shape) for leaf in leaves]}."
+        )
+    return batch
+
+
+def batch_size_of(batch: Batch) -> int:
+    return tree_leaves(batch)[0].shape[0]

@@ -114,6 +114,36 @@ def test_corrupted_and_missing_objects_are_reported(mlp_setup32, bucket, s3_serv
     assert result.returncode == 1 and "damaged" in result.stderr
 
 
+def test_one_writer_per_store_url(mlp_setup32, bucket, s3_server):
+    """Issue 16 on object storage: a second writer of one URL is refused, never interleaved."""
+    loss, ckpts, (x, y), _ = mlp_setup32
+    url = f"s3://{bucket}/locked.zarr"
+    meta = tif.build_store(loss, ckpts, (x, y), projection=PROJ).meta.replace(
+        n_train=0, complete=False)
+    first = tif.ZarrWriter(url, meta)
+    assert s3_server.head_object(Bucket=bucket, Key=".locked.zarr.lock")
+    with pytest.raises(tif.StoreLockedError, match=r"is writing to 's3://.*locked.zarr'.*"
+                                                   r"delete the lock object"):
+        _other_process_writer(url, meta)
+    rows = torch.zeros(meta.n_ckpt, 3, meta.k)
+    first.append(rows, rows.norm(dim=-1))
+    first.finish()
+    with pytest.raises(s3_server.exceptions.ClientError):
+        s3_server.head_object(Bucket=bucket, Key=".locked.zarr.lock")  # released
+
+
+def _other_process_writer(url, meta):
+    """A writer as another process would make it (this process's own takeover bypassed)."""
+    from tracinfunc.store import lock
+
+    held = dict(lock._HELD)
+    lock._HELD.clear()
+    try:
+        return tif.ZarrWriter(url, meta)
+    finally:
+        lock._HELD.update(held)
+
+
 def test_edited_metadata_on_s3_is_refused(mlp_setup32, bucket, s3_server):
     """Issue 16 on object storage: the metadata scoring depends on carries a checksum."""
     loss, ckpts, (x, y), _ = mlp_setup32

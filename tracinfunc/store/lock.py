@@ -7,25 +7,31 @@ build never leaves a stale lock: the next call resumes. Within one process, a wr
 build raised is never told so (the exception passes it by); a later writer of the same path
 in the same process takes its lock over and the old writer refuses to write from then on.
 
-``flock`` is honoured by local file systems (and NFSv4 via POSIX locks on Linux); object
-stores have no locks, which is why S3 stores are written once, locally, then uploaded.
+``flock`` is honoured by local file systems (and NFSv4 via POSIX locks on Linux). Object
+stores have no locks; there :class:`RemoteLock` creates a lock object with a conditional write
+(``If-None-Match: *``, which S3 and its compatible services grant to exactly one writer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
+import socket
+import time
 import weakref
 from pathlib import Path
 
 from tracinfunc.errors import StoreLockedError, StoreWriteError
 
-__all__ = ["WriterLock"]
+__all__ = ["RemoteLock", "WriterLock"]
 
 # Locks this process holds, by lock file: how a later writer in the same process takes over
 # from one whose build raised (process-wide by nature, like the kernel's own lock table).
 # Weak: a writer that is dropped unfinished frees its path (``__del__``).
-_HELD: weakref.WeakValueDictionary[str, WriterLock] = weakref.WeakValueDictionary()
+_HELD: weakref.WeakValueDictionary[str, WriterLock | RemoteLock] = (
+    weakref.WeakValueDictionary())
 
 
 class WriterLock:
@@ -110,12 +116,72 @@ def _acquire(lock_file: Path, path: Path, *, caller: str) -> int:
     raise StoreLockedError(f"{caller}: could not lock {str(lock_file)!r}; try again.")
 
 
-class NoLock:
-    """The lock of a store on object storage: there is no flock there, so nothing is held
-    (one writer per store URL is the caller's promise; see docs/concepts/stores.md)."""
+class RemoteLock:
+    """The exclusive right to write the store at an object-storage URL.
+
+    A lock object ``.<name>.lock`` beside the store, created with a conditional write
+    (``If-None-Match: *``), which the service grants to exactly one writer. Unlike ``flock``
+    it survives a killed process: the error then says which object to delete. Within one
+    process a later writer takes over, as with :class:`WriterLock`.
+
+    Raises:
+        StoreLockedError: another writer holds the lock object.
+    """
+
+    def __init__(self, url: str, *, caller: str) -> None:
+        from tracinfunc.store.remote import _filesystem  # fsspec only for URLs
+
+        self._fs, root = _filesystem(url)
+        parent, _, name = root.rstrip("/").rpartition("/")
+        self._path, self._key = url, f"{parent}/.{name}.lock"
+        self._superseded, self._released = False, False
+        previous = _HELD.pop(self._key, None)
+        if previous is not None:  # an earlier writer in this process that never finished
+            previous._superseded = True
+        else:
+            holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.time()}).encode()
+            try:
+                self._fs.pipe_file(self._key, holder, IfNoneMatch="*")
+            except FileExistsError:
+                raise StoreLockedError(
+                    f"{caller}: another build ({_read_holder(self._fs, self._key)}) is writing "
+                    f"to {url!r}; wait for it to finish (then call again), or, if no build is "
+                    f"running (one was killed), delete the lock object "
+                    f"{_scheme(url)}{self._key} and call again."
+                ) from None
+        _HELD[self._key] = self
 
     def check(self, *, caller: str) -> None:
-        """Nothing to check."""
+        """Raise if a later writer of the same URL (in this process) has taken over."""
+        if self._superseded or self._released:
+            raise StoreLockedError(
+                f"{caller}: this writer of {self._path!r} was superseded by a later writer of "
+                "the same store (or already released it); use the later one."
+            )
 
     def release(self) -> None:
-        """Nothing to release."""
+        """Delete the lock object (idempotent)."""
+        if self._superseded or self._released:
+            return
+        self._released = True
+        _HELD.pop(self._key, None)
+        self._fs.rm_file(self._key)
+
+    def __del__(self) -> None:  # a writer dropped without finishing: free the store
+        if not getattr(self, "_released", True) and not self._superseded:
+            # At interpreter exit the filesystem may be gone: the lock object then stays.
+            with contextlib.suppress(Exception):
+                self.release()
+
+
+def _read_holder(fs, key: str) -> str:
+    try:
+        holder = json.loads(fs.cat_file(key))
+        return f"process {holder['pid']} on {holder['host']}"
+    except Exception:  # a holder we cannot read is still a holder
+        return "unknown process"
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0] + "://"

@@ -64,7 +64,7 @@ from tracinfunc.store._zarr_layout import (
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.integrity import FileGuard, seal, seal_metadata, sync_files
-from tracinfunc.store.lock import NoLock, WriterLock
+from tracinfunc.store.lock import RemoteLock, WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
@@ -221,9 +221,9 @@ class ZarrWriter:
                  compression: str | None = None, overwrite: bool = False) -> None:
         self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
         self._finished = False
-        # Before looking at the path. Object storage has no flock: one writer per path is
-        # then the caller's promise (documented).
-        self._lock = (NoLock() if is_url(self._path)
+        # Before looking at the path: a flock locally, a conditionally created lock object
+        # on object storage.
+        self._lock = (RemoteLock(self._path, caller="ZarrWriter") if is_url(self._path)
                       else WriterLock(self._path, caller="ZarrWriter"))
         self._rerun: ZarrStore | None = None  # a finished store this call would make again
         if exists(self._path) and not self._resumable(meta, overwrite):

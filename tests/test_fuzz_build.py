@@ -69,3 +69,20 @@ def test_build_store_ends_in_a_store_or_a_tracinfunc_error(data, as_generator):
 def test_a_generator_whose_structure_changes_is_refused(bad):
     with pytest.raises(tif.TracInFuncError):
         tif.build_store(LOSS, CKPTS, (b for b in bad), projection=PROJ, progress=False)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "expanded", "strided"])
+def test_non_contiguous_and_expanded_batches_give_the_contiguous_rows(layout):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, generator=g)
+    y = torch.randint(0, 3, (5,), generator=g)
+    odd = {"transposed": lambda: x.t().contiguous().t(),
+           "expanded": lambda: x[:1].expand(5, 6),
+           "strided": lambda: torch.randn(10, 6, generator=g)[::2]}[layout]()
+    assert not odd.is_contiguous() or layout == "transposed"
+    store = tif.build_store(LOSS, CKPTS, (odd, y), projection=PROJ, progress=False)
+    plain = tif.build_store(LOSS, CKPTS, (odd.contiguous(), y), projection=PROJ,
+                            progress=False)
+    for c in range(store.n_ckpt):  # the same up to float32 rounding of strided kernels
+        torch.testing.assert_close(store.read_rows(c, 0, 5), plain.read_rows(c, 0, 5),
+                                   rtol=1e-5, atol=1e-6)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,11 +9,10 @@ from torch import nn
 from torch.func import vmap
 
 import tracinfunc as tif
-from tests import numpy_projection as ref
 from tests.conftest import make_checkpoints, make_convnet, make_data, make_mlp
+from tests.lm_helpers import explicit_kronecker as explicit_kronecker_of
 from tests.reference import loop_grads
 from tracinfunc.grads.factorized import factorizable_layers
-from tracinfunc.projection import kronecker_factors
 
 SPEC = tif.Projection(dim=12, seed=5, kind="kronecker")
 
@@ -31,19 +29,7 @@ def conv_batch(n=5, seed=0):
 
 def explicit_kronecker(loss, params, batch, spec):
     """``[n, k]``: autograd-loop gradients times ``P_out (x) P_in`` (vectors: NumPy blocks)."""
-    grads = loop_grads(loss, params, batch)
-    n = next(iter(grads.values())).shape[0]
-    out = torch.zeros(n, spec.dim, dtype=torch.float64)
-    for name, g in grads.items():
-        shape = g.shape[1:]
-        if len(shape) >= 2:
-            p_out, p_in = kronecker_factors(spec, name, shape, dtype=torch.float64)
-            matrix = torch.kron(p_out, p_in)  # [d_out * d_in, k_out * k_in]
-        else:
-            matrix = torch.from_numpy(ref.rademacher_block(
-                spec.seed, spec.dim, name, shape, 0, int(np.prod(shape)), kind="kronecker"))
-        out += g.reshape(n, -1) @ matrix.double()
-    return out / np.sqrt(spec.dim)
+    return explicit_kronecker_of(loop_grads(loss, params, batch), spec)
 
 
 class Tokens(nn.Module):

@@ -45,7 +45,8 @@ from tracinfunc.errors import (
     StoreNotFoundError,
 )
 from tracinfunc.interop import as_tensor
-from tracinfunc.store._shards import ShardReader
+from tracinfunc.store._object_reads import object_store_for_reads
+from tracinfunc.store._shards import shard_reader
 from tracinfunc.store._zarr_layout import (
     ATTRS_KEY,
     buffer_rows,
@@ -123,7 +124,7 @@ class ZarrStore(StoreProperties):
                 )
         for name, value in (("_path", path), ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_guard", guard),
-                            ("_readers", [ShardReader.for_array(a, guard=guard) for a in rows])):
+                            ("_readers", _readers(path, rows, guard))):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -147,7 +148,7 @@ class ZarrStore(StoreProperties):
 
     @property
     def raw_reads(self) -> bool:
-        """Whether rows are read with the raw fast path (uncompressed, local files)."""
+        """Whether rows are read with the raw fast path (uncompressed chunks, local or remote)."""
         return all(reader is not None for reader in self._readers)
 
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
@@ -348,6 +349,12 @@ class ZarrWriter:
             # Only now is the shard counted: a crash before this line redoes it on resume.
             self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
+
+
+def _readers(path: Path | str, rows: list[zarr.Array], guard: FileGuard | None) -> list:
+    """One raw reader per checkpoint's rows (``None`` where zarr must decode them)."""
+    byte_store = object_store_for_reads(path) if is_url(path) else None
+    return [shard_reader(array, guard=guard, byte_store=byte_store) for array in rows]
 
 
 def _check_chunk_files(guard: FileGuard, array: zarr.Array, start: int, stop: int) -> None:

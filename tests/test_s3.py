@@ -4,7 +4,10 @@ build, open, score, resume, sharded builds, CLI info --verify, and corruption de
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import re
+import sys
 
 import boto3
 import pytest
@@ -36,9 +39,26 @@ def s3_server():
 
 @pytest.fixture
 def bucket(s3_server, request):
-    name = "grads-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
+    # One bucket per test and parameter (S3 bucket names: 3-63 of [a-z0-9-]).
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())
+    digest = hashlib.blake2b(request.node.name.encode(), digest_size=4).hexdigest()
+    name = f"grads-{slug[:40].strip('-')}-{digest}"
     s3_server.create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(params=["obstore", "s3fs"])
+def read_path(request, monkeypatch):
+    """Raw row reads go through obstore when it is installed, else through zarr's s3fs store;
+    both are run."""
+    if request.param == "s3fs":
+        monkeypatch.setattr("tracinfunc.store.zarr.object_store_for_reads", lambda url: None)
+    return request.param
+
+
+def byte_store_of(store) -> str:
+    """Which client a ZarrStore's raw reads use."""
+    return type(store._readers[0]._store).__name__
 
 
 def tiny(path, cls=tif.ZarrWriter):
@@ -50,14 +70,16 @@ def all_rows(store):
                         for c in range(store.meta.n_ckpt)])
 
 
-def test_round_trip_open_and_score_equal_a_local_store(mlp_setup32, tmp_path, bucket):
+def test_round_trip_open_and_score_equal_a_local_store(mlp_setup32, tmp_path, bucket,
+                                                       read_path):
     loss, ckpts, (x, y), test = mlp_setup32
     url = f"s3://{bucket}/grads.zarr"
     local = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ,
                             store=tiny(tmp_path / "local.zarr"))
     remote = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, store=tiny(url))
     opened = tif.open_store(url)
-    assert opened.path == url and opened.meta == local.meta and not opened.raw_reads
+    assert opened.path == url and opened.meta == local.meta and opened.raw_reads
+    assert byte_store_of(opened) == {"obstore": "ObjectStore", "s3fs": "FsspecStore"}[read_path]
     assert torch.equal(all_rows(opened), all_rows(local))
     test_grads = tif.build_store(loss, ckpts, test, projection=PROJ)
     assert torch.equal(tif.score(opened, test_grads), tif.score(local, test_grads))
@@ -93,7 +115,7 @@ def test_sharded_build_on_s3_commits_to_the_one_process_store(mlp_setup32, tmp_p
     assert torch.equal(all_rows(tif.commit_store(url)), all_rows(whole))
 
 
-def test_corrupted_and_missing_objects_are_reported(mlp_setup32, bucket, s3_server):
+def test_corrupted_and_missing_objects_are_reported(mlp_setup32, bucket, s3_server, read_path):
     loss, ckpts, (x, y), _ = mlp_setup32
     url = f"s3://{bucket}/grads.zarr"
     tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, store=tiny(url))
@@ -112,6 +134,35 @@ def test_corrupted_and_missing_objects_are_reported(mlp_setup32, bucket, s3_serv
         tif.open_store(url).read_rows(0, 20, 30)
     result = cli_here("info", url, "--verify", cwd=".")
     assert result.returncode == 1 and "damaged" in result.stderr
+
+
+def test_raw_reads_of_any_row_range_equal_zarrs_own_decoding(bucket, s3_server, read_path):
+    """Ranges that start and end inside chunks, span shards and objects, and a truncated
+    object (its index is gone: reported, not read as zeros)."""
+    meta = tif.store.fill.new_store_meta(
+        [("c0", 1.0, "f")], tif.canonical_layout({"w": (24,)}),
+        tif.Projection(dim=None, kind="identity"), torch.float32, None, caller="test")
+    writer = tif.ZarrWriter(f"s3://{bucket}/g.zarr", meta, chunk_rows=4, shard_rows=12)
+    rows = torch.randn(1, 50, 24, generator=torch.Generator().manual_seed(0))
+    writer.append(rows, rows.norm(dim=-1))
+    store = writer.finish()
+    store = tif.open_store(f"s3://{bucket}/g.zarr")
+    for start, stop in [(0, 50), (1, 3), (3, 29), (11, 13), (12, 24), (47, 50), (5, 5)]:
+        assert torch.equal(store.read_rows(0, start, stop), rows[0, start:stop])
+        assert torch.equal(torch.from_numpy(store._rows[0][start:stop]), rows[0, start:stop])
+    key = "g.zarr/rows/0/c/1/0"  # rows [12, 24)
+    body = s3_server.get_object(Bucket=bucket, Key=key)["Body"].read()
+    s3_server.put_object(Bucket=bucket, Key=key, Body=body[:-30])
+    with pytest.raises(tif.CorruptStoreError, match=r"rows \[10, 14\).*rows/0/c/1/0"):
+        tif.open_store(f"s3://{bucket}/g.zarr").read_rows(0, 10, 14)
+
+
+def test_reads_fall_back_to_s3fs_without_obstore(monkeypatch):
+    from tracinfunc.store._object_reads import object_store_for_reads
+
+    monkeypatch.setitem(sys.modules, "obstore.store", None)  # import fails as if not installed
+    assert object_store_for_reads("s3://bucket/grads.zarr") is None
+    assert object_store_for_reads("memory://grads.zarr") is None
 
 
 def test_one_writer_per_store_url(mlp_setup32, bucket, s3_server):

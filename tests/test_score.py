@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -64,6 +66,34 @@ def test_top_k_equals_argsort_of_full_matrix(mlp_setup32, largest):
     order = full.argsort(dim=1, descending=largest)[:, :6]
     assert torch.equal(indices, order)
     torch.testing.assert_close(values, full.gather(1, order))
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_large_query_sets_are_split_into_blocks_with_the_same_result(mlp_setup32, monkeypatch,
+                                                                     as_tensor):
+    """Above _MAX_QUERY_BLOCK test rows top_k scans once per block of queries (the score block
+    [n_test, chunk] stays bounded); the result is the one-block result."""
+    store, test_store = _stores(mlp_setup32, projection=tif.Projection(dim=32, seed=3),
+                                dtype=torch.float32)
+    n_test = test_store.meta.n_train
+    test = torch.stack([test_store.read_rows(c, 0, n_test) for c in range(
+        test_store.meta.n_ckpt)]) if as_tensor else test_store
+    whole = tif.top_k(store, test, k=4, normalize=True, rows=(3, store.meta.n_train))
+    scans = []
+    real = tif.score_chunks
+
+    def counting(*args, **kwargs):
+        scans.append(args[1].meta.n_train if hasattr(args[1], "meta") else args[1].shape[1])
+        return real(*args, **kwargs)
+
+    module = sys.modules["tracinfunc.score"]  # tif.score is the function
+    monkeypatch.setattr(module, "_MAX_QUERY_BLOCK", 2)
+    monkeypatch.setattr(module, "score_chunks", counting)
+    blocked = tif.top_k(store, test, k=4, normalize=True, rows=(3, store.meta.n_train))
+    assert scans == [2] * (n_test // 2) + [n_test % 2] * (n_test % 2)
+    assert torch.equal(blocked[1], whole[1])
+    # The matmul's float32 rounding may depend on how many test rows share it.
+    torch.testing.assert_close(blocked[0], whole[0], rtol=1e-6, atol=1e-7)
 
 
 def test_top_k_rejects_k_out_of_range(mlp_setup):

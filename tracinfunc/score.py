@@ -43,6 +43,10 @@ _CHUNK_BUDGET_BYTES = 64 * 2**20
 # are fresh memory per pass, and first-touch page faults cost more than the matmul on VMs.
 _STREAM_BUDGET_BYTES = 16 * 2**20
 _MIN_CHUNK_ROWS = 256
+# top_k holds a [n_test, chunk] score block and its sort (float32 values + int64 order):
+# 16 bytes per query and row. Above this many test rows (256 MiB at 256-row chunks) it scans
+# the store once per block of queries instead of letting that block grow without bound.
+_MAX_QUERY_BLOCK = 65_536
 # bfloat16 stores on the CPU could be multiplied in bfloat16 when few test rows make the
 # matmul memory-bound (measured 1.13x faster than upcasting at n_test=64, 0.68x at 512), but
 # each checkpoint's block is then rounded to bfloat16, so a test row's scores (and top-k)
@@ -135,7 +139,8 @@ def top_k(
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
     Never materialises ``[n_test, n_train]``: each streamed chunk is merged into a running
-    top-k of ``[n_test, k]``.
+    top-k of ``[n_test, k]``. Query sets of more than 65,536 test rows are split into blocks
+    of that many, one scan of the store each, so the per-chunk score block stays bounded.
 
     Args:
         store: As in :func:`score`.
@@ -186,6 +191,33 @@ def top_k(
                                         candidates=candidates, largest=largest,
                                         normalize=normalize)
         return to_framework(values, framework), to_framework(indices, framework)
+    n_test = test_grads.meta.n_train if isinstance(test_grads, GradientStore) else (
+        test_grads.shape[1] if isinstance(test_grads, Tensor) and test_grads.ndim == 3 else 0)
+    queries = [(0, n_test)] if n_test <= _MAX_QUERY_BLOCK else [
+        (lo, min(lo + _MAX_QUERY_BLOCK, n_test)) for lo in range(0, n_test, _MAX_QUERY_BLOCK)]
+    parts = [_exact_top_k(store, _query_rows(test_grads, lo, hi, len(queries)), k, offset,
+                          largest=largest, normalize=normalize, device=device,
+                          chunk_rows=chunk_rows, progress=progress) for lo, hi in queries]
+    values = torch.cat([v for v, _ in parts]) if len(parts) > 1 else parts[0][0]
+    indices = torch.cat([i for _, i in parts]) if len(parts) > 1 else parts[0][1]
+    return to_framework(values, framework), to_framework(indices, framework)
+
+
+def _query_rows(test_grads: GradientStore | Tensor, lo: int, hi: int,
+                blocks: int) -> GradientStore | Tensor:
+    """Test rows ``[lo, hi)``: a slice of the tensor, or a row-range view of the store."""
+    if blocks == 1:
+        return test_grads
+    if isinstance(test_grads, Tensor):
+        return test_grads[:, lo:hi]
+    return row_range(test_grads, (lo, hi), caller=current_caller())
+
+
+def _exact_top_k(store: GradientStore, test_grads: GradientStore | Tensor, k: int,
+                 offset: int, *, largest: bool, normalize: bool,
+                 device: torch.device | str | None, chunk_rows: int | None,
+                 progress: ProgressArg) -> tuple[Tensor, Tensor]:
+    """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks."""
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     for start, block in score_chunks(
@@ -198,7 +230,7 @@ def top_k(
         part = (values[:, :k], order[:, :k] + (start + offset))
         parts = [part] if best_values is None else [(best_values, best_indices), part]
         best_values, best_indices = merge_top_k(parts, k, largest=largest)
-    return to_framework(best_values, framework), to_framework(best_indices, framework)
+    return best_values, best_indices
 
 
 @entry_point("self_influence")

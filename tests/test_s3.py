@@ -223,3 +223,34 @@ def test_cli_builds_verifies_and_scores_a_store_on_s3(bucket, tmp_path):
     import numpy as np
 
     assert np.array_equal(np.load(tmp_path / "remote.npy"), np.load(tmp_path / "local.npy"))
+
+
+def test_a_dropped_writer_frees_its_lock_even_when_collected_on_fsspecs_loop_thread(
+        bucket, s3_server):
+    """The garbage collector may run a dropped lock's __del__ on fsspec's event-loop thread;
+    a blocking delete there waited on itself forever (a whole test run hung)."""
+    import asyncio
+    import gc
+    import time
+
+    from tracinfunc.store.lock import RemoteLock
+    from tracinfunc.store.remote import _filesystem
+
+    url = f"s3://{bucket}/dropped.zarr"
+    held = [RemoteLock(url, caller="test")]
+    assert s3_server.head_object(Bucket=bucket, Key=".dropped.zarr.lock")
+
+    async def drop_on_the_loop_thread():
+        held.clear()
+        gc.collect()
+
+    fs, _ = _filesystem(url)
+    asyncio.run_coroutine_threadsafe(drop_on_the_loop_thread(), fs.loop).result(timeout=20)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the delete was scheduled, not waited for
+        listed = s3_server.list_objects_v2(Bucket=bucket, Prefix=".dropped").get("Contents", [])
+        if not listed:
+            break
+        time.sleep(0.05)
+    assert not listed
+    RemoteLock(url, caller="test").release()  # free for the next writer

@@ -14,6 +14,7 @@ stores have no locks; there :class:`RemoteLock` creates a lock object with a con
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -169,10 +170,20 @@ class RemoteLock:
         self._fs.rm_file(self._key)
 
     def __del__(self) -> None:  # a writer dropped without finishing: free the store
-        if not getattr(self, "_released", True) and not self._superseded:
-            # At interpreter exit the filesystem may be gone: the lock object then stays.
-            with contextlib.suppress(Exception):
-                self.release()
+        if getattr(self, "_released", True) or self._superseded:
+            return
+        self._released = True
+        _HELD.pop(self._key, None)
+        # The garbage collector may run this on any thread, fsspec's own event-loop thread
+        # included, where a blocking call would wait on itself forever (seen: a test suite
+        # hung in fs.rm_file from __del__). So an async filesystem only gets the deletion
+        # scheduled on its loop, never waited for. At interpreter exit the loop may be gone:
+        # the lock object then stays, and the next writer's error names it.
+        with contextlib.suppress(Exception):
+            if getattr(self._fs, "async_impl", False) and self._fs.loop is not None:
+                asyncio.run_coroutine_threadsafe(self._fs._rm_file(self._key), self._fs.loop)
+            else:
+                self._fs.rm_file(self._key)
 
 
 def _read_holder(fs, key: str) -> str:

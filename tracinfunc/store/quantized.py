@@ -30,7 +30,9 @@ class QuantizedMemoryStore(StoreProperties):
 
     Args:
         meta: Metadata with ``quantization`` set.
-        codes, scales, norms: As above; copied on ingest.
+        codes: ``[n_ckpt, n_train, width]`` int8 or uint8, as above; copied on ingest.
+        scales: ``[n_ckpt, n_train]`` float32; copied on ingest.
+        norms: ``[n_ckpt, n_train]`` float32, of the rows before quantisation; copied.
 
     Raises:
         InvalidArgumentError: a shape or dtype does not match ``meta``.

@@ -172,3 +172,21 @@ def test_cli_builds_verifies_and_scores_a_store_on_s3(bucket, tmp_path):
     import numpy as np
 
     assert np.array_equal(np.load(tmp_path / "remote.npy"), np.load(tmp_path / "local.npy"))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "sign"])
+def test_a_quantised_store_on_s3_reads_like_a_local_one(mlp_setup32, tmp_path, bucket,
+                                                       s3_server, dtype):
+    loss, ckpts, (x, y), _ = mlp_setup32
+    url = f"s3://{bucket}/{dtype}.zarr"  # the bucket's name is the same for both dtypes
+    local = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, dtype=dtype,
+                            store=tiny(tmp_path / "local.zarr"))
+    tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, dtype=dtype, store=tiny(url))
+    opened = tif.open_store(url)
+    assert opened.meta == local.meta and opened.meta.quantization == dtype
+    assert torch.equal(all_rows(opened), all_rows(local))
+    assert torch.equal(opened.read_codes(2, 3, 29)[0], local.read_codes(2, 3, 29)[0])
+    tif.verify_store(opened)
+    s3_server.delete_object(Bucket=bucket, Key=f"{dtype}.zarr/scales/0/c/1")  # rows [8, 16)
+    with pytest.raises(tif.CorruptStoreError, match=r"'epoch-0'.*missing"):
+        tif.open_store(url).read_rows(0, 10, 12)

@@ -431,6 +431,26 @@ def test_other_dtypes_are_refused_saying_what_is_accepted(setup, float_store):
         tif.save_store(float_store, "unused.zarr", dtype=torch.int32)
 
 
+def test_the_kernels_and_finished_writers_refuse_what_they_cannot_do(memory_store, tmp_path):
+    with pytest.raises(tif.InvalidArgumentError,
+                       match=r"quantize: quantization must be one of \['int8', 'sign'\], got "
+                             r"'int4'; pass 'int8'"):
+        quantize(torch.ones(2, 3), "int4")
+    with pytest.raises(tif.InvalidArgumentError, match="dequantize: .*got None; pass the "
+                                                       "store's meta.quantization"):
+        dequantize(torch.ones(2, 3), torch.ones(2), None, 3)
+    codes, scales = all_codes(memory_store)
+    meta = memory_store.meta.replace(n_train=0, complete=False)
+    for writer in (tif.MemoryWriter(meta), quiet(tif.PinnedWriter, meta),
+                   tif.ZarrWriter(tmp_path / "w.zarr", meta)):
+        writer.append_codes(codes, scales, all_norms(memory_store))
+        finished = quiet(writer.finish)
+        assert torch.equal(all_codes(finished)[0], codes)
+        with pytest.raises(tif.ReadOnlyStoreError, match="append_codes: the store is already "
+                                                         "finished"):
+            writer.append_codes(codes, scales, all_norms(memory_store))
+
+
 def test_metadata_is_parsed_strictly_and_old_stores_read_as_float(memory_store):
     data = json.loads(json.dumps(memory_store.meta.to_dict()))
     assert tif.StoreMeta.from_dict(data) == memory_store.meta

@@ -120,7 +120,8 @@ def quantize(rows: Tensor, quantization: str) -> tuple[Tensor, Tensor]:
     if quantization == "sign":
         return _pack_signs(rows < 0), rows.abs().mean(dim=-1)
     raise InvalidArgumentError(
-        f"quantize: quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}."
+        f"quantize: quantization must be one of {list(QUANTIZATIONS)}, got "
+        f"{quantization!r}; pass 'int8' (codes with a per-row scale) or 'sign' (1 bit a value)."
     )
 
 
@@ -143,7 +144,8 @@ def dequantize(codes: Tensor, scales: Tensor, quantization: str, k: int, *,
         signs = signs.reshape(*codes.shape[:-1], codes.shape[-1] * 8)[..., :k]
         return torch.mul(signs, scales, out=out)
     raise InvalidArgumentError(
-        f"dequantize: quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}."
+        f"dequantize: quantization must be one of {list(QUANTIZATIONS)}, got "
+        f"{quantization!r}; pass the store's meta.quantization."
     )
 
 

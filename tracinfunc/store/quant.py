@@ -109,7 +109,10 @@ def check_codes(meta: StoreMeta, codes: Tensor, scales: Tensor, norms: Tensor, *
 
 
 def quantize(rows: Tensor, quantization: str) -> tuple[Tensor, Tensor]:
-    """``(codes [..., width], scales [...] float32)`` of float ``rows`` ``[..., k]``."""
+    """``(codes [..., width], scales [...] float32)`` of float ``rows`` ``[..., k]``.
+
+    Computed in float32 (float64 rows are rounded to float32 first), on the rows' device.
+    """
     rows = rows.to(torch.float32)
     if quantization == "int8":
         scales = rows.abs().amax(dim=-1) / INT8_MAX

@@ -12,6 +12,11 @@ Prints a markdown table per model and writes ``--out``/quality.png (LDS against 
 quality.json. Retraining results are kept in Zarr groups under ``--out``, so an interrupted run
 resumes. To measure a new way of building stores (per-checkpoint projections, a quantised
 store), add one ``Config`` to ``EXTRA_CONFIGS``.
+
+Storage (item 4): the training stores of exact TracIn and of rademacher at the largest k are
+also stored as int8, sign (1 bit), float16 and bfloat16 (test gradients stay float32); a
+second table compares each with its float32 row: LDS, score error, flip detection (from the
+stored exact norms, and from the dequantised rows' own norms) and bytes per row.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import argparse
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,17 +49,25 @@ class Config:
     normalize: bool = False
     projection_options: Mapping = field(default_factory=dict)  # more Projection(...) keywords
     build_options: Mapping = field(default_factory=dict)  # more build_store(...) keywords
+    storage: str | None = None  # the training stores' dtype (a STORAGE key); None: float32
 
     def store_key(self) -> str:
         """Configs differing only in ``normalize`` share their stores."""
         return json.dumps([self.kind, self.k, self.checkpoints, dict(self.projection_options),
-                           {key: str(v) for key, v in self.build_options.items()}])
+                           {key: str(v) for key, v in self.build_options.items()},
+                           self.storage])
+
+    def float32_key(self) -> tuple[str, bool]:
+        """What identifies this config's float32 counterpart (the same but ``storage``)."""
+        return replace(self, storage=None).store_key(), self.normalize
 
 
 # Issue 17 item 3 (the kronecker split from each weight's shape; one projection per checkpoint
-# instead of one shared by all) is in variant_configs; quantised stores (item 4) will be rows
-# here.
+# instead of one shared by all) is in variant_configs, item 4 (quantised storage) in
+# storage_configs.
 EXTRA_CONFIGS: list[Config] = []
+STORAGE = {"int8": "int8", "sign": "sign", "float16": torch.float16,
+           "bfloat16": torch.bfloat16}
 
 
 def variant_configs(ks: tuple[int, ...]) -> list[Config]:
@@ -68,6 +81,15 @@ def variant_configs(ks: tuple[int, ...]) -> list[Config]:
     ]
 
 
+def storage_configs(ks: tuple[int, ...]) -> list[Config]:
+    """Item 4's rows: exact TracIn and rademacher at the largest ``k``, all checkpoints, with
+    the training stores kept in every ``STORAGE`` dtype (scores accumulate in float32)."""
+    k = max(ks)
+    return [row for storage in STORAGE for row in (
+        Config(f"exact-{storage}-all", storage=storage),
+        Config(f"rademacher-{k}-{storage}-all", "rademacher", k, storage=storage))]
+
+
 def configs(ks: tuple[int, ...]) -> list[Config]:
     rows = []
     for checkpoints in ("last", "all"):
@@ -76,7 +98,7 @@ def configs(ks: tuple[int, ...]) -> list[Config]:
             rows.append(Config(f"exact-{tag}", checkpoints=checkpoints, normalize=normalize))
             rows += [Config(f"{kind}-{k}-{tag}", kind, k, checkpoints, normalize)
                      for kind in KINDS for k in ks]
-    return rows + variant_configs(ks) + EXTRA_CONFIGS
+    return rows + variant_configs(ks) + storage_configs(ks) + EXTRA_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -167,16 +189,34 @@ def scores_for(config: Config, make, ckpts, data, cache: dict):
                                     **config.projection_options)
         loss = tif.loss_from_module(make(), F.cross_entropy)
         opts = {"progress": False, **config.build_options}
+        stored = opts if config.storage is None else {**opts, "dtype": STORAGE[config.storage]}
         start = time.perf_counter()
-        store = tif.build_store(loss, pick(clean), data["train"], projection=projection, **opts)
+        store = tif.build_store(loss, pick(clean), data["train"], projection=projection,
+                                **stored)
         seconds = time.perf_counter() - start
         tests = tif.build_store(loss, pick(clean), data["test"], projection=store.projection,
                                 **opts)
         noisy_store = tif.build_store(loss, pick(noisy), data["noisy"], projection=projection,
-                                      **opts)
-        cache[key] = (store, tests, tif.self_influence(noisy_store), seconds)
-    store, tests, influence, seconds = cache[key]
-    return tif.score(store, tests, normalize=config.normalize), influence, seconds
+                                      **stored)
+        cache[key] = (store, tests, {"influence": tif.self_influence(noisy_store),
+                                     "rows_influence": rows_self_influence(noisy_store),
+                                     "row_bytes": row_bytes(store.meta)}, seconds)
+    store, tests, extra, seconds = cache[key]
+    return tif.score(store, tests, normalize=config.normalize), extra, seconds
+
+
+def rows_self_influence(store) -> torch.Tensor:
+    """``sum_c lr_c * ||row_c||^2`` from the rows as read (dequantised), not the stored norms
+    (which are those of the rows before quantisation): ``[n_train]``."""
+    return sum(lr * store.read_rows(c, 0, store.n_train).square().sum(1)
+               for c, lr in enumerate(store.meta.lrs))
+
+
+def row_bytes(meta) -> int:
+    """Bytes one stored row takes per checkpoint: values (or codes), scale, norm."""
+    width = {None: meta.k, "int8": meta.k, "sign": -(-meta.k // 8)}[meta.quantization]
+    itemsize = 1 if meta.quantization else meta.torch_dtype.itemsize
+    return width * itemsize + (4 if meta.quantization else 0) + 4
 
 
 def evaluate_model(name: str, sizes: Sizes, out: Path) -> dict:
@@ -189,18 +229,27 @@ def evaluate_model(name: str, sizes: Sizes, out: Path) -> dict:
     again = retrain(make, (x, y), (x_test, y_test), sizes, out, name, seed=1)
     ceiling = ev.spearman(again.outputs, truth.outputs).nanmean().item()
     data = {"train": (x, y), "test": (x_test, y_test), "noisy": (x, y_noisy)}
-    cache, rows, exact = {}, [], {}
+    cache, rows, exact, float32 = {}, [], {}, {}
     for config in configs(sizes.ks):
-        scores, influence, seconds = scores_for(config, make, (clean, noisy), data, cache)
+        scores, extra, seconds = scores_for(config, make, (clean, noisy), data, cache)
         result = ev.lds(scores, truth.subsets, truth.outputs, n_bootstrap=sizes.n_bootstrap)
         reference = exact.setdefault((config.checkpoints, config.normalize), scores)
-        flips = ev.mislabel_curve(influence, flipped)
-        rows.append({**asdict(config), "projection_options": dict(config.projection_options),
-                     "build_options": {k: str(v) for k, v in config.build_options.items()},
-                     "lds": result.mean, "low": result.low, "high": result.high,
-                     "score_error": ((scores - reference).norm() / reference.norm()).item(),
-                     "flip_auc": flips.auc, "flips_at_10": flips.found_at(0.1),
-                     "build_s": seconds})
+        flips = ev.mislabel_curve(extra["influence"], flipped)
+        row = {**asdict(config), "projection_options": dict(config.projection_options),
+               "build_options": {k: str(v) for k, v in config.build_options.items()},
+               "lds": result.mean, "low": result.low, "high": result.high,
+               "score_error": ((scores - reference).norm() / reference.norm()).item(),
+               "flip_auc": flips.auc, "flips_at_10": flips.found_at(0.1),
+               "row_bytes": extra["row_bytes"], "build_s": seconds}
+        if config.storage is None:
+            float32.setdefault(config.float32_key(), (scores, row))
+        else:  # against the same config stored in float32 (computed earlier)
+            base_scores, base = float32[config.float32_key()]
+            row["vs_float32"] = {
+                "lds": base["lds"], "flip_auc": base["flip_auc"], "row_bytes": base["row_bytes"],
+                "score_error": ((scores - base_scores).norm() / base_scores.norm()).item(),
+                "rows_flip_auc": ev.mislabel_curve(extra["rows_influence"], flipped).auc}
+        rows.append(row)
     return {"model": name, "accuracy": accuracy, "ceiling": ceiling, "rows": rows}
 
 
@@ -220,6 +269,20 @@ def print_table(result: dict, sizes: Sizes) -> None:
               f"{flips[1]} | {row['build_s']:.2f} |")
 
 
+def print_storage_table(result: dict) -> None:
+    print(f"\n#### {result['model']}: storage of the training stores against float32 (test "
+          "gradients float32, float32 accumulation)\n")
+    print("| config | storage | bytes/row/ckpt | LDS | float32 LDS | score error vs float32 | "
+          "flip AUC (stored norms) | flip AUC (dequantised rows) | float32 flip AUC |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in (r for r in result["rows"] if r["storage"] is not None):
+        base = row["vs_float32"]
+        print(f"| {row['name']} | {row['storage']} | {row['row_bytes']} (float32 "
+              f"{base['row_bytes']}) | {row['lds']:.3f} | {base['lds']:.3f} | "
+              f"{base['score_error']:.4f} | {row['flip_auc']:.3f} | {base['rows_flip_auc']:.3f} | "
+              f"{base['flip_auc']:.3f} |")
+
+
 def save_plot(results: list[dict], ks: tuple[int, ...], path: Path) -> None:
     import matplotlib
 
@@ -229,7 +292,7 @@ def save_plot(results: list[dict], ks: tuple[int, ...], path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.8), squeeze=False)
     for ax, result in zip(axes[0], results, strict=True):
         rows = [r for r in result["rows"] if not r["normalize"] and not r["projection_options"]
-                and not r["build_options"]]
+                and not r["build_options"] and r["storage"] is None]
         for checkpoints, style in (("all", "-"), ("last", ":")):
             for i, kind in enumerate(KINDS):
                 lds = [next(r["lds"] for r in rows if (r["kind"], r["k"], r["checkpoints"])
@@ -269,6 +332,7 @@ def main() -> None:
     results = [evaluate_model(name, sizes, args.out) for name in args.model or MODELS]
     for result in results:
         print_table(result, sizes)
+        print_storage_table(result)
     (args.out / "quality.json").write_text(json.dumps(results, indent=1))
     save_plot(results, sizes.ks, args.out / "quality.png")
     print(f"\nwrote {args.out / 'quality.png'} and quality.json in "

@@ -438,3 +438,23 @@ def test_build_records_a_dataset_fingerprint(built):
                       cwd=built)
     assert result.returncode == 0, result.stderr
     assert tif.open_store(built / "fp.zarr").meta.dataset_fingerprint == "digits-v2"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "sign"])
+def test_build_dtype_quantises_and_info_says_so(tmp_path, dtype):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "q.zarr", "--projection",
+                      "rademacher:32:7", "--dtype", dtype, "--quiet", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    store = tif.GradientStore.open(str(tmp_path / "q.zarr"))
+    assert store.meta.quantization == dtype and store.dtype == torch.float32
+    info = cli_here("info", "q.zarr", "--verify", cwd=tmp_path)
+    assert info.returncode == 0, info.stderr
+    assert f"k=32 float32 (stored as {dtype})" in info.stdout
+    assert "matched its checksum" in info.stdout
+
+
+def test_build_refuses_an_unknown_dtype_listing_the_choices(tmp_path):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "q.zarr", "--dtype", "int4",
+                      cwd=tmp_path)
+    assert result.returncode == 2
+    assert "invalid choice: 'int4'" in result.stderr and "'sign'" in result.stderr

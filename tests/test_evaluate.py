@@ -286,7 +286,16 @@ def test_quality_benchmark_quick_mode_writes_its_table_and_plot(tmp_path):
     assert {"exact-last", "exact-all-cos", "kronecker-64-last-cos"} <= names
     for row in result["rows"]:
         assert -1 <= row["low"] <= row["lds"] <= row["high"] <= 1
-        # exact rows are the reference of their own (checkpoints, normalize) group
-        assert (row["score_error"] == 0) == (row["kind"] == "identity")
+        # exact float32 rows are the reference of their own (checkpoints, normalize) group
+        assert (row["score_error"] == 0) == (row["kind"] == "identity" and not row["storage"])
+    # item 4: storage rows beside their float32 rows, in the JSON and a second table
+    storage = {row["name"]: row for row in result["rows"] if row["storage"]}
+    assert {"exact-int8-all", "rademacher-64-sign-all", "exact-bfloat16-all"} <= set(storage)
+    assert "| exact-int8-all | int8 |" in done.stdout
+    int8, sign = storage["exact-int8-all"], storage["exact-sign-all"]
+    assert int8["vs_float32"]["score_error"] < 0.02 < sign["vs_float32"]["score_error"]
+    assert int8["flip_auc"] == int8["vs_float32"]["flip_auc"]  # from the exact stored norms
+    k = (int8["vs_float32"]["row_bytes"] - 4) // 4  # float32: 4 bytes a value, plus the norm
+    assert int8["row_bytes"] == k + 4 + 4  # int8: a byte a value, the scale and the norm
     assert (tmp_path / "quality.png").stat().st_size > 0
     assert len(list(tmp_path.glob("retrain-logreg-*.zarr"))) == 2  # kept, so a rerun resumes

@@ -168,3 +168,29 @@ def test_every_writer_takes_jax_and_numpy_blocks(kind, tmp_path):
     again = writer.finish()
     for c in range(store.n_ckpt):
         assert torch.equal(again.read_rows(c, 0, 12), store.read_rows(c, 0, 12))
+
+
+@pytest.mark.parametrize("dtype", ["int8", jnp.int8, "sign"], ids=["int8", "jnp.int8", "sign"])
+def test_the_jax_frontend_writes_quantised_stores_through_the_shared_writers(dtype, tmp_path):
+    from tracinfunc.store.quant import quantize
+
+    _, _, jax_loss, jax_ckpts, mapping, train, _ = paired_mlp(n_train=12)
+    options = {"projection": PROJECTIONS[0], "mapping": mapping}
+    batch = to_jax_batch(train)
+    plain = tj.build_store(jax_loss, jax_ckpts, batch, **options)
+    quantized = tj.build_store(jax_loss, jax_ckpts, batch, **options, dtype=dtype,
+                               store=tmp_path / "q.zarr")
+    name = "sign" if dtype == "sign" else "int8"
+    assert quantized.meta.quantization == name and quantized.meta.dtype == "float32"
+    for c in range(plain.n_ckpt):
+        codes, scales = quantized.read_codes(c, 0, 12)
+        expected_codes, expected_scales = quantize(plain.read_rows(c, 0, 12), name)
+        assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+        assert torch.equal(quantized.read_norms(c, 0, 12), plain.read_norms(c, 0, 12))
+    with pytest.raises(tif.InvalidArgumentError,
+                       match=r"jax.build_store: dtype must be a storage dtype.*'sign'.*got "
+                             r"torch.int4. Pass e.g."):
+        tj.build_store(jax_loss, jax_ckpts, batch, **options, dtype="int4")
+    with pytest.raises(tif.InvalidArgumentError,
+                       match="unsupported storage dtype 'int9'.*'int8' or 'sign'"):
+        tj.build_store(jax_loss, jax_ckpts, batch, **options, dtype="int9")

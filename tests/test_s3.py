@@ -254,3 +254,21 @@ def test_a_dropped_writer_frees_its_lock_even_when_collected_on_fsspecs_loop_thr
         time.sleep(0.05)
     assert not listed
     RemoteLock(url, caller="test").release()  # free for the next writer
+
+
+@pytest.mark.parametrize("dtype", ["int8", "sign"])
+def test_a_quantised_store_on_s3_reads_like_a_local_one(mlp_setup32, tmp_path, bucket,
+                                                       s3_server, dtype):
+    loss, ckpts, (x, y), _ = mlp_setup32
+    url = f"s3://{bucket}/{dtype}.zarr"
+    local = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, dtype=dtype,
+                            store=tiny(tmp_path / "local.zarr"))
+    tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, dtype=dtype, store=tiny(url))
+    opened = tif.open_store(url)
+    assert opened.meta == local.meta and opened.meta.quantization == dtype
+    assert torch.equal(all_rows(opened), all_rows(local))
+    assert torch.equal(opened.read_codes(2, 3, 29)[0], local.read_codes(2, 3, 29)[0])
+    tif.verify_store(opened)
+    s3_server.delete_object(Bucket=bucket, Key=f"{dtype}.zarr/scales/0/c/1")  # rows [8, 16)
+    with pytest.raises(tif.CorruptStoreError, match=r"'epoch-0'.*missing"):
+        tif.open_store(url).read_rows(0, 10, 12)

@@ -175,3 +175,19 @@ def test_read_rows_at_equals_fancy_indexing(tmp_path):
         expected = memory.read_rows(ckpt, 0, 200)[indices]
         assert torch.equal(read_rows_at(store, ckpt, indices), expected)
         assert torch.equal(read_rows_at(memory, ckpt, indices), expected)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "sign"])
+def test_a_quantised_store_is_searched_and_re_ranked_over_its_dequantised_rows(quantization):
+    float_store = tif.to_memory(_store(lrs=(0.5, 0.2)), dtype=torch.float32)
+    store = tif.to_memory(float_store, dtype=quantization)
+    test = _test_grads()
+    index = tif.build_index(store, nlist=12)
+    values, indices = tif.top_k(store, test, 7, index=index, nprobe=12)
+    exact_values, exact_indices = tif.top_k(store, test, 7)
+    assert torch.equal(indices, exact_indices)
+    torch.testing.assert_close(values, exact_values)
+    # Same rows and norms before quantisation, but another storage: another fingerprint.
+    assert tif.store_fingerprint(store) != tif.store_fingerprint(float_store)
+    with pytest.raises(tif.IncompatibleGradientsError, match="top_k: the index was built for"):
+        tif.top_k(float_store, test, 3, index=index)

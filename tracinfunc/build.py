@@ -64,7 +64,7 @@ def build_store(
     *,
     projection: Projection,
     chunk_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
     dataset_fingerprint: str | None = None,
     select: Selection | None = None,
@@ -94,7 +94,10 @@ def build_store(
             gradients, pass ``projection=store.projection``.
         chunk_size: Examples differentiated at once inside vmap (``None``: a whole batch).
         dtype: Storage dtype: float32 (default), float16, bfloat16 or float64 (exactness
-            checks; needs float64 params). Norms are taken before the cast.
+            checks; needs float64 params); or quantised: ``torch.int8``/``"int8"`` (int8
+            codes with a per-row scale, 4x smaller than float32) or ``"sign"`` (1 bit per
+            value with a per-row scale, ~30x smaller), read back as float32 (see
+            ``docs/concepts/stores.md``). Norms are taken before the cast or quantisation.
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
         select: As for :func:`~tracinfunc.grads.projected_grads`; the store's layout (and
@@ -140,7 +143,9 @@ def build_store(
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.MemoryStore`,
-        :class:`~tracinfunc.PinnedStore` or :class:`~tracinfunc.ZarrStore`).
+        :class:`~tracinfunc.PinnedStore` or :class:`~tracinfunc.ZarrStore`; quantised:
+        :class:`~tracinfunc.QuantizedMemoryStore`, :class:`~tracinfunc.QuantizedPinnedStore`
+        or :class:`~tracinfunc.ZarrStore`).
 
     Raises:
         EmptyDataError: ``data`` holds no examples.

@@ -35,13 +35,22 @@ from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta
+from tracinfunc.store.quant import dequantize, quantize
+from tracinfunc.store.quantized import QuantizedMemoryStore
 
 __all__ = ["StoreConformance", "reference_store"]
 
 
 def reference_store(n_train: int = 40, k: int = 16, *, n_ckpt: int = 3, seed: int = 0,
-                    dtype: torch.dtype = torch.float32) -> MemoryStore:
-    """An in-memory store of seeded random rows, ``[n_ckpt, n_train, k]``, with norms."""
+                    dtype: torch.dtype = torch.float32, quantization: str | None = None
+                    ) -> MemoryStore | QuantizedMemoryStore:
+    """An in-memory store of seeded random rows, ``[n_ckpt, n_train, k]``, with norms.
+
+    With ``quantization`` (``"int8"``, ``"sign"``) a quantised store (float32) of rows that
+    lie on its quantisation grid (random rows, quantised and dequantised), so that the norms,
+    which a quantised store keeps for the rows before quantisation, are those of the rows it
+    reads back, as for a float store.
+    """
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn(n_ckpt, n_train, k, generator=generator, dtype=torch.float64)
     meta = StoreMeta(
@@ -49,8 +58,12 @@ def reference_store(n_train: int = 40, k: int = 16, *, n_ckpt: int = 3, seed: in
         checkpoints=tuple(CheckpointMeta(f"epoch-{c}", 0.1 * (c + 1), f"{c:064x}")
                           for c in range(n_ckpt)),
         layout=(("weight", (k, 4)),), n_train=n_train, k=k,
-        dtype=str(dtype).removeprefix("torch."))
-    return MemoryStore(meta, rows.to(dtype), rows.norm(dim=-1).to(dtype))
+        dtype=str(dtype).removeprefix("torch."), quantization=quantization)
+    if quantization is None:
+        return MemoryStore(meta, rows.to(dtype), rows.norm(dim=-1).to(dtype))
+    codes, scales = quantize(rows, quantization)
+    exact = dequantize(codes, scales, quantization, k)  # rows on the quantisation grid
+    return QuantizedMemoryStore(meta, codes, scales, exact.double().norm(dim=-1).float())
 
 
 class StoreConformance:
@@ -59,10 +72,14 @@ class StoreConformance:
     Attributes:
         n_train, k: Size of the reference store (40 rows span several chunks of most layouts;
             override for stores that need more).
+        quantization: ``None``, or ``"int8"``/``"sign"`` for a quantised store: the
+            reference is then a quantised store whose rows are exactly representable (see
+            :func:`reference_store`).
     """
 
     n_train = 40
     k = 16
+    quantization: str | None = None
 
     def make_store(self, reference: MemoryStore, tmp_path: Path) -> GradientStore:
         """Your store holding exactly ``reference``'s metadata, rows and norms."""
@@ -72,8 +89,8 @@ class StoreConformance:
         )
 
     @pytest.fixture
-    def reference(self) -> MemoryStore:
-        return reference_store(self.n_train, self.k)
+    def reference(self) -> MemoryStore | QuantizedMemoryStore:
+        return reference_store(self.n_train, self.k, quantization=self.quantization)
 
     @pytest.fixture
     def store(self, reference: MemoryStore, tmp_path: Path) -> GradientStore:

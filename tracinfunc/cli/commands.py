@@ -37,7 +37,9 @@ from tracinfunc.store.remote import location
 __all__ = ["main"]
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# int8 and sign are quantised storage (read back as float32), named as build_store takes them.
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "int8": "int8", "sign": "sign"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="examples per gradient call: the spec's batches are merged or split")
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
                        help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
-    build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+                       help="storage: float32, float16, bfloat16, or quantised int8 (4x "
+                            "smaller than float32) or sign (1 bit per value, ~30x smaller)")
     build.add_argument("--shard", type=_shard, metavar="I/N",
                        help="build only part I of N (0-based), e.g. one SLURM array task: "
                             "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; then run "
@@ -407,7 +411,9 @@ def _info(args: argparse.Namespace) -> int:
               "arguments it was started with")
     print(f"store       {args.store}" + ("" if size is None else
                                              f"  ({size / 2**20:.1f} MiB on disk)"))
-    print(f"shape       n_ckpt={meta.n_ckpt} n_train={meta.n_train} k={meta.k} {meta.dtype}")
+    stored = "" if meta.quantization is None else f" (stored as {meta.quantization})"
+    print(f"shape       n_ckpt={meta.n_ckpt} n_train={meta.n_train} k={meta.k} {meta.dtype}"
+          f"{stored}")
     if meta.complete:
         print("complete    True")
     elif (parts := _parts_or_none(args.store)) is not None:

@@ -34,7 +34,7 @@ from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
-from tracinfunc.store.meta import check_lr
+from tracinfunc.store.meta import QUANTIZATIONS, check_lr
 from tracinfunc.store.writer import StoreTarget, make_writer
 
 __all__ = ["Checkpoint", "build_store"]
@@ -101,7 +101,9 @@ def build_store(
         mapping: Tree -> torch names/shapes (default ``ParamMapping.identity``; Flax:
             ``ParamMapping.flax(params)``). The store's layout is the mapped one.
         chunk_size: Examples differentiated at once inside vmap.
-        dtype: Storage dtype (torch dtype or its name): float32, float16, bfloat16, float64.
+        dtype: Storage dtype (torch dtype or its name): float32, float16, bfloat16, float64;
+            or quantised, ``"int8"`` (``torch.int8``) or ``"sign"``, as for
+            :func:`tracinfunc.build_store`.
         store: Where to write, exactly as :func:`tracinfunc.build_store`: ``None`` or
             ``"memory"``, ``"pinned"``, a path such as ``"grads.zarr"`` (the same Zarr
             format, metadata and checksums; an interrupted build resumes bit-identically
@@ -158,17 +160,18 @@ def iter_batches(data: Any) -> Iterator[Any]:
         yield batch
 
 
-def _storage_dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def _storage_dtype(dtype: Any) -> torch.dtype | str:
+    """A torch dtype, or a quantised storage's name (new_store_meta checks which are stored)."""
+    if isinstance(dtype, torch.dtype) or (isinstance(dtype, str) and dtype in QUANTIZATIONS):
         return dtype
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    try:
-        return getattr(torch, name)
-    except AttributeError:
+    result = getattr(torch, name, None)  # torch.sign is a function, not a dtype
+    if not isinstance(result, torch.dtype):
         raise InvalidArgumentError(
             f"tracinfunc.jax.build_store: unsupported storage dtype {dtype!r}; use float32, "
-            "float16, bfloat16 or float64."
-        ) from None
+            "float16, bfloat16 or float64, or 'int8' or 'sign' for quantised rows."
+        )
+    return result
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:

@@ -196,8 +196,8 @@ def store_fingerprint(store: GradientStore) -> str:
     """sha256 of the store's metadata and its row norms: changes when any row set changes.
 
     The metadata covers projection, layout, checkpoints (names, lrs, parameter
-    fingerprints), n_train, k and dtype; the norms (``4 * n_ckpt * n_train`` bytes, read
-    once) tell apart stores made from different data with the same metadata.
+    fingerprints), n_train, k, dtype and quantisation; the norms (``4 * n_ckpt * n_train``
+    bytes, read once) tell apart stores made from different data with the same metadata.
     """
     meta = store.meta
     digest = hashlib.sha256(meta_fingerprint(meta).encode())
@@ -212,6 +212,8 @@ def meta_fingerprint(meta: StoreMeta) -> str:
     data = meta.to_dict()
     described = {key: data[key] for key in ("projection", "checkpoints", "layout", "n_train",
                                             "k", "dtype", "dataset_fingerprint")}
+    if meta.quantization is not None:  # absent for float stores: their fingerprints stay
+        described["quantization"] = meta.quantization
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 

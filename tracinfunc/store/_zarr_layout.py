@@ -26,12 +26,15 @@ from tracinfunc.errors import (
     TracInFuncError,
 )
 from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
+from tracinfunc.store.memory import norm_dtype
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
+from tracinfunc.store.quant import code_width, stored_empty
 from tracinfunc.store.remote import is_url
 
 __all__ = ["ATTRS_KEY", "buffer_rows", "check_rerun", "check_resumable", "chunk_files",
-           "create_layout", "norms_numpy", "open_group", "read_meta", "rows_dtype",
-           "sealed_files", "to_numpy", "writable_arrays", "write_errors"]
+           "create_layout", "norms_numpy", "open_group", "pending_buffers", "read_meta",
+           "rows_dtype", "sealed_files", "to_numpy", "writable_arrays", "writable_scales",
+           "write_errors", "write_pending"]
 
 ATTRS_KEY = "tracinfunc"
 CHUNK_BYTES = 4 * 2**20
@@ -45,10 +48,14 @@ WRITE_CONFIG = {"write_empty_chunks": True}
 
 _NUMPY = {"float64": "float64", "float32": "float32", "float16": "float16",
           "bfloat16": "uint16"}
+_CODES_NUMPY = {"int8": "int8", "sign": "uint8"}  # quantised rows: codes, packed sign bits
 
 
 def rows_dtype(meta: StoreMeta) -> np.dtype:
-    """The zarr (numpy) dtype of the rows arrays: bfloat16 is kept as its uint16 bits."""
+    """The zarr (numpy) dtype of the rows arrays: bfloat16 is kept as its uint16 bits;
+    quantised rows are int8 codes or uint8 packed sign bits."""
+    if meta.quantization is not None:
+        return np.dtype(_CODES_NUMPY[meta.quantization])
     return np.dtype(_NUMPY[meta.dtype])
 
 
@@ -62,7 +69,11 @@ def to_numpy(rows: Tensor) -> np.ndarray:
 def default_rows(meta: StoreMeta, chunk_rows: int | None,
                  shard_rows: int | None) -> tuple[int, int]:
     """``(chunk_rows, shard_rows)``: ~4 MiB chunks; shards of ~256 MiB, smaller when
-    ``n_ckpt`` shards would not fit :data:`WRITER_BUFFER_BYTES` together; unless given."""
+    ``n_ckpt`` shards would not fit :data:`WRITER_BUFFER_BYTES` together; unless given.
+
+    Sized by the rows as read (``meta.torch_dtype``): a quantised store has the row counts
+    of a float32 store of the same ``k``, so a chunk dequantises into ~4 MiB and its codes
+    are 4x (int8) or 32x (sign) smaller on disk."""
     row_bytes = meta.k * meta.torch_dtype.itemsize
     chunk = chunk_rows or max(1, CHUNK_BYTES // row_bytes)
     shard_bytes = min(SHARD_BYTES, WRITER_BUFFER_BYTES // max(1, meta.n_ckpt))
@@ -89,16 +100,21 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
     chunk, shard = default_rows(meta, chunk_rows, shard_rows)
     codecs = [ZstdCodec(level=3), Crc32cCodec()] if compression else [Crc32cCodec()]
     group = zarr.open_group(path, mode="w-")  # exclusive create: never clobbers a store
-    rows, norms = group.require_group("rows"), group.require_group("norms")
+    width = code_width(meta)
+    per_row = {"norms": norms_numpy(meta)}  # one value per row: norms, and scales of codes
+    if meta.quantization is not None:
+        per_row["scales"] = np.dtype("float32")
+    rows = group.require_group("rows")
     for c in range(meta.n_ckpt):
-        rows.create_array(str(c), shape=(0, meta.k), dtype=rows_dtype(meta),
-                          chunks=(chunk, meta.k), shards=(shard, meta.k), filters=None,
+        rows.create_array(str(c), shape=(0, width), dtype=rows_dtype(meta),
+                          chunks=(chunk, width), shards=(shard, width), filters=None,
                           compressors=codecs, fill_value=0, config=WRITE_CONFIG)
         # Sharded like the rows: an edge chunk is stored whole, so one chunk per shard would
         # spend a shard's worth of norms (16 MiB at k=16) on a store of a few rows.
-        norms.create_array(str(c), shape=(0,), dtype=norms_numpy(meta), chunks=(chunk,),
-                           shards=(shard,), filters=None, compressors=[Crc32cCodec()],
-                           fill_value=0, config=WRITE_CONFIG)
+        for kind, dtype in per_row.items():
+            group.require_group(kind).create_array(
+                str(c), shape=(0,), dtype=dtype, chunks=(chunk,), shards=(shard,),
+                filters=None, compressors=[Crc32cCodec()], fill_value=0, config=WRITE_CONFIG)
     group.attrs[ATTRS_KEY] = meta.replace(n_train=0, complete=False).to_dict()
     return group
 
@@ -108,20 +124,52 @@ def writable_arrays(group: zarr.Group, kind: str, n_ckpt: int) -> list[zarr.Arra
     return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
 
 
-def buffer_rows(writer: Any, rows: Tensor, norms: Tensor) -> None:
-    """Copy ``rows`` ``[n_ckpt, b, k]`` and ``norms`` into a Zarr writer's shard buffer
-    (``_pending``, ``_pending_norms``, ``_filled`` of ``_shard_rows``), calling its
-    ``_flush()`` each time a whole shard is buffered: writes are whole shards only."""
+def writable_scales(group: zarr.Group, meta: StoreMeta) -> list[zarr.Array]:
+    """The per-row scale arrays of a quantised store (none for float rows)."""
+    return writable_arrays(group, "scales", meta.n_ckpt) if meta.quantization else []
+
+
+def pending_buffers(meta: StoreMeta, shard_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A Zarr writer's shard buffers: rows as stored ``[n_ckpt, shard_rows, width]``,
+    scales (``[n_ckpt, shard_rows]`` float32, empty for float rows) and norms."""
+    scales = torch.empty(meta.n_ckpt, shard_rows if meta.quantization else 0)
+    return (stored_empty(meta, shard_rows), scales,
+            torch.empty(meta.n_ckpt, shard_rows, dtype=norm_dtype(meta)))
+
+
+def buffer_rows(writer: Any, stored: Tensor, scales: Tensor | None, norms: Tensor) -> None:
+    """Copy a block as stored (:func:`~tracinfunc.store.quant.to_stored`: float rows
+    ``[n_ckpt, b, k]``, or codes and their ``scales``) and its ``norms`` into a Zarr writer's
+    shard buffers (``_pending``, ``_pending_scales``, ``_pending_norms``, ``_filled`` of
+    ``_shard_rows``), calling its ``_flush()`` each time a whole shard is buffered: writes
+    are whole shards only."""
     done = 0
-    while done < rows.shape[1]:
-        take = min(rows.shape[1] - done, writer._shard_rows - writer._filled)
+    while done < stored.shape[1]:
+        take = min(stored.shape[1] - done, writer._shard_rows - writer._filled)
         into = slice(writer._filled, writer._filled + take)
-        writer._pending[:, into] = rows[:, done : done + take]
+        writer._pending[:, into] = stored[:, done : done + take]  # cast as it is copied
         writer._pending_norms[:, into] = norms[:, done : done + take]
+        if scales is not None:
+            writer._pending_scales[:, into] = scales[:, done : done + take]
         writer._filled += take
         done += take
         if writer._filled == writer._shard_rows:
             writer._flush()
+
+
+def write_pending(writer: Any, start: int, *, resize: bool) -> list[zarr.Array]:
+    """Write a Zarr writer's ``_filled`` buffered rows, scales and norms to rows
+    ``[start, start + _filled)`` of its arrays (``_rows``, ``_scales``, ``_norms``), resized
+    to end there first when ``resize``; returns the arrays written."""
+    n = writer._filled
+    columns = [(writer._rows, writer._pending), (writer._scales, writer._pending_scales),
+               (writer._norms, writer._pending_norms)]
+    for arrays, pending in columns:
+        for c, array in enumerate(arrays):
+            if resize:
+                array.resize((start + n, *array.shape[1:]))
+            array[start : start + n] = to_numpy(pending[c, :n])
+    return writer._rows + writer._scales + writer._norms
 
 
 def chunk_files(array: zarr.Array, start: int, stop: int) -> list[Path]:
@@ -243,6 +291,7 @@ def first_difference(existing: StoreMeta, requested: StoreMeta) -> str | None:
         "projection": (existing.projection, requested.projection),
         "parameter layout": (existing.layout, requested.layout),
         "storage dtype": (existing.dtype, requested.dtype),
+        "quantization": (existing.quantization, requested.quantization),
         "k": (existing.k, requested.k),
         "checkpoints (names, lrs, fingerprints)": (existing.checkpoints, requested.checkpoints),
         "dataset fingerprint": (existing.dataset_fingerprint, requested.dataset_fingerprint),

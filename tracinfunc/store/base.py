@@ -24,6 +24,7 @@ from tracinfunc.store.meta import StoreMeta
 __all__ = [
     "GradientStore",
     "SupportsChunkAlignment",
+    "SupportsQuantizedRows",
     "SupportsRowViews",
     "aligned_rows",
     "check_out_buffer",
@@ -78,15 +79,17 @@ class GradientStore(Protocol, metaclass=_GradientStoreType):
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
         """Rows ``[start, stop)`` of checkpoint ``ckpt``: ``[stop - start, k]``.
 
-        Returned in the storage dtype, on the CPU, as a tensor the caller owns: writing to it
-        never changes the store. With ``out`` (``[>= stop - start, k]``, storage dtype) the
-        rows are written into ``out[: stop - start]`` and that view is returned, so streaming
-        readers can reuse one preallocated buffer.
+        Returned in ``meta.torch_dtype`` (the storage dtype; float32, dequantised, for a
+        quantised store), on the CPU, as a tensor the caller owns: writing to it never
+        changes the store. With ``out`` (``[>= stop - start, k]``, ``meta.torch_dtype``) the
+        rows are written into ``out[: stop - start]`` and that view is returned, so
+        streaming readers can reuse one preallocated buffer.
         """
         ...
 
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
-        """L2 norms of the full-precision rows ``[start, stop)``: ``[stop - start]`` float."""
+        """L2 norms of the full-precision rows ``[start, stop)``: ``[stop - start]`` float
+        (taken before any cast or quantisation)."""
         ...
 
 
@@ -101,6 +104,20 @@ class SupportsRowViews(Protocol):
     def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
         """Rows ``[start, stop)`` of checkpoint ``ckpt`` as a view of the store's memory,
         ``[stop - start, k]``; the caller must not write to it."""
+        ...
+
+
+@runtime_checkable
+class SupportsQuantizedRows(Protocol):
+    """Optional ability: rows are stored quantised (``meta.quantization`` is set), and the
+    stored codes can be read as they are: conversions copy them bit for bit, and readers
+    can move a quarter (int8) or a 32nd (sign) of the bytes and dequantise on arrival
+    (:func:`tracinfunc.store.quant.dequantize`, which is what ``read_rows`` returns)."""
+
+    def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Codes ``[stop - start, width]`` (int8, or uint8 packed signs) and per-row scales
+        ``[stop - start]`` float32 of rows ``[start, stop)`` of checkpoint ``ckpt``, as
+        tensors the caller owns."""
         ...
 
 

@@ -2,6 +2,9 @@
 
 They work for any store, including user-written ones: each reads rows through ``read_rows``
 (in bounded pieces) and writes them with the target kind's writer, so the copy is bit-exact.
+Quantised stores are copied as their codes (``read_codes``), bit-exact too. ``dtype=``
+changes the storage on the way (float32 to int8, int8 to float32, ...); norms are copied as
+they are, so they stay the norms of the rows as first computed.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from tracinfunc.errors import (
     StoreNotFoundError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store.base import GradientStore
-from tracinfunc.store.memory import MemoryStore, norm_dtype
+from tracinfunc.store.base import GradientStore, SupportsQuantizedRows
+from tracinfunc.store.memory import MemoryStore, MemoryWriter, norm_dtype
+from tracinfunc.store.meta import StoreMeta, dtype_name
 from tracinfunc.store.paths import read_store_meta
-from tracinfunc.store.pinned import PinnedStore, PinnedWriter
+from tracinfunc.store.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
+from tracinfunc.store.quant import storage_of
+from tracinfunc.store.quantized import QuantizedMemoryStore
 from tracinfunc.store.zarr import ZarrStore, ZarrWriter
 
 __all__ = ["save_store", "to_memory", "to_pinned"]
@@ -32,12 +38,23 @@ __all__ = ["save_store", "to_memory", "to_pinned"]
 _PIECE_BYTES = 64 * 2**20
 
 
-def to_memory(store: GradientStore, *, progress: ProgressArg = None) -> MemoryStore:
+def to_memory(store: GradientStore, *, dtype: torch.dtype | str | None = None,
+              progress: ProgressArg = None) -> MemoryStore | QuantizedMemoryStore:
     """Copy ``store`` into ordinary CPU memory. Bit-exact; the result is independent of it.
 
-    ``progress``: a bar over rows (``None``: on a terminal after 2 s; ``True``; ``False``).
+    Args:
+        store: Any store.
+        dtype: Store the copy as this instead (a float dtype, ``torch.int8``/``"int8"`` or
+            ``"sign"``, as for ``build_store``); ``None`` keeps the store's own.
+        progress: A bar over rows (``None``: on a terminal after 2 s; ``True``; ``False``).
+
+    Returns:
+        A :class:`MemoryStore`, or a :class:`QuantizedMemoryStore` for quantised storage.
     """
-    meta = store.meta
+    meta = _target_meta(store.meta, dtype, caller="to_memory")
+    if meta != store.meta or meta.quantization is not None:
+        return _copy_rows(store, MemoryWriter(meta.replace(n_train=0, complete=False)), meta,
+                          progress=progress, desc="to_memory")
     rows = torch.empty(meta.n_ckpt, meta.n_train, meta.k, dtype=meta.torch_dtype)
     norms = torch.empty(meta.n_ckpt, meta.n_train, dtype=norm_dtype(meta))
     bar = progress_bar(progress, total=meta.n_ckpt * meta.n_train, desc="to_memory", unit="row")
@@ -49,24 +66,26 @@ def to_memory(store: GradientStore, *, progress: ProgressArg = None) -> MemorySt
     return MemoryStore._from_owned(meta.replace(complete=True), rows, norms)
 
 
-def to_pinned(store: GradientStore, *, progress: ProgressArg = None) -> PinnedStore:
+def to_pinned(store: GradientStore, *, dtype: torch.dtype | str | None = None,
+              progress: ProgressArg = None) -> PinnedStore | QuantizedPinnedStore:
     """Copy ``store`` into page-locked host memory (ordinary memory without CUDA).
 
-    ``progress``: as in :func:`to_memory`.
+    ``dtype``, ``progress``: as in :func:`to_memory`.
     """
-    meta = store.meta
+    meta = _target_meta(store.meta, dtype, caller="to_pinned")
     writer = PinnedWriter(meta.replace(n_train=0, complete=False), n_train=meta.n_train)
-    return _copy_rows(store, writer, progress=progress, desc="to_pinned")
+    return _copy_rows(store, writer, meta, progress=progress, desc="to_pinned")
 
 
 def save_store(store: GradientStore, path: str | os.PathLike[str], *,
-               progress: ProgressArg = None, overwrite: bool = False,
-               **options: Any) -> ZarrStore:
+               dtype: torch.dtype | str | None = None, progress: ProgressArg = None,
+               overwrite: bool = False, **options: Any) -> ZarrStore:
     """Write any store to a new Zarr directory and return it reopened read-only.
 
     Args:
         store: The store to copy (memory, pinned, another Zarr store, a user's).
         path: Directory to create; an existing finished store there is refused.
+        dtype: As in :func:`to_memory`.
         progress: As in :func:`to_memory`.
         overwrite: Replace a gradient store at ``path``. The copy is written beside it and
             swapped in only once complete, so ``store`` may be the store at ``path`` itself
@@ -79,19 +98,21 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
             tracinfunc store (never replaced).
     """
     path = Path(path)
+    meta = _target_meta(store.meta, dtype, caller="save_store").replace(n_train=0,
+                                                                       complete=False)
     if overwrite and path.exists():
-        return _replace_store(store, path, progress=progress, options=options)
-    writer = ZarrWriter(path, store.meta.replace(n_train=0, complete=False), **options)
+        return _replace_store(store, path, meta, progress=progress, options=options)
+    writer = ZarrWriter(path, meta, **options)
     if writer.rows_written:
         raise InvalidArgumentError(
             f"save_store: {str(path)!r} holds an incomplete store; save_store writes new "
             "stores only. Delete it or choose another path."
         )
-    return _copy_rows(store, writer, progress=progress, desc="save_store")
+    return _copy_rows(store, writer, meta, progress=progress, desc="save_store")
 
 
-def _replace_store(store: GradientStore, path: Path, *, progress: ProgressArg,
-                   options: dict[str, Any]) -> ZarrStore:
+def _replace_store(store: GradientStore, path: Path, meta: StoreMeta, *,
+                   progress: ProgressArg, options: dict[str, Any]) -> ZarrStore:
     """Copy into a sibling directory, then swap it for the store at ``path`` (two renames)."""
     try:
         read_store_meta(path, caller="save_store")
@@ -103,8 +124,8 @@ def _replace_store(store: GradientStore, path: Path, *, progress: ProgressArg,
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.resolve().parent))
     try:
         fresh = scratch / path.name
-        writer = ZarrWriter(fresh, store.meta.replace(n_train=0, complete=False), **options)
-        _copy_rows(store, writer, progress=progress, desc="save_store")
+        writer = ZarrWriter(fresh, meta, **options)
+        _copy_rows(store, writer, meta, progress=progress, desc="save_store")
         os.rename(path, scratch / "replaced")  # only now is the old store let go
         os.rename(fresh, path)
     finally:
@@ -112,19 +133,39 @@ def _replace_store(store: GradientStore, path: Path, *, progress: ProgressArg,
     return ZarrStore(path)
 
 
-def _copy_rows(store: GradientStore, writer: Any, *, progress: ProgressArg, desc: str) -> Any:
-    """Append every row of ``store`` (all checkpoints at once, in bounded pieces) to ``writer``."""
+def _copy_rows(store: GradientStore, writer: Any, target: StoreMeta, *, progress: ProgressArg,
+               desc: str) -> Any:
+    """Append every row of ``store`` (all checkpoints at once, in bounded pieces) to ``writer``
+    (a built-in one, writing ``target``): as codes when both hold the same quantisation (a
+    bit-exact copy; requantising dequantised rows could move a scale by an ulp), else as
+    float rows."""
     meta = store.meta
+    codes = (meta.quantization is not None and target.quantization == meta.quantization
+             and isinstance(store, SupportsQuantizedRows))
     step = _piece_rows(meta)
     bar = progress_bar(progress, total=meta.n_train, desc=desc, unit="row")
     for start in range(0, meta.n_train, step):
         stop = min(start + step, meta.n_train)
-        rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
         norms = torch.stack([store.read_norms(c, start, stop) for c in range(meta.n_ckpt)])
-        writer.append(rows, norms)
+        if codes:
+            pairs = [store.read_codes(c, start, stop) for c in range(meta.n_ckpt)]
+            writer.append_codes(torch.stack([codes for codes, _ in pairs]),
+                                torch.stack([scales for _, scales in pairs]), norms)
+        else:
+            rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
+            writer.append(rows, norms)
         bar.update(stop - start)
     bar.close()
     return writer.finish()
+
+
+def _target_meta(meta: StoreMeta, dtype: torch.dtype | str | None, *, caller: str
+                 ) -> StoreMeta:
+    """``meta`` stored as ``dtype`` (``None``: unchanged)."""
+    if dtype is None:
+        return meta
+    read_dtype, quantization = storage_of(dtype, caller=caller)
+    return meta.replace(dtype=dtype_name(read_dtype), quantization=quantization)
 
 
 def _piece_rows(meta) -> int:

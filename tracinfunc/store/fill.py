@@ -31,6 +31,7 @@ from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.parts import StorePart
+from tracinfunc.store.quant import storage_of
 from tracinfunc.store.resume import SupportsReadBack, check_same_data
 from tracinfunc.store.writer import StoreWriter
 
@@ -58,7 +59,7 @@ def checkpoint_list(checkpoints: Any, kind: type, *, caller: str, name: str) -> 
 
 def new_store_meta(
     checkpoints: Sequence[tuple[str | None, float, str]], layout: Layout,
-    projection: Projection, dtype: torch.dtype, dataset_fingerprint: str | None, *,
+    projection: Projection, dtype: torch.dtype | str, dataset_fingerprint: str | None, *,
     caller: str,
 ) -> StoreMeta:
     """The metadata a build starts from (``n_train=0``, ``complete=False``).
@@ -67,11 +68,13 @@ def new_store_meta(
         checkpoints: ``(name or None, lr, fingerprint)`` per checkpoint, in order; unnamed
             checkpoints become ``"checkpoint-<i>"``.
         layout, projection: What the rows are projected from and with.
-        dtype: The storage dtype.
+        dtype: The storage dtype: a float ``torch.dtype``, or ``torch.int8``/``"int8"`` or
+            ``"sign"`` for quantised rows (:mod:`tracinfunc.store.quant`).
 
     Raises:
-        InvalidArgumentError: two checkpoints share a name.
+        InvalidArgumentError: two checkpoints share a name, or ``dtype`` is none of these.
     """
+    read_dtype, quantization = storage_of(dtype, caller=caller)
     names = [name or f"checkpoint-{i}" for i, (name, _, _) in enumerate(checkpoints)]
     if len(set(names)) != len(names):
         raise InvalidArgumentError(
@@ -85,7 +88,8 @@ def new_store_meta(
         layout=layout,
         n_train=0,
         k=projection.output_dim(layout),
-        dtype=dtype_name(dtype),
+        dtype=dtype_name(read_dtype),
+        quantization=quantization,
         complete=False,
         library_version=__version__,
         dataset_fingerprint=dataset_fingerprint,

@@ -16,6 +16,8 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.quant import check_codes, code_dtype, stored_empty, to_stored
+from tracinfunc.store.quantized import QuantizedMemoryStore
 
 __all__ = ["MemoryStore", "MemoryWriter"]
 
@@ -84,7 +86,8 @@ class MemoryStore(StoreProperties):
 
 
 class MemoryWriter:
-    """Collects blocks of rows and returns a :class:`MemoryStore` when finished.
+    """Collects blocks of rows and returns a :class:`MemoryStore` when finished (a
+    :class:`~tracinfunc.store.quantized.QuantizedMemoryStore` for a quantised ``meta``).
 
     Args:
         meta: Metadata of the store to write; ``n_train`` is filled in by :meth:`finish`.
@@ -92,7 +95,8 @@ class MemoryWriter:
 
     def __init__(self, meta: StoreMeta) -> None:
         self._meta = meta
-        self._rows: list[Tensor] = []
+        self._rows: list[Tensor] = []  # as stored: the storage dtype, or codes
+        self._scales: list[Tensor] = []  # per-row scales of quantised rows
         self._norms: list[Tensor] = []
         self._finished = False
 
@@ -110,21 +114,37 @@ class MemoryWriter:
         rows = as_tensor(rows, caller="MemoryWriter.append")
         norms = as_tensor(norms, caller="MemoryWriter.append")
         check_block(self._meta, rows, norms, caller="MemoryWriter.append")
-        # Copy on ingest: a block the caller changes after append must not change the store.
-        self._rows.append(rows.detach().to("cpu", self._meta.torch_dtype, copy=True))
-        self._norms.append(norms.detach().to("cpu", norm_dtype(self._meta), copy=True))
+        self._add(*to_stored(rows.detach(), self._meta), norms.detach())
 
-    def finish(self) -> MemoryStore:
+    def append_codes(self, codes: Tensor, scales: Tensor, norms: Tensor) -> None:
+        """Add a block of a quantised store as stored: ``codes`` ``[n_ckpt, b, width]``,
+        ``scales`` and ``norms`` ``[n_ckpt, b]`` (a bit-exact copy of another store's)."""
+        if self._finished:
+            raise ReadOnlyStoreError("MemoryWriter.append_codes: the store is already finished.")
+        check_codes(self._meta, codes, scales, norms, caller="MemoryWriter.append_codes")
+        self._add(codes, scales, norms)
+
+    def _add(self, stored: Tensor, scales: Tensor | None, norms: Tensor) -> None:
+        # Copy on ingest: a block the caller changes after append must not change the store.
+        self._rows.append(stored.to("cpu", code_dtype(self._meta), copy=True))
+        if scales is not None:
+            self._scales.append(scales.to("cpu", torch.float32, copy=True))
+        self._norms.append(norms.to("cpu", norm_dtype(self._meta), copy=True))
+
+    def finish(self) -> MemoryStore | QuantizedMemoryStore:
         """Seal the store; the writer cannot be used afterwards."""
         if self._finished:
             raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self.rows_written, complete=True)
-        empty = torch.empty(meta.n_ckpt, 0, meta.k, dtype=meta.torch_dtype)
-        rows = torch.cat(self._rows, dim=1) if self._rows else empty
-        norms = torch.cat(self._norms, dim=1) if self._norms else empty[..., 0]
-        self._rows, self._norms = [], []
-        return MemoryStore._from_owned(meta, rows, norms.to(norm_dtype(meta)))
+        rows = torch.cat(self._rows, dim=1) if self._rows else stored_empty(meta, 0)
+        norms = torch.cat(self._norms, dim=1) if self._norms else torch.empty(meta.n_ckpt, 0)
+        norms = norms.to(norm_dtype(meta))
+        scales = torch.cat(self._scales, dim=1) if self._scales else torch.empty(meta.n_ckpt, 0)
+        self._rows, self._scales, self._norms = [], [], []
+        if meta.quantization is not None:
+            return QuantizedMemoryStore._from_owned(meta, rows, scales, norms)
+        return MemoryStore._from_owned(meta, rows, norms)
 
 
 def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor, *, caller: str) -> None:

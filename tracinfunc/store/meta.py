@@ -18,6 +18,7 @@ from tracinfunc.projection.spec import Layout, Projection
 
 __all__ = [
     "FORMAT_VERSION",
+    "QUANTIZATIONS",
     "CheckpointMeta",
     "StoreMeta",
     "check_compatible",
@@ -35,6 +36,8 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# Quantised row storage (store/quant.py): int8 codes or packed sign bits, with per-row scales.
+QUANTIZATIONS = ("int8", "sign")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -96,6 +99,10 @@ class StoreMeta:
         preconditioner: Kind of optimizer preconditioning of the rows (``"adam"``,
             ``"trackstar"``), or ``None`` for plain gradients (stores written before the
             field existed read as ``None``).
+        quantization: How rows are stored when quantised: ``"int8"`` (codes with a per-row
+            scale) or ``"sign"`` (1 bit per value with a per-row scale), read back as
+            ``dtype`` float32; ``None`` (the default, and stores written before the field
+            existed) stores rows as ``dtype``.
     """
 
     projection: Projection
@@ -109,7 +116,18 @@ class StoreMeta:
     format_version: int = FORMAT_VERSION
     dataset_fingerprint: str | None = None
     preconditioner: str | None = None
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and (self.quantization not in QUANTIZATIONS
+                                              or self.dtype != "float32"):
+            raise InvalidArgumentError(
+                f"StoreMeta: quantization must be None or one of {list(QUANTIZATIONS)} with "
+                f"dtype 'float32' (the dtype quantised rows are read in), got "
+                f"quantization={self.quantization!r}, dtype={self.dtype!r}; e.g. "
+                "quantization='int8', dtype='float32'."
+            )
 
     @property
     def n_ckpt(self) -> int:
@@ -144,6 +162,7 @@ class StoreMeta:
             "complete": self.complete,
             "dataset_fingerprint": self.dataset_fingerprint,
             "preconditioner": self.preconditioner,
+            "quantization": self.quantization,
             "extra": dict(self.extra),
         }
 
@@ -174,6 +193,7 @@ class StoreMeta:
                                             "dataset_fingerprint", optional=True),
             preconditioner=_stored_str(data.get("preconditioner"), "preconditioner",
                                        optional=True),
+            quantization=data.get("quantization"),  # checked in __post_init__
             extra=dict(data.get("extra", {})),
         )
 

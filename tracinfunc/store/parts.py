@@ -22,7 +22,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import zarr
 from torch import Tensor
 
@@ -39,13 +38,16 @@ from tracinfunc.store._zarr_layout import (
     buffer_rows,
     check_resumable,
     create_layout,
+    pending_buffers,
     read_meta,
-    to_numpy,
     writable_arrays,
+    writable_scales,
+    write_pending,
 )
 from tracinfunc.store.integrity import seal, seal_metadata
-from tracinfunc.store.memory import check_block, norm_dtype
+from tracinfunc.store.memory import check_block
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.quant import to_stored
 from tracinfunc.store.remote import Location, is_url, location
 from tracinfunc.store.zarr import ZarrStore
 
@@ -128,13 +130,14 @@ class PartWriter:
         self._meta = read_meta(self._group, self._path, caller="PartWriter")
         self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
         self._norms = writable_arrays(self._group, "norms", meta.n_ckpt)
+        self._scales = writable_scales(self._group, meta)
         self._shard_rows = int(self._rows[0].shards[0])
         self.start, self.stop = part_rows(meta.n_train, self._shard_rows, self.index, self.count)
         self._part = self._group.require_group(f"parts/{self.index}")
         state = self._part.attrs.get(PART_KEY) or {}
         self._committed = int(state.get("rows_written", self.start))
-        self._pending = torch.empty(meta.n_ckpt, self._shard_rows, meta.k, dtype=meta.torch_dtype)
-        self._pending_norms = torch.empty(meta.n_ckpt, self._shard_rows, dtype=norm_dtype(meta))
+        self._pending, self._pending_scales, self._pending_norms = pending_buffers(
+            meta, self._shard_rows)
         self._filled = 0
         self._finished = False
         self._record(complete=bool(state.get("complete", False)))
@@ -157,7 +160,7 @@ class PartWriter:
                 f"but {self.rows_written + rows.shape[1]} rows would be written; append only "
                 "the part's rows (build_store does)."
             )
-        buffer_rows(self, rows, norms)
+        buffer_rows(self, *to_stored(rows, self._meta), norms)
 
     def finish(self) -> StorePart:
         """Write the last shard and mark the part complete (the store needs a commit)."""
@@ -179,11 +182,9 @@ class PartWriter:
         n = self._filled
         if n == 0:
             return
-        start, stop = self._committed, self._committed + n
-        for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
-            rows[start:stop] = to_numpy(self._pending[c, :n])
-            norms[start:stop] = self._pending_norms[c, :n].numpy()
-        self._committed, self._filled = stop, 0  # only now: a crash before redoes the shard
+        write_pending(self, self._committed, resize=False)  # the arrays are full-size
+        # Only now: a crash before redoes the shard.
+        self._committed, self._filled = self._committed + n, 0
         self._record(complete=False)
 
     def _record(self, *, complete: bool) -> None:
@@ -197,10 +198,10 @@ def _open_or_create(path: Location, meta: StoreMeta, count: int, **layout) -> za
         group = create_layout(path, meta, **layout)
     except Exception:  # another part created it (or is creating it): wait for its marker
         return _wait_for_parts(path, meta, count)
-    for array in writable_arrays(group, "rows", meta.n_ckpt):
-        array.resize((meta.n_train, meta.k))
-    for array in writable_arrays(group, "norms", meta.n_ckpt):
-        array.resize((meta.n_train,))
+    arrays = [*writable_arrays(group, "rows", meta.n_ckpt),
+              *writable_arrays(group, "norms", meta.n_ckpt), *writable_scales(group, meta)]
+    for array in arrays:
+        array.resize((meta.n_train, *array.shape[1:]))
     group.attrs[ATTRS_KEY] = meta.replace(complete=False).to_dict()
     group.attrs[PARTS_KEY] = {"count": count}  # last: marks the layout ready for other parts
     return group

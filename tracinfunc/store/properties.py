@@ -55,17 +55,17 @@ class StoreProperties:
     def __len__(self) -> int:
         return self.meta.n_train
 
-    def to_memory(self) -> MemoryStore:
+    def to_memory(self, *, dtype: torch.dtype | str | None = None) -> MemoryStore:
         """A :class:`MemoryStore` copy of this store (see :func:`tracinfunc.to_memory`)."""
         from tracinfunc.store.convert import to_memory
 
-        return to_memory(self)
+        return to_memory(self, dtype=dtype)
 
-    def to_pinned(self) -> PinnedStore:
+    def to_pinned(self, *, dtype: torch.dtype | str | None = None) -> PinnedStore:
         """A :class:`PinnedStore` copy of this store (see :func:`tracinfunc.to_pinned`)."""
         from tracinfunc.store.convert import to_pinned
 
-        return to_pinned(self)
+        return to_pinned(self, dtype=dtype)
 
     def to_zarr(self, path: str | os.PathLike[str], **options: Any) -> ZarrStore:
         """Write this store to a new Zarr directory (see :func:`tracinfunc.save_store`)."""
@@ -76,7 +76,9 @@ class StoreProperties:
     def __repr__(self) -> str:
         meta = self.meta
         names = ", ".join(c.name for c in meta.checkpoints)
+        quantized = "" if meta.quantization is None else f" (stored as {meta.quantization})"
         return (
             f"{type(self).__name__}(n_ckpt={meta.n_ckpt}, n_train={meta.n_train}, k={meta.k}, "
-            f"dtype={meta.dtype}, projection={meta.projection}, checkpoints=[{names}])"
+            f"dtype={meta.dtype}{quantized}, projection={meta.projection}, "
+            f"checkpoints=[{names}])"
         )

@@ -40,6 +40,7 @@ from torch import Tensor
 from tracinfunc.errors import (
     CorruptStoreError,
     IncompleteStoreError,
+    InvalidArgumentError,
     ReadOnlyStoreError,
     StoreExistsError,
     StoreNotFoundError,
@@ -56,12 +57,14 @@ from tracinfunc.store._zarr_layout import (
     create_layout,
     norms_numpy,
     open_group,
+    pending_buffers,
     read_meta,
     rows_dtype,
     sealed_files,
-    to_numpy,
     writable_arrays,
+    writable_scales,
     write_errors,
+    write_pending,
 )
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.integrity import FileGuard, seal, seal_metadata, sync_files
@@ -69,6 +72,7 @@ from tracinfunc.store.lock import RemoteLock, WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.quant import check_codes, code_dtype, code_width, dequantize, to_stored
 from tracinfunc.store.remote import exists, is_url, location, missing_chunk_keys, remove
 
 __all__ = ["ZarrStore", "ZarrWriter"]
@@ -90,7 +94,7 @@ class ZarrStore(StoreProperties):
         CorruptStoreError: a read hits a checksum mismatch or missing data.
     """
 
-    __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows")
+    __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows", "_scales")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
@@ -113,8 +117,10 @@ class ZarrStore(StoreProperties):
         if guard is not None:
             guard.check_metadata_files(caller="ZarrStore")
         rows, norms = _arrays(group, "rows", meta, path), _arrays(group, "norms", meta, path)
-        expected = [(a, (meta.n_train, meta.k), rows_dtype(meta)) for a in rows]
+        scales = _arrays(group, "scales", meta, path) if meta.quantization else []
+        expected = [(a, (meta.n_train, code_width(meta)), rows_dtype(meta)) for a in rows]
         expected += [(a, (meta.n_train,), norms_numpy(meta)) for a in norms]
+        expected += [(a, (meta.n_train,), np.dtype("float32")) for a in scales]
         for array, shape, dtype in expected:
             if tuple(array.shape) != shape or array.dtype != dtype:
                 raise CorruptStoreError(
@@ -123,8 +129,8 @@ class ZarrStore(StoreProperties):
                     "damaged or was edited by hand."
                 )
         for name, value in (("_path", path), ("_group", group), ("_meta", meta),
-                            ("_rows", rows), ("_norms", norms), ("_guard", guard),
-                            ("_readers", _readers(path, rows, guard))):
+                            ("_rows", rows), ("_norms", norms), ("_scales", scales),
+                            ("_guard", guard), ("_readers", _readers(path, rows, guard))):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -159,6 +165,30 @@ class ZarrStore(StoreProperties):
             target = check_out_buffer(out, stop - start, self._meta, caller="ZarrStore.read_rows")
         if stop == start:
             return target
+        if self._meta.quantization is not None:  # codes and scales, dequantised into target
+            codes, scales = self.read_codes(ckpt, start, stop)
+            return dequantize(codes, scales, self._meta.quantization, self._meta.k, out=target)
+        self._read_stored(ckpt, start, stop, target)
+        return target
+
+    def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Codes ``[stop - start, width]`` and scales ``[stop - start]`` float32 of a quantised
+        store, read as stored (:class:`~tracinfunc.store.base.SupportsQuantizedRows`)."""
+        check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_codes")
+        if self._meta.quantization is None:
+            raise InvalidArgumentError(
+                f"ZarrStore.read_codes: the store at {str(self._path)!r} holds "
+                f"{self._meta.dtype} rows, not codes (quantization=None); read them with "
+                "read_rows, or convert the store with tif.save_store(store, path, dtype='int8')."
+            )
+        codes = torch.empty(stop - start, code_width(self._meta), dtype=code_dtype(self._meta))
+        if stop > start:
+            self._read_stored(ckpt, start, stop, codes)
+        return codes, self._read_per_row(self._scales, "read_codes", ckpt, start, stop)
+
+    def _read_stored(self, ckpt: int, start: int, stop: int, target: Tensor) -> None:
+        """Rows ``[start, stop)`` of the ``rows`` array as stored (floats or codes) into
+        ``target``: raw shard reads when possible, else zarr's own path."""
         try:
             reader = self._readers[ckpt]
             if reader is not None and target.is_contiguous():
@@ -168,22 +198,27 @@ class ZarrStore(StoreProperties):
                     _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
                 else:  # object storage: no local files to check, but objects must exist
                     self._require_chunk_files(self._rows[ckpt], start, stop)
-                target.copy_(_from_numpy(self._rows[ckpt][start:stop], self._meta.torch_dtype))
+                target.copy_(_from_numpy(self._rows[ckpt][start:stop], target.dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
-        return target
 
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         check_row_range(self._meta, ckpt, start, stop, caller="ZarrStore.read_norms")
+        values = self._read_per_row(self._norms, "read_norms", ckpt, start, stop)
+        return values.to(norm_dtype(self._meta))
+
+    def _read_per_row(self, arrays: list[zarr.Array], method: str, ckpt: int, start: int,
+                      stop: int) -> Tensor:
+        """Values ``[stop - start]`` of a one-value-per-row array (norms, scales), checked."""
         try:
             if self._guard is not None:
-                _check_chunk_files(self._guard, self._norms[ckpt], start, stop)
+                _check_chunk_files(self._guard, arrays[ckpt], start, stop)
             else:
-                self._require_chunk_files(self._norms[ckpt], start, stop)
-            values = self._norms[ckpt][start:stop]
+                self._require_chunk_files(arrays[ckpt], start, stop)
+            values = arrays[ckpt][start:stop]
         except (CorruptStoreError, ValueError, OSError) as error:
-            raise self._corrupt("read_norms", ckpt, start, stop, error) from error
-        return torch.from_numpy(np.ascontiguousarray(values)).to(norm_dtype(self._meta))
+            raise self._corrupt(method, ckpt, start, stop, error) from error
+        return torch.from_numpy(np.ascontiguousarray(values))
 
     def _require_chunk_files(self, array: zarr.Array, start: int, stop: int) -> None:
         missing = missing_chunk_keys(array, start, stop)  # object storage (no FileGuard)
@@ -239,12 +274,13 @@ class ZarrWriter:
         self._committed = self._meta.n_train
         self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
         self._norms = writable_arrays(self._group, "norms", meta.n_ckpt)
+        self._scales = writable_scales(self._group, meta)
         self._shard_rows = int(self._rows[0].shards[0])
         # Drop anything a killed build wrote past its last committed shard.
-        for array in self._rows + self._norms:
+        for array in self._rows + self._scales + self._norms:
             array.resize((self._committed, *array.shape[1:]))
-        self._pending = torch.empty(meta.n_ckpt, self._shard_rows, meta.k, dtype=meta.torch_dtype)
-        self._pending_norms = torch.empty(meta.n_ckpt, self._shard_rows, dtype=norm_dtype(meta))
+        self._pending, self._pending_scales, self._pending_norms = pending_buffers(
+            meta, self._shard_rows)
         self._filled = 0
 
     def _resumable(self, meta: StoreMeta, overwrite: bool) -> bool:
@@ -288,6 +324,11 @@ class ZarrWriter:
         if self._rerun is not None:
             return torch.stack([self._rerun.read_rows(c, start, stop)
                                 for c in range(self._rerun.n_ckpt)])
+        if self._meta.quantization is not None:
+            return torch.stack([dequantize(torch.from_numpy(codes[start:stop]),
+                                           torch.from_numpy(scales[start:stop]),
+                                           self._meta.quantization, self._meta.k)
+                                for codes, scales in zip(self._rows, self._scales, strict=True)])
         return torch.stack([_from_numpy(a[start:stop], self._meta.torch_dtype)
                             for a in self._rows])
 
@@ -304,8 +345,14 @@ class ZarrWriter:
         rows = as_tensor(rows, caller="ZarrWriter.append")  # any __dlpack__ array
         norms = as_tensor(norms, caller="ZarrWriter.append")
         check_block(self._meta, rows, norms, caller="ZarrWriter.append")
-        rows, norms = rows.detach(), norms.detach()
-        buffer_rows(self, rows, norms)
+        buffer_rows(self, *to_stored(rows.detach(), self._meta), norms.detach())
+
+    def append_codes(self, codes: Tensor, scales: Tensor, norms: Tensor) -> None:
+        """Add a block of a quantised store as stored (see ``MemoryWriter.append_codes``)."""
+        if self._finished or self._rerun is not None:
+            raise ReadOnlyStoreError("ZarrWriter.append_codes: the store is already finished.")
+        check_codes(self._meta, codes, scales, norms, caller="ZarrWriter.append_codes")
+        buffer_rows(self, codes, scales, norms)
 
     def finish(self) -> ZarrStore:
         """Write the last (partial) shard, mark the store complete and reopen it read-only."""
@@ -336,16 +383,11 @@ class ZarrWriter:
         self._lock.check(caller="ZarrWriter")
         start, stop = self._committed, self._committed + n
         with write_errors(self._path, rows_stored=start):
-            for c, (rows, norms) in enumerate(zip(self._rows, self._norms, strict=True)):
-                rows.resize((stop, self._meta.k))
-                norms.resize((stop,))
-                rows[start:stop] = to_numpy(self._pending[c, :n])
-                norms[start:stop] = self._pending_norms[c, :n].numpy()
+            written = write_pending(self, start, resize=True)
             # On disk before they are counted: else a power loss leaves counted empty shards.
             # (An object store's PUT is durable when it returns: nothing to fsync there.)
             if not is_url(self._path):
-                sync_files([f for a in self._rows + self._norms
-                            for f in chunk_files(a, start, stop)])
+                sync_files([f for a in written for f in chunk_files(a, start, stop)])
             # Only now is the shard counted: a crash before this line redoes it on resume.
             self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0

@@ -172,7 +172,7 @@ def test_every_writer_takes_jax_and_numpy_blocks(kind, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["int8", jnp.int8, "sign"], ids=["int8", "jnp.int8", "sign"])
 def test_the_jax_frontend_writes_quantised_stores_through_the_shared_writers(dtype, tmp_path):
-    from tracinfunc.store.quant import quantize
+    from tracinfunc.store.quantize import quantize
 
     _, _, jax_loss, jax_ckpts, mapping, train, _ = paired_mlp(n_train=12)
     options = {"projection": PROJECTIONS[0], "mapping": mapping}

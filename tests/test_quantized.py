@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import tracinfunc as tif
 from tests.reference import flat_loop_grads
-from tracinfunc.store.quant import dequantize, quantize
+from tracinfunc.store.quantize import dequantize, quantize
 from tracinfunc.testing import StoreConformance, reference_store
 
 PROJ = tif.Projection(dim=16, seed=0)

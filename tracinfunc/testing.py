@@ -35,7 +35,7 @@ from tracinfunc.score import score, score_chunks, self_influence, top_k
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta
-from tracinfunc.store.quant import dequantize, quantize
+from tracinfunc.store.quantize import dequantize, quantize
 from tracinfunc.store.quantized import QuantizedMemoryStore
 
 __all__ = ["StoreConformance", "reference_store"]

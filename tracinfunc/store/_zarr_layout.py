@@ -28,7 +28,7 @@ from tracinfunc.errors import (
 from tracinfunc.store.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.memory import norm_dtype
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta
-from tracinfunc.store.quant import code_width, stored_empty
+from tracinfunc.store.quantize import code_width, stored_empty
 from tracinfunc.store.remote import is_url
 
 __all__ = ["ATTRS_KEY", "buffer_rows", "check_rerun", "check_resumable", "chunk_files",
@@ -138,7 +138,7 @@ def pending_buffers(meta: StoreMeta, shard_rows: int) -> tuple[Tensor, Tensor, T
 
 
 def buffer_rows(writer: Any, stored: Tensor, scales: Tensor | None, norms: Tensor) -> None:
-    """Copy a block as stored (:func:`~tracinfunc.store.quant.to_stored`: float rows
+    """Copy a block as stored (:func:`~tracinfunc.store.quantize.to_stored`: float rows
     ``[n_ckpt, b, k]``, or codes and their ``scales``) and its ``norms`` into a Zarr writer's
     shard buffers (``_pending``, ``_pending_scales``, ``_pending_norms``, ``_filled`` of
     ``_shard_rows``), calling its ``_flush()`` each time a whole shard is buffered: writes

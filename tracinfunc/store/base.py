@@ -112,7 +112,7 @@ class SupportsQuantizedRows(Protocol):
     """Optional ability: rows are stored quantised (``meta.quantization`` is set), and the
     stored codes can be read as they are: conversions copy them bit for bit, and readers
     can move a quarter (int8) or a 32nd (sign) of the bytes and dequantise on arrival
-    (:func:`tracinfunc.store.quant.dequantize`, which is what ``read_rows`` returns)."""
+    (:func:`tracinfunc.store.quantize.dequantize`, which is what ``read_rows`` returns)."""
 
     def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Codes ``[stop - start, width]`` (int8, or uint8 packed signs) and per-row scales

@@ -29,7 +29,7 @@ from tracinfunc.store.memory import MemoryStore, MemoryWriter, norm_dtype
 from tracinfunc.store.meta import StoreMeta, dtype_name
 from tracinfunc.store.paths import read_store_meta
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
-from tracinfunc.store.quant import storage_of
+from tracinfunc.store.quantize import storage_of
 from tracinfunc.store.quantized import QuantizedMemoryStore
 from tracinfunc.store.zarr import ZarrStore, ZarrWriter
 

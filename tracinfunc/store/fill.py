@@ -31,7 +31,7 @@ from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.parts import StorePart
-from tracinfunc.store.quant import storage_of
+from tracinfunc.store.quantize import storage_of
 from tracinfunc.store.resume import SupportsReadBack, check_same_data
 from tracinfunc.store.writer import StoreWriter
 
@@ -69,7 +69,7 @@ def new_store_meta(
             checkpoints become ``"checkpoint-<i>"``.
         layout, projection: What the rows are projected from and with.
         dtype: The storage dtype: a float ``torch.dtype``, or ``torch.int8``/``"int8"`` or
-            ``"sign"`` for quantised rows (:mod:`tracinfunc.store.quant`).
+            ``"sign"`` for quantised rows (:mod:`tracinfunc.store.quantize`).
 
     Raises:
         InvalidArgumentError: two checkpoints share a name, or ``dtype`` is none of these.

@@ -16,7 +16,7 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
-from tracinfunc.store.quant import check_codes, code_dtype, stored_empty, to_stored
+from tracinfunc.store.quantize import check_codes, code_dtype, stored_empty, to_stored
 from tracinfunc.store.quantized import QuantizedMemoryStore
 
 __all__ = ["MemoryStore", "MemoryWriter"]

@@ -36,7 +36,7 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-# Quantised row storage (store/quant.py): int8 codes or packed sign bits, with per-row scales.
+# Quantised row storage (store/quantize.py): int8 codes or packed sign bits, with per-row scales.
 QUANTIZATIONS = ("int8", "sign")
 
 

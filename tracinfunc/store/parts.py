@@ -47,7 +47,7 @@ from tracinfunc.store._zarr_layout import (
 from tracinfunc.store.integrity import seal, seal_metadata
 from tracinfunc.store.memory import check_block
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.quant import to_stored
+from tracinfunc.store.quantize import to_stored
 from tracinfunc.store.remote import Location, is_url, location
 from tracinfunc.store.zarr import ZarrStore
 

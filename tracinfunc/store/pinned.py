@@ -18,7 +18,7 @@ from tracinfunc.errors import InvalidArgumentError, ReadOnlyStoreError
 from tracinfunc.interop import as_tensor
 from tracinfunc.store.memory import MemoryStore, check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.quant import check_codes, code_dtype, code_width, to_stored
+from tracinfunc.store.quantize import check_codes, code_dtype, code_width, to_stored
 from tracinfunc.store.quantized import QuantizedMemoryStore
 
 __all__ = ["PinnedStore", "PinnedWriter", "QuantizedPinnedStore", "pinned_empty"]

@@ -2,7 +2,7 @@
 
 Its own class, not a MemoryStore: a MemoryStore lends views of its rows
 (:class:`~tracinfunc.store.base.SupportsRowViews`), and views of codes are not rows. Rows are
-dequantised into float32 as they are read (:mod:`tracinfunc.store.quant`); the codes themselves
+dequantised into float32 as they are read (:mod:`tracinfunc.store.quantize`); the codes themselves
 are offered through :class:`~tracinfunc.store.base.SupportsQuantizedRows`.
 """
 
@@ -15,7 +15,7 @@ from tracinfunc.errors import InvalidArgumentError, ReadOnlyStoreError
 from tracinfunc.store.base import check_out_buffer, check_row_range
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
-from tracinfunc.store.quant import code_dtype, code_width, dequantize
+from tracinfunc.store.quantize import code_dtype, code_width, dequantize
 
 __all__ = ["QuantizedMemoryStore"]
 
@@ -49,7 +49,7 @@ class QuantizedMemoryStore(StoreProperties):
                 raise InvalidArgumentError(
                     f"QuantizedMemoryStore: {name} must be {list(shape)} {dtype} for "
                     f"quantization={meta.quantization!r}, got {list(tensor.shape)} "
-                    f"{tensor.dtype}; quantise rows with tracinfunc.store.quant.quantize (or "
+                    f"{tensor.dtype}; quantise rows with tracinfunc.store.quantize.quantize (or "
                     "build the store with build_store(..., dtype='int8'))."
                 )
         # Copy on ingest: the caller's tensors may be changed later; ours never are.

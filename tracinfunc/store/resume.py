@@ -16,7 +16,7 @@ from torch import Tensor
 
 from tracinfunc.errors import IncompatibleGradientsError
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.quant import dequantize, quantize
+from tracinfunc.store.quantize import dequantize, quantize
 
 __all__ = ["SupportsReadBack", "check_same_data"]
 

@@ -72,7 +72,7 @@ from tracinfunc.store.lock import RemoteLock, WriterLock
 from tracinfunc.store.memory import check_block, norm_dtype
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.properties import StoreProperties
-from tracinfunc.store.quant import check_codes, code_dtype, code_width, dequantize, to_stored
+from tracinfunc.store.quantize import check_codes, code_dtype, code_width, dequantize, to_stored
 from tracinfunc.store.remote import exists, is_url, location, missing_chunk_keys, remove
 
 __all__ = ["ZarrStore", "ZarrWriter"]

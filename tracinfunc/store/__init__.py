@@ -20,7 +20,8 @@ from tracinfunc.store.paths import open_store, read_store_meta, remove_store, ve
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
 from tracinfunc.store.quantized import QuantizedMemoryStore
 from tracinfunc.store.writer import StoreWriter, make_writer
-from tracinfunc.store.zarr import ZarrStore, ZarrWriter
+from tracinfunc.store.zarr import ZarrStore
+from tracinfunc.store.zarr_writer import ZarrWriter
 
 __all__ = [
     "CheckpointMeta",

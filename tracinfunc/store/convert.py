@@ -31,7 +31,8 @@ from tracinfunc.store.paths import read_store_meta
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
 from tracinfunc.store.quantize import storage_of
 from tracinfunc.store.quantized import QuantizedMemoryStore
-from tracinfunc.store.zarr import ZarrStore, ZarrWriter
+from tracinfunc.store.zarr import ZarrStore
+from tracinfunc.store.zarr_writer import ZarrWriter
 
 __all__ = ["save_store", "to_memory", "to_pinned"]
 
@@ -90,7 +91,7 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
         overwrite: Replace a gradient store at ``path``. The copy is written beside it and
             swapped in only once complete, so ``store`` may be the store at ``path`` itself
             and a failed copy leaves the old store as it was.
-        **options: Passed to :class:`~tracinfunc.store.zarr.ZarrWriter` (``chunk_rows``,
+        **options: Passed to :class:`~tracinfunc.store.zarr_writer.ZarrWriter` (``chunk_rows``,
             ``shard_rows``, ``compression``).
 
     Raises:

@@ -26,7 +26,8 @@ from tracinfunc.store.base import GradientStore
 from tracinfunc.store.memory import MemoryStore, MemoryWriter
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.pinned import PinnedStore, PinnedWriter
-from tracinfunc.store.zarr import ZarrStore, ZarrWriter
+from tracinfunc.store.zarr import ZarrStore
+from tracinfunc.store.zarr_writer import ZarrWriter
 
 __all__ = ["StoreTarget", "StoreWriter", "make_writer"]
 

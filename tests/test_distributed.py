@@ -47,6 +47,9 @@ values, indices = tif.top_k(store, test, k=5, rows=rows)
 assert indices.min() >= rows[0] and indices.max() < rows[1]
 values, indices = tif.gather_top_k(values, indices, 5)
 torch.save((values, indices), f"{out}/top_k-{dist.get_rank()}.pt")
+# Every rank past its last collective before any tears gloo down: without it, a CI run saw
+# rank 0 abort ("terminate called without an active exception") in the teardown.
+dist.barrier()
 dist.destroy_process_group()
 """
 

@@ -226,7 +226,12 @@ def _build(args: argparse.Namespace) -> int:
             "would delete the others' rows); remove the store with 'rm -r' first."
         )
     try:
-        return _build_store(args, sharded)
+        status = _build_store(args, sharded)
+        if torch.distributed.is_initialized():
+            # Every rank done with its collectives before gloo is torn down (a teardown
+            # racing a peer's last message aborts the process).
+            torch.distributed.barrier()
+        return status
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

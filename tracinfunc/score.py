@@ -16,18 +16,22 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from tracinfunc._queries import (
+    check_not_empty,
+    check_test_shape,
+    check_test_type,
+    compute_dtype,
+    query_matrix,
+)
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.distributed import merge_top_k
 from tracinfunc.errors import (
-    IncompatibleGradientsError,
     InvalidArgumentError,
-    InvalidTypeError,
-    NonFiniteGradientError,
 )
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
-from tracinfunc.store.meta import StoreMeta, check_compatible
+from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.rowrange import row_range
 from tracinfunc.store.stream import compute_threads, stream_rows
 
@@ -103,13 +107,13 @@ def score(
     if rows is not None:
         store = row_range(store, rows, caller=current_caller())
     meta = store.meta
-    _check_not_empty(meta)
+    check_not_empty(meta)
     device = _resolve_device(device, test_grads)
-    _check_test_type(test_grads)
+    check_test_type(test_grads)
     if isinstance(test_grads, Tensor):  # values are checked once, in score_chunks
-        _check_test_shape(meta, test_grads)
+        check_test_shape(meta, test_grads)
     n_test = test_grads.shape[1] if isinstance(test_grads, Tensor) else test_grads.meta.n_train
-    dtype = _compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
+    dtype = compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
     # Blocks are written straight into the output: no per-chunk allocation or copy.
     out = torch.empty(n_test, meta.n_train, dtype=dtype, device=device)
     for _ in score_chunks(store, test_grads, normalize=normalize, device=device,
@@ -171,7 +175,7 @@ def top_k(
     """
     framework = resolve_output(output, like, caller=current_caller())
     test_grads = tensor_if_array(test_grads, caller=current_caller())
-    _check_not_empty(store.meta)
+    check_not_empty(store.meta)
     offset = 0
     if rows is not None:
         store = row_range(store, rows, caller=current_caller())
@@ -262,7 +266,7 @@ def self_influence(
     if rows is not None:
         store = row_range(store, rows, caller=current_caller())
     meta = store.meta
-    dtype = _compute_dtype(meta.torch_dtype)
+    dtype = compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)
     total = torch.zeros(meta.n_train, dtype=dtype, device=device)
     for ckpt, info in enumerate(meta.checkpoints):
@@ -308,8 +312,8 @@ def score_chunks(
     test_grads = tensor_if_array(test_grads, caller=current_caller())
     meta = store.meta
     device = _resolve_device(device, test_grads)
-    test, test_norms = _test_matrix(meta, test_grads)
-    dtype = _compute_dtype(meta.torch_dtype, test.dtype)
+    test, test_norms = query_matrix(meta, test_grads)
+    dtype = compute_dtype(meta.torch_dtype, test.dtype)
     # Fold lr_c (and the test side of the cosine) into the test rows once, not per chunk.
     lrs = torch.tensor(meta.lrs, dtype=dtype)
     scale = lrs[:, None, None]
@@ -407,71 +411,6 @@ def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
     if rows < meta.n_train:  # whole stored chunks read fastest (no partial-chunk copies)
         rows = aligned_rows(store, rows)
     return min(rows, max(1, meta.n_train))
-
-
-def _test_matrix(
-    meta: StoreMeta, test_grads: GradientStore | Tensor
-) -> tuple[Tensor, Tensor]:
-    """Test gradients ``[n_ckpt, n_test, k]`` and their norms ``[n_ckpt, n_test]``, validated."""
-    if isinstance(test_grads, Tensor):
-        _check_test_tensor(meta, test_grads)
-        return test_grads, test_grads.to(_compute_dtype(test_grads.dtype)).norm(dim=-1)
-    _check_test_type(test_grads)
-    check_compatible(meta, test_grads.meta, caller=current_caller())
-    n_test = test_grads.meta.n_train
-    rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
-    norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
-    return rows, norms
-
-
-def _check_test_type(test_grads: object) -> None:
-    if not isinstance(test_grads, Tensor | GradientStore):
-        raise InvalidTypeError(
-            f"{current_caller()}: test_grads must be a GradientStore or a tensor "
-            f"[n_ckpt, n_test, k], got {type(test_grads).__name__}."
-        )
-
-
-def _check_test_tensor(meta: StoreMeta, test: Tensor) -> None:
-    _check_test_shape(meta, test)
-    if not bool(torch.isfinite(test).all()):
-        raise NonFiniteGradientError(
-            f"{current_caller()}: test gradients contain NaN or inf; check the loss on those "
-            "examples."
-        )
-
-
-def _check_test_shape(meta: StoreMeta, test: Tensor) -> None:
-    if test.ndim != 3 or test.shape[0] != meta.n_ckpt or test.shape[2] != meta.k:
-        raise IncompatibleGradientsError(
-            f"{current_caller()}: test gradients must be [n_ckpt={meta.n_ckpt}, n_test, "
-            f"k={meta.k}], got {list(test.shape)}; build them with "
-            "projection=store.projection and the store's checkpoints (e.g. "
-            "tif.build_store(loss, checkpoints, test_batch, projection=store.projection))."
-        )
-    if test.is_meta:
-        raise InvalidArgumentError(
-            f"{current_caller()}: test gradients are on the meta device (shapes, no values); "
-            "compute them with build_store or projected_grads on a real device."
-        )
-    if not test.is_floating_point():
-        raise InvalidTypeError(
-            f"{current_caller()}: test gradients must be floating point, got {test.dtype}; "
-            "pass the rows projected_grads or build_store made."
-        )
-
-
-def _check_not_empty(meta: StoreMeta) -> None:
-    if meta.n_train < 1:
-        raise InvalidArgumentError(
-            f"{current_caller()}: the store holds no rows (n_train=0); nothing to score. Build it "
-            "from non-empty training data."
-        )
-
-
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    # float32 accumulation always; float64 only when asked for by float64 inputs (exactness).
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _safe_reciprocal(norms: Tensor) -> Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracinfunc._queries import compute_dtype, query_matrix
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
-from tracinfunc.score import _compute_dtype, _test_matrix
 from tracinfunc.search.index import SearchIndex, import_faiss, meta_fingerprint
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
 from tracinfunc.store.base import GradientStore
@@ -61,8 +61,8 @@ def indexed_top_k(
     faiss = import_faiss("top_k")
     meta = store.meta
     nprobe, candidates = _check_args(store, index, k, nprobe, candidates, normalize)
-    test, test_norms = _test_matrix(meta, test_grads)  # errors name top_k, the entry point
-    dtype = _compute_dtype(meta.torch_dtype, test.dtype)
+    test, test_norms = query_matrix(meta, test_grads)  # errors name top_k, the entry point
+    dtype = compute_dtype(meta.torch_dtype, test.dtype)
     # The exact side folds lr_c (and 1/|test_c| for cosine) into the test rows, as score does.
     scale = torch.tensor(meta.lrs, dtype=dtype)[:, None, None]
     if normalize:

@@ -195,26 +195,30 @@ def top_k(
                                         candidates=candidates, largest=largest,
                                         normalize=normalize)
         return to_framework(values, framework), to_framework(indices, framework)
-    n_test = test_grads.meta.n_train if isinstance(test_grads, GradientStore) else (
-        test_grads.shape[1] if isinstance(test_grads, Tensor) and test_grads.ndim == 3 else 0)
-    queries = [(0, n_test)] if n_test <= _MAX_QUERY_BLOCK else [
-        (lo, min(lo + _MAX_QUERY_BLOCK, n_test)) for lo in range(0, n_test, _MAX_QUERY_BLOCK)]
-    parts = [_exact_top_k(store, _query_rows(test_grads, lo, hi, len(queries)), k, offset,
-                          largest=largest, normalize=normalize, device=device,
-                          chunk_rows=chunk_rows, progress=progress) for lo, hi in queries]
-    values = torch.cat([v for v, _ in parts]) if len(parts) > 1 else parts[0][0]
-    indices = torch.cat([i for _, i in parts]) if len(parts) > 1 else parts[0][1]
+    options = {"largest": largest, "normalize": normalize, "device": device,
+               "chunk_rows": chunk_rows, "progress": progress}
+    n_test = _n_test(test_grads)
+    if n_test <= _MAX_QUERY_BLOCK:
+        values, indices = _exact_top_k(store, test_grads, k, offset, **options)
+    else:  # one scan per block of queries; the blocks' results stack row for row
+        parts = [_exact_top_k(store, _query_rows(test_grads, lo, lo + _MAX_QUERY_BLOCK), k,
+                              offset, **options) for lo in range(0, n_test, _MAX_QUERY_BLOCK)]
+        values, indices = (torch.cat(list(column)) for column in zip(*parts, strict=True))
     return to_framework(values, framework), to_framework(indices, framework)
 
 
-def _query_rows(test_grads: GradientStore | Tensor, lo: int, hi: int,
-                blocks: int) -> GradientStore | Tensor:
-    """Test rows ``[lo, hi)``: a slice of the tensor, or a row-range view of the store."""
-    if blocks == 1:
-        return test_grads
+def _n_test(test_grads: object) -> int:
+    """Test rows in ``test_grads`` (0 for what score_chunks will reject with its own error)."""
+    if isinstance(test_grads, GradientStore):
+        return test_grads.meta.n_train
+    return test_grads.shape[1] if isinstance(test_grads, Tensor) and test_grads.ndim == 3 else 0
+
+
+def _query_rows(test_grads: GradientStore | Tensor, lo: int, hi: int) -> GradientStore | Tensor:
+    """Test rows ``[lo, min(hi, n_test))``: a tensor slice, or a row-range view of the store."""
     if isinstance(test_grads, Tensor):
         return test_grads[:, lo:hi]
-    return row_range(test_grads, (lo, hi), caller=current_caller())
+    return row_range(test_grads, (lo, min(hi, test_grads.meta.n_train)), caller=current_caller())
 
 
 def _exact_top_k(store: GradientStore, test_grads: GradientStore | Tensor, k: int,

@@ -16,6 +16,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.config import config
+from zarr.core.sync import sync
 
 from tracinfunc.errors import CorruptStoreError
 from tracinfunc.store._shards import RawLayout, copy_chunk_rows
@@ -50,14 +54,10 @@ class RemoteShardReader:
         Raises:
             CorruptStoreError: a checksum fails, or an object or chunk is missing or short.
         """
-        from zarr.core.sync import sync
-
         if stop > start:
             sync(self._read(start, stop, out))
 
     async def _read(self, start: int, stop: int, out: memoryview) -> None:
-        from zarr.core.config import config
-
         limit = asyncio.Semaphore(max(1, int(config.get("async.concurrency") or 10)))
         shards = self._layout.shards(start, stop)
         await self._load_indices([s for s in shards if s not in self._indices], limit)
@@ -90,15 +90,13 @@ class RemoteShardReader:
         return requests
 
     async def _load_indices(self, shards: list[int], limit: asyncio.Semaphore) -> None:
-        from zarr.abc.store import SuffixByteRequest
-
         async def load(shard: int) -> None:
             key = f"{self._path}/{self._layout.chunk_key(shard)}"
             async with limit:
-                raw = await self._store.get(key, _prototype(),
+                raw = await self._store.get(key, default_buffer_prototype(),
                                             SuffixByteRequest(self._layout.index_bytes))
             if raw is None:
-                raise CorruptStoreError(f"{self._missing(shard, key)}")
+                raise CorruptStoreError(self._missing(shard, key))
             self._indices[shard] = self._layout.parse_index(raw.to_bytes(), self._where(key))
 
         await asyncio.gather(*(load(shard) for shard in shards))
@@ -107,11 +105,10 @@ class RemoteShardReader:
                      out: memoryview, limit: asyncio.Semaphore) -> None:
         """Fetch whole stored ``chunks`` from ``offset`` of ``key``; check and place their rows
         (here, while other requests are still in flight)."""
-        from zarr.abc.store import RangeByteRequest
-
         size = len(chunks) * self._layout.stored_bytes
         async with limit:
-            data = await self._store.get(key, _prototype(), RangeByteRequest(offset, offset + size))
+            data = await self._store.get(key, default_buffer_prototype(),
+                                         RangeByteRequest(offset, offset + size))
         if data is None:
             raise CorruptStoreError(f"object {self._where(key)} is missing")
         got = memoryview(data.as_numpy_array()).cast("B")
@@ -134,8 +131,3 @@ class RemoteShardReader:
     def _where(key: str) -> str:
         return repr(key)  # the caller's message names the store's URL
 
-
-def _prototype():
-    from zarr.core.buffer import default_buffer_prototype
-
-    return default_buffer_prototype()

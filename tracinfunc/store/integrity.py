@@ -137,15 +137,18 @@ class FileGuard:
         for name, (size, tail_hash) in (self._files or {}).items():
             if not name.endswith(".json"):
                 continue
-            path = self._root / name
-            self._check_size(path, name, size, caller=caller)
-            if _tail_hash(path, size) != tail_hash:
-                raise CorruptStoreError(
-                    f"{caller}: {str(path)!r} differs from the file the store was sealed with "
-                    "(array metadata edited: codecs, byte order or shape, or files moved); "
-                    "rebuild the store or restore it from a copy."
-                )
+            self._check_sealed(self._root / name, name, size, tail_hash, caller=caller,
+                               differs="differs from the file the store was sealed with (array "
+                               "metadata edited: codecs, byte order or shape, or files moved)")
             self._checked.add(name)
+
+    def _check_sealed(self, path: Path, name: str, size: int, tail_hash, *, caller: str,
+                      differs: str) -> None:
+        """Raise unless ``path`` has its sealed size and tail; ``differs`` says what changed."""
+        self._check_size(path, name, size, caller=caller)
+        if _tail_hash(path, size) != tail_hash:
+            raise CorruptStoreError(f"{caller}: {str(path)!r} {differs}; rebuild the store or "
+                                    "restore it from a copy.")
 
     def check(self, path: Path, *, caller: str) -> None:
         """Before the first read of ``path``: present, right size, tail as sealed."""
@@ -158,14 +161,9 @@ class FileGuard:
             if name not in self._files:
                 raise CorruptStoreError(f"{caller}: {str(path)!r} is not part of the store as "
                                         "sealed (files moved or added); rebuild the store.")
-            size, tail_hash = self._files[name]
-            self._check_size(path, name, size, caller=caller)
-            if _tail_hash(path, size) != tail_hash:
-                raise CorruptStoreError(
-                    f"{caller}: {str(path)!r} is not the file sealed at this position (shard "
-                    "files or checkpoint directories swapped, or its index damaged); "
-                    "rebuild the store or restore it from a copy."
-                )
+            self._check_sealed(path, name, *self._files[name], caller=caller,
+                               differs="is not the file sealed at this position (shard files or "
+                               "checkpoint directories swapped, or its index damaged)")
         with self._lock:
             self._checked.add(name)
 

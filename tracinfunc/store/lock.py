@@ -163,17 +163,20 @@ class RemoteLock:
 
     def release(self) -> None:
         """Delete the lock object (idempotent)."""
-        if self._superseded or self._released:
-            return
+        if self._claim_release():
+            self._fs.rm_file(self._key)
+
+    def _claim_release(self) -> bool:
+        """Mark the lock released; ``False`` if it already was, or was superseded."""
+        if getattr(self, "_released", True) or self._superseded:
+            return False
         self._released = True
         _HELD.pop(self._key, None)
-        self._fs.rm_file(self._key)
+        return True
 
     def __del__(self) -> None:  # a writer dropped without finishing: free the store
-        if getattr(self, "_released", True) or self._superseded:
+        if not self._claim_release():
             return
-        self._released = True
-        _HELD.pop(self._key, None)
         # The garbage collector may run this on any thread, fsspec's own event-loop thread
         # included, where a blocking call would wait on itself forever (seen: a test suite
         # hung in fs.rm_file from __del__). So an async filesystem only gets the deletion

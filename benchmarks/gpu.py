@@ -57,11 +57,10 @@ def h2d_bandwidth(nbytes: int) -> float:
 
 
 def random_meta(tif, n: int, k: int):
-    from tracinfunc.store.fill import new_store_meta
+    from tracinfunc.build.loop import new_store_meta
 
-    return new_store_meta([("c0", 1.0, "f")], tif.canonical_layout({"w": (k,)}),
-                          tif.Projection(dim=None, kind="identity"), torch.float32, None,
-                          caller="gpu.py")
+    return new_store_meta([("c0", 1.0, "f")], tif.projection.canonical_layout({"w": (k,)}),
+                          tif.Projection(dim=None, kind="identity"), torch.float32, None)
 
 
 def fill(writer, n: int, k: int):
@@ -86,13 +85,13 @@ def bench_stores(tif, n: int, k: int) -> None:
     test = torch.randn(1, 64, k, device="cuda")
     print(f"stores: {n} x {k} float32 ({nbytes / 1e9:.1f} GB), 64 test rows")
     print(f"  pinned H2D copy                  {bandwidth:6.1f} GB/s")
-    pinned = fill(tif.PinnedWriter(random_meta(tif, n, k), n_train=n), n, k)
+    pinned = fill(tif.store.PinnedWriter(random_meta(tif, n, k), n_train=n), n, k)
     rate = nbytes / cuda_time(lambda: tif.score(pinned, test, device="cuda")) / 1e9
     print(f"  PinnedStore score                {rate:6.1f} GB/s   {rate / bandwidth:.2f}x "
           "(target >= 0.8x)")
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         path = Path(tmp) / "grads.zarr"
-        store = fill(tif.ZarrWriter(path, random_meta(tif, n, k)), n, k)
+        store = fill(tif.store.ZarrWriter(path, random_meta(tif, n, k)), n, k)
         warm = nbytes / cuda_time(lambda: tif.score(store, test, device="cuda")) / 1e9
         print(f"  ZarrStore score, warm            {warm:6.1f} GB/s   {warm / bandwidth:.2f}x")
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 import tracinfunc as tif
-from tracinfunc.store._shards import ShardReader
-from tracinfunc.store.integrity import seal
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta
+from tracinfunc.store.zarr.integrity import seal
+from tracinfunc.store.zarr.local_reads import ShardReader
 
 
 def _best(fn, repeat: int = 3) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
                      checkpoints=tuple(CheckpointMeta(f"c{i}", 0.1, f"f{i}")
                                        for i in range(args.ckpts)),
                      layout=(("w", (args.k,)),), n_train=args.rows, k=args.k)
-    source = tif.MemoryStore(meta, rows, rows.norm(dim=-1))
+    source = tif.store.MemoryStore(meta, rows, rows.norm(dim=-1))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "g.zarr"
         start = time.perf_counter()

@@ -125,7 +125,9 @@ def main() -> None:
             fused = tif.projected_grads(hf_sdpa_loss(model), sjlt)
             seconds = timed(lambda f=fused, p=params, b=batch: f(p, b), 1)
         rows.append((tag, "sjlt, vmap over HF SDPA (fallback)", seconds, floor, n_tokens))
-        projector = tif.make_projector(sjlt, tif.canonical_layout(params), device=device)
+        projector = tif.projection.make_projector(
+            sjlt, tif.projection.canonical_layout(params), device=device
+        )
         seconds = timed(loop_fn(loss, params, batch, projector), 1)
         rows.append((tag, "sjlt, loop of batch-of-one grads", seconds, floor, n_tokens))
     print(f"device: {torch.cuda.get_device_name() if args.gpu else 'CPU'}, threads "

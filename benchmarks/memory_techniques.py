@@ -152,7 +152,7 @@ def worker(model_name: str, config: str, full: bool, out: str, repeats: int) -> 
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cuda_peak_mib": (torch.cuda.max_memory_allocated() / 2**20
                           if device.type == "cuda" else None),
-        "chunk_size": (tif.chunk_size_for_budget(options["memory_budget"], n_params=_largest(
+        "chunk_size": (tif.grads.chunk_size_for_budget(options["memory_budget"], n_params=_largest(
             options, params)) if "memory_budget" in options else None),
     }
     Path(out + ".json").write_text(json.dumps(result))
@@ -178,7 +178,13 @@ def repeated_builds(full: bool) -> None:
     ckpt = [tif.Checkpoint.from_module(model)]
 
     def build() -> None:
-        tif.build_store(loss, ckpt, batches, projection=PROJECTION, stages=stages, offload=True)
+        tif.build_store(
+            loss,
+            ckpt,
+            batches,
+            projection=PROJECTION,
+            options=tif.GradientOptions(stages=stages, offload=True),
+        )
 
     build()  # first use: lazy imports and torch's one-time set-up
     rss = []

@@ -60,7 +60,7 @@ def child_build(args) -> None:
     loss, ckpts, batches = problem(args.n)
     tif.build_store(loss, ckpts, batches[:2], projection=PROJ)  # warm-up, not timed
     shard = None if args.shard is None else tuple(int(v) for v in args.shard.split("/"))
-    store = functools.partial(tif.PartWriter if shard else tif.ZarrWriter, args.out,
+    store = functools.partial(tif.store.PartWriter if shard else tif.store.ZarrWriter, args.out,
                               chunk_rows=128, shard_rows=256)
     start = time.time()
     tif.build_store(loss, ckpts, batches, projection=PROJ, store=store, shard=shard,
@@ -87,7 +87,7 @@ def bench_build(n: int, procs: int, tmp: Path) -> None:
     one_all = run_children([[*base, "--threads", str(cores), "--out", str(tmp / "oneN.zarr")]])
     parts = run_children([[*base, "--threads", "1", "--out", str(tmp / "parts.zarr"),
                            "--shard", f"{i}/{procs}"] for i in range(procs)])
-    store = tif.commit_store(tmp / "parts.zarr")
+    store = tif.store.commit_store(tmp / "parts.zarr")
     whole = tif.open_store(tmp / "one1.zarr")
     same = all(torch.equal(store.read_rows(c, 0, n), whole.read_rows(c, 0, n))
                for c in range(store.meta.n_ckpt))
@@ -113,9 +113,9 @@ def bench_s3(rows: int, k: int, repeats: int) -> None:
     client.create_bucket(Bucket="bench")
     try:
         meta = tif.store.fill.new_store_meta(
-            [("c0", 1.0, "f")], tif.canonical_layout({"w": (k,)}),
-            tif.Projection(dim=None, kind="identity"), torch.float32, None, caller="bench")
-        writer = tif.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=1024,
+            [("c0", 1.0, "f")], tif.projection.canonical_layout({"w": (k,)}),
+            tif.Projection(dim=None, kind="identity"), torch.float32, None)
+        writer = tif.store.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=1024,
                                 shard_rows=rows // 8)
         g = torch.Generator().manual_seed(0)
         for start in range(0, rows, 4096):
@@ -136,7 +136,7 @@ def bench_s3(rows: int, k: int, repeats: int) -> None:
             return len(body)
 
         opened = tif.open_store("s3://bench/grads.zarr")  # metadata: not part of the pass
-        with mock.patch("tracinfunc.store.zarr.object_store_for_reads", lambda url: None):
+        with mock.patch("tracinfunc.store.zarr.store.object_store_for_reads", lambda url: None):
             through_s3fs = tif.open_store("s3://bench/grads.zarr")  # as without obstore
         for store in (opened, through_s3fs):  # shard indices are read once, then cached
             tif.score(store, test, device="cpu")

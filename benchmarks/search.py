@@ -5,7 +5,7 @@ checkpoint; rows drawn from a mixture of Gaussians with varying norms, as gradie
 similar examples cluster), then measures on the same queries:
 
 * the exact ``tif.top_k`` scan: latency per test example in a batch of ``--queries``;
-* ``tif.top_k(..., index=...)`` for IVF-flat and IVF-PQ at several ``nprobe``: latency per
+* ``tif.indexed_top_k(..., index=...)`` for IVF-flat and IVF-PQ at several ``nprobe``: latency per
   test example in the same batch, and of one query alone, and recall@10 against the exact
   top-10 (the fraction of the exact top-10 rows found);
 * the index build time and size.
@@ -34,14 +34,14 @@ QUICK = {"rows": 20_000, "k": 128, "clusters": 200, "queries": 50, "nlist": 128,
 
 
 def make_store(path: Path, rows: int, k: int, clusters: int, *, seed: int = 0,
-               chunk_rows: int = 64) -> tuple[tif.ZarrStore, torch.Tensor]:
+               chunk_rows: int = 64) -> tuple[tif.store.ZarrStore, torch.Tensor]:
     """A float16 Zarr store of mixture-of-Gaussians rows; returns it and the centres."""
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(clusters, k, generator=g)
     meta = StoreMeta(projection=tif.Projection(dim=k, seed=seed),
                      checkpoints=(CheckpointMeta("c0", 0.1, "synthetic"),),
                      layout=(("w", (k,)),), n_train=0, k=k, dtype="float16", complete=False)
-    writer = tif.ZarrWriter(path, meta, chunk_rows=chunk_rows, overwrite=True)
+    writer = tif.store.ZarrWriter(path, meta, chunk_rows=chunk_rows, overwrite=True)
     for start in range(0, rows, 65536):
         block = _mixture_rows(centres, min(65536, rows - start), g)
         writer.append(block[None], block.norm(dim=-1)[None])
@@ -74,22 +74,27 @@ def recall(found: torch.Tensor, exact: torch.Tensor) -> float:
 
 def measure_index(store, test, exact_indices, exact_s, index, nprobes, *, label,
                   candidates=None):
-    """Recall@10 and latency of ``top_k(index=...)`` per nprobe; prints one line each."""
+    """Recall@10 and latency of ``indexed_top_k`` per nprobe; prints one line each."""
     import faiss
 
     n_q = test.shape[1]
     query = test[0].numpy() * 0.1**0.5  # lr 0.1: the query side of the weighted rows
     lines = []
     for nprobe in nprobes:
-        (_, idx), batch_s = timed(lambda n=nprobe: tif.top_k(
+        (_, idx), batch_s = timed(lambda n=nprobe: tif.indexed_top_k(
             store, test, 10, index=index, nprobe=n, candidates=candidates), repeats=2)
         wanted = candidates or (100 if index.kind == "ivf_pq" else 20)
         _, faiss_s = timed(lambda n=nprobe, c=wanted: index.faiss_index.search(
             query, c, params=faiss.SearchParametersIVF(nprobe=n)))
         single = test[:, : min(20, n_q)]
-        _, single_s = timed(lambda n=nprobe, s=single: [
-            tif.top_k(store, s[:, i:i + 1], 10, index=index, nprobe=n, candidates=candidates)
-            for i in range(s.shape[1])])
+        _, single_s = timed(
+            lambda n=nprobe, s=single: [
+                tif.indexed_top_k(
+                    store, s[:, i : i + 1], 10, index=index, nprobe=n, candidates=candidates
+                )
+                for i in range(s.shape[1])
+            ]
+        )
         per_q = batch_s / n_q
         line = {"index": label, "nprobe": nprobe, "recall@10": recall(idx, exact_indices),
                 "ms_per_query": 1e3 * per_q, "ms_faiss": 1e3 * faiss_s / n_q,
@@ -136,7 +141,7 @@ def _run(cfg: dict, root: Path, *, kinds: list[str], memory: bool) -> list[dict]
           flush=True)
     test = _mixture_rows(centres, cfg["queries"], torch.Generator().manual_seed(1)).float()
     test = test[None]  # [1, n_test, k]
-    stores = [("zarr", store)] + ([("memory", store.to_memory())] if memory else [])
+    stores = [("zarr", store)] + ([("memory", tif.to_memory(store))] if memory else [])
     results = []
     for store_kind, current in stores:
         (_, exact_indices), exact_s = timed(lambda s=current: tif.top_k(s, test, 10))

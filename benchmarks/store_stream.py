@@ -36,11 +36,11 @@ from tracinfunc.store.meta import CheckpointMeta, StoreMeta
 score_module = importlib.import_module("tracinfunc.score")
 
 
-def make_store(n_rows: int, k: int, seed: int = 0) -> tif.MemoryStore:
+def make_store(n_rows: int, k: int, seed: int = 0) -> tif.store.MemoryStore:
     meta = StoreMeta(projection=tif.Projection(dim=k, seed=seed),
                      checkpoints=(CheckpointMeta("c0", 1.0, "synthetic"),),
                      layout=(("w", (k,)),), n_train=0, k=k, complete=False)
-    writer = tif.MemoryWriter(meta)
+    writer = tif.store.MemoryWriter(meta)
     g = torch.Generator().manual_seed(seed)
     for start in range(0, n_rows, 16384):
         rows = torch.randn(1, min(16384, n_rows - start), k, generator=g)
@@ -77,7 +77,7 @@ def readinto_seconds(path: Path, view: memoryview) -> float:
     return time.perf_counter() - start
 
 
-def matmul_seconds(store: tif.MemoryStore, test: torch.Tensor, chunk: int) -> float:
+def matmul_seconds(store: tif.store.MemoryStore, test: torch.Tensor, chunk: int) -> float:
     rows = store.view_rows(0, 0, store.n_train)
     out = torch.empty(test.shape[1], chunk)
     start = time.perf_counter()
@@ -120,7 +120,7 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
     memory = make_store(n_rows, k)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        pinned = memory.to_pinned()
+        pinned = tif.to_pinned(memory)
     test = torch.randn(1, n_test, k)
     zarrs = {}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -155,7 +155,7 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
         evict(store.path)
         report(f"score ZarrStore {name} cold", score_seconds(store, test), nbytes, t_read_cold)
         if name == "float32":
-            slow = tif.GradientStore.open(store.path)
+            slow = tif.open_store(store.path)
             object.__setattr__(slow, "_readers", [None])  # force zarr's own read path
             report("score ZarrStore float32 warm, zarr's read path",
                    best(lambda slow=slow: score_seconds(slow, test), repeats), nbytes,
@@ -175,10 +175,10 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
     print(f"bfloat16 matmul on the CPU vs upcast to float32: {slow / fast:.2f}x faster")
 
 
-def _cast(store: tif.MemoryStore, dtype: torch.dtype) -> tif.MemoryStore:
+def _cast(store: tif.store.MemoryStore, dtype: torch.dtype) -> tif.store.MemoryStore:
     rows = store.view_rows(0, 0, store.n_train)[None].to(dtype)
     norms = store.read_norms(0, 0, store.n_train)[None]
-    return tif.MemoryStore(store.meta.replace(dtype=str(dtype).split(".")[1]), rows, norms)
+    return tif.store.MemoryStore(store.meta.replace(dtype=str(dtype).split(".")[1]), rows, norms)
 
 
 if __name__ == "__main__":

@@ -140,9 +140,15 @@ def run_tracinfunc(problem: dict, method: str, k: int, seed: int) -> torch.Tenso
     select = [LAST] if method.startswith("tif-last-") else None
     x, y = problem["train"]
     batches = [(x[i:i + 100], y[i:i + 100]) for i in range(0, len(y), 100)]
-    store = tif.build_store(loss, checkpoints, batches, projection=projection, select=select)
+    store = tif.build_store(
+        loss,
+        checkpoints,
+        batches,
+        projection=projection,
+        options=tif.GradientOptions(select=select),
+    )
     test = tif.build_store(loss, checkpoints, problem["test"], projection=projection,
-                           select=select)
+                           options=tif.GradientOptions(select=select))
     return tif.score(store, test, device="cpu")
 
 
@@ -174,10 +180,22 @@ def exact(problem: dict, select) -> np.ndarray:
     loss = tif.loss_from_module(model, F.cross_entropy)
     spec = tif.Projection(kind="identity")
     (x, y), (xt, yt) = problem["train"], problem["test"]
-    store = tif.build_store(loss, checkpoints, (x.double(), y), projection=spec, select=select,
-                            dtype=torch.float64)
-    test = tif.build_store(loss, checkpoints, (xt.double(), yt), projection=spec, select=select,
-                           dtype=torch.float64)
+    store = tif.build_store(
+        loss,
+        checkpoints,
+        (x.double(), y),
+        projection=spec,
+        options=tif.GradientOptions(select=select),
+        dtype=torch.float64,
+    )
+    test = tif.build_store(
+        loss,
+        checkpoints,
+        (xt.double(), yt),
+        projection=spec,
+        options=tif.GradientOptions(select=select),
+        dtype=torch.float64,
+    )
     return tif.score(store, test, device="cpu").numpy()
 
 

@@ -101,7 +101,13 @@ def main() -> None:
     projection = tif.Projection(dim=1024, seed=0, kind="sjlt", nnz=2)
     t0 = time.perf_counter()
     batches = [tuple(t[i : i + 512] for t in triples) for i in range(0, n_train, 512)]
-    store = tif.build_store(loss, checkpoints, batches, projection=projection, chunk_size=128)
+    store = tif.build_store(
+        loss,
+        checkpoints,
+        batches,
+        projection=projection,
+        options=tif.GradientOptions(chunk_size=128),
+    )
     build_s = time.perf_counter() - t0
     print(f"built the store once: {store.n_ckpt} x {store.n_train} x {store.k} in {build_s:.1f} s")
 

@@ -55,7 +55,7 @@ def test_fingerprint_is_stable_across_processes_and_sensitive_to_values():
                            check=True).stdout.strip()
     assert other == ckpt.fingerprint
     changed = {k: v + (k == "2.bias") * 1e-6 for k, v in ckpt.params.items()}
-    assert tif.params_fingerprint(changed) != ckpt.fingerprint
+    assert tif.checkpoint.params_fingerprint(changed) != ckpt.fingerprint
 
 
 @pytest.mark.parametrize(

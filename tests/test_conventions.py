@@ -69,8 +69,8 @@ def test_projection_is_keyed_by_name_not_insertion_order():
     x = torch.randn(5, 4, generator=g)
     rows = tif.projected_grads(loss, projection)(params, x)
     assert torch.equal(rows, tif.projected_grads(loss, projection)(flipped, x))
-    assert tif.canonical_layout(params) == tif.canonical_layout(flipped)
-    assert tif.params_fingerprint(params) == tif.params_fingerprint(flipped)
+    assert tif.projection.canonical_layout(params) == tif.projection.canonical_layout(flipped)
+    assert tif.checkpoint.params_fingerprint(params) == tif.checkpoint.params_fingerprint(flipped)
 
 
 def test_every_raised_error_is_a_tracinfunc_error():

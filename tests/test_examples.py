@@ -61,5 +61,5 @@ def test_store_reuse_reopens_the_store_in_a_second_process(tmp_path):
     assert share and found, text
     assert int(share.group(1)) > 50  # proponents of a mistake mostly carry the mistaken label
     assert int(found.group(1)) / int(found.group(2)) > 0.5
-    store = tif.GradientStore.open(str(tmp_path / "grads.zarr"))
+    store = tif.open_store(str(tmp_path / "grads.zarr"))
     assert store.meta.complete and store.meta.n_train == 1500

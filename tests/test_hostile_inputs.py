@@ -22,13 +22,13 @@ def setup():
 @pytest.mark.parametrize("data", [torch.tensor(1.0), (torch.tensor(1.0), torch.tensor(2))])
 def test_a_batch_without_a_batch_dimension(setup, data):
     loss, ckpts, _ = setup
-    with pytest.raises(tif.InvalidArgumentError, match="same leading .batch. dimension"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="same leading .batch. dimension"):
         tif.build_store(loss, ckpts, data, projection=tif.Projection(dim=8))
 
 
 def test_per_example_gradients_of_a_0d_batch(setup):
     loss, ckpts, _ = setup
-    with pytest.raises(tif.InvalidArgumentError,
+    with pytest.raises(tif.errors.InvalidArgumentError,
                        match=r"per_sample_grads: every tensor of a batch needs a leading batch "
                              r"dimension, got shapes \[\[\]\]; pass x\[None\]"):
         tif.per_sample_grads(loss)(dict(ckpts[0].params), torch.tensor(1.0))
@@ -36,7 +36,9 @@ def test_per_example_gradients_of_a_0d_batch(setup):
 
 def test_meta_tensors_are_refused_where_values_are_needed(setup):
     _, _, store = setup
-    with pytest.raises(tif.InvalidArgumentError, match="'w' is on the meta device"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="'w' is on the meta device"):
         tif.Checkpoint({"w": torch.empty(3, device="meta")}, lr=0.1)
-    with pytest.raises(tif.InvalidArgumentError, match="score: test gradients are on the meta"):
+    with pytest.raises(
+        tif.errors.InvalidArgumentError, match="score: test gradients are on the meta"
+    ):
         tif.score(store, torch.empty(3, 2, 8, device="meta"))

@@ -54,7 +54,7 @@ def test_as_tensor_passes_tensors_and_rejects_lists():
     t = torch.ones(2)
     assert as_tensor(t) is t
     with pytest.raises(TypeError, match=r"score: expected a torch.Tensor or an array"):
-        as_tensor([1.0, 2.0], caller="score")
+        as_tensor([1.0, 2.0])
 
 
 def test_aligned_empty_is_aligned_for_every_dtype_and_offset():
@@ -94,14 +94,14 @@ def test_framework_and_output_resolution():
     assert framework_of(torch.ones(1)) == "torch"
     assert framework_of(np.ones(1)) == "numpy"
     assert framework_of(jnp.ones(1)) == "jax"
-    assert resolve_output(None, None, caller="score") == "torch"
-    assert resolve_output(None, jnp.ones(1), caller="score") == "jax"
+    assert resolve_output(None, None) == "torch"
+    assert resolve_output(None, jnp.ones(1)) == "jax"
     with pytest.raises(ValueError, match="score: output must be one of"):
-        resolve_output("tensorflow", None, caller="score")
+        resolve_output("tensorflow", None)
     with pytest.raises(ValueError, match="score: pass output= or like=, not both"):
-        resolve_output("jax", np.ones(1), caller="score")
+        resolve_output("jax", np.ones(1))
     with pytest.raises(TypeError, match="top_k: like= must be a torch, NumPy, JAX or CuPy"):
-        resolve_output(None, [1.0], caller="top_k")
+        resolve_output(None, [1.0])
 
 
 def _store_and_test(mlp_setup32):
@@ -161,7 +161,7 @@ def test_memory_writer_accepts_jax_and_numpy_blocks(mlp_setup32):
     rows = np.stack([store.read_rows(c, 0, store.n_train).numpy() for c in range(store.n_ckpt)])
     norms = np.stack([store.read_norms(c, 0, store.n_train).numpy()
                       for c in range(store.n_ckpt)])
-    writer = tif.MemoryWriter(meta)
+    writer = tif.store.MemoryWriter(meta)
     writer.append(jnp.asarray(rows[:, :10]), jnp.asarray(norms[:, :10]))
     writer.append(rows[:, 10:], norms[:, 10:])
     again = writer.finish()

@@ -105,7 +105,7 @@ def test_trackstar_rows_equal_hand_computation():
 def test_state_dict_file_with_names_and_module_give_the_same_state(tmp_path):
     model, optimizer, _ = _trained()
     torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
-    names = tif.optimizer_param_names(optimizer, model)
+    names = tif.precondition.optimizer_param_names(optimizer, model)
     from_file = tif.Preconditioner.load(tmp_path / "optimizer.pt", names)
     from_module = tif.Preconditioner.from_state_dict(optimizer.state_dict(), model)
     live = tif.Preconditioner.from_optimizer(optimizer, model)
@@ -132,7 +132,7 @@ def test_build_store_records_kind_through_zarr_and_score_refuses_a_preconditione
                             preconditioners=[precondition, precondition])
     reopened = tif.open_store(str(tmp_path / "train.zarr"))
     assert store.meta.preconditioner == reopened.meta.preconditioner == "trackstar"
-    assert tif.StoreMeta.from_dict(reopened.meta.to_dict()) == reopened.meta
+    assert tif.store.StoreMeta.from_dict(reopened.meta.to_dict()) == reopened.meta
     plain = tif.build_store(loss, ckpts, test, projection=projection, dtype=torch.float64)
     assert plain.meta.preconditioner is None
     # Preconditioned train rows against plain test rows: sum_c lr_c <P g_test, P D g_train>.
@@ -140,7 +140,7 @@ def test_build_store_records_kind_through_zarr_and_score_refuses_a_preconditione
     params = dict(ckpts[0].params)
     expected = 0.3 * tif.projected_grads(loss, projection)(params, test) @ rows(params, train).T
     torch.testing.assert_close(tif.score(reopened, plain), expected)
-    with pytest.raises(tif.IncompatibleGradientsError, match="test gradients must be plain"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="test gradients must be plain"):
         tif.score(plain, store)
 
 
@@ -150,7 +150,7 @@ def test_old_metadata_reads_as_plain():
                             projection=tif.Projection(dim=4))
     data = store.meta.to_dict()
     del data["preconditioner"]
-    assert tif.StoreMeta.from_dict(data).preconditioner is None
+    assert tif.store.StoreMeta.from_dict(data).preconditioner is None
 
 
 def test_mismatched_parameters_name_the_missing_and_extra_ones():
@@ -159,29 +159,31 @@ def test_mismatched_parameters_name_the_missing_and_extra_ones():
     params = {name: p.detach() for name, p in model.named_parameters()}
     fewer = tif.Preconditioner("adam", {k: v for k, v in precondition.state.items()
                                         if k != "2.weight"})
-    with pytest.raises(tif.MissingParametersError, match=r"selected parameters \['2.weight'\]"):
+    with pytest.raises(
+        tif.errors.MissingParametersError, match=r"selected parameters \['2.weight'\]"
+    ):
         tif.projected_grads(loss, tif.Projection(dim=4), precondition=fewer)(
             params, make_data(2))
     # Selecting only what the state covers is fine.
     tif.projected_grads(loss, tif.Projection(dim=4), precondition=fewer,
-                        select=["0.weight"])(params, make_data(2))
+                        options=tif.GradientOptions(select=["0.weight"]))(params, make_data(2))
     renamed = tif.Preconditioner("adam", {("head." + k): v
                                           for k, v in precondition.state.items()})
-    with pytest.raises(tif.IncompatibleGradientsError, match="head.0.bias"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="head.0.bias"):
         tif.build_store(loss, [tif.Checkpoint(params)], make_data(2),
                         projection=tif.Projection(dim=4), preconditioners=[renamed])
 
 
 def test_names_in_the_wrong_order_give_a_shape_error():
     model, optimizer, loss = _trained()
-    names = tif.optimizer_param_names(optimizer, model)
+    names = tif.precondition.optimizer_param_names(optimizer, model)
     swapped = [names[1], names[0], *names[2:]]  # weight <-> bias of the first layer
     precondition = tif.Preconditioner.from_state_dict(optimizer.state_dict(), swapped)
     params = {name: p.detach() for name, p in model.named_parameters()}
-    with pytest.raises(tif.IncompatibleGradientsError, match="not in optimizer order"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="not in optimizer order"):
         tif.projected_grads(loss, tif.Projection(dim=4), precondition=precondition)(
             params, make_data(2))
-    with pytest.raises(tif.InvalidArgumentError, match="4 parameters but 2 names"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="4 parameters but 2 names"):
         tif.Preconditioner.from_state_dict(optimizer.state_dict(), names[:2])
 
 
@@ -189,32 +191,32 @@ def test_module_names_refused_for_several_param_groups():
     model = make_mlp()
     optimizer = torch.optim.Adam([{"params": model[2].parameters()},
                                   {"params": model[0].parameters()}])
-    with pytest.raises(tif.InvalidArgumentError, match="2 param groups"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="2 param groups"):
         tif.Preconditioner.from_state_dict(optimizer.state_dict(), model)
-    assert tif.optimizer_param_names(optimizer, model) == [
+    assert tif.precondition.optimizer_param_names(optimizer, model) == [
         "2.weight", "2.bias", "0.weight", "0.bias"]
 
 
 def test_bad_arguments():
     model, optimizer, loss = _trained(steps=1)
-    with pytest.raises(tif.InvalidArgumentError, match="kind must be one of"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="kind must be one of"):
         tif.Preconditioner.from_optimizer(optimizer, model, kind="sgd")
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     F.cross_entropy(model(make_data(2)[0]), make_data(2)[1]).backward()
     sgd.step()
-    with pytest.raises(tif.InvalidArgumentError, match="not Adam's exp_avg"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="not Adam's exp_avg"):
         tif.Preconditioner.from_optimizer(sgd, model)
     amsgrad, _, _ = _trained(steps=1)
     amsgrad_optimizer = torch.optim.Adam(amsgrad.parameters(), amsgrad=True)
     amsgrad_optimizer.zero_grad()
     F.cross_entropy(amsgrad(make_data(2)[0]), make_data(2)[1]).backward()
     amsgrad_optimizer.step()
-    with pytest.raises(tif.InvalidArgumentError, match="amsgrad=True"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="amsgrad=True"):
         tif.Preconditioner.from_optimizer(amsgrad_optimizer, amsgrad)
-    with pytest.raises(tif.InvalidTypeError, match="precondition must be"):
+    with pytest.raises(tif.errors.InvalidTypeError, match="precondition must be"):
         tif.projected_grads(loss, tif.Projection(dim=4), precondition="adam")
     precondition = tif.Preconditioner.from_optimizer(optimizer, model)
-    with pytest.raises(tif.InvalidArgumentError, match="one tracinfunc.Preconditioner per"):
+    with pytest.raises(tif.errors.InvalidArgumentError, match="one tracinfunc.Preconditioner per"):
         tif.build_store(loss, [tif.Checkpoint.from_module(model)] * 2, make_data(2),
                         projection=tif.Projection(dim=4), preconditioners=[precondition])
 
@@ -224,10 +226,12 @@ def test_resuming_a_plain_zarr_build_with_a_preconditioner_is_refused(tmp_path):
     ckpts = [tif.Checkpoint.from_module(model, name="a")]
     projection = tif.Projection(dim=4)
     meta = tif.build_store(loss, ckpts, make_data(4), projection=projection).meta
-    writer = tif.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
+    writer = tif.store.ZarrWriter(tmp_path / "i.zarr", meta.replace(n_train=0, complete=False),
                             chunk_rows=2, shard_rows=2)
     writer.append(torch.zeros(1, 2, 4), torch.zeros(1, 2))  # an interrupted plain build
     precondition = tif.Preconditioner.from_optimizer(optimizer, model)
-    with pytest.raises(tif.IncompatibleGradientsError, match="cannot resume.*preconditioner"):
+    with pytest.raises(
+        tif.errors.IncompatibleGradientsError, match="cannot resume.*preconditioner"
+    ):
         tif.build_store(loss, ckpts, make_data(4), projection=projection,
                         store=str(tmp_path / "i.zarr"), preconditioners=[precondition])

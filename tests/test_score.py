@@ -138,9 +138,9 @@ def test_mismatched_k_is_refused(mlp_setup32):
     loss, ckpts, train, test = mlp_setup32
     store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=16, seed=0))
     other = tif.build_store(loss, ckpts, test, projection=tif.Projection(dim=8, seed=0))
-    with pytest.raises(tif.IncompatibleGradientsError, match="projection=store.projection"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="projection=store.projection"):
         tif.score(store, other)
-    with pytest.raises(tif.IncompatibleGradientsError, match=r"k=16\]"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match=r"k=16\]"):
         tif.score(store, torch.zeros(3, 2, 8))
 
 
@@ -148,7 +148,7 @@ def test_other_projection_seed_is_refused(mlp_setup32):
     loss, ckpts, train, test = mlp_setup32
     store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=16, seed=0))
     other = tif.build_store(loss, ckpts, test, projection=tif.Projection(dim=16, seed=1))
-    with pytest.raises(tif.IncompatibleGradientsError, match="seed=1"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="seed=1"):
         tif.top_k(store, other, k=2)
 
 
@@ -156,9 +156,11 @@ def test_checkpoint_count_mismatch_is_refused(mlp_setup32):
     loss, ckpts, train, test = mlp_setup32
     store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=16))
     fewer = tif.build_store(loss, ckpts[:2], test, projection=store.projection)
-    with pytest.raises(tif.IncompatibleGradientsError, match="2 checkpoints but the store has 3"):
+    with pytest.raises(
+        tif.errors.IncompatibleGradientsError, match="2 checkpoints but the store has 3"
+    ):
         tif.score(store, fewer)
-    with pytest.raises(tif.IncompatibleGradientsError, match=r"n_ckpt=3"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match=r"n_ckpt=3"):
         tif.score(store, torch.zeros(2, 4, 16))
 
 
@@ -166,7 +168,7 @@ def test_other_checkpoint_weights_are_refused(mlp_setup32):
     loss, ckpts, train, test = mlp_setup32
     store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=16))
     swapped = tif.build_store(loss, ckpts[::-1], test, projection=store.projection)
-    with pytest.raises(tif.IncompatibleGradientsError, match="checkpoint 0 differs"):
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="checkpoint 0 differs"):
         tif.score(store, swapped)
 
 
@@ -175,7 +177,7 @@ def test_non_finite_test_tensor_is_refused(mlp_setup32):
     store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=16))
     bad = torch.zeros(3, 2, 16)
     bad[1, 0, 3] = float("nan")
-    with pytest.raises(tif.NonFiniteGradientError, match="NaN or inf"):
+    with pytest.raises(tif.errors.NonFiniteGradientError, match="NaN or inf"):
         tif.score(store, bad)
 
 

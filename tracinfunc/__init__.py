@@ -2,173 +2,110 @@
 
 TracIn scores a training example's influence on a test prediction as
 ``sum over checkpoints c of lr_c * <grad L(test; w_c), grad L(train_i; w_c)>``.
+
+The names here are the everyday ones, in the order the tutorial meets them; everything else
+lives in its subpackage: :mod:`tracinfunc.errors`, :mod:`tracinfunc.store` (store kinds,
+writers, metadata, sharded parts), :mod:`tracinfunc.grads` (stages, budgets, precision),
+:mod:`tracinfunc.projection`, :mod:`tracinfunc.search`, :mod:`tracinfunc.evaluate`,
+:mod:`tracinfunc.distributed`, :mod:`tracinfunc.cli` and :mod:`tracinfunc.jax`.
 """
 
-from tracinfunc import _moved
+from tracinfunc import (  # the subpackages, reachable as tif.errors, tif.store, ...
+    batches as batches,
+)
+from tracinfunc import (
+    checkpoint as checkpoint,
+)
+from tracinfunc import (
+    cli as cli,
+)
+from tracinfunc import (
+    distributed as distributed,
+)
+from tracinfunc import (
+    errors as errors,
+)
+from tracinfunc import (
+    grads as grads,
+)
+from tracinfunc import (
+    loss as loss,
+)
+from tracinfunc import (
+    precondition as precondition,
+)
+from tracinfunc import (
+    projection as projection,
+)
+from tracinfunc import (
+    search as search,
+)
+from tracinfunc import (
+    store as store,
+)
+from tracinfunc import (
+    training as training,
+)
+from tracinfunc._deprecations import warn_deprecated
 from tracinfunc._version import __version__
 from tracinfunc.adapters import adapter_checkpoint
-from tracinfunc.batches import iter_batches
 from tracinfunc.build import build_store
-from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
-from tracinfunc.cli.spec import Spec
-from tracinfunc.distributed import gather_top_k, merge_top_k
-from tracinfunc.errors import (
-    CorruptStoreError,
-    EmptyDataError,
-    IncompatibleGradientsError,
-    IncompleteStoreError,
-    InvalidArgumentError,
-    InvalidProjectionError,
-    InvalidTypeError,
-    LossFunctionError,
-    MemoryBudgetError,
-    MissingDependencyError,
-    MissingParametersError,
-    NonFiniteGradientError,
-    OutputPathError,
-    ParameterSelectionError,
-    ReadOnlyStoreError,
-    RowRangeError,
-    StageMismatchError,
-    StoreExistsError,
-    StoreLockedError,
-    StoreNotFoundError,
-    StoreWriteError,
-    TracInFuncError,
-    TrainModeError,
-    UnsupportedPrecisionError,
+from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.errors import TracInFuncError
+from tracinfunc.grads import (
+    GradientOptions,
+    last_layers,
+    model_stages,
+    per_sample_grads,
+    projected_grads,
+    select_params,
 )
-from tracinfunc.grads import GradientOptions, per_sample_grads, projected_grads
-from tracinfunc.grads.chunking import chunk_size_for_budget
-from tracinfunc.grads.factorized import factorized_weights
-from tracinfunc.grads.precision import autocast_supported
-from tracinfunc.grads.selection import last_layers, select_params
-from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
-from tracinfunc.loss import ModuleLoss, loss_from_model, loss_from_module
-from tracinfunc.precondition import (
-    AdamState,
-    Preconditioner,
-    optimizer_param_names,
-    trainer_param_names,
-)
-from tracinfunc.projection import Projection, canonical_layout, make_projector
+from tracinfunc.loss import loss_from_model, loss_from_module
+from tracinfunc.precondition import Preconditioner
+from tracinfunc.projection import Projection
 from tracinfunc.score import score, score_chunks, self_influence, top_k
-from tracinfunc.search import SearchIndex, build_index, load_index, store_fingerprint
+from tracinfunc.search import SearchIndex, build_index, indexed_top_k, load_index
 from tracinfunc.store import (
-    CheckpointMeta,
     GradientStore,
-    MemoryStore,
-    MemoryWriter,
-    PinnedStore,
-    PinnedWriter,
-    QuantizedMemoryStore,
-    QuantizedPinnedStore,
-    StoreMeta,
-    StoreWriter,
-    SupportsChunkAlignment,
-    SupportsQuantizedRows,
-    SupportsRowViews,
-    ZarrStore,
-    ZarrWriter,
     open_store,
-    read_store_meta,
     remove_store,
     save_store,
     to_memory,
     to_pinned,
     verify_store,
 )
-from tracinfunc.store.parts import PartWriter, StorePart, commit_store
 from tracinfunc.training import (
-    CheckpointRecorder,
     load_recorded_checkpoints,
     load_recorded_preconditioners,
     trainer_callback,
 )
 
 __all__ = [
-    "AdamState",
     "Checkpoint",
-    "CheckpointMeta",
-    "CheckpointRecorder",
-    "CorruptStoreError",
-    "EmptyDataError",
     "GradientOptions",
     "GradientStore",
-    "IncompatibleGradientsError",
-    "IncompleteStoreError",
-    "InvalidArgumentError",
-    "InvalidProjectionError",
-    "InvalidTypeError",
-    "LossFunctionError",
-    "MemoryBudgetError",
-    "MemoryStore",
-    "MemoryWriter",
-    "MissingDependencyError",
-    "MissingParametersError",
-    "ModuleLoss",
-    "NonFiniteGradientError",
-    "OutputPathError",
-    "ParameterSelectionError",
-    "PartWriter",
-    "PinnedStore",
-    "PinnedWriter",
     "Preconditioner",
     "Projection",
-    "QuantizedMemoryStore",
-    "QuantizedPinnedStore",
-    "ReadOnlyStoreError",
-    "RowRangeError",
     "SearchIndex",
-    "Spec",
-    "Stage",
-    "StageMismatchError",
-    "Stages",
-    "StoreExistsError",
-    "StoreLockedError",
-    "StoreMeta",
-    "StoreNotFoundError",
-    "StorePart",
-    "StoreWriteError",
-    "StoreWriter",
-    "SupportsChunkAlignment",
-    "SupportsQuantizedRows",
-    "SupportsRowViews",
     "TracInFuncError",
-    "TrainModeError",
-    "UnsupportedPrecisionError",
-    "ZarrStore",
-    "ZarrWriter",
     "__version__",
     "adapter_checkpoint",
-    "autocast_supported",
     "build_index",
     "build_store",
-    "canonical_layout",
     "causal_lm_loss",
-    "chunk_size_for_budget",
-    "commit_store",
     "completion_labels",
-    "factorized_weights",
-    "gather_top_k",
-    "iter_batches",
+    "indexed_top_k",
     "last_layers",
     "load_index",
     "load_recorded_checkpoints",
     "load_recorded_preconditioners",
-    "loss_at",
     "loss_from_model",
     "loss_from_module",
-    "make_projector",
-    "merge_top_k",
     "model_stages",
     "open_store",
-    "optimizer_param_names",
-    "params_fingerprint",
     "per_sample_grads",
     "projected_grads",
-    "read_store_meta",
     "remove_store",
     "save_store",
     "score",
@@ -176,13 +113,41 @@ __all__ = [
     "select_params",
     "self_influence",
     "sequence_classification_loss",
-    "store_fingerprint",
     "to_memory",
     "to_pinned",
     "top_k",
     "trainer_callback",
-    "trainer_param_names",
     "verify_store",
 ]
 
-_moved.install()  # old module paths (tracinfunc.stages, ...) still import, with a warning
+# Names that moved from the top level to their subpackage in 0.2: still importable from
+# here, with a DeprecationWarning naming the new place, until the removal version.
+_MOVED = {
+    **{name: "errors" for name in errors.__all__ if name != "TracInFuncError"},
+    **{name: "store" for name in (
+        "CheckpointMeta", "MemoryStore", "MemoryWriter", "PartWriter", "PinnedStore",
+        "PinnedWriter", "QuantizedMemoryStore", "QuantizedPinnedStore", "StoreMeta",
+        "StorePart", "StoreWriter", "SupportsChunkAlignment", "SupportsQuantizedRows",
+        "SupportsRowViews", "ZarrStore", "ZarrWriter", "commit_store", "read_store_meta")},
+    **{name: "grads" for name in (
+        "Stage", "Stages", "autocast_supported", "chunk_size_for_budget",
+        "factorized_weights")},
+    **{name: "projection" for name in ("canonical_layout", "make_projector")},
+    **{name: "distributed" for name in ("gather_top_k", "merge_top_k")},
+    **{name: "precondition" for name in (
+        "AdamState", "optimizer_param_names", "trainer_param_names")},
+    **{name: "checkpoint" for name in ("loss_at", "params_fingerprint")},
+    "CheckpointRecorder": "training",
+    "ModuleLoss": "loss",
+    "Spec": "cli",
+    "iter_batches": "batches",
+    "store_fingerprint": "search",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        where = _MOVED[name]
+        warn_deprecated(f"tracinfunc.{name}", f"tracinfunc.{where}.{name}")
+        return getattr(globals()[where], name)
+    raise AttributeError(f"module 'tracinfunc' has no attribute {name!r}")

@@ -17,8 +17,8 @@ from tracinfunc.errors import (
     InvalidTypeError,
     NonFiniteGradientError,
 )
-from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta, check_compatible
+from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["check_not_empty", "check_test_shape", "check_test_tensor", "check_test_type",
            "compute_dtype", "query_matrix"]
@@ -32,7 +32,7 @@ def query_matrix(
         check_test_tensor(meta, test_grads)
         return test_grads, test_grads.to(compute_dtype(test_grads.dtype)).norm(dim=-1)
     check_test_type(test_grads)
-    check_compatible(meta, test_grads.meta, caller=current_caller())
+    check_compatible(meta, test_grads.meta)
     n_test = test_grads.meta.n_train
     rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
     norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])

@@ -8,15 +8,16 @@ public calls (``top_k`` runs ``score_chunks``) report the outermost one.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["check_bool", "check_int", "current_caller", "entry_point"]
+__all__ = ["calling", "check_bool", "check_int", "current_caller", "entry_point"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("tracinfunc_caller",
@@ -31,17 +32,23 @@ def current_caller(default: str = "tracinfunc") -> str:
 def entry_point(name: str) -> Callable[[F], F]:
     """Mark a public function: errors raised while it runs name ``name``.
 
-    Works for generator functions too (the name holds while each item is produced, not
-    while the caller holds the generator).
+    ``"{cls}"`` in ``name`` stands for the class of the first argument (a method's ``self``),
+    so one method shared by several store classes names the class the user holds. Works for
+    generator functions too (the name holds while each item is produced, not while the
+    caller holds the generator).
     """
+    def name_for(args: tuple) -> str:
+        return name.replace("{cls}", type(args[0]).__name__) if "{cls}" in name else name
+
     def decorate(fn: F) -> F:
         if inspect.isgeneratorfunction(fn):
             @functools.wraps(fn)
             def generator(*args: Any, **kwargs: Any) -> Any:
-                items = _run_as(name, fn, *args, **kwargs)
+                called = name_for(args)
+                items = _run_as(called, fn, *args, **kwargs)
                 while True:
                     try:
-                        item = _run_as(name, next, items)
+                        item = _run_as(called, next, items)
                     except StopIteration:
                         return
                     yield item
@@ -50,11 +57,25 @@ def entry_point(name: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def function(*args: Any, **kwargs: Any) -> Any:
-            return _run_as(name, fn, *args, **kwargs)
+            return _run_as(name_for(args), fn, *args, **kwargs)
 
         return function  # type: ignore[return-value]
 
     return decorate
+
+
+@contextlib.contextmanager
+def calling(name: str) -> Iterator[None]:
+    """Name the caller for everything run inside (the command line names its command); an
+    enclosing entry point still speaks first."""
+    if _CALLER.get() is not None:
+        yield
+        return
+    token = _CALLER.set(name)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
 
 
 def _run_as(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -67,7 +88,7 @@ def _run_as(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
         _CALLER.reset(token)
 
 
-def check_int(value: Any, name: str, *, caller: str | None = None, minimum: int = 1,
+def check_int(value: Any, name: str, *, minimum: int = 1,
               maximum: int | None = None, maximum_label: str = "", optional: bool = False,
               fix: str = "", wanted: str | None = None,
               error: type[Exception] = InvalidArgumentError) -> Any:
@@ -96,17 +117,16 @@ def check_int(value: Any, name: str, *, caller: str | None = None, minimum: int 
             label = f"{maximum_label}=" if maximum_label else ""
             wanted = f"an int in [{minimum}, {label}{maximum}]"
         raise error(
-            f"{caller or current_caller()}: {name} must be {wanted}"
+            f"{current_caller()}: {name} must be {wanted}"
             f"{' or None' if optional else ''}, got {value!r}{'; ' + fix if fix else ''}."
         )
     return value
 
 
-def check_bool(value: Any, name: str, *, caller: str | None = None,
-               error: type[Exception] = InvalidTypeError) -> bool:
+def check_bool(value: Any, name: str, *, error: type[Exception] = InvalidTypeError) -> bool:
     """``value`` if it is ``True`` or ``False``, else ``error`` (:class:`InvalidTypeError`)."""
     if not isinstance(value, bool):
         raise error(
-            f"{caller or current_caller()}: {name} must be True or False, got {value!r}."
+            f"{current_caller()}: {name} must be True or False, got {value!r}."
         )
     return value

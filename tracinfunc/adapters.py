@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
 from tracinfunc.checkpoint import Checkpoint
@@ -35,8 +36,6 @@ def adapter_state_dict(path: str | PathLike) -> dict[str, Tensor]:
                 "install it with pip install 'tracinfunc[hf]'."
             ) from error
         return load_file(str(path), device="cpu")
-    import torch
-
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.data import DataLoader, RandomSampler
 
 from tracinfunc._validate import check_int
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
@@ -38,8 +39,6 @@ def sized(data: Batch | Iterable[Batch]) -> int:
 
 def check_ordered(data: object) -> None:
     """Refuse a shuffling DataLoader: row i of a store must be example i of the dataset."""
-    from torch.utils.data import DataLoader, RandomSampler
-
     sampler = getattr(data, "sampler", None) if isinstance(data, DataLoader) else None
     if isinstance(sampler, RandomSampler):
         raise InvalidArgumentError(
@@ -86,7 +85,7 @@ def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
     Batches are split and merged (concatenated along the batch dimension) as needed; the
     order of examples is kept.
     """
-    check_int(batch_size, "batch_size", optional=True, caller="build_store")
+    check_int(batch_size, "batch_size", optional=True)
     pending: list[Batch] = []
     count = 0
     for batch in iter_batches(data):

@@ -12,6 +12,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
+from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.store.meta import check_lr
@@ -36,7 +37,7 @@ class Checkpoint:
             checkpoints ``"checkpoint-<i>"`` by position.
         buffers: The model's non-trainable state at this snapshot (BatchNorm running
             statistics), ``{name: tensor}``; ``build_store`` differentiates a
-            :class:`~tracinfunc.ModuleLoss` with them (:func:`loss_at`). Never differentiated.
+            :class:`~tracinfunc.loss.ModuleLoss` with them (:func:`loss_at`). Never differentiated.
 
     Example:
         >>> ckpt = Checkpoint.from_module(model, lr=0.1, name="epoch-3")
@@ -47,6 +48,7 @@ class Checkpoint:
     name: str | None = None
     buffers: Mapping[str, Tensor] = field(default_factory=dict)
 
+    @entry_point("Checkpoint")
     def __post_init__(self) -> None:
         if not isinstance(self.params, Mapping) or not self.params:
             raise InvalidTypeError(
@@ -54,7 +56,7 @@ class Checkpoint:
                 f"{type(self.params).__name__}; use Checkpoint.from_module(model) to build one."
             )
         # JAX/NumPy/CuPy arrays come in through DLPack, shared like tensors (never copied).
-        params = {key: tensor_if_array(value, caller="Checkpoint")
+        params = {key: tensor_if_array(value)
                   for key, value in self.params.items()}
         object.__setattr__(self, "params", params)
         for key, value in self.params.items():
@@ -74,7 +76,7 @@ class Checkpoint:
                     "but no values; load real weights first (e.g. model.to_empty(device='cpu') "
                     "then load_state_dict, or Checkpoint.load)."
                 )
-        lr = check_lr(self.lr, caller="Checkpoint")
+        lr = check_lr(self.lr)
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"Checkpoint: name must be a str or None, got {self.name!r}.")
         # Frozen dataclass: the only way to store a normalised value is object.__setattr__.
@@ -168,7 +170,7 @@ class Checkpoint:
 def loss_at(loss: LossFn, checkpoint: Checkpoint) -> LossFn:
     """``loss`` with ``checkpoint``'s buffers, for a loss that takes them.
 
-    A :class:`~tracinfunc.ModuleLoss` (from :func:`~tracinfunc.loss_from_module` or
+    A :class:`~tracinfunc.loss.ModuleLoss` (from :func:`~tracinfunc.loss_from_module` or
     :func:`~tracinfunc.loss_from_model`) gets the checkpoint's running statistics in place of
     the ones captured when it was built; other losses are returned unchanged (they own their
     state). Used by :func:`~tracinfunc.build_store` for every checkpoint.

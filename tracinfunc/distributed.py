@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from tracinfunc.errors import InvalidArgumentError
-from tracinfunc.store.base import GradientStore
-from tracinfunc.store.parts import commit_store
+from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.zarr.parts import commit_store
+from tracinfunc.store.zarr.paths import open_store
 
 T = TypeVar("T")
 
@@ -74,8 +75,6 @@ def commit_after_barrier(path: str | os.PathLike[str]) -> GradientStore:
     if torch.distributed.get_rank() == 0:
         commit_store(path)
     torch.distributed.barrier()  # nobody opens the store before rank 0 sealed it
-    from tracinfunc.store.paths import open_store
-
     return open_store(path)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = [
@@ -47,13 +48,12 @@ ALIGNMENT = 64
 FRAMEWORKS = ("torch", "numpy", "jax", "cupy")
 
 
-def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
+def as_tensor(array: Any) -> Tensor:
     """A torch tensor sharing ``array``'s memory: a tensor as is, else through DLPack.
 
     Args:
         array: A ``torch.Tensor`` or any object with ``__dlpack__`` (JAX, NumPy, CuPy, ...).
             A NumPy array that DLPack cannot export (a dtype DLPack lacks) is copied.
-        caller: The public function to name in errors.
 
     Returns:
         A tensor on the array's device, zero-copy wherever the producer allows it.
@@ -65,7 +65,8 @@ def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
         return array
     if not hasattr(array, "__dlpack__"):
         raise InvalidTypeError(
-            f"{caller}: expected a torch.Tensor or an array implementing __dlpack__ (JAX, "
+            f"{current_caller('as_tensor')}: expected a torch.Tensor or an array implementing "
+            "__dlpack__ (JAX, "
             f"NumPy, CuPy), got {type(array).__name__}; convert it with numpy.asarray first."
         )
     try:
@@ -74,19 +75,19 @@ def as_tensor(array: Any, *, caller: str = "as_tensor") -> Tensor:
         if isinstance(array, np.ndarray):
             return torch.from_numpy(np.array(array, copy=True))
         raise InvalidTypeError(
-            f"{caller}: could not import a {type(array).__name__} through DLPack ({error}); "
-            "pass a torch tensor or a NumPy array instead."
+            f"{current_caller('as_tensor')}: could not import a {type(array).__name__} through "
+            f"DLPack ({error}); pass a torch tensor or a NumPy array instead."
         ) from error
 
 
-def tensor_if_array(value: Any, *, caller: str) -> Any:
+def tensor_if_array(value: Any) -> Any:
     """``value`` as a tensor if it is a ``__dlpack__`` array, else unchanged (e.g. a store)."""
     if isinstance(value, Tensor) or not hasattr(value, "__dlpack__"):
         return value
-    return as_tensor(value, caller=caller)
+    return as_tensor(value)
 
 
-def framework_of(array: Any, *, caller: str = "framework_of") -> str:
+def framework_of(array: Any) -> str:
     """``"torch"``, ``"numpy"``, ``"jax"`` or ``"cupy"``: the framework ``array`` belongs to.
 
     Raises:
@@ -102,28 +103,28 @@ def framework_of(array: Any, *, caller: str = "framework_of") -> str:
     if root == "cupy":
         return "cupy"
     raise InvalidTypeError(
-        f"{caller}: like= must be a torch, NumPy, JAX or CuPy array, got {type(array).__name__}; "
-        f"pass output= one of {', '.join(map(repr, FRAMEWORKS))} instead."
+        f"{current_caller('framework_of')}: like= must be a torch, NumPy, JAX or CuPy array, got "
+        f"{type(array).__name__}; pass output= one of {', '.join(map(repr, FRAMEWORKS))} instead."
     )
 
 
-def resolve_output(output: str | None, like: Any, *, caller: str) -> str:
+def resolve_output(output: str | None, like: Any) -> str:
     """The framework results are returned in: ``output``, ``like``'s framework, or torch.
 
     Validated before any work, so a typo fails fast.
     """
     if output is not None and like is not None:
         raise InvalidArgumentError(
-            f"{caller}: pass output= or like=, not both (got output={output!r} and a "
+            f"{current_caller()}: pass output= or like=, not both (got output={output!r} and a "
             f"{type(like).__name__})."
         )
     if like is not None:
-        return framework_of(like, caller=caller)
+        return framework_of(like)
     if output is None:
         return "torch"
     if output not in FRAMEWORKS:
         raise InvalidArgumentError(
-            f"{caller}: output must be one of {', '.join(map(repr, FRAMEWORKS))}, got "
+            f"{current_caller()}: output must be one of {', '.join(map(repr, FRAMEWORKS))}, got "
             f"{output!r}; e.g. output='jax' to get a jax.Array."
         )
     return output

@@ -37,7 +37,7 @@ def causal_lm_loss(model: nn.Module) -> ModuleLoss:
             or an object with ``.logits``), in eval mode.
 
     Returns:
-        A :class:`~tracinfunc.ModuleLoss` over examples
+        A :class:`~tracinfunc.loss.ModuleLoss` over examples
         ``{"input_ids": [T], "attention_mask"?: [T], "labels"?: [T]}``.
 
     Example:
@@ -52,7 +52,7 @@ def sequence_classification_loss(model: nn.Module) -> ModuleLoss:
     """Cross-entropy of one sequence's class (HF ``*ForSequenceClassification``).
 
     Returns:
-        A :class:`~tracinfunc.ModuleLoss` over examples
+        A :class:`~tracinfunc.loss.ModuleLoss` over examples
         ``{"input_ids": [T], "attention_mask"?: [T], "labels": []}``.
     """
     return loss_from_model(model, criterion=_classification_loss, skip_keys=("labels",))

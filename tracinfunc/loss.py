@@ -27,6 +27,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_map
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
 
@@ -119,6 +120,7 @@ class ModuleLoss:
             )
 
 
+@entry_point("loss_from_module")
 def loss_from_module(
     module: nn.Module,
     criterion: Callable[[Tensor, Tensor], Tensor],
@@ -147,10 +149,11 @@ def loss_from_module(
     Raises:
         TrainModeError: the module has BatchNorm/InstanceNorm layers in train mode.
     """
-    check_eval_mode(module, caller="loss_from_module")
+    check_eval_mode(module)
     return ModuleLoss(module, criterion, _buffers_of(module, buffers))
 
 
+@entry_point("loss_from_model")
 def loss_from_model(
     model: nn.Module,
     *,
@@ -185,7 +188,7 @@ def loss_from_model(
         >>> loss = loss_from_model(gpt2)                       # outputs.loss from labels
         >>> loss(params, {"input_ids": ids, "labels": ids})
     """
-    check_eval_mode(model, caller="loss_from_model")
+    check_eval_mode(model)
     if isinstance(skip_keys, str) or not all(isinstance(key, str) for key in skip_keys):
         raise LossFunctionError(
             f"loss_from_model: skip_keys must be a tuple of dict keys, got {skip_keys!r}; "
@@ -246,7 +249,7 @@ def _own_loss(outputs: Any) -> Tensor:
     return value
 
 
-def check_eval_mode(module: nn.Module, *, caller: str) -> None:
+def check_eval_mode(module: nn.Module) -> None:
     """Raise :class:`TrainModeError` if a layer of ``module`` keeps state in train mode."""
     offenders = [
         name or type(module).__name__
@@ -256,7 +259,8 @@ def check_eval_mode(module: nn.Module, *, caller: str) -> None:
     ]
     if offenders:
         raise TrainModeError(
-            f"{caller}: {offenders} are in train mode, where they update running statistics "
+            f"{current_caller()}: {offenders} are in train mode, where they update running "
+            "statistics "
             "from each batch; per-example gradients under vmap need fixed statistics. Call "
             "model.eval() before building the loss."
         )

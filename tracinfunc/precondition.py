@@ -25,12 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
     InvalidTypeError,
     MissingDependencyError,
     MissingParametersError,
+    TracInFuncError,
 )
 
 __all__ = ["KINDS", "AdamState", "Preconditioner", "check_preconditioners", "optimizer_param_names",
@@ -156,8 +158,7 @@ class Preconditioner:
         denominator = denominator.mul_((1 - s.beta2**t) ** -0.5).add_(s.eps)
         return numerator.div_(denominator)
 
-    def check(self, shapes: Mapping[str, Sequence[int]], selected: Sequence[str], *,
-              caller: str) -> None:
+    def check(self, shapes: Mapping[str, Sequence[int]], selected: Sequence[str]) -> None:
         """Raise unless the state fits a checkpoint's parameters and covers the selection.
 
         Args:
@@ -172,21 +173,21 @@ class Preconditioner:
         extra = sorted(set(self.state) - set(shapes))
         if extra:
             raise IncompatibleGradientsError(
-                f"{caller}: the preconditioner has optimizer state for {extra}, which the "
-                f"checkpoint lacks (it has {_few(shapes)}); build it from the optimizer that "
+                f"{current_caller()}: the preconditioner has optimizer state for {extra}, which "
+                f"the checkpoint lacks (it has {_few(shapes)}); build it from the optimizer that "
                 "trained this model, with the names in optimizer order."
             )
         missing = sorted(set(selected) - set(self.state))
         if missing:
             raise MissingParametersError(
-                f"{caller}: the preconditioner has no optimizer state for selected parameters "
-                f"{missing} (it covers {_few(self.state)}); select only parameters the "
+                f"{current_caller()}: the preconditioner has no optimizer state for selected "
+                f"parameters {missing} (it covers {_few(self.state)}); select only parameters the "
                 "optimizer trained, or save the optimizer state after they were stepped."
             )
         for name, s in self.state.items():
             if tuple(s.exp_avg_sq.shape) != tuple(shapes[name]):
                 raise IncompatibleGradientsError(
-                    f"{caller}: optimizer state for {name!r} has shape "
+                    f"{current_caller()}: optimizer state for {name!r} has shape "
                     f"{list(s.exp_avg_sq.shape)} but the parameter is {list(shapes[name])}; "
                     "the names are probably not in optimizer order (pass "
                     "Preconditioner.from_optimizer(optimizer, model), or the names in "
@@ -291,7 +292,7 @@ def _ordered_names(state_dict: Mapping[str, Any], names: Sequence[str] | nn.Modu
                 "when saving, trainer_param_names(model) for a HF Trainer's optimizer.pt)."
             )
         else:
-            names = _module_names(module, len(groups), caller)
+            names = _module_names(module, len(groups))
     names = list(names)
     if len(names) != len(groups) or not all(isinstance(n, str) for n in names):
         raise InvalidArgumentError(
@@ -301,15 +302,15 @@ def _ordered_names(state_dict: Mapping[str, Any], names: Sequence[str] | nn.Modu
     return names, groups
 
 
-def _module_names(module: nn.Module, count: int, caller: str) -> list[str]:
+def _module_names(module: nn.Module, count: int) -> list[str]:
     every = [name for name, _ in module.named_parameters()]
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
     for candidate in (every, trainable):
         if len(candidate) == count:
             return candidate
     raise InvalidArgumentError(
-        f"{caller}: the optimizer holds {count} parameters but {type(module).__name__} has "
-        f"{len(every)} ({len(trainable)} trainable); pass the names in optimizer order."
+        f"{current_caller()}: the optimizer holds {count} parameters but {type(module).__name__} "
+        f"has {len(every)} ({len(trainable)} trainable); pass the names in optimizer order."
     )
 
 
@@ -340,9 +341,11 @@ def _few(names: Mapping[str, Any] | Sequence[str]) -> str:
     return str(shown[:6])[:-1] + (f", … ({len(shown)} in all)]" if len(shown) > 6 else "]")
 
 
-def check_preconditioners(preconditioners: Sequence[Preconditioner] | None,
-                          params: Sequence[Mapping[str, Tensor]], selected: Sequence[str], *,
-                          caller: str) -> str | None:
+def check_preconditioners(
+    preconditioners: Sequence[Preconditioner] | None,
+    params: Sequence[Mapping[str, Tensor]],
+    selected: Sequence[str],
+) -> str | None:
     """Check one preconditioner per checkpoint, all of one kind; return that kind or None.
 
     Args:
@@ -354,24 +357,28 @@ def check_preconditioners(preconditioners: Sequence[Preconditioner] | None,
         return None
     if not isinstance(preconditioners, Sequence):
         raise InvalidTypeError(
-            f"{caller}: preconditioners must be a list with one tracinfunc.Preconditioner per "
+            f"{current_caller()}: preconditioners must be a list with one "
+            "tracinfunc.Preconditioner per "
             f"checkpoint, got {type(preconditioners).__name__}; wrap a single one in a list."
         )
     if len(preconditioners) != len(params) or not all(
             isinstance(p, Preconditioner) for p in preconditioners):
         raise InvalidArgumentError(
-            f"{caller}: preconditioners must be one tracinfunc.Preconditioner per checkpoint "
-            f"({len(params)}), got {[type(p).__name__ for p in preconditioners]}; e.g. "
+            f"{current_caller()}: preconditioners must be one tracinfunc.Preconditioner per "
+            f"checkpoint ({len(params)}), got {[type(p).__name__ for p in preconditioners]}; e.g. "
             "load_recorded_preconditioners(directory, model)."
         )
     kinds = sorted({p.kind for p in preconditioners})
     if len(kinds) > 1:
         raise InvalidArgumentError(
-            f"{caller}: preconditioners mix kinds {kinds}; the store records one kind, so use "
-            "one kind for every checkpoint."
+            f"{current_caller()}: preconditioners mix kinds {kinds}; the store records one kind, "
+            "so use one kind for every checkpoint."
         )
     for position, (precondition, values) in enumerate(zip(preconditioners, params,
                                                            strict=True)):
         shapes = {name: tuple(value.shape) for name, value in values.items()}
-        precondition.check(shapes, selected, caller=f"{caller} (checkpoint {position})")
+        try:
+            precondition.check(shapes, selected)
+        except TracInFuncError as error:  # say which of the n_ckpt preconditioners it was
+            raise type(error)(f"{error} (the preconditioner of checkpoint {position})") from error
     return kinds[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tqdm import tqdm
+
 from tracinfunc.errors import InvalidTypeError
 
 __all__ = ["DELAY_S", "ProgressArg", "progress_bar"]
@@ -48,8 +50,6 @@ def progress_bar(progress: ProgressArg, *, total: int | None, desc: str, unit: s
         raise InvalidTypeError(f"{desc}: progress must be True, False or None, got {progress!r}.")
     if progress is False:
         return _Silent()
-    from tqdm import tqdm  # imported lazily: a bar is optional, importing tqdm is not free
-
     return tqdm(
         total=total, desc=desc, unit=unit, dynamic_ncols=True,
         disable=None if progress is None else False,  # None: tqdm disables on non-terminals

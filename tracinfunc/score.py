@@ -11,11 +11,11 @@ few chunks plus the output, never the store.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from tracinfunc._deprecations import warn_deprecated
 from tracinfunc._queries import (
     check_not_empty,
     check_test_shape,
@@ -23,20 +23,19 @@ from tracinfunc._queries import (
     compute_dtype,
     query_matrix,
 )
-from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.distributed import merge_top_k
 from tracinfunc.errors import (
     InvalidArgumentError,
 )
 from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store.base import GradientStore, SupportsRowViews, aligned_rows
+from tracinfunc.search.index import SearchIndex
+from tracinfunc.search.rerank import indexed_top_k
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import GradientStore, SupportsRowViews, aligned_rows
 from tracinfunc.store.rowrange import row_range
 from tracinfunc.store.stream import compute_threads, stream_rows
-
-if TYPE_CHECKING:
-    from tracinfunc.search import SearchIndex
 
 __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 
@@ -102,10 +101,10 @@ def score(
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
     """
-    framework = resolve_output(output, like, caller=current_caller())
-    test_grads = tensor_if_array(test_grads, caller=current_caller())
+    framework = resolve_output(output, like)
+    test_grads = tensor_if_array(test_grads)
     if rows is not None:
-        store = row_range(store, rows, caller=current_caller())
+        store = row_range(store, rows)
     meta = store.meta
     check_not_empty(meta)
     device = _resolve_device(device, test_grads)
@@ -152,13 +151,6 @@ def top_k(
         k: How many training examples per test example.
         largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
             (opponents).
-        index: A :class:`~tracinfunc.SearchIndex` (``tif.build_index``) of this store:
-            candidates come from it and are re-ranked exactly from the store, so only
-            candidate rows are read (see ``docs/search.md``). ``device``, ``chunk_rows`` and
-            ``progress`` do not apply; results are on the CPU.
-        nprobe: Clusters searched per test example, with ``index`` only (see
-            :func:`tracinfunc.search.indexed_top_k`).
-        candidates: Rows re-ranked exactly per test example, with ``index`` only.
         normalize: As in :func:`score`.
         device: As in :func:`score`.
         chunk_rows: As in :func:`score`.
@@ -166,34 +158,31 @@ def top_k(
         output: As in :func:`score`.
         like: As in :func:`score`.
         rows: ``(start, stop)``: scan only training rows ``[start, stop)``; the partial
-            results of workers merge exactly with :func:`tracinfunc.merge_top_k` (or
-            :func:`tracinfunc.gather_top_k` under torchrun).
+            results of workers merge exactly with :func:`tracinfunc.distributed.merge_top_k`
+            (or :func:`tracinfunc.distributed.gather_top_k` under torchrun).
+        index, nprobe, candidates: Deprecated (removed in 0.3.0): an approximate search is
+            :func:`tracinfunc.indexed_top_k`. Given, they warn and forward to it.
 
     Returns:
         ``(values, indices)``, both ``[n_test, k]``, sorted best first, equal scores by row;
         indices are rows of the store (int64), also with ``rows``.
     """
-    framework = resolve_output(output, like, caller=current_caller())
-    test_grads = tensor_if_array(test_grads, caller=current_caller())
+    framework = resolve_output(output, like)
+    test_grads = tensor_if_array(test_grads)
     check_not_empty(store.meta)
     offset = 0
     if rows is not None:
-        store = row_range(store, rows, caller=current_caller())
+        store = row_range(store, rows)
         offset = store.start
     n_train = store.meta.n_train
     check_int(k, "k", maximum=n_train, maximum_label="n_train",
               fix="for every training example use tif.score and sort")
     if index is not None or nprobe is not None or candidates is not None:
-        from tracinfunc.search import indexed_top_k  # search builds on score: import late
-
-        if index is None:
-            raise InvalidArgumentError(
-                "top_k: nprobe and candidates apply only to an approximate search; pass "
-                "index=tif.build_index(store) as well, or drop them for the exact scan."
-            )
-        values, indices = indexed_top_k(store, test_grads, k, index=index, nprobe=nprobe,
-                                        candidates=candidates, largest=largest,
-                                        normalize=normalize)
+        values, indices = _deprecated_indexed_top_k(
+            store, test_grads, k, index=index, nprobe=nprobe, candidates=candidates,
+            largest=largest, normalize=normalize, exact_only={
+                "device": device, "chunk_rows": chunk_rows, "progress": progress,
+                "rows": rows})
         return to_framework(values, framework), to_framework(indices, framework)
     options = {"largest": largest, "normalize": normalize, "device": device,
                "chunk_rows": chunk_rows, "progress": progress}
@@ -207,6 +196,28 @@ def top_k(
     return to_framework(values, framework), to_framework(indices, framework)
 
 
+def _deprecated_indexed_top_k(store: GradientStore, test_grads: GradientStore | Tensor, k: int,
+                              *, index: SearchIndex | None, exact_only: dict[str, object],
+                              **search: object) -> tuple[Tensor, Tensor]:
+    """``top_k(index=...)``, the old spelling of :func:`~tracinfunc.indexed_top_k`."""
+    warn_deprecated("top_k(index=..., nprobe=..., candidates=...)",
+                    "tif.indexed_top_k(store, test_grads, k, index=...)", stacklevel=5)
+    if index is None:
+        raise InvalidArgumentError(
+            "top_k: nprobe and candidates apply only to an approximate search; call "
+            "tif.indexed_top_k(store, test_grads, k, index=tif.build_index(store)), or drop "
+            "them for the exact scan."
+        )
+    ignored = sorted(name for name, value in exact_only.items() if value is not None)
+    if ignored:
+        raise InvalidArgumentError(
+            f"top_k: {', '.join(ignored)} apply to the exact scan only, not to a search "
+            "through an index (whose results are on the CPU, re-ranked from the store); drop "
+            "them, or drop index= for the exact scan."
+        )
+    return indexed_top_k(store, test_grads, k, index=index, **search)
+
+
 def _n_test(test_grads: object) -> int:
     """Test rows in ``test_grads`` (0 for what score_chunks will reject with its own error)."""
     if isinstance(test_grads, GradientStore):
@@ -218,7 +229,7 @@ def _query_rows(test_grads: GradientStore | Tensor, lo: int, hi: int) -> Gradien
     """Test rows ``[lo, min(hi, n_test))``: a tensor slice, or a row-range view of the store."""
     if isinstance(test_grads, Tensor):
         return test_grads[:, lo:hi]
-    return row_range(test_grads, (lo, min(hi, test_grads.meta.n_train)), caller=current_caller())
+    return row_range(test_grads, (lo, min(hi, test_grads.meta.n_train)))
 
 
 def _exact_top_k(store: GradientStore, test_grads: GradientStore | Tensor, k: int,
@@ -266,9 +277,9 @@ def self_influence(
         ``[n_train]`` (``[stop - start]`` with ``rows``), float32 (float64 for float64
         stores), on ``device``.
     """
-    framework = resolve_output(output, like, caller=current_caller())
+    framework = resolve_output(output, like)
     if rows is not None:
-        store = row_range(store, rows, caller=current_caller())
+        store = row_range(store, rows)
     meta = store.meta
     dtype = compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)
@@ -313,7 +324,7 @@ def score_chunks(
         ``[start, start + rows)``. Write your own reduction over it; without ``out``,
         ``block`` is new for every chunk.
     """
-    test_grads = tensor_if_array(test_grads, caller=current_caller())
+    test_grads = tensor_if_array(test_grads)
     meta = store.meta
     device = _resolve_device(device, test_grads)
     test, test_norms = query_matrix(meta, test_grads)

@@ -32,11 +32,11 @@ import torch
 from tracinfunc.errors import InvalidTypeError
 from tracinfunc.projection.spec import Projection
 from tracinfunc.score import score, score_chunks, self_influence, top_k
-from tracinfunc.store.base import GradientStore
-from tracinfunc.store.memory import MemoryStore
+from tracinfunc.store.codes import dequantize, quantize
+from tracinfunc.store.memory.dense import MemoryStore
+from tracinfunc.store.memory.quantized import QuantizedMemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta
-from tracinfunc.store.quantize import dequantize, quantize
-from tracinfunc.store.quantized import QuantizedMemoryStore
+from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["StoreConformance", "reference_store"]
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -186,6 +187,7 @@ def trainer_callback(directory: str | PathLike, *, every: int | None = None,
     return TracInCheckpointCallback()
 
 
+@entry_point("load_recorded_checkpoints")
 def load_recorded_checkpoints(directory: str | PathLike, model: nn.Module) -> list[Checkpoint]:
     """The recorded checkpoints, by step, each weighted by the lr recorded with it.
 
@@ -200,9 +202,10 @@ def load_recorded_checkpoints(directory: str | PathLike, model: nn.Module) -> li
     directory = Path(directory)
     return [Checkpoint.load(directory / entry["weights"], model, lr=entry["lr"],
                             name=entry["name"])
-            for entry in _entries(directory, caller="load_recorded_checkpoints")]
+            for entry in _entries(directory)]
 
 
+@entry_point("load_recorded_preconditioners")
 def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *,
                                   kind: str = "adam", eps: float | None = None
                                   ) -> list[Preconditioner]:
@@ -216,7 +219,7 @@ def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *
         eps: As for :meth:`Preconditioner.from_state_dict`.
     """
     directory = Path(directory)
-    entries = _entries(directory, caller="load_recorded_preconditioners")
+    entries = _entries(directory)
     missing = [e["name"] for e in entries if e["optimizer"] is None]
     if missing:
         raise InvalidArgumentError(
@@ -236,24 +239,24 @@ def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *
                                 kind=kind, eps=eps) for e in entries]
 
 
-def _entries(directory: Path, *, caller: str) -> list[dict[str, Any]]:
+def _entries(directory: Path) -> list[dict[str, Any]]:
     """The manifest's checkpoints that weigh in TracIn: those recorded at lr 0 (the end of a
     linearly decaying schedule) add nothing to any score and are left out, with a warning."""
     entries = _read_manifest(directory)
     if not entries:
         raise InvalidArgumentError(
-            f"{caller}: no {MANIFEST} with checkpoints in {str(directory)!r}; record them "
-            "with CheckpointRecorder or trainer_callback first."
+            f"{current_caller()}: no {MANIFEST} with checkpoints in {str(directory)!r}; record "
+            "them with CheckpointRecorder or trainer_callback first."
         )
     idle = [entry["name"] for entry in entries if entry["lr"] == 0]
     if idle:
-        warnings.warn(f"{caller}: {idle} were recorded at lr 0 and add nothing to TracIn "
+        warnings.warn(f"{current_caller()}: {idle} were recorded at lr 0 and add nothing to TracIn "
                       "scores; they are left out.", RuntimeWarning, stacklevel=3)
     kept = [entry for entry in entries if entry["lr"] != 0]
     if not kept:
         raise InvalidArgumentError(
-            f"{caller}: every checkpoint in {str(directory)!r} was recorded at lr 0, so TracIn "
-            "weighs none of them; record checkpoints while the learning rate is positive."
+            f"{current_caller()}: every checkpoint in {str(directory)!r} was recorded at lr 0, so "
+            "TracIn weighs none of them; record checkpoints while the learning rate is positive."
         )
     return kept
 

@@ -16,7 +16,7 @@ def make():
     with torch.no_grad():
         model[0].weight.mul_(1.5)
     checkpoints.append(tif.Checkpoint.from_module(model, lr=0.05, name="later"))
-    return tif.Spec(
+    return tif.cli.Spec(
         loss=tif.loss_from_module(model, F.cross_entropy),
         train=(x[:24], y[:24]),
         test={"test": (x[24:], y[24:])},

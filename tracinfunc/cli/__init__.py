@@ -1,16 +1,12 @@
-"""The ``tracinfunc`` command line: argument parsing and output over the public API."""
+"""The ``tracinfunc`` command line: argument parsing and output over the public API.
+
+:class:`Spec` is what a spec file (``--spec file.py:make``) returns: the model, loss,
+checkpoints and data the command line builds from.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from tracinfunc.cli.commands import main
+from tracinfunc.cli.spec import Spec
 
-__all__ = ["main"]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line (``python -m tracinfunc`` and the ``tracinfunc`` script)."""
-    # Imported on call: ``tracinfunc`` re-exports ``cli.spec.Spec``, and the command line
-    # itself imports all of ``tracinfunc``.
-    from tracinfunc.cli.commands import main as run
-
-    return run(argv)
+__all__ = ["Spec", "main"]

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-import tracinfunc as tif
+from tracinfunc._validate import calling
+from tracinfunc._version import __version__
+from tracinfunc.build.torch import build_store
+from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.cli.evaluate import add_evaluate_command
 from tracinfunc.cli.results import (
     check_output_path,
@@ -30,9 +33,26 @@ from tracinfunc.cli.results import (
 )
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 from tracinfunc.distributed import init_from_environment
-from tracinfunc.store.parts import check_shard, read_parts
-from tracinfunc.store.remote import exists as remote_exists
-from tracinfunc.store.remote import location
+from tracinfunc.errors import (
+    IncompleteStoreError,
+    InvalidArgumentError,
+    InvalidProjectionError,
+    StoreExistsError,
+    StoreNotFoundError,
+    TracInFuncError,
+)
+from tracinfunc.grads.options import GradientOptions
+from tracinfunc.grads.selection import last_layers
+from tracinfunc.grads.stages import Stages, model_stages
+from tracinfunc.projection.spec import Projection
+from tracinfunc.score import score, self_influence, top_k
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.zarr.parts import StorePart, check_shard, commit_store, read_parts
+from tracinfunc.store.zarr.paths import open_store, read_store_meta, remove_store, verify_store
+from tracinfunc.store.zarr.urls import exists as remote_exists
+from tracinfunc.store.zarr.urls import location
+from tracinfunc.store.zarr.writer import ZarrWriter
 
 __all__ = ["main"]
 
@@ -47,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        # Errors name the command the user typed (``tracinfunc build: ...``), also those
+        # raised inside the public functions it calls.
+        with calling(f"tracinfunc {args.run.__name__.lstrip('_').replace('_', '-')}"):
+            return args.run(args)
     except KeyboardInterrupt:
         resume = (f"; the rows stored so far are kept: run the same command with --resume to "
                   f"continue building {str(args.out)!r}") if args.run is _build else ""
@@ -62,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
-    return text if isinstance(error, tif.TracInFuncError | OSError) else (
+    return text if isinstance(error, TracInFuncError | OSError) else (
         f"{type(error).__name__}: {text}"
     )
 
@@ -71,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracinfunc", description="TracIn training-data attribution on torch.func."
     )
-    parser.add_argument("--version", action="version", version=f"tracinfunc {tif.__version__}")
+    parser.add_argument("--version", action="version", version=f"tracinfunc {__version__}")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     # Also after the command. SUPPRESS: a subcommand's default must not undo the flag given
@@ -181,7 +204,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _projection(text: str) -> tif.Projection:
+def _projection(text: str) -> Projection:
     kind, *numbers = text.split(":")
     try:
         values = [int(n) for n in numbers]
@@ -194,12 +217,12 @@ def _projection(text: str) -> tif.Projection:
     # (it used to be ignored); other kinds default to 512.
     defaults = {} if kind == "identity" else {"dim": 512}
     try:
-        return tif.Projection(kind=kind, **{**defaults, **fields})
-    except tif.InvalidProjectionError as error:
+        return Projection(kind=kind, **{**defaults, **fields})
+    except InvalidProjectionError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[tif.Checkpoint]:
+def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[Checkpoint]:
     if not files:
         if not spec.checkpoints:
             raise SpecError("build: the spec has no checkpoints; return some or pass "
@@ -211,7 +234,7 @@ def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[tif.Checkpoint
     for item in files:
         path, _, lr = item.partition("@")
         checkpoints.append(
-            tif.Checkpoint.load(path, spec.model, lr=float(lr or 1.0), name=Path(path).stem)
+            Checkpoint.load(path, spec.model, lr=float(lr or 1.0), name=Path(path).stem)
         )
     return checkpoints
 
@@ -221,7 +244,7 @@ def _build(args: argparse.Namespace) -> int:
     if not sharded and isinstance(args.out, Path):  # a URL: the writer refuses what it must
         _check_build_out(args.out, resume=args.resume, overwrite=args.overwrite)
     elif args.overwrite:
-        raise tif.InvalidArgumentError(
+        raise InvalidArgumentError(
             "tracinfunc build: --overwrite cannot be used with --shard or torchrun (one part "
             "would delete the others' rows); remove the store with 'rm -r' first."
         )
@@ -240,14 +263,14 @@ def _build(args: argparse.Namespace) -> int:
 def _build_store(args: argparse.Namespace, sharded: bool) -> int:
     spec = load_spec(args.spec)
     checkpoints = _checkpoints(spec, args.checkpoints)
-    store = tif.build_store(
+    store = build_store(
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
         dataset_fingerprint=args.dataset_fingerprint,
         store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
         progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
     )
-    if isinstance(store, tif.StorePart):
+    if isinstance(store, StorePart):
         print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
               f"of {args.out}; when every part is done, run 'tracinfunc commit {args.out}'")
     else:
@@ -256,7 +279,7 @@ def _build_store(args: argparse.Namespace, sharded: bool) -> int:
 
 
 def _commit(args: argparse.Namespace) -> int:
-    store = tif.commit_store(args.store)
+    store = commit_store(args.store)
     print(f"committed {store}")
     return 0
 
@@ -264,8 +287,8 @@ def _commit(args: argparse.Namespace) -> int:
 def _shard(text: str) -> tuple[int, int]:
     index, _, count = text.partition("/")
     try:
-        return check_shard((int(index), int(count)), caller="--shard")
-    except (ValueError, tif.TracInFuncError):
+        return check_shard((int(index), int(count)))
+    except (ValueError, TracInFuncError):
         raise argparse.ArgumentTypeError(
             f"expected I/N with 0 <= I < N, e.g. 3/8, got {text!r}"
         ) from None
@@ -274,66 +297,65 @@ def _shard(text: str) -> tuple[int, int]:
 def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
     """Fail before the spec is loaded unless --out can take the store (see docs/cli.md)."""
     caller, shown = "tracinfunc build", str(path)
-    check_writable_directory(path.resolve().parent, caller=caller,
-                             what="the directory of --out")
+    check_writable_directory(path.resolve().parent, what="the directory of --out")
     if not path.exists():
         return
     try:
-        meta = tif.read_store_meta(path, caller=caller)
+        meta = read_store_meta(path)
     except Exception as error:
-        raise tif.StoreExistsError(
+        raise StoreExistsError(
             f"{caller}: --out {shown!r} exists and is not a tracinfunc store ({error}); choose "
             "another --out (build never deletes what it did not write)."
         ) from error
     if meta.complete and resume:
-        raise tif.StoreExistsError(
+        raise StoreExistsError(
             f"{caller}: {shown!r} is a finished store, there is nothing to resume; inspect it "
             f"with 'tracinfunc info {shown}', pass --overwrite to rebuild it, or choose "
             "another --out."
         )
     if meta.complete and not overwrite:
-        raise tif.StoreExistsError(
+        raise StoreExistsError(
             f"{caller}: {shown!r} already holds a finished store; pass --overwrite to replace "
             f"it or choose another --out (inspect it with 'tracinfunc info {shown}')."
         )
     if not meta.complete and not (resume or overwrite):
-        raise tif.StoreExistsError(
+        raise StoreExistsError(
             f"{caller}: {shown!r} holds an incomplete store ({meta.n_train} rows written) "
             "left by an interrupted build; run the same command with --resume to continue "
             "it, or pass --overwrite to start over."
         )
     if resume:
-        check_writable_directory(path, caller=caller, what="the store")
+        check_writable_directory(path, what="the store")
 
 
-def _zarr_writer(path: Path | str, *, replace: bool) -> Callable[[tif.StoreMeta], tif.ZarrWriter]:
+def _zarr_writer(path: Path | str, *, replace: bool) -> Callable[[StoreMeta], ZarrWriter]:
     """``store=`` for build_store: a Zarr directory at ``path``, whatever its name (a plain
     ``"memory"`` or ``"zarr"`` would name a store kind). ``replace``: delete the store that
     :func:`_check_build_out` found there, finished or not, before writing."""
-    def make(meta: tif.StoreMeta) -> tif.ZarrWriter:
+    def make(meta: StoreMeta) -> ZarrWriter:
         if replace and remote_exists(path):
-            tif.remove_store(path, caller="tracinfunc build --overwrite")
-        return tif.ZarrWriter(path, meta)
+            remove_store(path)
+        return ZarrWriter(path, meta)
 
     return make
 
 
 def _gradient_options(args: argparse.Namespace, spec: Spec, *,
-                      default_select: Sequence[str] | None = None) -> tif.GradientOptions:
+                      default_select: Sequence[str] | None = None) -> GradientOptions:
     """The gradient options the flags ask for (``default_select`` without --layers)."""
     if args.layers and args.last_layers:
         raise SpecError("pass --layers or --last-layers, not both.")
     if args.offload and not args.checkpointing:
         raise SpecError("--offload moves checkpointed stage boundaries: add --checkpointing.")
     select = (args.layers if args.layers else
-              tif.last_layers(args.last_layers) if args.last_layers else default_select)
-    return tif.GradientOptions(
+              last_layers(args.last_layers) if args.last_layers else default_select)
+    return GradientOptions(
         chunk_size=args.chunk_size, memory_budget=args.memory_budget, select=select,
         mixed_precision=_AUTOCAST.get(args.mixed_precision),
         stages=_stages(spec) if args.checkpointing else None, offload=args.offload)
 
 
-def _stages(spec: Spec) -> tif.Stages:
+def _stages(spec: Spec) -> Stages:
     if spec.stages is not None:
         return spec.stages
     module, criterion = getattr(spec.loss, "module", None), getattr(spec.loss, "criterion", None)
@@ -342,7 +364,7 @@ def _stages(spec: Spec) -> tif.Stages:
             "--checkpointing needs stages: return Spec(stages=tif.model_stages(model, "
             "criterion, names=[...])), or build the loss with tif.loss_from_module."
         )
-    return tif.model_stages(module, criterion)
+    return model_stages(module, criterion)
 
 
 def _bytes(text: str) -> int:
@@ -366,24 +388,24 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 
 def _score(args: argparse.Namespace) -> int:
-    check_output_path(args.output, overwrite=args.overwrite, caller="score")
-    check_result_format(args.output, 1 if args.top_k is None else 2, caller="score")
-    store = tif.open_store(str(args.store))
+    check_output_path(args.output, overwrite=args.overwrite)
+    check_result_format(args.output, 1 if args.top_k is None else 2)
+    store = open_store(str(args.store))
     test = _test_gradients(args, store)
     if args.top_k is not None:
-        values, indices = tif.top_k(store, test, k=args.top_k, largest=not args.opponents,
+        values, indices = top_k(store, test, k=args.top_k, largest=not args.opponents,
                                     normalize=args.normalize, progress=_progress(args))
         write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
     else:
-        scores = tif.score(store, test, normalize=args.normalize, progress=_progress(args))
+        scores = score(store, test, normalize=args.normalize, progress=_progress(args))
         write_results(args.output, {"scores": scores}, columns="matrix")
     print(f"wrote {args.output}")
     return 0
 
 
-def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.GradientStore:
+def _test_gradients(args: argparse.Namespace, store: GradientStore) -> GradientStore:
     if args.test_store is not None:
-        return tif.open_store(str(args.test_store))
+        return open_store(str(args.test_store))
     if args.spec is None:
         raise SpecError("score: pass --spec (with --test NAME) or --test-store PATH.")
     spec = load_spec(args.spec)
@@ -394,23 +416,23 @@ def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.G
     # By default the store's own parameters, so the layouts match.
     options = _gradient_options(args, spec,
                                 default_select=[name for name, _ in store.meta.layout])
-    return tif.build_store(spec.loss, checkpoints, spec.test[args.test],
+    return build_store(spec.loss, checkpoints, spec.test[args.test],
                            projection=store.projection, progress=_progress(args),
                            options=options)
 
 
 def _self_influence(args: argparse.Namespace) -> int:
-    check_output_path(args.output, overwrite=args.overwrite, caller="self-influence")
-    store = tif.open_store(str(args.store))
-    write_results(args.output, {"self_influence": tif.self_influence(store)}, columns="vector")
+    check_output_path(args.output, overwrite=args.overwrite)
+    store = open_store(str(args.store))
+    write_results(args.output, {"self_influence": self_influence(store)}, columns="vector")
     print(f"wrote {args.output}")
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    meta = tif.read_store_meta(args.store, caller="tracinfunc info")
+    meta = read_store_meta(args.store)
     # Opening checks the arrays against the metadata; an incomplete store cannot be opened.
-    store = tif.open_store(str(args.store)) if meta.complete else None
+    store = open_store(str(args.store)) if meta.complete else None
     size = _size_on_disk(args.store)
     resume = (f"continue it with 'tracinfunc build ... --out {args.store} --resume' and the "
               "arguments it was started with")
@@ -435,11 +457,11 @@ def _info(args: argparse.Namespace) -> int:
     print(f"written by  tracinfunc {meta.library_version} (format {meta.format_version})")
     if args.verify:
         if store is None:
-            raise tif.IncompleteStoreError(
+            raise IncompleteStoreError(
                 f"tracinfunc info --verify: {str(args.store)!r} is incomplete "
                 f"({meta.n_train} rows written); {resume}, then verify it."
             )
-        tif.verify_store(store, progress=_progress(args))
+        verify_store(store, progress=_progress(args))
         print("verify      every row and norm read back and matched its checksum")
     return 0
 
@@ -448,7 +470,7 @@ def _parts_or_none(store: Path | str) -> list[dict | None] | None:
     """The parts of a sharded store being built, or ``None`` for a one-process store."""
     try:
         return read_parts(store)
-    except tif.StoreNotFoundError:
+    except StoreNotFoundError:
         return None
 
 

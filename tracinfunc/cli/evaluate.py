@@ -35,7 +35,7 @@ def add_evaluate_command(commands: argparse._SubParsersAction, common: argparse.
 
 def _evaluate(args: argparse.Namespace) -> int:
     if args.output is not None:
-        check_output_path(args.output, overwrite=args.overwrite, caller="evaluate")
+        check_output_path(args.output, overwrite=args.overwrite)
     result = evaluate_lds_from_files(args.scores, args.retrain, n_bootstrap=args.bootstrap,
                                      confidence=args.confidence, seed=args.seed)
     level = f"{100 * result.confidence:g}%"

@@ -11,8 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import zarr
 from torch import Tensor
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, OutputPathError
 
 __all__ = ["RESULT_SUFFIXES", "check_output_path", "check_result_format",
@@ -22,31 +24,33 @@ RESULT_SUFFIXES = (".json", ".csv", ".npy", ".zarr")
 RESULTS_MARK = "tracinfunc_results"
 
 
-def check_output_path(path: Path, *, overwrite: bool, caller: str) -> None:
+def check_output_path(path: Path, *, overwrite: bool) -> None:
     """Fail before any work if ``path`` has an unknown suffix, exists, or cannot be written."""
     if path.suffix not in RESULT_SUFFIXES:
         raise InvalidArgumentError(
-            f"{caller}: output {str(path)!r} must end in one of {', '.join(RESULT_SUFFIXES)}."
+            f"{current_caller()}: output {str(path)!r} must end in one of "
+            f"{', '.join(RESULT_SUFFIXES)}."
         )
     if path.exists() and not overwrite:
         raise OutputPathError(
-            f"{caller}: output {str(path)!r} exists; choose another path or pass --overwrite."
+            f"{current_caller()}: output {str(path)!r} exists; choose another path or pass "
+            "--overwrite."
         )
     if path.is_dir():
-        _check_replaceable_directory(path, caller=caller)
-    check_writable_directory(path.resolve().parent, caller=caller, what="output directory")
+        _check_replaceable_directory(path)
+    check_writable_directory(path.resolve().parent, what="output directory")
 
 
-def check_result_format(path: Path, n_arrays: int, *, caller: str) -> None:
+def check_result_format(path: Path, n_arrays: int) -> None:
     """Fail before any work if the output format cannot hold ``n_arrays`` arrays (.npy: one)."""
     if path.suffix == ".npy" and n_arrays != 1:
         raise InvalidArgumentError(
-            f"{caller}: a .npy file holds one array but --top-k gives {n_arrays} (values and "
-            "indices); use .json, .csv or .zarr for top-k results."
+            f"{current_caller()}: a .npy file holds one array but --top-k gives {n_arrays} "
+            "(values and indices); use .json, .csv or .zarr for top-k results."
         )
 
 
-def _check_replaceable_directory(path: Path, *, caller: str) -> None:
+def _check_replaceable_directory(path: Path) -> None:
     """--overwrite replaces a directory only if it is a result this CLI wrote."""
     try:
         attrs = json.loads((path / "zarr.json").read_text()).get("attributes", {})
@@ -54,30 +58,30 @@ def _check_replaceable_directory(path: Path, *, caller: str) -> None:
         attrs = {}
     if isinstance(attrs, dict) and "tracinfunc" in attrs:
         raise OutputPathError(
-            f"{caller}: output {str(path)!r} is a gradient store; results never replace one "
-            "(it may be the store being scored). Choose another output path."
+            f"{current_caller()}: output {str(path)!r} is a gradient store; results never replace "
+            "one (it may be the store being scored). Choose another output path."
         )
     if not (isinstance(attrs, dict) and attrs.get(RESULTS_MARK) is True):
         raise OutputPathError(
-            f"{caller}: output {str(path)!r} is a directory but not a result written by "
+            f"{current_caller()}: output {str(path)!r} is a directory but not a result written by "
             "tracinfunc, so --overwrite will not delete it; choose another output path or "
             "remove it yourself."
         )
 
 
-def check_writable_directory(directory: Path, *, caller: str, what: str) -> None:
+def check_writable_directory(directory: Path, *, what: str) -> None:
     """Fail unless ``directory`` exists and a file can be created in it."""
     if not directory.is_dir():
         raise OutputPathError(
-            f"{caller}: {what} {str(directory)!r} does not exist; create it or choose another "
-            "path."
+            f"{current_caller()}: {what} {str(directory)!r} does not exist; create it or choose "
+            "another path."
         )
     try:  # os.access says yes to root everywhere; only creating a file tells the truth
         probe, probe_path = tempfile.mkstemp(prefix=".tracinfunc.probe.", dir=directory)
     except OSError as error:
         raise OutputPathError(
-            f"{caller}: {what} {str(directory)!r} is not writable ({error.strerror}); choose a "
-            "writable location."
+            f"{current_caller()}: {what} {str(directory)!r} is not writable ({error.strerror}); "
+            "choose a writable location."
         ) from error
     os.close(probe)
     os.unlink(probe_path)
@@ -127,8 +131,6 @@ def _write_npy(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    import zarr
-
     group = zarr.open_group(str(path), mode="w-")
     group.attrs[RESULTS_MARK] = True  # what --overwrite may replace later
     for name, value in arrays.items():

@@ -40,7 +40,7 @@ class Spec:
         train: Training data: one batch or an iterable of batches.
         test: Named test sets, ``{"name": batch or batches}``; ``--test NAME`` picks one.
         model: The module, needed to load ``--checkpoints`` state dicts.
-        stages: The model as :class:`~tracinfunc.Stages` for ``--checkpointing`` (default:
+        stages: The model as :class:`~tracinfunc.grads.Stages` for ``--checkpointing`` (default:
             derived from an ``nn.Sequential`` model behind :func:`~tracinfunc.loss_from_module`).
     """
 
@@ -84,7 +84,7 @@ def load_spec(reference: str) -> Spec:
                 "keys loss, train, checkpoints, test, model."
             ) from error
     raise SpecError(
-        f"--spec: {reference} returned {type(made).__name__}; return tracinfunc.Spec(loss=..., "
+        f"--spec: {reference} returned {type(made).__name__}; return tracinfunc.cli.Spec(loss=..., "
         "train=..., checkpoints=..., test={...}) or a dict with those keys."
     )
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 from torch import Tensor
 
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
@@ -115,8 +116,6 @@ def load_retrain(path: str | Path) -> RetrainResult:
     Raises:
         InvalidArgumentError: ``path`` holds no retraining run, or the run is unfinished.
     """
-    import zarr
-
     path = Path(path)
     try:
         group = zarr.open_group(path, mode="r")
@@ -161,8 +160,6 @@ def _measure(train_fn: TrainFn, indices: Tensor, outputs: np.ndarray | None) -> 
 
 
 def _open_group(path: Path, config: dict):
-    import zarr
-
     if not (path / "zarr.json").exists():
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             # mode="w" would clear the directory: never delete what this harness did not write

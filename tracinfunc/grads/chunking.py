@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 
-from tracinfunc._validate import check_int
+from tracinfunc._validate import check_int, current_caller
 from tracinfunc.errors import InvalidArgumentError, MemoryBudgetError
 
 __all__ = ["DEFAULT_COPIES", "check_memory_budget", "chunk_size_for_budget"]
@@ -22,23 +22,21 @@ DEFAULT_COPIES = 3
 """Per-example gradient-sized buffers alive at once (gradient, autograd and projection work)."""
 
 
-def check_memory_budget(memory_budget: object, chunk_size: int | None, *, caller: str) -> None:
+def check_memory_budget(memory_budget: object, chunk_size: int | None) -> None:
     """Validate ``memory_budget`` (positive int bytes or None) against ``chunk_size``."""
     if memory_budget is None:
         return
-    check_int(memory_budget, "memory_budget", caller=caller, optional=True,
+    check_int(memory_budget, "memory_budget", optional=True,
               wanted="a positive number of bytes", fix="e.g. memory_budget=2 * 2**30 for 2 GiB")
     if chunk_size is not None:
         raise InvalidArgumentError(
-            f"{caller}: pass chunk_size or memory_budget, not both (got chunk_size="
+            f"{current_caller()}: pass chunk_size or memory_budget, not both (got chunk_size="
             f"{chunk_size}, memory_budget={memory_budget}); memory_budget chooses chunk_size."
         )
 
 
 def chunk_size_for_budget(
-    memory_budget: int, n_params: int, *, itemsize: int = 4, copies: int = DEFAULT_COPIES,
-    caller: str = "chunk_size_for_budget",
-) -> int:
+    memory_budget: int, n_params: int, *, itemsize: int = 4, copies: int = DEFAULT_COPIES) -> int:
     """The largest chunk whose per-example gradients fit ``memory_budget`` bytes.
 
     Args:
@@ -62,7 +60,8 @@ def chunk_size_for_budget(
     chunk = memory_budget // per_example
     if chunk < 1:
         raise MemoryBudgetError(
-            f"{caller}: memory_budget={memory_budget} bytes cannot hold one example's gradient "
+            f"{current_caller('chunk_size_for_budget')}: memory_budget={memory_budget} bytes "
+            "cannot hold one example's gradient "
             f"of p={n_params} parameters (about {per_example} bytes with temporaries); raise "
             "the budget, select fewer parameters (select=), or split the model into stages "
             "(stages=) so only one stage's gradient exists at a time."

@@ -41,6 +41,7 @@ from torch.func import grad, vmap
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidTypeError, LossFunctionError
 from tracinfunc.grads.selection import Selection, check_select, selected_names
 from tracinfunc.projection import (
@@ -298,11 +299,11 @@ def factorized_projected_grads(
             "factorized_projected_grads: projection must be a Projection with "
             f"kind='kronecker', got {projection!r}."
         )
-    select = check_select(select, caller="projected_grads")
+    select = check_select(select)
     plans: dict[tuple, _Plan] = {}
 
     def factorized_fn(params: Params, batch: Batch) -> Tensor:
-        names = selected_names(params, select, caller="projected_grads")
+        names = selected_names(params, select)
         chosen = {name: params[name] for name in names}
         frozen = {n: v for n, v in params.items() if n not in chosen}
 
@@ -321,6 +322,7 @@ def factorized_projected_grads(
     return factorized_fn
 
 
+@entry_point("factorized_weights")
 def factorized_weights(loss: LossFn, params: Params, example: Example, *,
                        select: Selection | None = None) -> list[str]:
     """The parameters that ``kind="kronecker"`` factorises for this loss (sorted names).
@@ -333,8 +335,7 @@ def factorized_weights(loss: LossFn, params: Params, example: Example, *,
         >>> factorized_weights(causal_lm_loss(gpt2), params, example)
         ['transformer.h.0.attn.c_attn.weight', ..., 'transformer.wte.weight']
     """
-    names = selected_names(params, check_select(select, caller="factorized_weights"),
-                           caller="factorized_weights")
+    names = selected_names(params, check_select(select))
     chosen = {name: params[name] for name in names}
     frozen = {n: v for n, v in params.items() if n not in chosen}
     any_kronecker = Projection(dim=4, kind="kronecker")

@@ -1,8 +1,9 @@
 """GradientOptions: the memory and speed options of every gradient transform, in one value.
 
-``per_sample_grads``, ``projected_grads`` and ``build_store`` take the same options; one frozen
-value carries them, built with keywords and validated once, so a configuration can be named,
-reused and passed whole (``build_store(..., options=opts)``).
+``per_sample_grads``, ``projected_grads`` and ``build_store`` take the same options, one way:
+one frozen value, built with keywords and validated once, so a configuration can be named,
+reused and passed whole (``build_store(..., options=opts)``). The seven keywords these
+functions also took until 0.2 still work, with a DeprecationWarning, until 0.3.0.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 
 import torch
 
-from tracinfunc._validate import check_bool, check_int, current_caller
+from tracinfunc._deprecations import warn_deprecated
+from tracinfunc._validate import check_bool, check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.grads.chunking import check_memory_budget, chunk_size_for_budget
 from tracinfunc.grads.precision import check_mixed_precision
@@ -35,7 +37,7 @@ class GradientOptions:
             :func:`~tracinfunc.last_layers`); the others are constants.
         mixed_precision: ``torch.bfloat16`` or ``torch.float16``: the forward under autocast.
             Slow on CPUs (measured 9-15x the float32 forward+backward); meant for GPUs.
-        stages: The model as :class:`~tracinfunc.Stages`: differentiate stage by stage
+        stages: The model as :class:`~tracinfunc.grads.Stages`: differentiate stage by stage
             (functional checkpointing).
         offload: With ``stages``, keep stage-boundary activations in CPU memory.
         memory_budget: Bytes for per-example gradients; chooses ``chunk_size``.
@@ -55,26 +57,27 @@ class GradientOptions:
     memory_budget: int | None = None
     compile_projection: bool = False
 
+    @entry_point("GradientOptions")  # or the public function that made them, if any
     def __post_init__(self) -> None:
-        caller = current_caller("GradientOptions")  # the function that made them, if any
-        check_int(self.chunk_size, "chunk_size", optional=True, caller=caller)
-        check_memory_budget(self.memory_budget, self.chunk_size, caller=caller)
+        caller = current_caller()
+        check_int(self.chunk_size, "chunk_size", optional=True)
+        check_memory_budget(self.memory_budget, self.chunk_size)
         if self.stages is not None and not isinstance(self.stages, Stages):
             raise InvalidTypeError(
-                f"{caller}: stages must be a tracinfunc.Stages, got "
+                f"{caller}: stages must be a tracinfunc.grads.Stages, got "
                 f"{type(self.stages).__name__}; build one with model_stages(model, criterion)."
             )
-        check_bool(self.offload, "offload", caller=caller)
+        check_bool(self.offload, "offload")
         if self.offload and self.stages is None:
             raise InvalidArgumentError(
                 f"{caller}: offload=True moves stage-boundary activations to CPU and needs "
                 "stages=; pass stages=model_stages(model, criterion)."
             )
-        check_bool(self.compile_projection, "compile_projection", caller=caller)
+        check_bool(self.compile_projection, "compile_projection")
         # Normalised values: a frozen dataclass stores them with object.__setattr__.
-        object.__setattr__(self, "select", check_select(self.select, caller=caller))
+        object.__setattr__(self, "select", check_select(self.select))
         object.__setattr__(self, "mixed_precision",
-                           check_mixed_precision(self.mixed_precision, caller=caller))
+                           check_mixed_precision(self.mixed_precision))
 
     def plain(self) -> bool:
         """No option beyond ``chunk_size``: the transform is plain ``vmap(grad(loss))``."""
@@ -83,17 +86,15 @@ class GradientOptions:
 
     def resolve(self, params: Params) -> tuple[tuple[str, ...], list | None, int | None]:
         """``(selected names, per-stage names or None, chunk size)`` for these params."""
-        caller = current_caller()
-        names = selected_names(params, self.select, caller=caller)
+        names = selected_names(params, self.select)
         per_stage = None if self.stages is None else stage_selection(
-            self.stages, names, caller=caller)
+            self.stages, names)
         chunk = self.chunk_size
         if self.memory_budget is not None:
             n_params = (largest_stage_size(per_stage, params) if per_stage is not None
                         else sum(params[name].numel() for name in names))
             itemsize = next(iter(params.values())).element_size()
-            chunk = chunk_size_for_budget(self.memory_budget, n_params, itemsize=itemsize,
-                                          caller=caller)
+            chunk = chunk_size_for_budget(self.memory_budget, n_params, itemsize=itemsize)
         return names, per_stage, chunk
 
 
@@ -101,26 +102,32 @@ _DEFAULTS = {f.name: f.default for f in fields(GradientOptions)}
 
 
 def gradient_options(options: GradientOptions | None, **keywords: Any) -> GradientOptions:
-    """The options a public function was called with: ``options=`` whole, or its keywords.
+    """The options a public function was called with: ``options=`` whole, or, deprecated, its
+    keywords (``build_store(..., chunk_size=64)``), which warn and go in 0.3.0.
 
     Raises:
         InvalidTypeError: ``options`` is not a GradientOptions.
         InvalidArgumentError: ``options=`` together with a keyword set to a non-default value
             (put it into the options instead).
     """
+    given = sorted(name for name, value in keywords.items() if value is not _DEFAULTS[name]
+                   and value != _DEFAULTS[name])
     if options is None:
+        if given:
+            spelled = ", ".join(f"{name}=..." for name in given)
+            warn_deprecated(f"{current_caller()}({spelled})",
+                            f"{current_caller()}(..., options=tif.GradientOptions({spelled}))",
+                            stacklevel=6)
         return GradientOptions(**keywords)
     if not isinstance(options, GradientOptions):
         raise InvalidTypeError(
             f"{current_caller()}: options must be a tracinfunc.GradientOptions, got "
             f"{type(options).__name__}; e.g. options=GradientOptions(chunk_size=64)."
         )
-    extra = sorted(name for name, value in keywords.items() if value is not _DEFAULTS[name]
-                   and value != _DEFAULTS[name])
-    if extra:
+    if given:
         raise InvalidArgumentError(
-            f"{current_caller()}: got options= and also {', '.join(extra)}=; put "
-            f"{'them' if len(extra) > 1 else 'it'} into the options, e.g. "
-            f"dataclasses.replace(options, {extra[0]}=...)."
+            f"{current_caller()}: got options= and also {', '.join(given)}=; put "
+            f"{'them' if len(given) > 1 else 'it'} into the options, e.g. "
+            f"dataclasses.replace(options, {given[0]}=...)."
         )
     return options

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidTypeError, UnsupportedPrecisionError
 
 __all__ = ["autocast_supported", "check_mixed_precision", "mixed_precision_context",
            "with_mixed_precision"]
 
 
-def check_mixed_precision(mixed_precision: Any, *, caller: str) -> torch.dtype | None:
+def check_mixed_precision(mixed_precision: Any) -> torch.dtype | None:
     """Validate the ``mixed_precision`` option: ``None`` or a floating ``torch.dtype``.
 
     Device support is checked later, when the device is known (:func:`mixed_precision_context`).
@@ -33,8 +34,8 @@ def check_mixed_precision(mixed_precision: Any, *, caller: str) -> torch.dtype |
         return None
     if not isinstance(mixed_precision, torch.dtype) or not mixed_precision.is_floating_point:
         raise InvalidTypeError(
-            f"{caller}: mixed_precision must be None, torch.bfloat16 or torch.float16, got "
-            f"{mixed_precision!r}; e.g. mixed_precision=torch.bfloat16."
+            f"{current_caller()}: mixed_precision must be None, torch.bfloat16 or torch.float16, "
+            f"got {mixed_precision!r}; e.g. mixed_precision=torch.bfloat16."
         )
     return mixed_precision
 
@@ -62,8 +63,7 @@ def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def mixed_precision_context(
-    mixed_precision: torch.dtype | None, device: torch.device, *, caller: str
-) -> contextlib.AbstractContextManager:
+    mixed_precision: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
     """``torch.autocast`` for ``device`` in ``mixed_precision`` (a no-op context for ``None``).
 
     Raises:
@@ -75,7 +75,7 @@ def mixed_precision_context(
         supported = [str(d) for d in (torch.bfloat16, torch.float16)
                      if autocast_supported(device.type, d)]
         raise UnsupportedPrecisionError(
-            f"{caller}: autocast on device {device.type!r} does not support "
+            f"{current_caller()}: autocast on device {device.type!r} does not support "
             f"mixed_precision={mixed_precision} in torch {torch.__version__}; this device "
             f"supports {supported or 'no autocast dtype'}. Pass one of those, or "
             "mixed_precision=None for full precision."
@@ -84,13 +84,12 @@ def mixed_precision_context(
 
 
 def with_mixed_precision(
-    fn: Callable[..., Any], mixed_precision: torch.dtype | None, device: torch.device,
-    *, caller: str,
+    fn: Callable[..., Any], mixed_precision: torch.dtype | None, device: torch.device
 ) -> Callable[..., Any]:
     """``fn`` whose body runs under autocast, so a ``grad`` of it differentiates outside it."""
     if mixed_precision is None:
         return fn
-    mixed_precision_context(mixed_precision, device, caller=caller)  # fail now, not inside vmap
+    mixed_precision_context(mixed_precision, device)  # fail now, not inside vmap
 
     def autocast_fn(*args: Any) -> Any:
         # A fresh context per call: torch.autocast objects keep state and are not re-entrant.

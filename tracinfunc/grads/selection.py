@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 
 from torch import Tensor, nn
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidTypeError, ParameterSelectionError
 from tracinfunc.types import Params
 
@@ -78,55 +79,56 @@ def last_layers(n: int, *, model: nn.Module | None = None) -> LastLayers:
     return LastLayers(n, model)
 
 
-def check_select(select: Any, *, caller: str) -> tuple[str, ...] | LastLayers | None:
+def check_select(select: Any) -> tuple[str, ...] | LastLayers | None:
     """Validate a selection before any work: ``None``, patterns (as a tuple) or LastLayers."""
     if select is None or isinstance(select, LastLayers):
         return select
     patterns = (select,) if isinstance(select, str) else select
     if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
         raise InvalidTypeError(
-            f"{caller}: select must be a name or glob pattern, a list of them, or "
+            f"{current_caller()}: select must be a name or glob pattern, a list of them, or "
             f"last_layers(n); got {select!r}. E.g. select=['fc.*'] or select=last_layers(1)."
         )
     if not patterns:
         raise ParameterSelectionError(
-            f"{caller}: select=[] selects no parameters; name at least one parameter, module "
-            "or pattern (e.g. select=['fc.*']), or pass select=None for all parameters."
+            f"{current_caller()}: select=[] selects no parameters; name at least one parameter, "
+            "module or pattern (e.g. select=['fc.*']), or pass select=None for all parameters."
         )
     return tuple(patterns)
 
 
-def selected_names(params: Params, select: Any, *, caller: str) -> tuple[str, ...]:
+def selected_names(params: Params, select: Any) -> tuple[str, ...]:
     """The names ``select`` picks from ``params``, in the params' order.
 
     Raises:
         ParameterSelectionError: a pattern matches no parameter, or nothing is selected.
     """
-    select = check_select(select, caller=caller)
+    select = check_select(select)
     names = list(params)
     if select is None:
         return tuple(names)
     if isinstance(select, LastLayers):
         layers = (_layers_by_name(names) if select.model is None
                   else _layers_of_model(select.model, names))
-        return _last_layers(names, layers, select.n, caller=caller)
+        return _last_layers(names, layers, select.n)
     unmatched = [p for p in select if not any(_matches(name, p) for name in names)]
     if unmatched:
         shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
         raise ParameterSelectionError(
-            f"{caller}: select entries {unmatched} match no parameter; the parameters are "
-            f"[{shown}]. Use parameter names, module names or glob patterns such as 'fc.*'."
+            f"{current_caller()}: select entries {unmatched} match no parameter; the parameters "
+            f"are [{shown}]. Use parameter names, module names or glob patterns such as 'fc.*'."
         )
     return tuple(name for name in names if any(_matches(name, p) for p in select))
 
 
+@entry_point("select_params")
 def select_params(params: Params, select: Selection | None) -> dict[str, Tensor]:
     """The subset of ``params`` that ``select`` picks, e.g. to compute its layout.
 
     Example:
         >>> canonical_layout(select_params(ckpt.params, last_layers(1)))
     """
-    names = selected_names(params, select, caller="select_params")
+    names = selected_names(params, select)
     return {name: params[name] for name in names}
 
 
@@ -163,11 +165,10 @@ def _layers_of_model(model: nn.Module, names: list[str]) -> list[set[str]]:
     return list(layers.values())
 
 
-def _last_layers(names: list[str], layers: list[set[str]], n: int, *,
-                 caller: str) -> tuple[str, ...]:
+def _last_layers(names: list[str], layers: list[set[str]], n: int) -> tuple[str, ...]:
     if n > len(layers):
         raise ParameterSelectionError(
-            f"{caller}: last_layers({n}) asks for more layers than the parameters have "
+            f"{current_caller()}: last_layers({n}) asks for more layers than the parameters have "
             f"({len(layers)}); use last_layers({len(layers)}) or select=None."
         )
     chosen = set().union(*layers[-n:])

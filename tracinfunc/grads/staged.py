@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.func import grad, vjp, vmap
 from torch.utils._pytree import tree_map
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import ParameterSelectionError
 from tracinfunc.grads.offload import ActivationStash
 from tracinfunc.grads.precision import mixed_precision_context, with_mixed_precision
@@ -40,7 +41,7 @@ StageTransform = Callable[[int, dict[str, Tensor]], Any]
 """``transform(stage_index, {name: [*shape]}) -> pytree``, applied per example inside vmap."""
 
 
-def stage_selection(stages: Stages, names: Sequence[str], *, caller: str) -> list[list[str]]:
+def stage_selection(stages: Stages, names: Sequence[str]) -> list[list[str]]:
     """For each stage, the selected parameter names it owns (in ``names`` order).
 
     Raises:
@@ -56,8 +57,8 @@ def stage_selection(stages: Stages, names: Sequence[str], *, caller: str) -> lis
             per_stage[owner].append(name)
     if orphans:
         raise ParameterSelectionError(
-            f"{caller}: parameters {orphans[:6]} are differentiated but belong to no stage; "
-            "add them to a Stage's param_names, or leave them out with select=."
+            f"{current_caller()}: parameters {orphans[:6]} are differentiated but belong to no "
+            "stage; add them to a Stage's param_names, or leave them out with select=."
         )
     return per_stage
 
@@ -76,26 +77,24 @@ def staged_grads(
     transform: StageTransform,
     chunk_size: int | None,
     mixed_precision: torch.dtype | None,
-    offload: bool,
-    caller: str,
-) -> list[tuple[int, Any]]:
+    offload: bool) -> list[tuple[int, Any]]:
     """Run the three phases (module docstring); returns ``[(stage_index, transformed)]``.
 
     ``transformed`` is ``transform(index, grads)`` batched over examples, ``[b, ...]``, for
     each stage with selected parameters, last stage first.
     """
     first = next(i for i, names in enumerate(per_stage) if names)
-    inputs, targets = split_batch(batch, caller=caller)
+    inputs, targets = split_batch(batch)
     device = next(iter(params.values())).device
     stash = ActivationStash(device, offload=offload)
-    with torch.no_grad(), mixed_precision_context(mixed_precision, device, caller=caller):
+    with torch.no_grad(), mixed_precision_context(mixed_precision, device):
         h = inputs
         for index, stage in enumerate(stages.stages):
             if index >= first:
                 # The batch input is held by the caller anyway: offloading it saves nothing.
                 stash.put(index, h, offload=index > 0)
             h = stage.fn(stage_params(stage, params), h)
-    cotangent = _output_grads(stages, h, targets, chunk_size, mixed_precision, device, caller)
+    cotangent = _output_grads(stages, h, targets, chunk_size, mixed_precision, device)
     del h
     results = []
     for index in range(len(stages.stages) - 1, first - 1, -1):
@@ -105,7 +104,7 @@ def staged_grads(
         out, cotangent = _stage_backward(
             stages.stages[index], index, params, per_stage[index], activation, cotangent,
             need_input=index > first, transform=transform, chunk_size=chunk_size,
-            mixed_precision=mixed_precision, device=device, caller=caller)
+            mixed_precision=mixed_precision, device=device)
         del activation
         if out is not None:
             results.append((index, out))
@@ -130,21 +129,20 @@ def _sum_tied(results: list[tuple[int, Any]], tied: frozenset[str]) -> list[tupl
 
 
 def _output_grads(stages: Stages, outputs: Tensor, targets: Tensor, chunk_size: int | None,
-                  mixed_precision, device, caller) -> Tensor:
+                  mixed_precision, device) -> Tensor:
     """``[b, *out]``: per-example gradients of the criterion with respect to the outputs."""
 
     def criterion(output: Tensor, target: Tensor) -> Tensor:
         return stages.criterion(output.unsqueeze(0), target.unsqueeze(0))
 
-    criterion = with_mixed_precision(criterion, mixed_precision, device, caller=caller)
+    criterion = with_mixed_precision(criterion, mixed_precision, device)
     return vmap(grad(criterion), chunk_size=chunk_size)(outputs, targets)
 
 
 def _stage_backward(
     stage: Stage, index: int, params: Params, names: list[str], activation: Any,
     cotangent: Tensor, *, need_input: bool, transform: StageTransform,
-    chunk_size: int | None, mixed_precision, device, caller: str,
-) -> tuple[Any, Tensor | None]:
+    chunk_size: int | None, mixed_precision, device) -> tuple[Any, Tensor | None]:
     """One stage's vjp per example: ``(transform(param grads) or None, input grads or None)``."""
     own = stage_params(stage, params)
     frozen = {name: value for name, value in own.items() if name not in names}
@@ -154,7 +152,7 @@ def _stage_backward(
         batched = tree_map(lambda leaf: leaf.unsqueeze(0), h)
         return stage.fn({**frozen, **selected}, batched)[0]
 
-    stage_one = with_mixed_precision(stage_one, mixed_precision, device, caller=caller)
+    stage_one = with_mixed_precision(stage_one, mixed_precision, device)
 
     def one_example(selected: Params, h: Any, g: Tensor) -> tuple:
         if need_input:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidTypeError, StageMismatchError
 from tracinfunc.loss import check_eval_mode
 from tracinfunc.types import Batch, LossFn, Params
@@ -74,7 +75,7 @@ class Stages:
         stages = tuple(self.stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise InvalidTypeError(
-                "Stages: stages must be a non-empty sequence of tracinfunc.Stage, got "
+                "Stages: stages must be a non-empty sequence of tracinfunc.grads.Stage, got "
                 f"{[type(s).__name__ for s in stages]}; use model_stages(model, criterion)."
             )
         object.__setattr__(self, "tied", frozenset(self.tied))
@@ -99,6 +100,7 @@ class Stages:
         return [i for i, s in enumerate(self.stages) if name in s.param_names]
 
 
+@entry_point("model_stages")
 def model_stages(
     model: nn.Module,
     criterion: Callable[[Tensor, Tensor], Tensor],
@@ -132,7 +134,7 @@ def model_stages(
         >>> stages = model_stages(resnet, F.cross_entropy,
         ...                       names=["features", lambda h: h.flatten(1), "fc"])
     """
-    check_eval_mode(model, caller="model_stages")
+    check_eval_mode(model)
     if buffers is None:
         buffers = {key: value.detach().clone() for key, value in model.named_buffers()}
     buffers = dict(buffers)
@@ -236,11 +238,11 @@ def _module_stage(model: nn.Module, group: list, buffers: dict[str, Tensor],
     return Stage(fn=fn, param_names=tuple(param_names), name=label)
 
 
-def split_batch(batch: Batch, *, caller: str) -> tuple[Any, Tensor]:
+def split_batch(batch: Batch) -> tuple[Any, Tensor]:
     """``(inputs, targets)`` of a batch, as stages expect."""
     if not isinstance(batch, tuple | list) or len(batch) != 2:
         raise InvalidTypeError(
-            f"{caller}: with stages=, a batch must be (inputs, targets), got "
+            f"{current_caller()}: with stages=, a batch must be (inputs, targets), got "
             f"{type(batch).__name__}"
             + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
             + "; wrap other layouts in a loss without stages."
@@ -253,7 +255,7 @@ def stage_params(stage: Stage, params: Params) -> dict[str, Tensor]:
     return {name: params[name] for name in stage.param_names if name in params}
 
 
-def run_stages(stages: Stages, params: Params, inputs: Any, *, caller: str) -> Tensor:
+def run_stages(stages: Stages, params: Params, inputs: Any) -> Tensor:
     """The composed forward ``stage_n(... stage_1(inputs))`` on a batch (no autograd here)."""
     h = inputs
     for index, stage in enumerate(stages.stages):
@@ -261,43 +263,42 @@ def run_stages(stages: Stages, params: Params, inputs: Any, *, caller: str) -> T
             h = stage.fn(stage_params(stage, params), h)
         except (RuntimeError, TypeError, ValueError) as error:
             raise StageMismatchError(
-                f"{caller}: stage {index} ({stage.name or 'unnamed'}) failed on the output of "
-                f"the stage before it: {error}. The stages must be the model's pieces in "
+                f"{current_caller()}: stage {index} ({stage.name or 'unnamed'}) failed on the "
+                f"output of the stage before it: {error}. The stages must be the model's pieces in "
                 "forward order; check model_stages(..., names=...) against model.forward."
             ) from error
     return h
 
 
-def check_stages(stages: Stages, loss: LossFn, params: Params, batch: Batch, *,
-                 caller: str) -> None:
+def check_stages(stages: Stages, loss: LossFn, params: Params, batch: Batch) -> None:
     """Refuse stages whose outputs or losses differ from the model's on ``batch``.
 
     Raises:
         StageMismatchError: outputs differ from ``stages.forward`` or per-example losses from
             ``loss`` by more than a relative 1e-3 (rounding is ~1e-6 in float32).
     """
-    inputs, targets = split_batch(batch, caller=caller)
+    inputs, targets = split_batch(batch)
     with torch.no_grad():
-        outputs = run_stages(stages, params, inputs, caller=caller)
+        outputs = run_stages(stages, params, inputs)
         if stages.forward is not None:
-            _compare(outputs, stages.forward(params, inputs), "output", caller)
+            _compare(outputs, stages.forward(params, inputs), "output")
         staged = vmap(lambda o, t: stages.criterion(o.unsqueeze(0), t.unsqueeze(0)))(
             outputs, targets)
-        _compare(staged, vmap(loss, in_dims=(None, 0))(dict(params), batch), "loss", caller)
+        _compare(staged, vmap(loss, in_dims=(None, 0))(dict(params), batch), "loss")
 
 
-def _compare(got: Tensor, expected: Tensor, what: str, caller: str) -> None:
+def _compare(got: Tensor, expected: Tensor, what: str) -> None:
     if got.shape != expected.shape:
         raise StageMismatchError(
-            f"{caller}: the stages give a {what} of shape {list(got.shape)} but the model "
-            f"gives {list(expected.shape)}; the stages must compose to model.forward."
+            f"{current_caller()}: the stages give a {what} of shape {list(got.shape)} but the "
+            f"model gives {list(expected.shape)}; the stages must compose to model.forward."
         )
     expected = expected.to(got.dtype)
     error = float((got - expected).norm() / expected.norm().clamp_min(1e-30))
     if not error <= _MISMATCH_TOLERANCE:
         raise StageMismatchError(
-            f"{caller}: the stages do not reproduce the model's {what} on the first batch "
-            f"(relative difference {error:.3g}, allowed {_MISMATCH_TOLERANCE}); list every "
+            f"{current_caller()}: the stages do not reproduce the model's {what} on the first "
+            f"batch (relative difference {error:.3g}, allowed {_MISMATCH_TOLERANCE}); list every "
             "submodule that model.forward uses, in forward order, with nothing else between "
             "them (a reshape or residual in forward needs its own Stage)."
         )

@@ -33,6 +33,7 @@ from tracinfunc.errors import (
     TracInFuncError,
     TrainModeError,
 )
+from tracinfunc.grads.factorized import factorized_projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.precision import with_mixed_precision
 from tracinfunc.grads.selection import Selection
@@ -51,13 +52,13 @@ def per_sample_grads(
     loss: LossFn,
     *,
     has_aux: bool = False,
+    options: GradientOptions | None = None,
     chunk_size: int | None = None,
     select: Selection | None = None,
     mixed_precision: torch.dtype | None = None,
     stages: Stages | None = None,
     offload: bool = False,
     memory_budget: int | None = None,
-    options: GradientOptions | None = None,
 ) -> Callable[[Params, Batch], dict[str, Tensor]]:
     """Per-example gradients of ``loss`` with respect to ``params``: ``vmap(grad(loss))``.
 
@@ -66,23 +67,15 @@ def per_sample_grads(
             ``has_aux``, ``loss(params, example) -> (scalar, aux)``.
         has_aux: As in ``torch.func.grad``: the loss also returns auxiliary data (a pytree of
             tensors), returned batched beside the gradients. Not with ``stages``.
-        chunk_size: Examples differentiated at once inside vmap (``None``: the whole batch).
-            Smaller values bound memory; results do not change.
-        select: Differentiate only these parameters (names, module names, glob patterns or
-            :func:`~tracinfunc.last_layers`); the others are constants.
-        mixed_precision: ``torch.bfloat16`` or ``torch.float16``: the forward runs under
-            autocast; gradients stay in the parameters' dtype.
-        stages: The model as :class:`~tracinfunc.Stages` (e.g. from
-            :func:`~tracinfunc.model_stages`): differentiate stage by stage, recomputing each
-            stage's forward (checkpointing); stages before the first selected parameter run
-            once per batch without autograd. Checked against ``loss`` on the first call.
-        offload: With ``stages``, keep stage-boundary activations in CPU memory (pinned, with
-            asynchronous copies on CUDA; already there on CPU).
-        memory_budget: Bytes for per-example gradients; chooses ``chunk_size``
-            (:func:`~tracinfunc.chunk_size_for_budget`). The output itself, ``b`` full
-            gradients, is not bounded by it: use :func:`projected_grads` for that.
-        options: All of the above (but ``has_aux``) as one
-            :class:`~tracinfunc.GradientOptions`, instead of the keywords.
+        options: How gradients are computed, one :class:`~tracinfunc.GradientOptions`:
+            ``chunk_size`` (examples differentiated at once; results do not change),
+            ``select`` (only these parameters), ``mixed_precision`` (the forward under
+            autocast; gradients stay in the parameters' dtype), ``stages`` with ``offload``
+            (stage by stage, recomputing each stage's forward; checked against ``loss`` on
+            the first call) and ``memory_budget`` (chooses ``chunk_size``; the output, ``b``
+            full gradients, is not bounded by it: use :func:`projected_grads` for that).
+        chunk_size, select, mixed_precision, stages, offload, memory_budget: Deprecated
+            keywords (removed in 0.3.0; they warn): pass them in ``options``.
 
     Returns:
         ``fn(params, batch) -> {name: [b, *shape]}`` for the selected parameters; with
@@ -103,12 +96,11 @@ def per_sample_grads(
         names, per_stage, chunk = options.resolve(params)
         if per_stage is None:
             return _plain_per_sample(loss, params, batch, names, chunk, options, has_aux)
-        check_staged(params, batch, caller=current_caller())
+        check_staged(params, batch)
         results = staged_grads(
             options.stages, params, batch, per_stage=per_stage,
             transform=lambda index, grads: grads, chunk_size=chunk,
-            mixed_precision=options.mixed_precision, offload=options.offload,
-            caller=current_caller())
+            mixed_precision=options.mixed_precision, offload=options.offload)
         merged = {name: g for _, grads in results for name, g in grads.items()}
         return {name: merged[name] for name in names}
 
@@ -121,6 +113,8 @@ def projected_grads(
     projection: Projection,
     *,
     has_aux: bool = False,
+    options: GradientOptions | None = None,
+    precondition: Preconditioner | None = None,
     chunk_size: int | None = None,
     select: Selection | None = None,
     mixed_precision: torch.dtype | None = None,
@@ -128,8 +122,6 @@ def projected_grads(
     offload: bool = False,
     memory_budget: int | None = None,
     compile_projection: bool = False,
-    options: GradientOptions | None = None,
-    precondition: Preconditioner | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -142,23 +134,17 @@ def projected_grads(
         projection: The projection spec (kind, dim, seed).
         has_aux: As in :func:`per_sample_grads`: the loss returns ``(scalar, aux)`` and the
             function returns ``(rows, aux)``.
-        chunk_size: Examples differentiated at once (``None``: the whole batch). Only this
-            many full gradients are alive at once; results do not change.
-        select: As for :func:`per_sample_grads`; the projection covers only the selected
-            parameters.
-        mixed_precision: As for :func:`per_sample_grads`.
-        stages: As for :func:`per_sample_grads`. Each stage's gradients are projected as
-            soon as they exist and then freed, so only one stage's per-example gradients
-            ever exist (the projection is linear, so the sum over stages equals projecting
-            the whole gradient).
-        offload: As for :func:`per_sample_grads`.
-        memory_budget: Bytes for per-example gradients and their temporaries; chooses
-            ``chunk_size`` so the peak stays near the budget plus fixed costs.
-        compile_projection: Generate dense projection blocks with ``torch.compile``
-            (``make_projector(compile=True)``): same numbers, ~9x faster generation after a
-            one-off compile; for large models with ``kind="rademacher"``.
-        options: All of the above (but ``has_aux``) as one
-            :class:`~tracinfunc.GradientOptions`, instead of the keywords.
+        options: How gradients are computed, one :class:`~tracinfunc.GradientOptions`, as
+            for :func:`per_sample_grads`: only ``chunk_size`` full gradients are alive at
+            once; the projection covers only the ``select``-ed parameters; with ``stages``
+            each stage's gradients are projected as soon as they exist and then freed (the
+            projection is linear, so the sum over stages equals projecting the whole
+            gradient); ``memory_budget`` counts the gradients and their temporaries;
+            ``compile_projection`` generates dense blocks with ``torch.compile`` (same
+            numbers, ~9x faster generation after a one-off compile).
+        chunk_size, select, mixed_precision, stages, offload, memory_budget,
+            compile_projection: Deprecated
+            keywords (removed in 0.3.0; they warn): pass them in ``options``.
         precondition: A :class:`~tracinfunc.Preconditioner` (optimizer-aware TracIn)
             applied to each example's gradient before the projection, for training
             gradients only. Uses the generic path (also for ``kind="kronecker"``: a
@@ -168,10 +154,11 @@ def projected_grads(
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
 
     Example:
-        >>> fn = projected_grads(loss, Projection(dim=512), stages=model_stages(model, ce),
-        ...                      mixed_precision=torch.bfloat16, memory_budget=2**30)
+        >>> opts = GradientOptions(stages=model_stages(model, ce),
+        ...                        mixed_precision=torch.bfloat16, memory_budget=2**30)
+        >>> fn = projected_grads(loss, Projection(dim=512), options=opts)
     """
-    check_projection(projection, caller="projected_grads")
+    check_projection(projection)
     options = gradient_options(
         options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
         stages=stages, offload=offload, memory_budget=memory_budget,
@@ -183,14 +170,11 @@ def projected_grads(
         # Factorised path for any loss (layer weights never materialised; a loss that calls
         # no layer falls back inside it to the same projection). With a memory option the
         # generic path below computes the same Kronecker projection, from the materialised
-        # gradient. Imported here: the module imports this one.
-        from tracinfunc.grads.factorized import factorized_projected_grads
-
+        # gradient.
         factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
                                                 select=options.select)
         return entry_point("projected_grads")(
-            lambda params, batch: _call_loss_transform(factorized, params, batch,
-                                                       caller=current_caller()))
+            lambda params, batch: _call_loss_transform(factorized, params, batch))
     projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -203,7 +187,7 @@ def projected_grads(
                 project = _preconditioned(project, precondition, params, names)
             return _plain_projected(loss, project, params, batch, names, chunk, options,
                                     has_aux)
-        check_staged(params, batch, caller=current_caller())
+        check_staged(params, batch)
         return _staged_projected(projection, projector_for, params, batch, names, per_stage,
                                  chunk, options)
 
@@ -237,7 +221,7 @@ def _preconditioned(project: Projector, precondition: Preconditioner, params: Pa
                     names: tuple[str, ...]) -> Callable[[Params], Tensor]:
     """``project`` after the elementwise preconditioner (inside vmap: one example's grads)."""
     shapes = {name: tuple(value.shape) for name, value in params.items()}
-    precondition.check(shapes, names, caller=current_caller())
+    precondition.check(shapes, names)
     return lambda grads: project(precondition.apply(grads))
 
 
@@ -247,9 +231,9 @@ class _StagesCheck:
     def __init__(self, loss: LossFn, stages: Stages | None) -> None:
         self._loss, self._stages, self._done = loss, stages, stages is None
 
-    def __call__(self, params: Params, batch: Batch, *, caller: str) -> None:
+    def __call__(self, params: Params, batch: Batch) -> None:
         if not self._done:
-            check_stages(self._stages, self._loss, params, batch, caller=caller)
+            check_stages(self._stages, self._loss, params, batch)
             self._done = True
 
 
@@ -259,27 +243,27 @@ def _split(params: Params, names: tuple[str, ...]) -> tuple[dict, dict]:
             {name: value for name, value in params.items() if name not in chosen})
 
 
-def _selected_loss(loss: LossFn, params: Params, options: GradientOptions, caller: str):
+def _selected_loss(loss: LossFn, params: Params, options: GradientOptions):
     """``loss(selected, frozen, example)``, under autocast if asked."""
 
     def selected_loss(selected: Params, frozen: Params, example: Example) -> Tensor:
         return loss({**frozen, **selected}, example)
 
     device = next(iter(params.values())).device
-    return with_mixed_precision(selected_loss, options.mixed_precision, device, caller=caller)
+    return with_mixed_precision(selected_loss, options.mixed_precision, device)
 
 
 def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
                       ) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
-    fn = _selected_loss(loss, params, options, current_caller())
+    fn = _selected_loss(loss, params, options)
     batched = vmap(grad(fn, has_aux=has_aux), in_dims=(None, None, 0), chunk_size=chunk)
-    return _call_loss_transform(batched, selected, frozen, batch, caller=current_caller())
+    return _call_loss_transform(batched, selected, frozen, batch)
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
-    grad_fn = grad(_selected_loss(loss, params, options, current_caller()), has_aux=has_aux)
+    grad_fn = grad(_selected_loss(loss, params, options), has_aux=has_aux)
 
     def one_example(selected: Params, frozen: Params, example: Example) -> Any:
         if has_aux:
@@ -288,7 +272,7 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
         return project(grad_fn(selected, frozen, example))
 
     batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
-    return _call_loss_transform(batched, selected, frozen, batch, caller=current_caller())
+    return _call_loss_transform(batched, selected, frozen, batch)
 
 
 def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,
@@ -306,8 +290,7 @@ def _staged_projected(projection, projector_for, params, batch, names, per_stage
 
     results = staged_grads(
         options.stages, params, batch, per_stage=per_stage, transform=transform,
-        chunk_size=chunk, mixed_precision=options.mixed_precision, offload=options.offload,
-        caller=current_caller())
+        chunk_size=chunk, mixed_precision=options.mixed_precision, offload=options.offload)
     if projection.kind == "identity":
         flat = {name: g for _, part in results for name, g in part.items()}
         return torch.cat([flat[name] for name in sorted(names)], dim=1)
@@ -334,46 +317,46 @@ def _projector_cache(projection: Projection, *, compile: bool
     return projector_for
 
 
-def _call_loss_transform(fn, *args: Any, caller: str):
+def _call_loss_transform(fn, *args: Any, ):
     """Call a vmapped gradient function, turning torch.func's errors into actionable ones."""
     batch = args[-1]
     flat = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
     if any(leaf.ndim == 0 for leaf in flat):
         raise InvalidArgumentError(
-            f"{caller}: every tensor of a batch needs a leading batch dimension, got shapes "
-            f"{[list(leaf.shape) for leaf in flat]}; pass x[None] for a single example."
+            f"{current_caller()}: every tensor of a batch needs a leading batch dimension, got "
+            f"shapes {[list(leaf.shape) for leaf in flat]}; pass x[None] for a single example."
         )
     try:
         return fn(*args)
     except TracInFuncError:
         raise  # already says what is wrong and how to fix it
     except RuntimeError as error:
-        clearer = explain_loss_error(error, caller=caller)
+        clearer = explain_loss_error(error)
         if clearer is None:
             raise
         raise clearer from error
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
         # The user's loss failed on this batch (other batches may have passed): say so.
         raise LossFunctionError(
-            f"{caller}: loss(params, example) failed with {type(error).__name__}: {error}. "
-            "Check that every batch has the structure the loss expects (the same as the "
+            f"{current_caller()}: loss(params, example) failed with {type(error).__name__}: "
+            f"{error}. Check that every batch has the structure the loss expects (the same as the "
             "first batch's) and that the loss takes one example without a batch dimension."
         ) from error
 
 
-def explain_loss_error(error: Exception, *, caller: str) -> Exception | None:
+def explain_loss_error(error: Exception) -> Exception | None:
     """A tracinfunc error that explains a known torch failure of the loss, else ``None``."""
     message = str(error).strip()
     batchnorm_hints = ("running_mean", "running_var", "value per channel", "mutate a captured")
     if any(hint in message for hint in batchnorm_hints):
         return TrainModeError(
-            f"{caller}: the loss updates state in place, as a BatchNorm layer in train mode "
-            f"does ({message}). Put the model in eval mode (model.eval()) before computing "
+            f"{current_caller()}: the loss updates state in place, as a BatchNorm layer in train "
+            f"mode does ({message}). Put the model in eval mode (model.eval()) before computing "
             "gradients: per-example gradients need fixed statistics."
         )
     if "to return a scalar" in message or "scalar Tensor" in message:
         return LossFunctionError(
-            f"{caller}: loss(params, example) must return a scalar for one example, but "
+            f"{current_caller()}: loss(params, example) must return a scalar for one example, but "
             f"torch.func said: {message}. Reduce the loss (e.g. .sum()) and make sure "
             "`example` has no batch dimension."
         )

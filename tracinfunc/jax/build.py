@@ -20,6 +20,8 @@ import torch
 from jax import tree_util
 
 from tracinfunc import checkpoint as torch_checkpoint
+from tracinfunc._validate import entry_point
+from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -32,9 +34,8 @@ from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
-from tracinfunc.store.base import GradientStore
-from tracinfunc.store.fill import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.store.meta import QUANTIZATIONS, check_lr
+from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.writer import StoreTarget, make_writer
 
 __all__ = ["Checkpoint", "build_store"]
@@ -57,14 +58,16 @@ class Checkpoint:
     lr: float = 1.0
     name: str | None = None
 
+    @entry_point("tracinfunc.jax.Checkpoint")
     def __post_init__(self) -> None:
-        lr = check_lr(self.lr, caller="tracinfunc.jax.Checkpoint")
+        lr = check_lr(self.lr)
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
         object.__setattr__(self, "params", as_jax_tree(self.params))
         object.__setattr__(self, "lr", lr)
 
+    @entry_point("Checkpoint.to_torch")
     def to_torch(self, mapping: ParamMapping | None = None) -> torch_checkpoint.Checkpoint:
         """The torch :class:`tracinfunc.Checkpoint` with the same weights in torch layout.
 
@@ -72,11 +75,12 @@ class Checkpoint:
         fingerprint is the one a store built from this checkpoint records.
         """
         mapping = mapping or ParamMapping.identity(self.params)
-        params = {name: as_tensor(value, caller="Checkpoint.to_torch")
+        params = {name: as_tensor(value)
                   for name, value in mapping.to_torch(self.params).items()}
         return torch_checkpoint.Checkpoint(params=params, lr=self.lr, name=self.name)
 
 
+@entry_point("tracinfunc.jax.build_store")
 def build_store(
     loss: Any,
     checkpoints: Sequence[Checkpoint],
@@ -120,24 +124,24 @@ def build_store(
         IncompatibleGradientsError: as :func:`tracinfunc.build_store`.
     """
     checkpoints = _check_checkpoints(checkpoints)
-    check_projection(projection, caller="tracinfunc.jax.build_store")
+    check_projection(projection)
     mapping = mapping or ParamMapping.identity(checkpoints[0].params)
     meta = new_store_meta(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
-        mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint, caller=_CALLER)
+        mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint)
     grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), mapping=mapping,
                                  chunk_size=chunk_size) for c in meta.checkpoints]
-    writer = make_writer(store, meta, caller=_CALLER)
+    writer = make_writer(store, meta)
 
     def rows_of(batch: Any) -> torch.Tensor:  # [n_ckpt, b, k]
         rows = jnp.stack([grads_fn(ckpt.params, batch)
                           for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)])
-        return as_tensor(rows, caller=_CALLER)
+        return as_tensor(rows)
 
     batches = ((tree_util.tree_leaves(batch)[0].shape[0], batch) for batch in iter_batches(data))
     return fill_store(writer, batches, rows_of, meta=meta,
                       check_first=lambda batch: _check_loss(loss, checkpoints[0].params, batch),
-                      progress=progress, caller=_CALLER)
+                      progress=progress)
 
 
 def iter_batches(data: Any) -> Iterator[Any]:
@@ -175,8 +179,7 @@ def _storage_dtype(dtype: Any) -> torch.dtype | str:
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.jax.Checkpoint",
-                                  caller=_CALLER)
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.jax.Checkpoint")
     structures = {tree_util.tree_structure(c.params) for c in checkpoints}
     shapes = {tuple(x.shape for x in tree_util.tree_leaves(c.params)) for c in checkpoints}
     if len(structures) > 1 or len(shapes) > 1:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
-from tracinfunc._validate import check_int
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
@@ -26,6 +26,7 @@ from tracinfunc.projection.spec import check_projection
 __all__ = ["as_jax_tree", "per_sample_grads", "projected_grads"]
 
 
+@entry_point("tracinfunc.jax.per_sample_grads")
 def per_sample_grads(
     loss: Callable, *, has_aux: bool = False, chunk_size: int | None = None
 ) -> Callable[[Any, Any], Any]:
@@ -42,7 +43,7 @@ def per_sample_grads(
         ``[b, *shape]`` (``(grads, aux)`` with ``has_aux``). Torch tensors in ``params`` or
         ``batch`` are imported through DLPack.
     """
-    check_int(chunk_size, "chunk_size", optional=True, caller="tracinfunc.jax.per_sample_grads")
+    check_int(chunk_size, "chunk_size", optional=True)
     batched = jax.jit(jax.vmap(jax.grad(loss, has_aux=has_aux), in_axes=(None, 0)))
 
     def per_sample_grads_fn(params: Any, batch: Any) -> Any:
@@ -51,6 +52,7 @@ def per_sample_grads(
     return per_sample_grads_fn
 
 
+@entry_point("tracinfunc.jax.projected_grads")
 def projected_grads(
     loss: Callable, projection: Projection, *, mapping: ParamMapping | None = None,
     has_aux: bool = False, chunk_size: int | None = None,
@@ -72,8 +74,8 @@ def projected_grads(
     Returns:
         ``fn(params, batch) -> [b, k]`` jax.Array in the params' dtype.
     """
-    check_projection(projection, caller="tracinfunc.jax.projected_grads")
-    check_int(chunk_size, "chunk_size", optional=True, caller="tracinfunc.jax.projected_grads")
+    check_projection(projection)
+    check_int(chunk_size, "chunk_size", optional=True)
     compiled: dict[Any, tuple[Projector, Callable]] = {}
 
     def compile_for(params: Any) -> tuple[Projector, Callable]:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import torch
 from jax import tree_util
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import to_framework
 from tracinfunc.projection import Layout, canonical_layout
@@ -136,21 +137,23 @@ class ParamMapping:
         """``{jax path: torch name}``, in leaf order."""
         return {leaf.path: leaf.name for leaf in self.leaves}
 
+    @entry_point("ParamMapping.to_torch")
     def to_torch(self, tree: Any) -> dict[str, jax.Array]:
         """``{torch name: array in torch layout}`` from a tree of this structure.
 
         Raises:
             IncompatibleGradientsError: the tree's structure or shapes differ.
         """
-        values = self._leaves_of(tree, "ParamMapping.to_torch")
+        values = self._leaves_of(tree)
         return {
             leaf.name: jnp.transpose(value, leaf.axes) if leaf.axes else value
             for leaf, value in zip(self.leaves, values, strict=True)
         }
 
+    @entry_point("ParamMapping.from_torch")
     def from_torch(self, params: Mapping[str, Any]) -> Any:
         """The JAX tree from ``{torch name: array}`` (torch tensors are converted by DLPack)."""
-        self.check(params, caller="ParamMapping.from_torch")
+        self.check(params)
         values = []
         for leaf in self.leaves:
             value = params[leaf.name]
@@ -162,8 +165,7 @@ class ParamMapping:
             values.append(jnp.transpose(value, inverse) if inverse else value)
         return tree_util.tree_unflatten(self.treedef, values)
 
-    def check(self, params: Mapping[str, Any] | Layout, *, caller: str = "ParamMapping.check"
-              ) -> None:
+    def check(self, params: Mapping[str, Any] | Layout) -> None:
         """Raise unless ``params`` (torch ``{name: tensor or shape}`` or a layout) match.
 
         Raises:
@@ -174,24 +176,25 @@ class ParamMapping:
         problems = layout_differences(self.layout, tuple(sorted(theirs.items())))
         if problems:
             raise IncompatibleGradientsError(
-                f"{caller}: the JAX parameters mapped to torch do not match: {problems}. Build "
+                f"{current_caller('ParamMapping.check')}: the JAX parameters mapped to torch do "
+                f"not match: {problems}. Build "
                 "the mapping for this model (ParamMapping.flax for Flax trees) and add "
                 "rename= for names that differ."
             )
 
-    def _leaves_of(self, tree: Any, caller: str) -> list[Any]:
+    def _leaves_of(self, tree: Any) -> list[Any]:
         leaves, treedef = tree_util.tree_flatten(tree)
         if treedef != self.treedef:
             raise IncompatibleGradientsError(
-                f"{caller}: the tree's structure differs from the one the mapping was built "
-                f"from ({treedef} vs {self.treedef}); build the mapping from this tree."
+                f"{current_caller()}: the tree's structure differs from the one the mapping was "
+                f"built from ({treedef} vs {self.treedef}); build the mapping from this tree."
             )
         bad = [f"{leaf.path} is {list(value.shape)}, expected {list(_jax_shape(leaf))}"
                for leaf, value in zip(self.leaves, leaves, strict=True)
                if tuple(value.shape) != _jax_shape(leaf)]
         if bad:
             raise IncompatibleGradientsError(
-                f"{caller}: leaf shapes differ from the mapping's: {'; '.join(bad)}."
+                f"{current_caller()}: leaf shapes differ from the mapping's: {'; '.join(bad)}."
             )
         return leaves
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection.spec import (
     Layout,
@@ -95,6 +96,7 @@ def _sjlt_rows(keys, k: int, nnz: int, rows: jax.Array, dtype) -> tuple[jax.Arra
     return _mulhi32(h, k).astype(jnp.int32), _signs(h, dtype)
 
 
+@entry_point("tracinfunc.jax.rademacher_block")
 def rademacher_block(
     projection: Projection, name: str, shape: Sequence[int], row_start: int, row_stop: int
 ) -> jax.Array:
@@ -104,12 +106,12 @@ def rademacher_block(
         ``[rows, k]`` float32 of exact +-1, equal bit for bit to
         :func:`tracinfunc.projection.rademacher_block`.
     """
-    _, keys = check_block_args(projection, "rademacher", name, shape, row_start, row_stop,
-                                "tracinfunc.jax.rademacher_block")
+    _, keys = check_block_args(projection, "rademacher", name, shape, row_start, row_stop)
     rows = _rows(row_start, row_stop - row_start)
     return _rademacher_rows(keys, projection.dim, rows, jnp.float32)
 
 
+@entry_point("tracinfunc.jax.sjlt_block")
 def sjlt_block(
     projection: Projection, name: str, shape: Sequence[int], row_start: int, row_stop: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -119,12 +121,12 @@ def sjlt_block(
         ``(cols, signs)``: ``[rows, nnz]`` int32 columns in ``[0, k)`` and ``[rows, nnz]``
         float32 +-1, equal to :func:`tracinfunc.projection.sjlt_block`'s (int64 there).
     """
-    _, keys = check_block_args(projection, "sjlt", name, shape, row_start, row_stop,
-                                "tracinfunc.jax.sjlt_block")
+    _, keys = check_block_args(projection, "sjlt", name, shape, row_start, row_stop)
     rows = _rows(row_start, row_stop - row_start)
     return _sjlt_rows(keys, projection.dim, projection.nnz, rows, jnp.float32)
 
 
+@entry_point("tracinfunc.jax.kronecker_factors")
 def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
                       ) -> tuple[jax.Array, jax.Array]:
     """The side projections of a parameter with two or more dimensions, unscaled.
@@ -141,8 +143,7 @@ def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
     Raises:
         InvalidProjectionError: another kind, or fewer than two dimensions.
     """
-    shape = check_kronecker_args(projection, name, shape,
-                                 caller="tracinfunc.jax.kronecker_factors")
+    shape = check_kronecker_args(projection, name, shape)
     keys = kronecker_seeds(projection, name, shape)
     return _kronecker_sides(keys, shape, projection, jnp.float32)
 
@@ -363,6 +364,7 @@ def _scatter(k: int, cols: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.zeros(k, values.dtype).at[cols.reshape(-1)].add(values.reshape(-1))
 
 
+@entry_point("tracinfunc.jax.make_projector")
 def make_projector(
     projection: Projection, layout: Layout | Mapping[str, Any], *,
     dtype: Any = jnp.float32, cache_bytes: int = 2**30,
@@ -386,6 +388,6 @@ def make_projector(
         InvalidProjectionError: malformed layout, identity ``dim`` other than ``p``, or a
             block-seed collision.
     """
-    plan = plan_projection(projection, layout, caller="tracinfunc.jax.make_projector")
-    check_cache_bytes(cache_bytes, caller="tracinfunc.jax.make_projector")
+    plan = plan_projection(projection, layout)
+    check_cache_bytes(cache_bytes)
     return Projector(plan, jnp.dtype(dtype), cache_bytes)

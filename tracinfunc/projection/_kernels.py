@@ -3,7 +3,7 @@
 Everything here is a pure function of integer keys and row/column counters, so a block is the
 same on any device, in any process and in NumPy (``tests/numpy_projection.py``). The element
 rule is documented in :mod:`tracinfunc.projection.spec`; changing anything here changes every saved
-store (``tests/test_projection.py`` guards it with a golden hash).
+store (``tests/projection/test_projection.py`` guards it with a golden hash).
 """
 
 from __future__ import annotations

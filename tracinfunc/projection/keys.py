@@ -12,7 +12,7 @@ Element rule for row ``r`` of a parameter's block (its flattened coordinate), wi
 
 Kronecker side factors ``P_out``/``P_in`` follow the Rademacher rule with the keys of
 :func:`kronecker_seeds`. Changing anything here changes every saved store
-(``tests/test_projection.py`` guards it with a golden hash).
+(``tests/projection/test_projection.py`` guards it with a golden hash).
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tracinfunc.errors import InvalidProjectionError
-
-if TYPE_CHECKING:
-    from tracinfunc.projection.spec import Projection
 
 __all__ = [
     "MAX_ROWS",
@@ -39,6 +36,20 @@ __all__ = [
     "side_split",
 ]
 
+
+class ProjectionFields(Protocol):
+    """The fields of a :class:`~tracinfunc.projection.spec.Projection` the keys are made of.
+
+    A structural type, so that this module (which ``spec`` builds on) never imports ``spec``.
+    """
+
+    kind: str
+    dim: int | None
+    seed: int
+    nnz: int
+    split: str
+    checkpoint: str | None
+
 PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
 MAX_ROWS = 2**32  # rows are hashed as uint32 counters
 
@@ -50,7 +61,7 @@ def hash_record(record: Mapping[str, Any]) -> tuple[int, int]:
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
-def block_seed(projection: Projection, name: str, shape: Sequence[int]) -> tuple[int, int]:
+def block_seed(projection: ProjectionFields, name: str, shape: Sequence[int]) -> tuple[int, int]:
     """The two uint32 keys ``(s0, s1)`` of one parameter's block.
 
     blake2b (8 bytes, personalised) of the canonical JSON of
@@ -60,7 +71,7 @@ def block_seed(projection: Projection, name: str, shape: Sequence[int]) -> tuple
     return hash_record(_key_record(projection, name, shape))
 
 
-def _key_record(projection: Projection, name: str, shape: Sequence[int]) -> dict[str, Any]:
+def _key_record(projection: ProjectionFields, name: str, shape: Sequence[int]) -> dict[str, Any]:
     record = {"dim": projection.dim, "kind": projection.kind, "name": name,
               "nnz": projection.nnz, "seed": projection.seed, "shape": [int(s) for s in shape]}
     if projection.checkpoint is not None:  # per-checkpoint projections only
@@ -95,14 +106,14 @@ def kronecker_split(dim: int, shape: Sequence[int] | None = None) -> tuple[int, 
     return min(pairs, key=lambda ab: (max(ab[0] / d_out, ab[1] / d_in), -ab[0]))
 
 
-def side_split(projection: Projection, shape: Sequence[int]) -> tuple[int, int]:
+def side_split(projection: ProjectionFields, shape: Sequence[int]) -> tuple[int, int]:
     """``(k_out, k_in)`` of one matrix parameter under ``projection.split``."""
     if projection.split == "square":
         return kronecker_split(projection.dim)
     return kronecker_split(projection.dim, shape)
 
 
-def kronecker_seeds(projection: Projection, name: str, shape: Sequence[int]
+def kronecker_seeds(projection: ProjectionFields, name: str, shape: Sequence[int]
                     ) -> tuple[tuple[int, int], tuple[int, int]]:
     """The keys of ``P_out`` and ``P_in`` of parameter ``name``: ``block_seed``'s record plus
     ``"side": "out"`` or ``"in"``."""
@@ -110,7 +121,7 @@ def kronecker_seeds(projection: Projection, name: str, shape: Sequence[int]
     return hash_record({**record, "side": "out"}), hash_record({**record, "side": "in"})
 
 
-def param_keys(projection: Projection, name: str, shape: tuple[int, ...]) -> tuple:
+def param_keys(projection: ProjectionFields, name: str, shape: tuple[int, ...]) -> tuple:
     """A parameter's keys: ``kronecker_seeds`` for a kronecker matrix, else ``block_seed``."""
     if projection.kind == "kronecker" and is_matrix(shape):
         if max(shape[0], math.prod(shape[1:])) > MAX_ROWS:

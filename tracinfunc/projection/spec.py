@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from tracinfunc._validate import check_int
+from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidProjectionError, InvalidTypeError
 from tracinfunc.projection.keys import (
     MAX_ROWS,
@@ -177,6 +177,7 @@ class Projection:
         for field, value in (("dim", dim), ("seed", seed), ("nnz", nnz)):
             object.__setattr__(self, field, value)  # numpy ints -> int, for JSON and hashing
 
+    @entry_point("Projection.output_dim")
     def output_dim(self, layout: Layout | Mapping[str, Any]) -> int:
         """``k`` for gradients with this layout: ``dim``, or ``p`` for ``"identity"``.
 
@@ -185,7 +186,7 @@ class Projection:
         """
         if self.kind != "identity":
             return self.dim
-        p = sum(math.prod(shape) for _, shape in as_layout(layout, "Projection.output_dim"))
+        p = sum(math.prod(shape) for _, shape in as_layout(layout))
         if self.dim is not None and self.dim != p:
             raise InvalidProjectionError(
                 f"Projection.output_dim: kind='identity' keeps all p={p} gradient entries but "
@@ -234,6 +235,7 @@ def _as_int(value: Any, field: str, fix: str) -> int:
         ) from None
 
 
+@entry_point("canonical_layout")
 def canonical_layout(shapes: Mapping[str, Sequence[int]] | Mapping[str, Any]) -> Layout:
     """Names and shapes sorted by name, the order every projection uses (never dict order).
 
@@ -249,20 +251,20 @@ def canonical_layout(shapes: Mapping[str, Sequence[int]] | Mapping[str, Any]) ->
             f"{type(shapes).__name__}; pass e.g. dict(model.named_parameters())."
         )
     return tuple(sorted(
-        (check_name(name, "canonical_layout"), check_shape(value, name, "canonical_layout"))
+        (check_name(name), check_shape(value, name))
         for name, value in shapes.items()
     ))
 
 
-def check_name(name: Any, caller: str) -> str:
+def check_name(name: Any) -> str:
     if not isinstance(name, str):
         raise InvalidProjectionError(
-            f"{caller}: parameter names must be str, got {name!r}; key params by name."
+            f"{current_caller()}: parameter names must be str, got {name!r}; key params by name."
         )
     return name
 
 
-def check_shape(value: Any, name: str, caller: str) -> tuple[int, ...]:
+def check_shape(value: Any, name: str) -> tuple[int, ...]:
     try:
         # Any array (torch, JAX, NumPy) has .shape; a plain sequence is the shape itself.
         raw = tuple(getattr(value, "shape", value))
@@ -272,28 +274,30 @@ def check_shape(value: Any, name: str, caller: str) -> tuple[int, ...]:
         bad = True
     if bad:
         raise InvalidProjectionError(
-            f"{caller}: the shape of {name!r} must be a tensor or a sequence of non-negative "
+            f"{current_caller()}: the shape of {name!r} must be a tensor or a sequence of "
+            "non-negative "
             f"ints, got {value!r}; pass {{name: tensor}} or {{name: tuple(tensor.shape)}}."
         )
     return shape
 
 
-def as_layout(layout: Layout | Mapping[str, Any], caller: str) -> Layout:
+def as_layout(layout: Layout | Mapping[str, Any]) -> Layout:
     if isinstance(layout, Mapping):
         return canonical_layout(layout)
-    pairs = [(check_name(n, caller), check_shape(s, n, caller)) for n, s in layout]
+    pairs = [(check_name(n), check_shape(s, n)) for n, s in layout]
     names = [n for n, _ in pairs]
     if len(set(names)) != len(names):
         dups = sorted({n for n in names if names.count(n) > 1})
         raise InvalidProjectionError(
-            f"{caller}: layout names must be unique, got duplicates {dups}; build the layout "
-            "with canonical_layout(params)."
+            f"{current_caller()}: layout names must be unique, got duplicates {dups}; build the "
+            "layout with canonical_layout(params)."
         )
     return tuple(sorted(pairs))
 
 
-def check_kronecker_args(projection: Projection, name: str, shape: Sequence[int], *,
-                         caller: str) -> tuple[int, ...]:
+def check_kronecker_args(
+    projection: Projection, name: str, shape: Sequence[int]
+) -> tuple[int, ...]:
     """``shape`` as a tuple if ``projection`` is kronecker and ``name`` a matrix, else raise.
 
     Shared by the torch and JAX ``kronecker_factors``, so both refuse the same input alike.
@@ -301,35 +305,34 @@ def check_kronecker_args(projection: Projection, name: str, shape: Sequence[int]
     if not isinstance(projection, Projection) or projection.kind != "kronecker":
         got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
         raise InvalidProjectionError(
-            f"{caller}: expected a Projection with kind='kronecker', got {got!r}; use "
+            f"{current_caller()}: expected a Projection with kind='kronecker', got {got!r}; use "
             "Projection(dim=..., kind='kronecker')."
         )
-    shape = check_shape(shape, check_name(name, caller), caller)
+    shape = check_shape(shape, check_name(name))
     if len(shape) < 2 or max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
         raise InvalidProjectionError(
-            f"{caller}: {name!r} needs at least two dimensions, each side at most 2**32 "
+            f"{current_caller()}: {name!r} needs at least two dimensions, each side at most 2**32 "
             f"elements, got shape {list(shape)}; vectors use the Rademacher block (block_seed)."
         )
     return shape
 
 
 def check_block_args(projection: Projection, kind: str, name: str, shape: Sequence[int],
-                     row_start: int, row_stop: int, caller: str
-                     ) -> tuple[tuple[int, ...], tuple[int, int]]:
+                     row_start: int, row_stop: int) -> tuple[tuple[int, ...], tuple[int, int]]:
     """``(shape, block keys)`` if rows ``[row_start, row_stop)`` of ``name``'s ``kind`` block
     exist, else raise. Shared by the torch and JAX block functions."""
     if not isinstance(projection, Projection) or projection.kind != kind:
         got = projection.kind if isinstance(projection, Projection) else type(projection).__name__
         raise InvalidProjectionError(
-            f"{caller}: expected a Projection with kind={kind!r}, got {got!r}; call the "
+            f"{current_caller()}: expected a Projection with kind={kind!r}, got {got!r}; call the "
             "block function of the projection's kind."
         )
-    shape = check_shape(shape, check_name(name, caller), caller)
+    shape = check_shape(shape, check_name(name))
     numel = math.prod(shape)
     ints = all(isinstance(r, int) and not isinstance(r, bool) for r in (row_start, row_stop))
     if numel > MAX_ROWS or not ints or not 0 <= row_start <= row_stop <= numel:
         raise InvalidProjectionError(
-            f"{caller}: rows must satisfy 0 <= row_start <= row_stop <= numel={numel} "
+            f"{current_caller()}: rows must satisfy 0 <= row_start <= row_stop <= numel={numel} "
             f"(ints; numel at most 2**32), got [{row_start!r}, {row_stop!r}); pick rows inside "
             f"{name!r}."
         )
@@ -337,19 +340,19 @@ def check_block_args(projection: Projection, kind: str, name: str, shape: Sequen
 
 
 
-def check_projection(projection: Any, *, caller: str) -> Projection:
+def check_projection(projection: Any) -> Projection:
     """``projection`` if it is a :class:`Projection`, else :class:`InvalidTypeError`."""
     if not isinstance(projection, Projection):
         raise InvalidTypeError(
-            f"{caller}: projection must be a tracinfunc.Projection, got "
+            f"{current_caller()}: projection must be a tracinfunc.Projection, got "
             f"{type(projection).__name__}; e.g. projection=Projection(dim=512, seed=0)."
         )
     return projection
 
 
-def check_cache_bytes(cache_bytes: Any, *, caller: str) -> int:
+def check_cache_bytes(cache_bytes: Any) -> int:
     """The projector cache budget: a non-negative int (torch and JAX projectors)."""
-    return check_int(cache_bytes, "cache_bytes", caller=caller, minimum=0,
+    return check_int(cache_bytes, "cache_bytes", minimum=0,
                      error=InvalidProjectionError,
                      fix="use e.g. cache_bytes=2**30 (0 generates every block on every call)")
 
@@ -385,8 +388,7 @@ class ProjectionPlan:
         return self.projection.kind == "kronecker" and is_matrix(dict(self.layout)[name])
 
 
-def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any], *,
-                    caller: str = "make_projector") -> ProjectionPlan:
+def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any]) -> ProjectionPlan:
     """Check ``projection`` against ``layout`` and derive every parameter's keys.
 
     Raises:
@@ -395,25 +397,27 @@ def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any], 
             elements, identity ``dim`` other than ``p``, or two parameters whose block seeds
             collide.
     """
-    check_projection(projection, caller=caller)
+    check_projection(projection)
     if projection.per_checkpoint and projection.checkpoint is None:
         raise InvalidProjectionError(
-            f"{caller}: a per_checkpoint projection is drawn per checkpoint; pass "
+            f"{current_caller('make_projector')}: a per_checkpoint projection is drawn per "
+            "checkpoint; pass "
             "projection.for_checkpoint(name) for the checkpoint whose gradients these are "
             "(build_store does this for you)."
         )
-    layout = as_layout(layout, caller)
+    layout = as_layout(layout)
     sizes = [math.prod(shape) for _, shape in layout]
     if sum(sizes) == 0 or max(sizes) > MAX_ROWS:
         raise InvalidProjectionError(
-            f"{caller}: the layout must hold at least one element and no parameter over "
+            f"{current_caller('make_projector')}: the layout must hold at least one element and "
+            "no parameter over "
             f"2**32 elements, got {len(layout)} parameters with sizes {sizes}; build it with "
             "canonical_layout(params)."
         )
     k = projection.output_dim(layout)
     if projection.kind != "identity" and k > MAX_PROJECTED_DIM:
         raise InvalidProjectionError(
-            f"{caller}: dim={k} would give every example a [{k}] row "
+            f"{current_caller('make_projector')}: dim={k} would give every example a [{k}] row "
             f"({4 * k / 2**30:.1f} GiB in float32) and dense blocks rows of {8 * k / 2**30:.1f} "
             f"GiB while they are generated; projectors take dim up to {MAX_PROJECTED_DIM}. "
             "Use a smaller dim (TracIn needs thousands, e.g. 4096), or kind='identity' for "
@@ -428,7 +432,7 @@ def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any], 
                         if len(names) > 1)
     if clashes:
         raise InvalidProjectionError(
-            f"{caller}: parameters {clashes} got the same block seed, so their blocks "
-            "would be identical; rename one of them or use another seed."
+            f"{current_caller('make_projector')}: parameters {clashes} got the same block seed, "
+            "so their blocks would be identical; rename one of them or use another seed."
         )
     return ProjectionPlan(projection, layout, k, keys)

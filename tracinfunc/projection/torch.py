@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tracinfunc._validate import check_bool
+from tracinfunc._validate import check_bool, entry_point
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection import _kernels
 from tracinfunc.projection.spec import (
@@ -33,6 +33,7 @@ from tracinfunc.projection.spec import (
 __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
 
 
+@entry_point("kronecker_factors")
 def kronecker_factors(
     projection: Projection, name: str, shape: Sequence[int], *,
     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
@@ -44,7 +45,7 @@ def kronecker_factors(
         ``d_out = shape[0]``, ``d_in = prod(shape[1:])``, ``(k_out, k_in) =
         side_split(projection, shape)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k)``.
     """
-    shape = check_kronecker_args(projection, name, shape, caller="kronecker_factors")
+    shape = check_kronecker_args(projection, name, shape)
     keys_out, keys_in = kronecker_seeds(projection, name, shape)
     device = torch.empty(0, device=device).device
     return _kronecker_sides(keys_out, keys_in, shape, *side_split(projection, shape), device,
@@ -59,6 +60,7 @@ def _kronecker_sides(keys_out, keys_in, shape, k_out, k_in, device, dtype) -> tu
             _kernels.fill_rademacher(p_in, keys_in, 0))
 
 
+@entry_point("rademacher_block")
 def rademacher_block(
     projection: Projection, name: str, shape: Sequence[int], row_start: int, row_stop: int,
     *, device: torch.device | str | None = None,
@@ -68,12 +70,12 @@ def rademacher_block(
     Returns:
         ``[rows, k]`` float32 of exact +-1 on ``device`` (the scale 1/sqrt(k) is separate).
     """
-    _, keys = check_block_args(projection, "rademacher", name, shape, row_start, row_stop,
-                                "rademacher_block")
+    _, keys = check_block_args(projection, "rademacher", name, shape, row_start, row_stop)
     out = torch.empty(row_stop - row_start, projection.dim, dtype=torch.float32, device=device)
     return _kernels.fill_rademacher(out, keys, row_start)
 
 
+@entry_point("sjlt_block")
 def sjlt_block(
     projection: Projection, name: str, shape: Sequence[int], row_start: int, row_stop: int,
     *, device: torch.device | str | None = None,
@@ -84,8 +86,7 @@ def sjlt_block(
         ``(cols, signs)``: ``[rows, nnz]`` int64 columns in ``[0, k)`` and ``[rows, nnz]``
         float32 +-1 (the scale 1/sqrt(nnz) is separate), on ``device``.
     """
-    _, keys = check_block_args(projection, "sjlt", name, shape, row_start, row_stop,
-                                "sjlt_block")
+    _, keys = check_block_args(projection, "sjlt", name, shape, row_start, row_stop)
     device = torch.empty(0, device=device).device
     return _kernels.sjlt_rows(keys, projection.dim, projection.nnz, row_start, row_stop, device,
                       torch.float32)
@@ -308,6 +309,7 @@ class Projector:
             )
 
 
+@entry_point("make_projector")
 def make_projector(
     projection: Projection, layout: Layout | Mapping[str, Any], *,
     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
@@ -343,14 +345,14 @@ def make_projector(
         >>> torch.func.vmap(project)(per_sample_grads(loss)(params, batch)).shape
         torch.Size([b, 512])
     """
-    plan = plan_projection(projection, layout, caller="make_projector")
-    check_cache_bytes(cache_bytes, caller="make_projector")
+    plan = plan_projection(projection, layout)
+    check_cache_bytes(cache_bytes)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidProjectionError(
             f"make_projector: dtype must be a floating torch.dtype, got {dtype!r}; use e.g. "
             "dtype=torch.float32."
         )
-    check_bool(compile, "compile", caller="make_projector", error=InvalidProjectionError)
+    check_bool(compile, "compile", error=InvalidProjectionError)
     projector = Projector(plan, cache_bytes=cache_bytes, compile=compile)
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as gradients report
     for name, shape in plan.layout:

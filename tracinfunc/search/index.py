@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc._version import __version__
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -36,8 +37,8 @@ from tracinfunc.errors import (
 )
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
-from tracinfunc.store.base import GradientStore
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "store_fingerprint"]
 
@@ -85,6 +86,7 @@ class SearchIndex:
         }
 
 
+@entry_point("build_index")
 def build_index(
     store: GradientStore,
     *,
@@ -129,7 +131,7 @@ def build_index(
         InvalidArgumentError: an unknown kind, or nlist/m/train_size out of range.
         StoreExistsError: an index is already at ``path`` and ``overwrite`` is False.
     """
-    faiss = import_faiss("build_index")
+    faiss = import_faiss()
     meta = store.meta
     dim = meta.n_ckpt * meta.k
     nlist, m, train_size = _check_build_args(meta, kind, nlist, m, train_size)
@@ -157,6 +159,7 @@ def build_index(
     return built
 
 
+@entry_point("load_index")
 def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchIndex:
     """Reopen an index saved by :func:`build_index`, refusing one built for another store.
 
@@ -172,7 +175,7 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
         IncompatibleGradientsError: the index was built from a store with another
             fingerprint (other rows, checkpoints, learning rates, projection or size).
     """
-    faiss = import_faiss("load_index")
+    faiss = import_faiss()
     path = Path(path)
     if not (path / "meta.json").exists() or not (path / "index.faiss").exists():
         raise StoreNotFoundError(
@@ -217,14 +220,14 @@ def meta_fingerprint(meta: StoreMeta) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
-def import_faiss(caller: str) -> Any:
+def import_faiss() -> Any:
     """``import faiss``, or a :class:`MissingDependencyError` with the install command."""
     try:
         import faiss
     except ImportError as error:
         raise MissingDependencyError(
-            f"{caller}: approximate search needs faiss, which is not installed; install it "
-            "with `pip install 'tracinfunc[search]'` (or `pip install faiss-cpu`)."
+            f"{current_caller()}: approximate search needs faiss, which is not installed; install "
+            "it with `pip install 'tracinfunc[search]'` (or `pip install faiss-cpu`)."
         ) from error
     return faiss
 

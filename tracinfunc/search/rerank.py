@@ -6,10 +6,11 @@ import torch
 from torch import Tensor
 
 from tracinfunc._queries import compute_dtype, query_matrix
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.search.index import SearchIndex, import_faiss, meta_fingerprint
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
-from tracinfunc.store.base import GradientStore
+from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["indexed_top_k"]
 
@@ -17,6 +18,7 @@ __all__ = ["indexed_top_k"]
 _BLOCK_BYTES = 64 * 2**20
 
 
+@entry_point("indexed_top_k")
 def indexed_top_k(
     store: GradientStore,
     test_grads: GradientStore | Tensor,
@@ -28,7 +30,7 @@ def indexed_top_k(
     largest: bool = True,
     normalize: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Top-k through ``index``: what ``tif.top_k(..., index=...)`` runs.
+    """Approximate top-k: candidates from a FAISS ``index``, re-ranked exactly from the store.
 
     Each test example fetches ``candidates`` rows from the ``nprobe`` nearest clusters, whose
     TracIn scores are then computed exactly from the store (only the candidate rows are
@@ -58,7 +60,7 @@ def indexed_top_k(
         InvalidArgumentError: normalize differs from the index's, nprobe or candidates out
             of range, or the clusters searched hold fewer than ``k`` rows for some example.
     """
-    faiss = import_faiss("top_k")
+    faiss = import_faiss()
     meta = store.meta
     nprobe, candidates = _check_args(store, index, k, nprobe, candidates, normalize)
     test, test_norms = query_matrix(meta, test_grads)  # errors name top_k, the entry point
@@ -121,7 +123,7 @@ def _check_enough(found: Tensor, k: int, nprobe: int, nlist: int, offset: int) -
     if len(short):
         example = int(short[0])
         raise InvalidArgumentError(
-            f"top_k: the {nprobe} of {nlist} clusters searched for test example "
+            f"{current_caller()}: the {nprobe} of {nlist} clusters searched for test example "
             f"{offset + example} hold only {int(counts[example])} rows, fewer than k={k}; "
             "raise nprobe (nprobe=nlist searches every cluster)."
         )
@@ -132,25 +134,25 @@ def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
     meta = store.meta
     if not isinstance(index, SearchIndex):
         raise InvalidTypeError(
-            f"top_k: index must be a SearchIndex from tif.build_index or tif.load_index, "
-            f"got {type(index).__name__}."
+            f"{current_caller()}: index must be a SearchIndex from tif.build_index or "
+            f"tif.load_index, got {type(index).__name__}."
         )
     ours = meta_fingerprint(meta)
     if index.meta_fingerprint != ours or index.n_train != meta.n_train:
         raise IncompatibleGradientsError(
-            f"top_k: the index was built for a store with metadata fingerprint "
+            f"{current_caller()}: the index was built for a store with metadata fingerprint "
             f"{index.meta_fingerprint} ({index.n_train} rows) but this store's is {ours} "
             f"({meta.n_train} rows); build the index from this store with tif.build_index."
         )
     if bool(normalize) != index.normalize:
         raise InvalidArgumentError(
-            f"top_k: normalize={normalize} but the index was built with "
+            f"{current_caller()}: normalize={normalize} but the index was built with "
             f"normalize={index.normalize}; pass normalize={index.normalize} or build an index "
             f"with tif.build_index(store, normalize={normalize})."
         )
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= meta.n_train:
         raise InvalidArgumentError(
-            f"top_k: k must be an int in [1, n_train={meta.n_train}], got {k!r}."
+            f"{current_caller()}: k must be an int in [1, n_train={meta.n_train}], got {k!r}."
         )
     nprobe = max(1, index.nlist // 16) if nprobe is None else nprobe
     _check_range("nprobe", nprobe, 1, index.nlist, "nlist searches every cluster")
@@ -166,5 +168,5 @@ def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
 def _check_range(name: str, value: object, low: int, high: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidArgumentError(
-            f"top_k: {name} must be an int in [{low}, {high}], got {value!r}; {hint}."
+            f"{current_caller()}: {name} must be an int in [{low}, {high}], got {value!r}; {hint}."
         )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tracinfunc.store.base import GradientStore
+from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["norms_at", "read_rows_at", "row_groups", "weighted_rows"]
 

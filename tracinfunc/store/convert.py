@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     CorruptStoreError,
     InvalidArgumentError,
@@ -24,21 +25,22 @@ from tracinfunc.errors import (
     StoreNotFoundError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store.base import GradientStore, SupportsQuantizedRows
-from tracinfunc.store.memory import MemoryStore, MemoryWriter, norm_dtype
-from tracinfunc.store.meta import StoreMeta, dtype_name
-from tracinfunc.store.paths import read_store_meta
-from tracinfunc.store.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
-from tracinfunc.store.quantize import storage_of
-from tracinfunc.store.quantized import QuantizedMemoryStore
-from tracinfunc.store.zarr import ZarrStore
-from tracinfunc.store.zarr_writer import ZarrWriter
+from tracinfunc.store.codes import storage_of
+from tracinfunc.store.memory.dense import MemoryStore, MemoryWriter
+from tracinfunc.store.memory.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
+from tracinfunc.store.memory.quantized import QuantizedMemoryStore
+from tracinfunc.store.meta import StoreMeta, dtype_name, norm_dtype
+from tracinfunc.store.protocols import GradientStore, SupportsQuantizedRows
+from tracinfunc.store.zarr.paths import read_store_meta
+from tracinfunc.store.zarr.store import ZarrStore
+from tracinfunc.store.zarr.writer import ZarrWriter
 
 __all__ = ["save_store", "to_memory", "to_pinned"]
 
 _PIECE_BYTES = 64 * 2**20
 
 
+@entry_point("to_memory")
 def to_memory(store: GradientStore, *, dtype: torch.dtype | str | None = None,
               progress: ProgressArg = None) -> MemoryStore | QuantizedMemoryStore:
     """Copy ``store`` into ordinary CPU memory. Bit-exact; the result is independent of it.
@@ -52,7 +54,7 @@ def to_memory(store: GradientStore, *, dtype: torch.dtype | str | None = None,
     Returns:
         A :class:`MemoryStore`, or a :class:`QuantizedMemoryStore` for quantised storage.
     """
-    meta = _target_meta(store.meta, dtype, caller="to_memory")
+    meta = _target_meta(store.meta, dtype)
     if meta != store.meta or meta.quantization is not None:
         return _copy_rows(store, MemoryWriter(meta.replace(n_train=0, complete=False)), meta,
                           progress=progress, desc="to_memory")
@@ -67,17 +69,19 @@ def to_memory(store: GradientStore, *, dtype: torch.dtype | str | None = None,
     return MemoryStore._from_owned(meta.replace(complete=True), rows, norms)
 
 
+@entry_point("to_pinned")
 def to_pinned(store: GradientStore, *, dtype: torch.dtype | str | None = None,
               progress: ProgressArg = None) -> PinnedStore | QuantizedPinnedStore:
     """Copy ``store`` into page-locked host memory (ordinary memory without CUDA).
 
     ``dtype``, ``progress``: as in :func:`to_memory`.
     """
-    meta = _target_meta(store.meta, dtype, caller="to_pinned")
+    meta = _target_meta(store.meta, dtype)
     writer = PinnedWriter(meta.replace(n_train=0, complete=False), n_train=meta.n_train)
     return _copy_rows(store, writer, meta, progress=progress, desc="to_pinned")
 
 
+@entry_point("save_store")
 def save_store(store: GradientStore, path: str | os.PathLike[str], *,
                dtype: torch.dtype | str | None = None, progress: ProgressArg = None,
                overwrite: bool = False, **options: Any) -> ZarrStore:
@@ -91,7 +95,7 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
         overwrite: Replace a gradient store at ``path``. The copy is written beside it and
             swapped in only once complete, so ``store`` may be the store at ``path`` itself
             and a failed copy leaves the old store as it was.
-        **options: Passed to :class:`~tracinfunc.store.zarr_writer.ZarrWriter` (``chunk_rows``,
+        **options: Passed to :class:`~tracinfunc.store.zarr.writer.ZarrWriter` (``chunk_rows``,
             ``shard_rows``, ``compression``).
 
     Raises:
@@ -99,7 +103,7 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
             tracinfunc store (never replaced).
     """
     path = Path(path)
-    meta = _target_meta(store.meta, dtype, caller="save_store").replace(n_train=0,
+    meta = _target_meta(store.meta, dtype).replace(n_train=0,
                                                                        complete=False)
     if overwrite and path.exists():
         return _replace_store(store, path, meta, progress=progress, options=options)
@@ -116,7 +120,7 @@ def _replace_store(store: GradientStore, path: Path, meta: StoreMeta, *,
                    progress: ProgressArg, options: dict[str, Any]) -> ZarrStore:
     """Copy into a sibling directory, then swap it for the store at ``path`` (two renames)."""
     try:
-        read_store_meta(path, caller="save_store")
+        read_store_meta(path)
     except (StoreNotFoundError, CorruptStoreError) as error:
         raise StoreExistsError(
             f"save_store: {str(path)!r} exists and is not a tracinfunc store, so overwrite=True "
@@ -160,12 +164,11 @@ def _copy_rows(store: GradientStore, writer: Any, target: StoreMeta, *, progress
     return writer.finish()
 
 
-def _target_meta(meta: StoreMeta, dtype: torch.dtype | str | None, *, caller: str
-                 ) -> StoreMeta:
+def _target_meta(meta: StoreMeta, dtype: torch.dtype | str | None) -> StoreMeta:
     """``meta`` stored as ``dtype`` (``None``: unchanged)."""
     if dtype is None:
         return meta
-    read_dtype, quantization = storage_of(dtype, caller=caller)
+    read_dtype, quantization = storage_of(dtype)
     return meta.replace(dtype=dtype_name(read_dtype), quantization=quantization)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.projection.spec import Layout, Projection
 
@@ -25,9 +26,10 @@ __all__ = [
     "check_lr",
     "dtype_name",
     "layout_differences",
+    "norm_dtype",
 ]
 
-# 2: finished stores carry an integrity block (store/integrity.py); 1 had none.
+# 2: finished stores carry an integrity block (store/zarr/integrity.py); 1 had none.
 FORMAT_VERSION = 2
 
 _DTYPES = {
@@ -36,7 +38,7 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-# Quantised row storage (store/quantize.py): int8 codes or packed sign bits, with per-row scales.
+# Quantised row storage (store/codes.py): int8 codes or packed sign bits, with per-row scales.
 QUANTIZATIONS = ("int8", "sign")
 
 
@@ -50,7 +52,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     )
 
 
-def check_lr(lr: Any, *, caller: str) -> float:
+def check_lr(lr: Any) -> float:
     """A checkpoint's TracIn weight as a float: a finite positive number (torch and JAX).
 
     Raises:
@@ -59,15 +61,15 @@ def check_lr(lr: Any, *, caller: str) -> float:
     """
     if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise InvalidTypeError(
-            f"{caller}: lr must be a number (the learning rate weighting this checkpoint), "
-            f"got {type(lr).__name__}; e.g. lr=0.1."
+            f"{current_caller()}: lr must be a number (the learning rate weighting this "
+            f"checkpoint), got {type(lr).__name__}; e.g. lr=0.1."
         )
     if not math.isfinite(lr):
-        raise InvalidArgumentError(f"{caller}: lr must be finite, got {lr}; e.g. lr=0.1.")
+        raise InvalidArgumentError(f"{current_caller()}: lr must be finite, got {lr}; e.g. lr=0.1.")
     if lr <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
         raise InvalidArgumentError(
-            f"{caller}: lr must be positive (the learning rate at this checkpoint), got {lr}; "
-            "e.g. lr=0.1."
+            f"{current_caller()}: lr must be positive (the learning rate at this checkpoint), got "
+            f"{lr}; e.g. lr=0.1."
         )
     return float(lr)
 
@@ -219,9 +221,9 @@ def _stored_bool(value: Any, what: str) -> bool:
 
 
 def _stored_lr(value: Any) -> float:
-    return check_lr(value, caller="StoreMeta.from_dict")
+    return check_lr(value)
 
-def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
+def check_compatible(train: StoreMeta, test: StoreMeta) -> None:
     """Raise :class:`IncompatibleGradientsError` unless ``test`` was made like ``train``.
 
     Compared: projection spec, k, parameter layout, checkpoint count, names and parameter
@@ -232,51 +234,50 @@ def check_compatible(train: StoreMeta, test: StoreMeta, *, caller: str) -> None:
     fix = "build them with projection=store.projection and the same checkpoints"
     if test.preconditioner is not None:
         raise IncompatibleGradientsError(
-            f"{caller}: test gradients were preconditioned ({test.preconditioner!r}) and the "
-            f"store's training gradients {_describe_preconditioner(train)}; test gradients "
+            f"{current_caller()}: test gradients were preconditioned ({test.preconditioner!r}) "
+            f"and the store's training gradients {_describe_preconditioner(train)}; test gradients "
             "must be plain: build them without preconditioners=."
         )
     if test.projection != train.projection:
         raise IncompatibleGradientsError(
-            f"{caller}: test gradients were projected with {test.projection} but the store "
-            f"with {train.projection}; {fix}."
+            f"{current_caller()}: test gradients were projected with {test.projection} but the "
+            f"store with {train.projection}; {fix}."
         )
     if test.k != train.k:
         raise IncompatibleGradientsError(
-            f"{caller}: test gradients have k={test.k} but the store was projected to "
+            f"{current_caller()}: test gradients have k={test.k} but the store was projected to "
             f"k={train.k}; {fix}."
         )
     if test.layout != train.layout:
         raise IncompatibleGradientsError(
-            f"{caller}: test gradients cover parameters {_describe_layout(test.layout)} but the "
-            f"store covers {_describe_layout(train.layout)} "
+            f"{current_caller()}: test gradients cover parameters {_describe_layout(test.layout)} "
+            f"but the store covers {_describe_layout(train.layout)} "
             f"({layout_differences(test.layout, train.layout)}); differentiate the same "
             "parameters (same model and layer selection; JAX trees mapped to torch names and "
             "shapes with tracinfunc.jax.ParamMapping)."
         )
-    _check_checkpoints(train.checkpoints, test.checkpoints, caller=caller)
+    _check_checkpoints(train.checkpoints, test.checkpoints)
     train_names = [c.name for c in train.checkpoints]
     test_names = [c.name for c in test.checkpoints]
     if train.projection.per_checkpoint and train_names != test_names:
         raise IncompatibleGradientsError(
-            f"{caller}: the store's projection is drawn per checkpoint, by name, and its "
+            f"{current_caller()}: the store's projection is drawn per checkpoint, by name, and its "
             f"checkpoints are {train_names} but the test gradients' are {test_names}; name "
             "the test checkpoints as the store's (the same Checkpoint objects)."
         )
 
 
 def _check_checkpoints(
-    train: Sequence[CheckpointMeta], test: Sequence[CheckpointMeta], *, caller: str
-) -> None:
+    train: Sequence[CheckpointMeta], test: Sequence[CheckpointMeta]) -> None:
     if len(test) != len(train):
         raise IncompatibleGradientsError(
-            f"{caller}: test gradients come from {len(test)} checkpoints but the store has "
-            f"{len(train)}; use the store's checkpoints, in the same order."
+            f"{current_caller()}: test gradients come from {len(test)} checkpoints but the store "
+            f"has {len(train)}; use the store's checkpoints, in the same order."
         )
     for position, (ours, theirs) in enumerate(zip(train, test, strict=True)):
         if ours.fingerprint != theirs.fingerprint:
             raise IncompatibleGradientsError(
-                f"{caller}: checkpoint {position} differs: the store's {ours.name!r} has "
+                f"{current_caller()}: checkpoint {position} differs: the store's {ours.name!r} has "
                 f"parameter fingerprint {ours.fingerprint[:12]}…, the test gradients' "
                 f"{theirs.name!r} has {theirs.fingerprint[:12]}…; compute test gradients with "
                 "the same checkpoint weights, in the same order."
@@ -306,3 +307,9 @@ def _describe_layout(layout: Layout) -> str:
     names = [name for name, _ in layout]
     shown = ", ".join(names[:4]) + (f", … ({len(names)} in all)" if len(names) > 4 else "")
     return f"[{shown}]"
+
+
+def norm_dtype(meta: StoreMeta) -> torch.dtype:
+    """Dtype of stored row norms: float32, float64 for float64 stores."""
+    # float64 stores are for exactness checks; keep their norms exact too.
+    return torch.float64 if meta.dtype == "float64" else torch.float32

@@ -1,23 +1,15 @@
-"""Convenience properties and conversions shared by the built-in stores (a mixin).
+"""Convenience properties shared by the built-in stores (a mixin), derived from ``self.meta``.
 
-Derived from ``self.meta`` only; the conversion methods are thin aliases of the free functions
-in :mod:`tracinfunc.store.convert`, imported when called (convert imports every store class).
+Conversions are free functions over the protocol (:mod:`tracinfunc.store.convert`), never
+methods here: a base class must not depend on its subclasses.
 """
 
 from __future__ import annotations
-
-import os
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tracinfunc.projection.spec import Projection
 from tracinfunc.store.meta import StoreMeta
-
-if TYPE_CHECKING:
-    from tracinfunc.store.memory import MemoryStore
-    from tracinfunc.store.pinned import PinnedStore
-    from tracinfunc.store.zarr import ZarrStore
 
 __all__ = ["StoreProperties"]
 
@@ -54,24 +46,6 @@ class StoreProperties:
 
     def __len__(self) -> int:
         return self.meta.n_train
-
-    def to_memory(self, *, dtype: torch.dtype | str | None = None) -> MemoryStore:
-        """A :class:`MemoryStore` copy of this store (see :func:`tracinfunc.to_memory`)."""
-        from tracinfunc.store.convert import to_memory
-
-        return to_memory(self, dtype=dtype)
-
-    def to_pinned(self, *, dtype: torch.dtype | str | None = None) -> PinnedStore:
-        """A :class:`PinnedStore` copy of this store (see :func:`tracinfunc.to_pinned`)."""
-        from tracinfunc.store.convert import to_pinned
-
-        return to_pinned(self, dtype=dtype)
-
-    def to_zarr(self, path: str | os.PathLike[str], **options: Any) -> ZarrStore:
-        """Write this store to a new Zarr directory (see :func:`tracinfunc.save_store`)."""
-        from tracinfunc.store.convert import save_store
-
-        return save_store(self, path, **options)
 
     def __repr__(self) -> str:
         meta = self.meta

@@ -9,21 +9,22 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import RowRangeError
-from tracinfunc.store.base import GradientStore, SupportsChunkAlignment, check_row_range
 from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import GradientStore, SupportsChunkAlignment, check_row_range
 
 __all__ = ["RowRange", "check_rows", "row_range"]
 
 
-def check_rows(rows: object, n_train: int, *, caller: str) -> tuple[int, int]:
+def check_rows(rows: object, n_train: int) -> tuple[int, int]:
     """``rows`` as ``(start, stop)`` with ``0 <= start < stop <= n_train``, or a clear error."""
     ok = (isinstance(rows, tuple | list) and len(rows) == 2
           and all(isinstance(v, int) and not isinstance(v, bool) for v in rows)
           and 0 <= rows[0] < rows[1] <= n_train)
     if not ok:
         raise RowRangeError(
-            f"{caller}: rows must be (start, stop) with 0 <= start < stop <= n_train="
+            f"{current_caller()}: rows must be (start, stop) with 0 <= start < stop <= n_train="
             f"{n_train}, got {rows!r}; e.g. rows=tif.distributed.rank_rows(n_train) for this "
             "rank's part."
         )
@@ -53,16 +54,18 @@ class RowRange:
         stored = self.store.chunk_rows if isinstance(self.store, SupportsChunkAlignment) else 1
         return stored if self.start % stored == 0 else 1
 
+    @entry_point("RowRange.read_rows")
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop, caller="RowRange.read_rows")
+        check_row_range(self._meta, ckpt, start, stop)
         return self.store.read_rows(ckpt, self.start + start, self.start + stop, out=out)
 
+    @entry_point("RowRange.read_norms")
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop, caller="RowRange.read_norms")
+        check_row_range(self._meta, ckpt, start, stop)
         return self.store.read_norms(ckpt, self.start + start, self.start + stop)
 
 
-def row_range(store: GradientStore, rows: object, *, caller: str = "row_range") -> RowRange:
+def row_range(store: GradientStore, rows: object) -> RowRange:
     """Rows ``rows=(start, stop)`` of ``store`` as a store (see :class:`RowRange`)."""
-    start, stop = check_rows(rows, store.meta.n_train, caller=caller)
+    start, stop = check_rows(rows, store.meta.n_train)
     return RowRange(store, start, stop)

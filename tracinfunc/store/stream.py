@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from tracinfunc.store.base import GradientStore, SupportsRowViews
-from tracinfunc.store.pinned import pinned_empty
+from tracinfunc.store.memory.pinned import pinned_empty
+from tracinfunc.store.protocols import GradientStore, SupportsRowViews
 
 __all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
 

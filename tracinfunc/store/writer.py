@@ -1,4 +1,4 @@
-"""The writer interface every store kind shares, and choosing a writer from ``store=``.
+"""Choosing the writer for a ``store=`` argument: the one place that argument is decoded.
 
 A writer turns blocks of projected gradients into a read-only store. Frontends (torch's
 ``build_store``, the JAX one, a user's own loop) drive any writer the same way::
@@ -15,39 +15,21 @@ rows of its data (see ``build_store``).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
-from torch import Tensor
-
-from tracinfunc.errors import InvalidTypeError
-from tracinfunc.store.base import GradientStore
-from tracinfunc.store.memory import MemoryStore, MemoryWriter
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+from tracinfunc.store.memory.dense import MemoryStore, MemoryWriter
+from tracinfunc.store.memory.pinned import PinnedStore, PinnedWriter
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.pinned import PinnedStore, PinnedWriter
-from tracinfunc.store.zarr import ZarrStore
-from tracinfunc.store.zarr_writer import ZarrWriter
+from tracinfunc.store.protocols import StoreWriter
+from tracinfunc.store.zarr.parts import PartWriter, check_shard
+from tracinfunc.store.zarr.store import ZarrStore
+from tracinfunc.store.zarr.writer import ZarrWriter
 
-__all__ = ["StoreTarget", "StoreWriter", "make_writer"]
-
-
-@runtime_checkable
-class StoreWriter(Protocol):
-    """Consumes blocks of rows; returns an opened, read-only store from :meth:`finish`."""
-
-    @property
-    def rows_written(self) -> int:
-        """Rows stored so far (including those of a resumed build)."""
-        ...
-
-    def append(self, rows: Tensor, norms: Tensor) -> None:
-        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and ``norms`` ``[n_ckpt, b]``."""
-        ...
-
-    def finish(self) -> GradientStore:
-        """Seal the store and return it, read-only."""
-        ...
+__all__ = ["StoreTarget", "make_part_writer", "make_writer", "writes_to_disk"]
 
 
 StoreTarget = str | os.PathLike[str] | type | Callable[[StoreMeta], StoreWriter] | None
@@ -61,23 +43,22 @@ _KINDS: dict[object, Callable[[StoreMeta], StoreWriter]] = {
 }
 
 
-def make_writer(target: StoreTarget, meta: StoreMeta, *, caller: str = "build_store"
-                ) -> StoreWriter:
+def make_writer(target: StoreTarget, meta: StoreMeta) -> StoreWriter:
     """The writer for ``store=target``.
 
     Args:
         target: ``None``/``"memory"``/``MemoryStore`` (memory), ``"pinned"``/``PinnedStore``
             (page-locked memory), a path (a new Zarr store there, or the resumption of an
             interrupted one), or a callable ``meta -> writer``, e.g.
-            ``functools.partial(tif.ZarrWriter, "grads.zarr", shard_rows=4096)``.
+            ``functools.partial(tif.store.ZarrWriter, "grads.zarr", shard_rows=4096)``.
         meta: Metadata of the store to write (``n_train=0``, ``complete=False``).
     """
     if isinstance(target, str | None | type) and target in _KINDS:
         return _KINDS[target](meta)
     if target is ZarrStore or target == "zarr":
         raise InvalidTypeError(
-            f"{caller}: a Zarr store needs a path: pass store='grads.zarr' (a directory to "
-            "create), not the class or 'zarr'."
+            f"{current_caller('build_store')}: a Zarr store needs a path: pass store='grads.zarr' "
+            "(a directory to create), not the class or 'zarr'."
         )
     if isinstance(target, str | os.PathLike):
         return ZarrWriter(target, meta)
@@ -85,11 +66,42 @@ def make_writer(target: StoreTarget, meta: StoreMeta, *, caller: str = "build_st
         writer = target(meta)
         if not isinstance(writer, StoreWriter):
             raise InvalidTypeError(
-                f"{caller}: store= factory returned {type(writer).__name__}, which lacks "
-                "rows_written/append/finish; return a writer such as tif.ZarrWriter."
+                f"{current_caller('build_store')}: store= factory returned "
+                f"{type(writer).__name__}, which lacks "
+                "rows_written/append/finish; return a writer such as tif.store.ZarrWriter."
             )
         return writer
     raise InvalidTypeError(
-        f"{caller}: store must be None, 'memory', 'pinned', tif.MemoryStore, tif.PinnedStore, "
+        f"{current_caller('build_store')}: store must be None, 'memory', 'pinned', "
+        "tif.store.MemoryStore, tif.store.PinnedStore, "
         f"a path for a Zarr store, or a callable meta -> writer; got {target!r}."
+    )
+
+
+def writes_to_disk(target: StoreTarget) -> bool:
+    """Whether ``store=target`` writes a Zarr store on disk, so that torchrun ranks split it
+    into parts (in-memory stores, such as test gradients, are built whole by every rank)."""
+    if isinstance(target, functools.partial):
+        return target.func is PartWriter
+    return isinstance(target, str | os.PathLike) and target not in ("memory", "pinned")
+
+
+def make_part_writer(target: StoreTarget, meta: StoreMeta, shard: object) -> PartWriter:
+    """The writer of part ``shard = (index, count)`` of the Zarr store ``store=target``.
+
+    Args:
+        target: The store's path, or a callable ``(meta, shard) -> PartWriter`` such as
+            ``functools.partial(tif.store.PartWriter, path, shard_rows=4096)``.
+        meta: Metadata of the whole store (``n_train`` the final size).
+        shard: ``(index, count)``, checked here.
+    """
+    shard = check_shard(shard)
+    if isinstance(target, str | os.PathLike):
+        return PartWriter(target, meta, shard)
+    if callable(target) and not isinstance(target, type):
+        return target(meta, shard)
+    raise InvalidArgumentError(
+        f"build_store: shard= writes part of a Zarr store, so store must be its path (or a "
+        f"callable (meta, shard) -> PartWriter), got {target!r}; e.g. build_store(..., "
+        "store='grads.zarr', shard=(0, 4))."
     )

@@ -1,0 +1,185 @@
+"""The one build loop every frontend shares: batches -> rows -> a writer -> a read-only store.
+
+``tracinfunc.build_store`` (torch) and ``tracinfunc.jax.build_store`` differ only in how a
+batch becomes rows; what a build promises lives here, once:
+
+- **resume**: a writer that already holds rows (an interrupted Zarr build) skips the batches
+  stored before, without computing them; a batch straddling the resume point is computed
+  whole, as in the first build, and its stored head dropped, so the result is bit-identical;
+- **checks**: the first computed batch is checked (the frontend's loss check) before any real
+  work; every row must be finite, or the error names the checkpoint and the rows;
+- **empty data** and **resuming with less data** than was stored are clear errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tracinfunc._validate import current_caller
+from tracinfunc._version import __version__
+from tracinfunc.build.resume import SupportsReadBack, check_same_data
+from tracinfunc.errors import (
+    EmptyDataError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NonFiniteGradientError,
+)
+from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.projection.spec import Layout, Projection
+from tracinfunc.store.codes import storage_of
+from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.protocols import GradientStore, StoreWriter
+from tracinfunc.store.zarr.parts import StorePart
+
+__all__ = ["checkpoint_list", "fill_store", "new_store_meta"]
+
+
+def checkpoint_list(checkpoints: Any, kind: type, *, name: str) -> list[Any]:
+    """``checkpoints`` as a non-empty list of ``kind`` (one checkpoint alone is accepted);
+    ``name`` is how the user spells ``kind`` (``"tracinfunc.Checkpoint"``).
+
+    Raises:
+        InvalidTypeError: empty, or an element that is not a ``kind``.
+    """
+    if isinstance(checkpoints, kind):
+        checkpoints = [checkpoints]
+    checkpoints = list(checkpoints) if isinstance(checkpoints, Iterable) else [checkpoints]
+    if not checkpoints or not all(isinstance(c, kind) for c in checkpoints):
+        raise InvalidTypeError(
+            f"{current_caller()}: checkpoints must be a non-empty list of {name}, got "
+            f"{[type(c).__name__ for c in checkpoints]}; e.g. [{name}(params, lr=0.1, "
+            "name='epoch-1')]."
+        )
+    return checkpoints
+
+
+def new_store_meta(
+    checkpoints: Sequence[tuple[str | None, float, str]], layout: Layout,
+    projection: Projection, dtype: torch.dtype | str, dataset_fingerprint: str | None) -> StoreMeta:
+    """The metadata a build starts from (``n_train=0``, ``complete=False``).
+
+    Args:
+        checkpoints: ``(name or None, lr, fingerprint)`` per checkpoint, in order; unnamed
+            checkpoints become ``"checkpoint-<i>"``.
+        layout, projection: What the rows are projected from and with.
+        dtype: The storage dtype: a float ``torch.dtype``, or ``torch.int8``/``"int8"`` or
+            ``"sign"`` for quantised rows (:mod:`tracinfunc.store.codes`).
+
+    Raises:
+        InvalidArgumentError: two checkpoints share a name, or ``dtype`` is none of these.
+    """
+    read_dtype, quantization = storage_of(dtype)
+    names = [name or f"checkpoint-{i}" for i, (name, _, _) in enumerate(checkpoints)]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"{current_caller()}: checkpoint names must be distinct, got {names}; name them apart, "
+            "e.g. Checkpoint(params, lr=0.1, name='epoch-3')."
+        )
+    return StoreMeta(
+        projection=projection,
+        checkpoints=tuple(CheckpointMeta(name, lr, fingerprint)
+                          for name, (_, lr, fingerprint) in zip(names, checkpoints, strict=True)),
+        layout=layout,
+        n_train=0,
+        k=projection.output_dim(layout),
+        dtype=dtype_name(read_dtype),
+        quantization=quantization,
+        complete=False,
+        library_version=__version__,
+        dataset_fingerprint=dataset_fingerprint,
+    )
+
+
+def fill_store(
+    writer: StoreWriter,
+    batches: Iterable[tuple[int, Any]],
+    rows_of: Callable[[Any], Tensor],
+    *,
+    meta: StoreMeta,
+    check_first: Callable[[Any], None] | None = None,
+    progress: ProgressArg = None,
+    total: int | None = None,
+    stop: int | None = None,
+) -> GradientStore | StorePart:
+    """Append the rows of every batch to ``writer`` and seal it.
+
+    Args:
+        writer: Where rows go; one holding ``rows_written > 0`` rows is resumed.
+        batches: ``(b, batch)`` pairs, ``b`` the batch's number of examples.
+        rows_of: ``batch -> [n_ckpt, b, k]`` rows (a tensor, any float dtype).
+        meta: The store's metadata (names checkpoints in errors).
+        check_first: Called with the first batch to be computed, before ``rows_of``.
+        progress, total: The progress bar over examples (``total`` when known).
+        stop: Write no row at or past ``stop`` and stop iterating there: a part of a sharded
+            build (its writer's ``rows_written`` starts at the part's first row).
+
+    Returns:
+        ``writer.finish()``: the read-only store ``[n_ckpt, n_train, k]`` (for a part
+        writer, the finished part).
+
+    Raises:
+        EmptyDataError: no examples, or fewer than an interrupted build already stored.
+        NonFiniteGradientError: a row is NaN/inf (names the checkpoint and examples).
+    """
+    resume_at = writer.rows_written  # > 0 when resuming, or at a part's first row
+    seen = 0
+    stop = float("inf") if stop is None else stop
+    checked = check_first is None
+    with progress_bar(progress, total=total, desc=current_caller(), unit="ex") as bar:
+        bar.update(resume_at)
+        for size, batch in batches:
+            if seen >= stop:  # past this part: later batches are other parts' work
+                break
+            seen += size
+            # The data's first batch, stored before by the build being resumed: same data?
+            # (Only writers that can read rows back; a part of a sharded build starts later.)
+            if resume_at and seen == size and size and isinstance(writer, SupportsReadBack):
+                check_same_data(writer, rows_of(batch)[:, :resume_at], meta)
+            if size == 0 or seen <= resume_at:  # stored before the interruption: skip
+                continue
+            if not checked:
+                check_first(batch)
+                checked = True
+            # A batch straddling the resume point or the part's end is computed whole, as in
+            # a one-process build, and cut: the rows are bit-identical.
+            first = seen - size
+            rows = rows_of(batch)[:, max(0, resume_at - first) : min(size, stop - first)]
+            check_finite(rows, meta, first_row=writer.rows_written)
+            writer.append(rows, rows.norm(dim=-1))
+            bar.update(rows.shape[1])
+    if stop != float("inf") and seen < stop:
+        raise EmptyDataError(
+            f"{current_caller()}: this part needs rows up to {stop} but data has only {seen}; "
+            "every part of a sharded build must see the same data as the whole build."
+        )
+    if seen < resume_at:
+        raise EmptyDataError(
+            f"{current_caller()}: the store already holds {resume_at} rows but data has only "
+            f"{seen}; resume (or re-run) with the same data as the build that wrote it."
+        )
+    if writer.rows_written == 0 and stop == float("inf"):
+        raise EmptyDataError(
+            f"{current_caller()}: data holds no examples; pass a non-empty batch or iterable of "
+            "batches (a tensor or array, a tuple/dict of them, a list of those, or a "
+            "DataLoader)."
+        )
+    return writer.finish()
+
+
+def check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:
+    """Raise :class:`NonFiniteGradientError` naming the checkpoint and rows of any NaN/inf."""
+    finite = torch.isfinite(rows).all(dim=-1)  # [n_ckpt, b]
+    if bool(finite.all()):
+        return
+    ckpt, row = (~finite).nonzero()[0].tolist()
+    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
+    raise NonFiniteGradientError(
+        f"{current_caller()}: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients "
+        f"for examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
+        "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
+        "weights."
+    )

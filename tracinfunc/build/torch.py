@@ -1,0 +1,254 @@
+"""build_store: checkpoints x batches -> projected gradients -> a writer -> a read-only store.
+
+A short composition of public pieces (:func:`~tracinfunc.grads.projected_grads` and a store
+writer) that a user could rebuild; it adds the checks that make failures early and clear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from tracinfunc._validate import entry_point
+from tracinfunc.batches import (
+    batch_size_of,
+    check_ordered,
+    iter_batches,
+    known_size,
+    rebatch,
+    sized,
+)
+from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.checkpoint import Checkpoint, loss_at
+from tracinfunc.distributed import (
+    commit_after_barrier,
+    is_distributed,
+    rank_shard,
+    rank_zero_first,
+)
+from tracinfunc.errors import (
+    IncompatibleGradientsError,
+    LossFunctionError,
+    TracInFuncError,
+)
+from tracinfunc.grads.options import GradientOptions, gradient_options
+from tracinfunc.grads.selection import Selection, selected_names
+from tracinfunc.grads.stages import Stages
+from tracinfunc.grads.transforms import explain_loss_error, projected_grads
+from tracinfunc.loss import ModuleLoss, check_eval_mode
+from tracinfunc.precondition import Preconditioner, check_preconditioners
+from tracinfunc.progress import ProgressArg
+from tracinfunc.projection import Projection, canonical_layout
+from tracinfunc.projection.spec import check_projection
+from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.writer import StoreTarget, make_part_writer, make_writer, writes_to_disk
+from tracinfunc.store.zarr.parts import StorePart
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["build_store"]
+
+
+@entry_point("build_store")
+def build_store(
+    loss: LossFn,
+    checkpoints: Sequence[Checkpoint],
+    data: Batch | Iterable[Batch],
+    *,
+    projection: Projection,
+    options: GradientOptions | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str | None = None,
+    dataset_fingerprint: str | None = None,
+    batch_size: int | None = None,
+    store: StoreTarget = None,
+    progress: ProgressArg = None,
+    preconditioners: Sequence[Preconditioner] | None = None,
+    shard: tuple[int, int] | None = None,
+    chunk_size: int | None = None,
+    select: Selection | None = None,
+    mixed_precision: torch.dtype | None = None,
+    stages: Stages | None = None,
+    offload: bool = False,
+    memory_budget: int | None = None,
+    compile_projection: bool = False,
+) -> GradientStore | StorePart:
+    """Compute projected per-example gradients at every checkpoint and store them.
+
+    ``data`` is iterated once; for each batch, gradients at every checkpoint are computed
+    with :func:`~tracinfunc.grads.projected_grads` and appended to the store.
+
+    Args:
+        loss: ``loss(params, example) -> scalar`` for one example (no batch dimension).
+        checkpoints: The checkpoints ``w_c`` with their weights ``lr_c`` (``n_ckpt`` of them).
+        data: One batch (a tensor, tuple or dict of tensors with a leading batch dimension)
+            or an iterable of batches (a list of batches, a DataLoader, a generator).
+        projection: How to project, e.g. ``Projection(dim=512, seed=0)``; to make test
+            gradients, pass ``projection=store.projection``.
+        options: How gradients are computed, one :class:`~tracinfunc.GradientOptions` (as
+            for :func:`~tracinfunc.grads.projected_grads`); with ``select`` the store's
+            layout (and projection) covers only the selected parameters, and test gradients
+            must use the same selection.
+        dtype: Storage dtype: float32 (default), float16, bfloat16 or float64 (exactness
+            checks; needs float64 params); or quantised: ``torch.int8``/``"int8"`` (int8
+            codes with a per-row scale, 4x smaller than float32) or ``"sign"`` (1 bit per
+            value with a per-row scale, ~30x smaller), read back as float32 (see
+            ``docs/concepts/stores.md``). Norms are taken before the cast or quantisation.
+        device: Where gradients are computed (default: the checkpoints' device).
+        dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
+        batch_size: Examples per gradient call: the data's batches are merged or split to
+            this size (the last may be smaller); ``None`` keeps the data's own batches. Each
+            call has a fixed cost (about 2 ms on a CPU), so merging small loader batches
+            pays for small models; activation memory grows with it unless ``chunk_size`` or
+            ``memory_budget`` bounds it. Resuming needs the same ``batch_size``.
+        store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
+            ``tif.store.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
+            Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
+            tif.store.ZarrWriter, path, overwrite=True)``). If the path holds a store left
+            incomplete by an interrupted build, calling ``build_store`` again with the same
+            arguments resumes it: batches already stored are skipped without computing their
+            gradients, and the result is bit-identical to an uninterrupted build.
+        progress: A progress bar over examples: ``None`` (default) shows one on a terminal
+            once the build has run for 2 s, ``True`` always, ``False`` never.
+        preconditioners: Optimizer-aware TracIn: one :class:`~tracinfunc.Preconditioner`
+            per checkpoint (its saved optimizer state), all of one kind, applied to these
+            (training) gradients; the store records the kind and scoring refuses test
+            gradients built with it. Each checkpoint then has its own projector cache.
+        shard: ``(index, count)``: compute and write only part ``index`` of ``count`` of
+            the rows (whole Zarr shards) into the Zarr store at the path ``store``; every
+            part is given the same ``data``, needs a known size (a batch, a list of batches
+            or a DataLoader over a sized dataset) and resumes on its own. Returns the
+            :class:`~tracinfunc.store.zarr.parts.StorePart`; ``tif.store.commit_store(path)`` (or
+            ``tracinfunc commit``) seals the store once every part is done. Under torchrun
+            (``torch.distributed`` initialised) a store at a path (or a
+            ``functools.partial`` of ``PartWriter``) is split by ``(rank, world_size)``
+            unless ``shard`` is given, and rank 0 commits after a barrier: every rank
+            returns the store. In-memory stores are built whole by every rank.
+            With ``shard``, ``store`` may also be a callable ``(meta, shard) -> writer``,
+            e.g. ``functools.partial(tif.store.PartWriter, path, shard_rows=4096)``.
+        chunk_size, select, mixed_precision, stages, offload, memory_budget,
+            compile_projection: Deprecated keywords (removed in 0.3.0; they warn): pass them
+            in ``options``.
+
+    Returns:
+        A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.store.MemoryStore`,
+        :class:`~tracinfunc.store.PinnedStore` or :class:`~tracinfunc.store.ZarrStore`; quantised:
+        :class:`~tracinfunc.store.QuantizedMemoryStore`,
+        :class:`~tracinfunc.store.QuantizedPinnedStore`
+        or :class:`~tracinfunc.store.ZarrStore`).
+
+    Raises:
+        EmptyDataError: ``data`` holds no examples.
+        LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar.
+        NonFiniteGradientError: a gradient is NaN/inf (names checkpoint and rows).
+        IncompatibleGradientsError: checkpoints differ in parameter names or shapes, or an
+            incomplete store at ``store`` was started with other arguments.
+        StoreExistsError: a finished store already exists at the ``store`` path.
+    """
+    checkpoints = _check_checkpoints(checkpoints)
+    check_ordered(data)
+    check_projection(projection)
+    options = gradient_options(
+        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
+        stages=stages, offload=offload, memory_budget=memory_budget,
+        compile_projection=compile_projection)
+    names = selected_names(checkpoints[0].params, options.select)
+    layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
+    meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,
+                          projection, dtype, dataset_fingerprint)
+    kind = check_preconditioners(preconditioners, [c.params for c in checkpoints], names)
+    meta = meta if kind is None else meta.replace(preconditioner=kind)
+    device = torch.device(device) if device is not None else _params_device(checkpoints)
+    params_per_ckpt = [_params_on(ckpt.params, device) for ckpt in checkpoints]
+    # Each checkpoint is differentiated with its own buffers (BatchNorm statistics), its own
+    # projection (per_checkpoint) and preconditioner; equal ones share one transform (and its
+    # cached projector).
+    ckpt_losses = [loss_at(loss, replace(c, buffers=_params_on(c.buffers, device)))
+                   for c in checkpoints]
+    transforms: dict[tuple, Callable[[Params, Batch], Tensor]] = {}
+    grads_fns = []
+    for i, (ckpt_meta, ckpt_loss) in enumerate(zip(meta.checkpoints, ckpt_losses, strict=True)):
+        ckpt_projection = projection.for_checkpoint(ckpt_meta.name)
+        precondition = None if kind is None else preconditioners[i]
+        key = (id(ckpt_loss), ckpt_projection, id(precondition))
+        if key not in transforms:
+            transforms[key] = projected_grads(ckpt_loss, ckpt_projection, options=options,
+                                              precondition=precondition)
+        grads_fns.append(transforms[key])
+    distributed = shard is None and writes_to_disk(store) and is_distributed()
+    if distributed:
+        shard = rank_shard()
+    stop = None
+    if shard is None:
+        writer = make_writer(store, meta)
+    else:
+        full = meta.replace(n_train=sized(data))  # every part sizes the store up front
+        writer = rank_zero_first(lambda: make_part_writer(store, full, shard)) if distributed \
+            else make_part_writer(store, full, shard)
+        stop = writer.stop
+    batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
+
+    def on_device(batch: Batch) -> Batch:
+        return tree_map(lambda leaf: leaf.to(device), batch)
+
+    def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
+        batch = on_device(batch)
+        return torch.stack([grads_fn(params, batch)
+                            for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
+
+    result = fill_store(
+        writer, ((batch_size_of(batch), batch) for batch in batches), rows_of, meta=meta,
+        check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
+        progress=progress, total=known_size(data), stop=stop)
+    return commit_after_barrier(result.path) if distributed else result
+
+
+def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint")
+    layouts = {canonical_layout(c.params) for c in checkpoints}
+    if len(layouts) > 1:
+        raise IncompatibleGradientsError(
+            "build_store: checkpoints differ in parameter names or shapes; all checkpoints "
+            "must be snapshots of the same model."
+        )
+    return checkpoints
+
+
+def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
+    return next(iter(checkpoints[0].params.values())).device
+
+
+def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:
+    return {name: value.to(device) for name, value in params.items()}
+
+
+def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
+    """Evaluate the loss on the first example, so mistakes fail before any real work."""
+    example = tree_map(lambda leaf: leaf[0], batch)
+    if isinstance(loss, ModuleLoss):
+        # Before any call: in train mode BatchNorm would update the loss's buffers in place.
+        check_eval_mode(loss.module)
+    try:
+        with torch.no_grad():
+            value = loss(params, example)
+    except TracInFuncError:
+        raise  # already says what is wrong and how to fix it
+    except Exception as error:
+        clearer = explain_loss_error(error)
+        if clearer is not None:
+            raise clearer from error
+        raise LossFunctionError(
+            f"build_store: loss(params, example) failed on the first example with "
+            f"{type(error).__name__}: {error}. Check that the loss uses the checkpoint's "
+            f"parameter names ({sorted(params)[:4]}...) and takes one example without a batch "
+            "dimension."
+        ) from error
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        shape = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise LossFunctionError(
+            f"build_store: loss(params, example) must return a scalar tensor, got {shape}; "
+            "reduce it (e.g. with .sum()) for one example."
+        )

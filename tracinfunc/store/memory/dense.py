@@ -1,0 +1,150 @@
+"""MemoryStore: projected gradients held in ordinary (CPU) memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tracinfunc._validate import entry_point
+from tracinfunc.errors import (
+    InvalidArgumentError,
+    ReadOnlyStoreError,
+)
+from tracinfunc.interop import as_tensor
+from tracinfunc.store.codes import check_codes, code_dtype, stored_empty, to_stored
+from tracinfunc.store.memory.quantized import QuantizedMemoryStore
+from tracinfunc.store.meta import StoreMeta, norm_dtype
+from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.protocols import check_block, check_out_buffer, check_row_range
+
+__all__ = ["MemoryStore", "MemoryWriter"]
+
+
+class MemoryStore(StoreProperties):
+    """Read-only gradients in CPU memory: rows ``[n_ckpt, n_train, k]``, norms ``[n_ckpt, n_train]``
+
+    Built by :func:`tracinfunc.build_store` (the default store) or by :class:`MemoryWriter`.
+    Tensors handed out are copies, so nothing a caller does can change the store.
+    """
+
+    __slots__ = ("_meta", "_norms", "_rows")
+
+    def __init__(self, meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
+        expected = (meta.n_ckpt, meta.n_train, meta.k)
+        if tuple(rows.shape) != expected or rows.dtype != meta.torch_dtype:
+            raise InvalidArgumentError(
+                f"MemoryStore: rows must be {list(expected)} {meta.torch_dtype}, got "
+                f"{list(rows.shape)} {rows.dtype}."
+            )
+        if tuple(norms.shape) != expected[:2]:
+            raise InvalidArgumentError(
+                f"MemoryStore: norms must be {list(expected[:2])}, got {list(norms.shape)}."
+            )
+        # Copy on ingest: the caller's tensors may be changed later; ours never are.
+        self._adopt(meta, rows.detach().to("cpu", copy=True), norms.detach().to("cpu", copy=True))
+
+    @classmethod
+    def _from_owned(cls, meta: StoreMeta, rows: Tensor, norms: Tensor) -> MemoryStore:
+        """Wrap tensors nobody else references (a writer's), skipping the defensive copy."""
+        store = object.__new__(cls)
+        store._adopt(meta, rows, norms)
+        return store
+
+    def _adopt(self, meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
+        object.__setattr__(self, "_meta", meta.replace(complete=True))
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_norms", norms)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ReadOnlyStoreError(
+            f"MemoryStore is read-only: cannot set {name!r}. Build a new store instead."
+        )
+
+    @property
+    def meta(self) -> StoreMeta:
+        return self._meta
+
+    @entry_point("MemoryStore.read_rows")
+    def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop)
+        source = self._rows[ckpt, start:stop]
+        if out is None:
+            return source.clone()
+        target = check_out_buffer(out, stop - start, self._meta)
+        return target.copy_(source)
+
+    @entry_point("MemoryStore.read_norms")
+    def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop)
+        return self._norms[ckpt, start:stop].clone()
+
+    @entry_point("MemoryStore.view_rows")
+    def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` as a view of the store's memory, ``[stop - start, k]``
+        (:class:`~tracinfunc.store.protocols.SupportsRowViews`): no copy, so never write to it."""
+        check_row_range(self._meta, ckpt, start, stop)
+        return self._rows[ckpt, start:stop]
+
+
+class MemoryWriter:
+    """Collects blocks of rows and returns a :class:`MemoryStore` when finished (a
+    :class:`~tracinfunc.store.memory.quantized.QuantizedMemoryStore` for a quantised ``meta``).
+
+    Args:
+        meta: Metadata of the store to write; ``n_train`` is filled in by :meth:`finish`.
+    """
+
+    def __init__(self, meta: StoreMeta) -> None:
+        self._meta = meta
+        self._rows: list[Tensor] = []  # as stored: the storage dtype, or codes
+        self._scales: list[Tensor] = []  # per-row scales of quantised rows
+        self._norms: list[Tensor] = []
+        self._finished = False
+
+    @property
+    def rows_written(self) -> int:
+        return sum(block.shape[1] for block in self._rows)
+
+    @entry_point("MemoryWriter.append")
+    def append(self, rows: Tensor, norms: Tensor) -> None:
+        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``.
+
+        Both may be tensors or any ``__dlpack__`` arrays (JAX, NumPy, CuPy).
+        """
+        if self._finished:
+            raise ReadOnlyStoreError("MemoryWriter.append: the store is already finished.")
+        rows = as_tensor(rows)
+        norms = as_tensor(norms)
+        check_block(self._meta, rows, norms)
+        self._add(*to_stored(rows.detach(), self._meta), norms.detach())
+
+    @entry_point("MemoryWriter.append_codes")
+    def append_codes(self, codes: Tensor, scales: Tensor, norms: Tensor) -> None:
+        """Add a block of a quantised store as stored: ``codes`` ``[n_ckpt, b, width]``,
+        ``scales`` and ``norms`` ``[n_ckpt, b]`` (a bit-exact copy of another store's)."""
+        if self._finished:
+            raise ReadOnlyStoreError("MemoryWriter.append_codes: the store is already finished.")
+        check_codes(self._meta, codes, scales, norms)
+        self._add(codes, scales, norms)
+
+    def _add(self, stored: Tensor, scales: Tensor | None, norms: Tensor) -> None:
+        # Copy on ingest: a block the caller changes after append must not change the store.
+        self._rows.append(stored.to("cpu", code_dtype(self._meta), copy=True))
+        if scales is not None:
+            self._scales.append(scales.to("cpu", torch.float32, copy=True))
+        self._norms.append(norms.to("cpu", norm_dtype(self._meta), copy=True))
+
+    def finish(self) -> MemoryStore | QuantizedMemoryStore:
+        """Seal the store; the writer cannot be used afterwards."""
+        if self._finished:
+            raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
+        self._finished = True
+        meta = self._meta.replace(n_train=self.rows_written, complete=True)
+        rows = torch.cat(self._rows, dim=1) if self._rows else stored_empty(meta, 0)
+        norms = torch.cat(self._norms, dim=1) if self._norms else torch.empty(meta.n_ckpt, 0)
+        norms = norms.to(norm_dtype(meta))
+        scales = torch.cat(self._scales, dim=1) if self._scales else torch.empty(meta.n_ckpt, 0)
+        self._rows, self._scales, self._norms = [], [], []
+        if meta.quantization is not None:
+            return QuantizedMemoryStore._from_owned(meta, rows, scales, norms)
+        return MemoryStore._from_owned(meta, rows, norms)

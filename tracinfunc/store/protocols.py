@@ -1,0 +1,202 @@
+"""The GradientStore protocol, its optional abilities, and the checks every store shares.
+
+A protocol file: it imports no implementation (optax ``_src/base.py``). Optional abilities are
+separate ``Protocol``s (zarr ``storage/_protocols.py``) that code tests with ``isinstance``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import (
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NonFiniteGradientError,
+    RowRangeError,
+)
+from tracinfunc.store.meta import StoreMeta
+
+__all__ = [
+    "GradientStore",
+    "StoreWriter",
+    "SupportsChunkAlignment",
+    "SupportsQuantizedRows",
+    "SupportsRowViews",
+    "aligned_rows",
+    "check_block",
+    "check_out_buffer",
+    "check_row_range",
+]
+
+
+@runtime_checkable
+class GradientStore(Protocol):
+    """Read-only projected training gradients, ``[n_ckpt, n_train, k]``, plus row norms.
+
+    The protocol is deliberately small: metadata and reading a row range of one checkpoint.
+    Everything else (scoring, conversions) is a free function over it, so bringing your own
+    store means implementing three members, with no subclassing.
+    """
+
+    @property
+    def meta(self) -> StoreMeta:
+        """What the rows were made from (projection, checkpoints, layout, dtype, sizes)."""
+        ...
+
+    def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
+        """Rows ``[start, stop)`` of checkpoint ``ckpt``: ``[stop - start, k]``.
+
+        Returned in ``meta.torch_dtype`` (the storage dtype; float32, dequantised, for a
+        quantised store), on the CPU, as a tensor the caller owns: writing to it never
+        changes the store. With ``out`` (``[>= stop - start, k]``, ``meta.torch_dtype``) the
+        rows are written into ``out[: stop - start]`` and that view is returned, so
+        streaming readers can reuse one preallocated buffer.
+        """
+        ...
+
+    def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
+        """L2 norms of the full-precision rows ``[start, stop)``: ``[stop - start]`` float
+        (taken before any cast or quantisation)."""
+        ...
+
+
+@runtime_checkable
+class SupportsRowViews(Protocol):
+    """Optional ability: rows are in memory and can be lent without a copy.
+
+    Streaming readers use the views directly (no buffers, no background thread) and size
+    their chunks for memory, not for I/O.
+    """
+
+    def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` of checkpoint ``ckpt`` as a view of the store's memory,
+        ``[stop - start, k]``; the caller must not write to it."""
+        ...
+
+
+@runtime_checkable
+class SupportsQuantizedRows(Protocol):
+    """Optional ability: rows are stored quantised (``meta.quantization`` is set), and the
+    stored codes can be read as they are: conversions copy them bit for bit, and readers
+    can move a quarter (int8) or a 32nd (sign) of the bytes and dequantise on arrival
+    (:func:`tracinfunc.store.codes.dequantize`, which is what ``read_rows`` returns)."""
+
+    def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Codes ``[stop - start, width]`` (int8, or uint8 packed signs) and per-row scales
+        ``[stop - start]`` float32 of rows ``[start, stop)`` of checkpoint ``ckpt``, as
+        tensors the caller owns."""
+        ...
+
+
+@runtime_checkable
+class SupportsChunkAlignment(Protocol):
+    """Optional ability: rows are stored in chunks, and reads aligned to them are fastest."""
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per stored chunk."""
+        ...
+
+
+def aligned_rows(store: GradientStore, rows: int) -> int:
+    """``rows`` rounded down to whole stored chunks (at least one) for chunked stores."""
+    stored = store.chunk_rows if isinstance(store, SupportsChunkAlignment) else 1
+    if isinstance(stored, int) and stored > 1:
+        return max(stored, rows // stored * stored)
+    return rows
+
+
+def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int) -> None:
+    """Raise ``IndexError`` unless ``0 <= ckpt < n_ckpt`` and ``0 <= start <= stop <= n_train``."""
+    for name, value in (("ckpt", ckpt), ("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not _is_index(value):  # a bool would index every ckpt
+            raise InvalidTypeError(f"{current_caller()}: {name} must be an integer, got "
+                                   f"{type(value).__name__} {value!r}; e.g. {current_caller()}(0, "
+                                   "0, 10).")
+    if not 0 <= ckpt < meta.n_ckpt:
+        raise RowRangeError(
+            f"{current_caller()}: checkpoint index {ckpt} out of range [0, {meta.n_ckpt})."
+        )
+    if not 0 <= start <= stop <= meta.n_train:
+        raise RowRangeError(
+            f"{current_caller()}: row range [{start}, {stop}) is not within [0, {meta.n_train}]."
+        )
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_out_buffer(out: Tensor, rows: int, meta: StoreMeta) -> Tensor:
+    """Validate a caller's ``out`` buffer and return the ``[rows, k]`` view to fill."""
+    if out.dtype != meta.torch_dtype or out.ndim != 2 or out.shape[1] != meta.k:
+        raise InvalidArgumentError(
+            f"{current_caller()}: out must be [>= {rows}, {meta.k}] {meta.torch_dtype}, got "
+            f"{list(out.shape)} {out.dtype}."
+        )
+    if out.shape[0] < rows:
+        raise InvalidArgumentError(
+            f"{current_caller()}: out has {out.shape[0]} rows, {rows} are needed."
+        )
+    return out[:rows]
+
+
+@runtime_checkable
+class StoreWriter(Protocol):
+    """Consumes blocks of rows; returns an opened, read-only store from :meth:`finish`."""
+
+    @property
+    def rows_written(self) -> int:
+        """Rows stored so far (including those of a resumed build)."""
+        ...
+
+    def append(self, rows: Tensor, norms: Tensor) -> None:
+        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and ``norms`` ``[n_ckpt, b]``."""
+        ...
+
+    def finish(self) -> GradientStore:
+        """Seal the store and return it, read-only."""
+        ...
+
+
+def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
+    """Raise unless ``rows`` is ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``.
+
+    Raises:
+        IncompatibleGradientsError: (a ``ValueError``) the block does not fit the store.
+    """
+    if rows.ndim != 3 or rows.shape[0] != meta.n_ckpt or rows.shape[2] != meta.k:
+        raise IncompatibleGradientsError(
+            f"{current_caller()}: rows must be [n_ckpt={meta.n_ckpt}, b, k={meta.k}], got "
+            f"{list(rows.shape)}; write one row of k values per example and checkpoint, "
+            "made with the store's projection."
+        )
+    if tuple(norms.shape) != tuple(rows.shape[:2]):
+        raise IncompatibleGradientsError(
+            f"{current_caller()}: norms must be [n_ckpt, b] = {list(rows.shape[:2])}, got "
+            f"{list(norms.shape)}; pass rows.norm(dim=-1) of the unrounded rows."
+        )
+    if not (rows.is_floating_point() and norms.is_floating_point()):
+        raise InvalidTypeError(
+            f"{current_caller()}: rows and norms must be floating point, got {rows.dtype} and "
+            f"{norms.dtype}; pass the projected gradients as computed (e.g. float32)."
+        )
+    finite = torch.isfinite(rows).all(dim=-1) & torch.isfinite(norms)  # [n_ckpt, b]
+    if not bool(finite.all()):
+        ckpt, row = (~finite).nonzero()[0].tolist()
+        raise NonFiniteGradientError(
+            f"{current_caller()}: the block holds NaN/inf values (checkpoint index {ckpt}, row "
+            f"{row} of "
+            "the block first); they would rank as the strongest proponents. Check the loss and "
+            "the checkpoint weights on those examples, or drop them."
+        )

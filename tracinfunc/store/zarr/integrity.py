@@ -1,0 +1,209 @@
+"""Integrity of a finished Zarr store: a sealed manifest of its files and a metadata checksum.
+
+zarr checks each chunk's crc32c but nothing binds a chunk to its position, an empty shard
+file reads as fill values (zeros), and the group metadata (learning rates, projection seed,
+checkpoint order) has no checksum at all. When a writer finishes it therefore *seals* the
+store: every file below the root gets an entry ``relative path -> [size, BLAKE2b of its last
+TAIL_BYTES]`` and a SHA-256 over the metadata and that manifest is stored beside them::
+
+    zarr.json  attributes.tracinfunc = {...StoreMeta..., "integrity": {
+                   "algorithm": "sha256", "digest": "...", "files": {"rows/0/c/0/0": [size, hash]}}}
+
+Opening a store checks the digest (any edit of the metadata or the manifest) and the full
+hash of every array's ``zarr.json`` (codecs, endianness, shape). Before the first read of a
+shard file its size (truncation, deletion, empty files) and the hash of its tail (its index
+and the checksum of its last chunk) are checked, which binds shards to their positions: two
+swapped shards or checkpoint directories fail there.
+The tail and the manifest are cheap (one small read per shard), so reads stay at disk speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import CorruptStoreError
+
+__all__ = ["INTEGRITY_KEY", "TAIL_BYTES", "FileGuard", "check_digest", "seal", "sync_files"]
+
+INTEGRITY_KEY = "integrity"
+TAIL_BYTES = 64 * 2**10  # covers a shard index of 1024 chunks plus its last chunk's checksum
+_ROOT_JSON = "zarr.json"
+
+
+def _tail_hash(path: Path, size: int) -> str:
+    # Not crc32c: a chunk ends with its own crc32c, and the crc32c of data followed by its
+    # crc32c is the same constant for every chunk, so it could not tell two shards apart.
+    with path.open("rb") as file:
+        file.seek(max(0, size - TAIL_BYTES))
+        return hashlib.blake2b(file.read(), digest_size=8).hexdigest()
+
+
+def manifest(root: Path) -> dict[str, list]:
+    """``relative path -> [size, BLAKE2b-64 of the tail]`` of every file below ``root``."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        if name != _ROOT_JSON:
+            size = path.stat().st_size
+            files[name] = [size, _tail_hash(path, size)]
+    return files
+
+
+def digest(meta: dict[str, Any], files: dict[str, list]) -> str:
+    """SHA-256 of the metadata (without its integrity block) and the manifest."""
+    body = {key: value for key, value in meta.items() if key != INTEGRITY_KEY}
+    text = json.dumps({"meta": body, "files": files}, sort_keys=True, allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sync_files(paths: list[Path]) -> None:
+    """fsync each file and directory: a power loss must not leave empty or partial files."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def seal(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with an integrity block for the files now under ``root`` (all fsync'ed first)."""
+    sync_files([p for p in root.rglob("*")] + [root])
+    files = manifest(root)
+    block = {"algorithm": "sha256", "digest": digest(meta, files), "files": files}
+    return {**meta, INTEGRITY_KEY: block}
+
+
+def seal_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with a checksum of itself only (no file manifest): for stores on object
+    storage, whose objects zarr's crc32c already checks, so that edited learning rates,
+    projection or checkpoint order are still caught."""
+    return {**meta, INTEGRITY_KEY: {"algorithm": "sha256", "digest": digest(meta, {}),
+                                    "files": {}}}
+
+
+def check_digest(meta: dict[str, Any], path: Path) -> None:
+    """Raise unless the finished store's metadata matches the checksum it was sealed with."""
+    where = f"{str(path).rstrip('/')}/{_ROOT_JSON}" if isinstance(path, str) else str(
+        path / _ROOT_JSON)
+    where = repr(where)
+    block = meta.get(INTEGRITY_KEY)
+    if not isinstance(block, dict) or not isinstance(block.get("files"), dict):
+        raise CorruptStoreError(
+            f"{current_caller()}: {where} has no metadata checksum ('{INTEGRITY_KEY}' block), "
+            "which every finished store of this format has; the metadata was edited or damaged. "
+            "Rebuild the store or restore it from a copy."
+        )
+    if block.get("digest") != digest(meta, block["files"]):
+        raise CorruptStoreError(
+            f"{current_caller()}: the metadata in {where} does not match its checksum: it was "
+            "edited or damaged after the store was written (learning rates, projection, checkpoint "
+            "order, sizes or the file list changed), so scores from it cannot be trusted. "
+            "Rebuild the store or restore it from a copy."
+        )
+
+
+class FileGuard:
+    """Checks the files of one store against its manifest: all at open, each tail once.
+
+    Args:
+        root: The store directory.
+        files: The sealed manifest, or ``None`` for a store written before manifests
+            (format 1): then files are only required to exist and be non-empty.
+    """
+
+    def __init__(self, root: Path, files: dict[str, list] | None) -> None:
+        for name in files or {}:
+            _check_inside(root, name)
+        self._root, self._files = root, files
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check_metadata_files(self) -> None:
+        """Every sealed array and group ``zarr.json`` present and unedited (read in full).
+
+        Shard files are checked on their first read instead: opening stays cheap, and the
+        undamaged part of a damaged store stays readable (to salvage it).
+        """
+        for name, (size, tail_hash) in (self._files or {}).items():
+            if not name.endswith(".json"):
+                continue
+            self._check_sealed(
+                self._root / name,
+                name,
+                size,
+                tail_hash,
+                differs="differs from the file the store was sealed with (array "
+                "metadata edited: codecs, byte order or shape, or files moved)",
+            )
+            self._checked.add(name)
+
+    def _check_sealed(self, path: Path, name: str, size: int, tail_hash, *, differs: str) -> None:
+        """Raise unless ``path`` has its sealed size and tail; ``differs`` says what changed."""
+        self._check_size(path, name, size)
+        if _tail_hash(path, size) != tail_hash:
+            raise CorruptStoreError(
+                f"{current_caller()}: {str(path)!r} {differs}; rebuild the store or "
+                "restore it from a copy."
+            )
+
+    def check(self, path: Path) -> None:
+        """Before the first read of ``path``: present, right size, tail as sealed."""
+        name = path.relative_to(self._root).as_posix()
+        if name in self._checked:
+            return
+        if self._files is None:
+            self._check_size(path, name, None)
+        else:
+            if name not in self._files:
+                raise CorruptStoreError(
+                    f"{current_caller()}: {str(path)!r} is not part of the store as "
+                    "sealed (files moved or added); rebuild the store."
+                )
+            self._check_sealed(
+                path, name, *self._files[name],
+                differs="is not the file sealed at this position (shard files or checkpoint "
+                        "directories swapped, or its index damaged)")
+        with self._lock:
+            self._checked.add(name)
+
+    def _check_size(self, path: Path, name: str, size: int | None) -> None:
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            raise CorruptStoreError(
+                f"{current_caller()}: {str(path)!r} is missing; the store is damaged. Rebuild it "
+                "or restore it from a copy."
+            ) from None
+        if actual != size and (size is not None or actual == 0):
+            expected = "a non-empty file" if size is None else f"{size} bytes"
+            raise CorruptStoreError(
+                f"{current_caller()}: {str(path)!r} has {actual} bytes, expected {expected} "
+                "(truncated, "
+                "e.g. by a power loss); the store is damaged. Rebuild it or restore it from a "
+                "copy."
+            )
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_inside(root: Path, name: object) -> None:
+    """Manifest names are relative paths of plain parts: never absolute, never ``..``."""
+    parts = name.split("/") if isinstance(name, str) else [".."]
+    if not all(_NAME.fullmatch(part) and part not in (".", "..") for part in parts):
+        raise CorruptStoreError(
+            f"ZarrStore: the metadata of {str(root)!r} lists the file {name!r}, which is not a "
+            "plain path inside the store (it would point outside); the metadata was edited. "
+            "Rebuild the store or restore it from a copy."
+        )

@@ -1,0 +1,305 @@
+"""Sharded builds: many processes fill one Zarr store, part by part, then one commit seals it.
+
+A sharded store is created with its final size (``n_train`` rows) up front, so no writer ever
+resizes an array (resizing rewrites ``zarr.json``, which concurrent writers would race on).
+The rows are split into ``count`` parts **aligned to the Zarr shards**: two writers never
+touch one shard file (zarr writes a shard whole, so concurrent writers to one shard lose
+rows). Each part keeps its own progress in its own group, ``parts/<index>/zarr.json``, so
+parts resume independently after a crash; the root metadata stays ``complete=False`` until
+:func:`commit_store` finds every part complete::
+
+    grads.zarr/
+      zarr.json            attributes: "tracinfunc" (StoreMeta, n_train = the final size)
+                                       "tracinfunc_parts" ({"count": n})
+      parts/<i>/zarr.json  attributes: "tracinfunc_part" ({start, stop, rows_written, complete})
+      rows/<c>/ norms/<c>/ as in a one-process store: the committed store is bit-identical
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import zarr
+from torch import Tensor
+
+from tracinfunc._validate import current_caller, entry_point
+from tracinfunc.errors import (
+    IncompleteStoreError,
+    InvalidArgumentError,
+    ReadOnlyStoreError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
+from tracinfunc.interop import as_tensor
+from tracinfunc.store.codes import to_stored
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import check_block
+from tracinfunc.store.zarr.integrity import seal, seal_metadata
+from tracinfunc.store.zarr.layout import (
+    ATTRS_KEY,
+    buffer_rows,
+    check_resumable,
+    create_layout,
+    pending_buffers,
+    read_meta,
+    writable_arrays,
+    writable_scales,
+    write_pending,
+)
+from tracinfunc.store.zarr.store import ZarrStore
+from tracinfunc.store.zarr.urls import Location, is_url, location
+
+__all__ = ["PARTS_KEY", "PartWriter", "StorePart", "check_shard", "commit_store",
+           "part_rows", "read_parts"]
+
+PARTS_KEY = "tracinfunc_parts"
+PART_KEY = "tracinfunc_part"
+_CREATE_WAIT_S = 120.0  # how long a part waits for another process to finish creating
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePart:
+    """One part of a sharded build: rows ``[start, stop)`` of the store at ``path``.
+
+    ``build_store(..., shard=(index, count))`` returns it (the store itself opens only after
+    :func:`commit_store`).
+    """
+
+    path: Path | str
+    index: int
+    count: int
+    start: int
+    stop: int
+    complete: bool
+
+
+def check_shard(shard: object) -> tuple[int, int]:
+    """``shard`` as ``(index, count)`` with ``0 <= index < count``, or a clear error."""
+    ok = (isinstance(shard, tuple | list) and len(shard) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
+          and 0 <= shard[0] < shard[1])
+    if not ok:
+        raise InvalidArgumentError(
+            f"{current_caller()}: shard must be (index, count) with 0 <= index < count, got "
+            f"{shard!r}; e.g. shard=(3, 8) for the fourth of eight parts (SLURM_ARRAY_TASK_ID, "
+            "SLURM_ARRAY_TASK_COUNT)."
+        )
+    return int(shard[0]), int(shard[1])
+
+
+def part_rows(n_train: int, shard_rows: int, index: int, count: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of part ``index`` of ``count``: whole Zarr shards, split evenly.
+
+    Parts get ``floor``/``ceil`` of ``n_shards / count`` shards; with more parts than shards
+    the extra parts are empty (``start == stop``).
+    """
+    n_shards = -(-n_train // shard_rows)
+    first, last = index * n_shards // count, (index + 1) * n_shards // count
+    return min(n_train, first * shard_rows), min(n_train, last * shard_rows)
+
+
+class PartWriter:
+    """Writes one part of a sharded Zarr store (the writer interface of ``store.writer``).
+
+    ``rows_written`` counts rows of the *whole store* before the next row this part needs
+    (``start`` plus the rows of the part already written), so the shared build loop skips the
+    data before the part, and resumes a part after a crash, the same way.
+
+    Args:
+        path: The store directory, created by whichever part comes first.
+        meta: Metadata with ``n_train`` the final number of rows.
+        shard: ``(index, count)``.
+        chunk_rows: As for :class:`~tracinfunc.store.ZarrWriter`; every part must pass the same.
+        shard_rows: As for :class:`~tracinfunc.store.ZarrWriter`; every part must pass the same.
+        compression: As for :class:`~tracinfunc.store.ZarrWriter`; every part must pass the same.
+
+    Raises:
+        StoreExistsError: a finished store, or a store split into another count, is there.
+        IncompatibleGradientsError: the store there was started with other arguments.
+    """
+
+    @entry_point("PartWriter")
+    def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, shard: tuple[int, int],
+                 *, chunk_rows: int | None = None, shard_rows: int | None = None,
+                 compression: str | None = None) -> None:
+        self._path = location(path)
+        self.index, self.count = check_shard(shard)
+        self._group = _open_or_create(self._path, meta, self.count, chunk_rows=chunk_rows,
+                                      shard_rows=shard_rows, compression=compression)
+        self._meta = read_meta(self._group, self._path)
+        self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
+        self._norms = writable_arrays(self._group, "norms", meta.n_ckpt)
+        self._scales = writable_scales(self._group, meta)
+        self._shard_rows = int(self._rows[0].shards[0])
+        self.start, self.stop = part_rows(meta.n_train, self._shard_rows, self.index, self.count)
+        self._part = self._group.require_group(f"parts/{self.index}")
+        state = self._part.attrs.get(PART_KEY) or {}
+        self._committed = int(state.get("rows_written", self.start))
+        self._pending, self._pending_scales, self._pending_norms = pending_buffers(
+            meta, self._shard_rows)
+        self._filled = 0
+        self._finished = False
+        self._record(complete=bool(state.get("complete", False)))
+
+    @property
+    def rows_written(self) -> int:
+        """Store rows before the next row this part needs (``start`` + rows written)."""
+        return self._committed + self._filled
+
+    @entry_point("PartWriter.append")
+    def append(self, rows: Tensor, norms: Tensor) -> None:
+        """Add ``rows`` ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``, inside the part."""
+        if self._finished:
+            raise ReadOnlyStoreError("PartWriter.append: the part is already finished.")
+        rows = as_tensor(rows).detach()
+        norms = as_tensor(norms).detach()
+        check_block(self._meta, rows, norms)
+        if self.rows_written + rows.shape[1] > self.stop:
+            raise InvalidArgumentError(
+                f"PartWriter.append: part {self.index} holds rows [{self.start}, {self.stop}) "
+                f"but {self.rows_written + rows.shape[1]} rows would be written; append only "
+                "the part's rows (build_store does)."
+            )
+        buffer_rows(self, *to_stored(rows, self._meta), norms)
+
+    def finish(self) -> StorePart:
+        """Write the last shard and mark the part complete (the store needs a commit)."""
+        if self._finished:
+            raise ReadOnlyStoreError("PartWriter.finish: the part is already finished.")
+        self._flush()
+        if self._committed != self.stop:
+            raise IncompleteStoreError(
+                f"PartWriter.finish: part {self.index} of {self.count} needs rows "
+                f"[{self.start}, {self.stop}) but only rows up to {self._committed} were "
+                "written; pass the same data as the other parts (all n_train examples)."
+            )
+        self._finished = True
+        self._record(complete=True)
+        return StorePart(self._path, self.index, self.count, self.start, self.stop, True)
+
+    def _flush(self) -> None:
+        """Write the buffered rows (whole shards), then record them in the part's group."""
+        n = self._filled
+        if n == 0:
+            return
+        write_pending(self, self._committed, resize=False)  # the arrays are full-size
+        # Only now: a crash before redoes the shard.
+        self._committed, self._filled = self._committed + n, 0
+        self._record(complete=False)
+
+    def _record(self, *, complete: bool) -> None:
+        self._part.attrs[PART_KEY] = {"start": self.start, "stop": self.stop,
+                                      "rows_written": self._committed, "complete": complete}
+
+
+def _open_or_create(path: Location, meta: StoreMeta, count: int, **layout) -> zarr.Group:
+    """The sharded store's group: created at full size by the first part, else waited for."""
+    try:
+        group = create_layout(path, meta, **layout)
+    except Exception:  # another part created it (or is creating it): wait for its marker
+        return _wait_for_parts(path, meta, count)
+    arrays = [*writable_arrays(group, "rows", meta.n_ckpt),
+              *writable_arrays(group, "norms", meta.n_ckpt), *writable_scales(group, meta)]
+    for array in arrays:
+        array.resize((meta.n_train, *array.shape[1:]))
+    group.attrs[ATTRS_KEY] = meta.replace(complete=False).to_dict()
+    group.attrs[PARTS_KEY] = {"count": count}  # last: marks the layout ready for other parts
+    return group
+
+
+def _wait_for_parts(path: Location, meta: StoreMeta, count: int) -> zarr.Group:
+    deadline = time.monotonic() + _CREATE_WAIT_S
+    while True:
+        try:
+            group = zarr.open_group(path, mode="r+")
+            parts = group.attrs.get(PARTS_KEY)
+            existing = group.attrs.get(ATTRS_KEY)
+        except Exception:
+            parts = existing = None
+        if existing is not None and existing.get("complete"):
+            raise StoreExistsError(
+                f"build_store: a finished store already exists at {str(path)!r}; stores are "
+                "immutable. Open it with tif.open_store(path) or choose another path."
+            )
+        if parts is not None:
+            break
+        if time.monotonic() > deadline:
+            raise StoreExistsError(
+                f"build_store: {str(path)!r} exists but is not a sharded store being built "
+                f"(no {PARTS_KEY!r} marker after {_CREATE_WAIT_S:.0f} s); sharded builds need "
+                "a new path, or the path of an interrupted sharded build."
+            )
+        time.sleep(0.05)
+    if parts.get("count") != count:
+        raise StoreExistsError(
+            f"build_store: the store at {str(path)!r} is split into {parts.get('count')} parts, "
+            f"this call asks for part of {count}; use the same count (or another path)."
+        )
+    check_resumable(StoreMeta.from_dict(existing), meta, path)
+    if StoreMeta.from_dict(existing).n_train != meta.n_train:
+        raise StoreExistsError(
+            f"build_store: the store at {str(path)!r} is sized for "
+            f"{StoreMeta.from_dict(existing).n_train} rows but this call has {meta.n_train} "
+            "examples; every part must see the same data."
+        )
+    return group
+
+
+@entry_point("read_parts")
+def read_parts(path: str | os.PathLike[str]) -> list[dict | None]:
+    """The state of every part of the sharded store at ``path`` (``None``: never started)."""
+    group = _group(path)
+    count = int(group.attrs[PARTS_KEY]["count"])
+    states: list[dict | None] = []
+    for index in range(count):
+        try:
+            states.append(dict(group[f"parts/{index}"].attrs.get(PART_KEY) or {}) or None)
+        except KeyError:
+            states.append(None)
+    return states
+
+
+@entry_point("commit_store")
+def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
+    """Seal a sharded store whose parts are all complete, and open it read-only.
+
+    Run once after every part finished: ``tracinfunc commit grads.zarr`` after a SLURM array;
+    under torchrun rank 0 does it after a barrier. Committing a committed store just opens it.
+
+    Raises:
+        IncompleteStoreError: a part is missing or unfinished (names them; rerun those parts).
+        StoreNotFoundError: ``path`` holds no sharded store.
+    """
+    group = _group(path)
+    meta = read_meta(group, location(path))
+    if not meta.complete:
+        states = read_parts(path)
+        missing = [i for i, s in enumerate(states) if not (s and s.get("complete"))]
+        if missing:
+            raise IncompleteStoreError(
+                f"commit_store: parts {missing[:20]} of {len(states)} of {str(path)!r} are not "
+                f"complete; rerun them (e.g. 'tracinfunc build --shard {missing[0]}/"
+                f"{len(states)} ...', same arguments) and commit again."
+            )
+        finished = meta.replace(complete=True).to_dict()
+        where = location(path)
+        # Sealed like a one-process build (files fsync'ed, manifest, metadata checksum), so
+        # tampering is caught the same way; object storage has no files to seal.
+        group.attrs[ATTRS_KEY] = seal_metadata(finished) if is_url(where) else seal(where,
+                                                                                     finished)
+    return ZarrStore(path)
+
+
+def _group(path: str | os.PathLike[str]) -> zarr.Group:
+    try:
+        group = zarr.open_group(location(path), mode="r+")
+        group.attrs[PARTS_KEY]["count"]
+    except Exception as error:
+        raise StoreNotFoundError(
+            f"{current_caller()}: no sharded store at {str(path)!r}; it is made by "
+            "build_store(..., shard=(index, count), store=path) or 'tracinfunc build --shard i/n'."
+        ) from error
+    return group

@@ -1,0 +1,89 @@
+"""Stores by path: open, read metadata, verify, remove. The operations the CLI and users need.
+
+``open_store`` is the one way to reopen a finished store.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import StoreNotFoundError
+from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import GradientStore, aligned_rows
+from tracinfunc.store.zarr.layout import open_group, read_meta
+from tracinfunc.store.zarr.store import ZarrStore
+from tracinfunc.store.zarr.urls import exists, location, remove
+
+__all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
+
+_VERIFY_BYTES = 64 * 2**20  # rows read at once by verify_store
+
+
+def open_store(path: str | os.PathLike[str]) -> ZarrStore:
+    """Reopen a finished Zarr gradient store read-only, in any process.
+
+    Args:
+        path: Directory written by ``build_store(..., store=path)`` or ``save_store``.
+
+    Returns:
+        A read-only :class:`~tracinfunc.store.zarr.store.ZarrStore`.
+
+    Raises:
+        StoreNotFoundError: no store at ``path``.
+        IncompleteStoreError: the build that wrote it was interrupted (resume it).
+        CorruptStoreError: the metadata or arrays do not describe a valid store.
+    """
+    return ZarrStore(path)
+
+
+def read_store_meta(path: str | os.PathLike[str]) -> StoreMeta:
+    """The metadata of the store at ``path``, finished or not, without opening its arrays.
+
+    Raises:
+        StoreNotFoundError: no ``zarr.json`` at ``path``.
+        CorruptStoreError: a zarr group that is not a (readable) tracinfunc store.
+    """
+    path = location(path)  # a directory or an fsspec URL
+    if not exists(path, "zarr.json"):
+        raise StoreNotFoundError(
+            f"{current_caller('read_store_meta')}: no gradient store at {str(path)!r} (no "
+            "zarr.json there); build one "
+            f"with tif.build_store(..., store={str(path)!r}) or 'tracinfunc build --out {path}'."
+        )
+    return read_meta(open_group(path, mode="r"), path)
+
+
+def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:
+    """Read every row and every norm of every checkpoint once.
+
+    Zarr stores check each chunk's crc32c as it is read, so a damaged chunk raises
+    :class:`~tracinfunc.errors.CorruptStoreError` naming its checkpoint and rows. Reads are whole
+    stored chunks, so none is read twice.
+    """
+    meta = store.meta
+    step = aligned_rows(store, max(1, _VERIFY_BYTES // (meta.k * meta.torch_dtype.itemsize)))
+    buffer = torch.empty(min(step, meta.n_train), meta.k, dtype=meta.torch_dtype)
+    with progress_bar(progress, total=meta.n_ckpt * meta.n_train, desc="verify",
+                      unit="row") as bar:
+        for ckpt in range(meta.n_ckpt):
+            for start in range(0, meta.n_train, step):
+                stop = min(meta.n_train, start + step)
+                store.read_rows(ckpt, start, stop, out=buffer)
+                store.read_norms(ckpt, start, stop)  # own chunks, own checksums
+                bar.update(stop - start)
+
+
+def remove_store(path: str | os.PathLike[str]) -> None:
+    """Delete the gradient store at ``path``, finished or not; never anything else.
+
+    Raises:
+        StoreNotFoundError, CorruptStoreError: ``path`` is not a tracinfunc store (nothing
+            is deleted).
+    """
+    read_store_meta(path)  # refuses anything that is not one of ours
+    remove(location(path))
+

@@ -1,0 +1,278 @@
+"""ZarrStore: projected gradients on disk as a zarr v3 group, reopened read-only anywhere.
+
+Layout of a store directory (zarr v3; readable by any zarr v3 implementation)::
+
+    grads.zarr/
+      zarr.json            group; attributes["tracinfunc"] = StoreMeta.to_dict() (JSON)
+      rows/<c>/            one array per checkpoint c: [n_train, k], storage dtype
+      norms/<c>/           one array per checkpoint c: [n_train], float32 row norms
+
+``rows`` arrays are row-chunked: uncompressed inner chunks of ~4 MiB inside shards of
+~256 MiB, each inner chunk and shard index ending with a crc32c checksum. bfloat16 (which
+zarr has no type for) is stored as its uint16 bits; the logical dtype is in the metadata.
+Projected gradients are close to Gaussian noise, so compression would save little (~7%)
+and cost read speed; ``compression="zstd"`` exists for the rare case it pays.
+
+Writers (:class:`~tracinfunc.store.zarr.writer.ZarrWriter`, :class:`~tracinfunc.store.MemoryWriter`,
+:class:`~tracinfunc.store.PinnedWriter`) share one interface, which any frontend (torch's
+``build_store``, a JAX one) can drive::
+
+    writer.rows_written   -> int   rows already stored (after a resume: the resumed ones)
+    writer.append(rows, norms)     rows [n_ckpt, b, k] float tensor, norms [n_ckpt, b]
+    writer.finish()       -> store read-only store; the writer is unusable afterwards
+
+The Zarr writer buffers rows into whole shards (writing part of a shard would make zarr
+read, modify and rewrite it) and records the committed row count in the group metadata after
+each shard, so an interrupted build can be resumed: open a writer on the same path with the
+same metadata and it continues from the last completed shard (see ``build_store``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from torch import Tensor
+from zarr.storage import LocalStore
+
+from tracinfunc._validate import entry_point
+from tracinfunc.errors import (
+    CorruptStoreError,
+    IncompleteStoreError,
+    InvalidArgumentError,
+    ReadOnlyStoreError,
+    StoreNotFoundError,
+)
+from tracinfunc.store.codes import code_dtype, code_width, dequantize
+from tracinfunc.store.meta import StoreMeta, norm_dtype
+from tracinfunc.store.properties import StoreProperties
+from tracinfunc.store.protocols import check_out_buffer, check_row_range
+from tracinfunc.store.zarr.integrity import FileGuard
+from tracinfunc.store.zarr.layout import (
+    chunk_files,
+    norms_numpy,
+    open_group,
+    read_meta,
+    rows_dtype,
+    sealed_files,
+)
+from tracinfunc.store.zarr.local_reads import ShardReader
+from tracinfunc.store.zarr.object_reads import object_store_for_reads
+from tracinfunc.store.zarr.raw_layout import RawLayout
+from tracinfunc.store.zarr.remote_reads import RemoteShardReader
+from tracinfunc.store.zarr.urls import exists, is_url, location, missing_chunk_keys
+
+__all__ = ["ZarrStore"]
+
+
+class ZarrStore(StoreProperties):
+    """Read-only gradients in a zarr v3 directory; see the module docstring for the layout.
+
+    Usually obtained from ``tif.open_store(path)`` or ``build_store(..., store=path)``.
+    Uncompressed stores are read with raw ``preadv`` into the caller's buffer and verified
+    against their crc32c checksums; other codecs go through zarr.
+
+    Args:
+        path: A finished store directory.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        IncompleteStoreError: the build that wrote it did not finish (resume it).
+        CorruptStoreError: a read hits a checksum mismatch or missing data.
+    """
+
+    __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows", "_scales")
+
+    @entry_point("ZarrStore")
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
+        if not exists(path, "zarr.json"):
+            raise StoreNotFoundError(
+                f"ZarrStore: no zarr store at {str(path)!r}; write one with "
+                "tif.build_store(..., store=path) or tif.save_store(store, path)."
+            )
+        group = open_group(path, mode="r")
+        meta = read_meta(group, path)
+        if not meta.complete:
+            raise IncompleteStoreError(
+                f"ZarrStore: the store at {str(path)!r} is incomplete ({meta.n_train} rows "
+                "written): the build that wrote it was interrupted. Resume it by calling "
+                "build_store again with the same arguments and store=path, or delete it."
+            )
+        # Array metadata as sealed before zarr parses it; shard files on their first read.
+        # Object storage has no local files to guard: objects carry zarr's own checksums.
+        guard = None if is_url(path) else FileGuard(path, sealed_files(group))
+        if guard is not None:
+            guard.check_metadata_files()
+        rows, norms = _arrays(group, "rows", meta, path), _arrays(group, "norms", meta, path)
+        scales = _arrays(group, "scales", meta, path) if meta.quantization else []
+        expected = [(a, (meta.n_train, code_width(meta)), rows_dtype(meta)) for a in rows]
+        expected += [(a, (meta.n_train,), norms_numpy(meta)) for a in norms]
+        expected += [(a, (meta.n_train,), np.dtype("float32")) for a in scales]
+        for array, shape, dtype in expected:
+            if tuple(array.shape) != shape or array.dtype != dtype:
+                raise CorruptStoreError(
+                    f"ZarrStore: array {array.path} of {str(path)!r} is {array.shape} "
+                    f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
+                    "damaged or was edited by hand."
+                )
+        for name, value in (("_path", path), ("_group", group), ("_meta", meta),
+                            ("_rows", rows), ("_norms", norms), ("_scales", scales),
+                            ("_guard", guard), ("_readers", _readers(path, rows, guard))):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ReadOnlyStoreError(
+            f"ZarrStore is read-only: cannot set {name!r}. Build a new store instead."
+        )
+
+    @property
+    def meta(self) -> StoreMeta:
+        return self._meta
+
+    @property
+    def path(self) -> Path | str:
+        """The store's directory, or its URL (text) for remote stores."""
+        return self._path
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per stored chunk; reads aligned to it are the fastest."""
+        return int(self._rows[0].chunks[0]) if self._rows else 1
+
+    @property
+    def raw_reads(self) -> bool:
+        """Whether rows are read with the raw fast path (uncompressed chunks, local or remote)."""
+        return all(reader is not None for reader in self._readers)
+
+    @entry_point("ZarrStore.read_rows")
+    def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop)
+        if out is None:
+            target = torch.empty(stop - start, self._meta.k, dtype=self._meta.torch_dtype)
+        else:
+            target = check_out_buffer(out, stop - start, self._meta)
+        if stop == start:
+            return target
+        if self._meta.quantization is not None:  # codes and scales, dequantised into target
+            codes, scales = self.read_codes(ckpt, start, stop)
+            return dequantize(codes, scales, self._meta.quantization, self._meta.k, out=target)
+        self._read_stored(ckpt, start, stop, target)
+        return target
+
+    @entry_point("ZarrStore.read_codes")
+    def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Codes ``[stop - start, width]`` and scales ``[stop - start]`` float32 of a quantised
+        store, read as stored (:class:`~tracinfunc.store.protocols.SupportsQuantizedRows`)."""
+        check_row_range(self._meta, ckpt, start, stop)
+        if self._meta.quantization is None:
+            raise InvalidArgumentError(
+                f"ZarrStore.read_codes: the store at {str(self._path)!r} holds "
+                f"{self._meta.dtype} rows, not codes (quantization=None); read them with "
+                "read_rows, or convert the store with tif.save_store(store, path, dtype='int8')."
+            )
+        codes = torch.empty(stop - start, code_width(self._meta), dtype=code_dtype(self._meta))
+        if stop > start:
+            self._read_stored(ckpt, start, stop, codes)
+        return codes, self._read_per_row(self._scales, "read_codes", ckpt, start, stop)
+
+    def _read_stored(self, ckpt: int, start: int, stop: int, target: Tensor) -> None:
+        """Rows ``[start, stop)`` of the ``rows`` array as stored (floats or codes) into
+        ``target``: raw shard reads when possible, else zarr's own path."""
+        try:
+            reader = self._readers[ckpt]
+            if reader is not None and target.is_contiguous():
+                reader.read_into(start, stop, _bytes_of(target))
+            else:
+                if self._guard is not None:
+                    _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
+                else:  # object storage: no local files to check, but objects must exist
+                    self._require_chunk_files(self._rows[ckpt], start, stop)
+                target.copy_(_from_numpy(self._rows[ckpt][start:stop], target.dtype))
+        except (CorruptStoreError, ValueError, OSError) as error:
+            raise self._corrupt("read_rows", ckpt, start, stop, error) from error
+
+    @entry_point("ZarrStore.read_norms")
+    def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop)
+        values = self._read_per_row(self._norms, "read_norms", ckpt, start, stop)
+        return values.to(norm_dtype(self._meta))
+
+    def _read_per_row(self, arrays: list[zarr.Array], method: str, ckpt: int, start: int,
+                      stop: int) -> Tensor:
+        """Values ``[stop - start]`` of a one-value-per-row array (norms, scales), checked."""
+        try:
+            if self._guard is not None:
+                _check_chunk_files(self._guard, arrays[ckpt], start, stop)
+            else:
+                self._require_chunk_files(arrays[ckpt], start, stop)
+            values = arrays[ckpt][start:stop]
+        except (CorruptStoreError, ValueError, OSError) as error:
+            raise self._corrupt(method, ckpt, start, stop, error) from error
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    def _require_chunk_files(self, array: zarr.Array, start: int, stop: int) -> None:
+        missing = missing_chunk_keys(array, start, stop)  # object storage (no FileGuard)
+        if missing:
+            raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
+
+    def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
+                 error: Exception) -> CorruptStoreError:
+        name = self._meta.checkpoints[ckpt].name
+        return CorruptStoreError(
+            f"ZarrStore.{method}: checkpoint {name!r} (index {ckpt}), rows [{start}, {stop}) of "
+            f"{str(self._path)!r} cannot be read: {error}. The store is damaged on disk; "
+            "rebuild it (or restore it from a copy) instead of trusting its scores."
+        )
+
+
+def _readers(path: Path | str, rows: list[zarr.Array], guard: FileGuard | None) -> list:
+    """One raw reader per checkpoint's rows (``None`` where zarr must decode them)."""
+    byte_store = object_store_for_reads(path) if is_url(path) else None
+    return [shard_reader(array, guard=guard, byte_store=byte_store) for array in rows]
+
+
+def shard_reader(array, *, guard=None, byte_store=None):
+    """The raw reader for ``array``: local files, or any other zarr store (object storage).
+
+    ``None`` when its chunks are not raw (compression, other codecs): read through zarr.
+    ``guard``: an optional :class:`~tracinfunc.store.zarr.integrity.FileGuard` checking each
+    local shard file before its first read. ``byte_store``: a zarr store with the same root
+    as the array's to read remote bytes through instead (``object_reads.py``)."""
+    layout = RawLayout.of(array)
+    if layout is None:
+        return None
+    if isinstance(array.store, LocalStore):
+        return ShardReader(Path(array.store.root) / array.path, layout, guard=guard)
+    return RemoteShardReader(byte_store or array.store, array.path, layout)
+
+
+def _check_chunk_files(guard: FileGuard, array: zarr.Array, start: int, stop: int) -> None:
+    for path in chunk_files(array, start, stop):
+        guard.check(path)
+
+
+def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[zarr.Array]:
+    try:
+        return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
+    except (KeyError, ValueError, TypeError) as error:
+        raise CorruptStoreError(
+            f"ZarrStore: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
+            f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."
+        ) from error
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable memoryview."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() else \
+        memoryview(bytearray())
+
+
+def _from_numpy(values: np.ndarray, dtype: torch.dtype) -> Tensor:
+    if dtype == torch.bfloat16:  # stored as uint16 bits
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(values))
+

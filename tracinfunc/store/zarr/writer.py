@@ -1,0 +1,207 @@
+"""ZarrWriter: fills a zarr v3 store (a directory or an object-storage URL) shard by shard.
+
+It buffers rows into whole shards (writing part of a shard would make zarr read, modify and
+rewrite it) and records the committed row count in the group metadata after each shard, so
+an interrupted build resumes from its last completed shard; :meth:`ZarrWriter.finish` seals
+the store and returns the read-only :class:`~tracinfunc.store.zarr.store.ZarrStore`. The layout is
+described in ``store/zarr/store.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import zarr
+from torch import Tensor
+
+from tracinfunc._validate import entry_point
+from tracinfunc.errors import (
+    ReadOnlyStoreError,
+    StoreExistsError,
+)
+from tracinfunc.interop import as_tensor
+from tracinfunc.store.codes import check_codes, dequantize, to_stored
+from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.protocols import check_block
+from tracinfunc.store.zarr.integrity import seal, seal_metadata, sync_files
+from tracinfunc.store.zarr.layout import (
+    ATTRS_KEY,
+    buffer_rows,
+    check_rerun,
+    check_resumable,
+    chunk_files,
+    create_layout,
+    pending_buffers,
+    read_meta,
+    writable_arrays,
+    writable_scales,
+    write_errors,
+    write_pending,
+)
+from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
+from tracinfunc.store.zarr.store import ZarrStore, _from_numpy
+from tracinfunc.store.zarr.urls import exists, is_url, location, remove
+
+__all__ = ["ZarrWriter"]
+
+
+class ZarrWriter:
+    """Writes rows to a zarr v3 store shard by shard, resuming an interrupted build.
+
+    Args:
+        path: Directory to create. If it holds an *incomplete* store made with the same
+            metadata, writing resumes after its last completed shard (``rows_written``).
+        meta: Metadata of the store (``n_train`` and ``complete`` are managed here).
+        chunk_rows: Rows per inner chunk (default: ~4 MiB of rows).
+        shard_rows: Rows per shard, a multiple of ``chunk_rows`` (default: ~256 MiB).
+        compression: ``None`` (default, raw chunks: fastest reads) or ``"zstd"``.
+        overwrite: Replace a *finished* store at ``path`` (default: refuse).
+
+    Raises:
+        StoreExistsError: a finished store (or something else) is already at ``path``.
+        IncompatibleGradientsError: an incomplete store at ``path`` was started differently.
+    """
+
+    @entry_point("ZarrWriter")
+    def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
+                 chunk_rows: int | None = None, shard_rows: int | None = None,
+                 compression: str | None = None, overwrite: bool = False) -> None:
+        self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
+        self._finished = False
+        # Before looking at the path: a flock locally, a conditionally created lock object
+        # on object storage.
+        self._lock = (RemoteLock(self._path) if is_url(self._path)
+                      else WriterLock(self._path))
+        self._rerun: ZarrStore | None = None  # a finished store this call would make again
+        if exists(self._path) and not self._resumable(meta, overwrite):
+            remove(self._path)
+        if self._rerun is not None:  # nothing to write: rows_written == n_train, finish() opens
+            self._lock.release()
+            return
+        if not exists(self._path, "zarr.json"):
+            self._group = create_layout(self._path, meta, chunk_rows=chunk_rows,
+                                        shard_rows=shard_rows, compression=compression)
+        self._meta = read_meta(self._group, self._path)
+        self._committed = self._meta.n_train
+        self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
+        self._norms = writable_arrays(self._group, "norms", meta.n_ckpt)
+        self._scales = writable_scales(self._group, meta)
+        self._shard_rows = int(self._rows[0].shards[0])
+        # Drop anything a killed build wrote past its last committed shard.
+        for array in self._rows + self._scales + self._norms:
+            array.resize((self._committed, *array.shape[1:]))
+        self._pending, self._pending_scales, self._pending_norms = pending_buffers(
+            meta, self._shard_rows)
+        self._filled = 0
+
+    def _resumable(self, meta: StoreMeta, overwrite: bool) -> bool:
+        """True to resume the store at ``path``; False to replace it (after checks)."""
+        try:
+            self._group = zarr.open_group(self._path, mode="r+")
+            existing = self._group.attrs[ATTRS_KEY]
+        except Exception as error:
+            raise StoreExistsError(
+                f"ZarrWriter: {str(self._path)!r} exists and is not a tracinfunc store; "
+                "choose another path."
+            ) from error
+        if "tracinfunc_parts" in self._group.attrs and not existing.get("complete"):
+            raise StoreExistsError(
+                f"ZarrWriter: {str(self._path)!r} holds a sharded build in progress; resume "
+                "its parts with build_store(..., shard=(index, count)) and seal it with "
+                "tif.store.commit_store(path), or choose another path."
+            )
+        if existing.get("complete"):
+            if overwrite:
+                return False
+            # A re-run after a crash between the build and the user's next step: same
+            # arguments give the finished store back (its data is checked as it is skipped).
+            self._rerun = ZarrStore(self._path)
+            check_rerun(self._rerun.meta, meta, self._path)
+            return True
+        if existing.get("n_train") == 0:  # a build that failed before storing a row: replace
+            return False
+        check_resumable(StoreMeta.from_dict(existing), meta, self._path)
+        return True
+
+    @property
+    def rows_written(self) -> int:
+        """Rows stored so far, including those of a resumed build (or a finished one)."""
+        if self._rerun is not None:
+            return self._rerun.n_train
+        return self._committed + self._filled
+
+    def read_back(self, start: int, stop: int) -> Tensor:
+        """Stored rows ``[n_ckpt, stop - start, k]`` (a resume checks its data against them)."""
+        if self._rerun is not None:
+            return torch.stack([self._rerun.read_rows(c, start, stop)
+                                for c in range(self._rerun.n_ckpt)])
+        if self._meta.quantization is not None:
+            return torch.stack([dequantize(torch.from_numpy(codes[start:stop]),
+                                           torch.from_numpy(scales[start:stop]),
+                                           self._meta.quantization, self._meta.k)
+                                for codes, scales in zip(self._rows, self._scales, strict=True)])
+        return torch.stack([_from_numpy(a[start:stop], self._meta.torch_dtype)
+                            for a in self._rows])
+
+    @entry_point("ZarrWriter.append")
+    def append(self, rows: Tensor, norms: Tensor) -> None:
+        """Add ``rows`` ``[n_ckpt, b, k]`` (any float dtype) and their ``norms`` ``[n_ckpt, b]``."""
+        if self._finished:
+            raise ReadOnlyStoreError("ZarrWriter.append: the store is already finished.")
+        if self._rerun is not None:
+            raise StoreExistsError(
+                f"build_store: the finished store at {str(self._path)!r} holds "
+                f"{self._rerun.n_train} rows but the data has more: it is not the data the "
+                "store was built from. Pass overwrite=True to rebuild it, or use another path."
+            )
+        rows = as_tensor(rows)  # any __dlpack__ array
+        norms = as_tensor(norms)
+        check_block(self._meta, rows, norms)
+        buffer_rows(self, *to_stored(rows.detach(), self._meta), norms.detach())
+
+    @entry_point("ZarrWriter.append_codes")
+    def append_codes(self, codes: Tensor, scales: Tensor, norms: Tensor) -> None:
+        """Add a block of a quantised store as stored (see ``MemoryWriter.append_codes``)."""
+        if self._finished or self._rerun is not None:
+            raise ReadOnlyStoreError("ZarrWriter.append_codes: the store is already finished.")
+        check_codes(self._meta, codes, scales, norms)
+        buffer_rows(self, codes, scales, norms)
+
+    def finish(self) -> ZarrStore:
+        """Write the last (partial) shard, mark the store complete and reopen it read-only."""
+        if self._finished:
+            raise ReadOnlyStoreError("ZarrWriter.finish: the store is already finished.")
+        if self._rerun is not None:
+            self._finished = True
+            return self._rerun
+        self._flush()
+        self._finished = True
+        # Sealed (files fsync'ed, manifest and metadata checksum) in the same write that
+        # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
+        finished = self._meta.replace(n_train=self._committed, complete=True).to_dict()
+        with write_errors(self._path, rows_stored=self._committed):
+            if is_url(self._path):  # object storage: no files to manifest or fsync
+                self._group.attrs[ATTRS_KEY] = seal_metadata(finished)
+            else:
+                self._group.attrs[ATTRS_KEY] = seal(self._path, finished)
+                sync_files([self._path / "zarr.json", self._path])
+        self._lock.release()
+        return ZarrStore(self._path)
+
+    def _flush(self) -> None:
+        """Write the buffered rows as whole shards, then record them as committed."""
+        n = self._filled
+        if n == 0:
+            return
+        self._lock.check()
+        start, stop = self._committed, self._committed + n
+        with write_errors(self._path, rows_stored=start):
+            written = write_pending(self, start, resize=True)
+            # On disk before they are counted: else a power loss leaves counted empty shards.
+            # (An object store's PUT is durable when it returns: nothing to fsync there.)
+            if not is_url(self._path):
+                sync_files([f for a in written for f in chunk_files(a, start, stop)])
+            # Only now is the shard counted: a crash before this line redoes it on resume.
+            self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
+        self._committed, self._filled = stop, 0

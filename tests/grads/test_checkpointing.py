@@ -197,8 +197,8 @@ def test_calls_leave_no_tensor_for_the_cyclic_collector(staged):
     """Everything a call allocates is freed by refcount as it returns: no gc.collect() needed."""
     model, batch = _mlp()
     loss, params, stages = _pieces(model)
-    options = {"stages": stages, "offload": True} if staged else {}
-    fn = tif.projected_grads(loss, tif.Projection(dim=8), **options)
+    options = tif.GradientOptions(stages=stages, offload=True) if staged else None
+    fn = tif.projected_grads(loss, tif.Projection(dim=8), options=options)
     fn(params, batch)  # first call: projectors are made and kept by fn (not garbage)
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)

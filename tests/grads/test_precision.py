@@ -24,9 +24,10 @@ def _setup():
     return model, loss, make_checkpoints(model, n_ckpt=2, lrs=(0.1, 0.05)), train, test
 
 
-def _scores(loss, ckpts, train, test, **options):
-    store = tif.build_store(loss, ckpts, train, projection=PROJ, **options)
-    return tif.score(store, tif.build_store(loss, ckpts, test, projection=PROJ, **options))
+def _scores(loss, ckpts, train, test, mixed_precision=None):
+    options = tif.GradientOptions(mixed_precision=mixed_precision)
+    store = tif.build_store(loss, ckpts, train, projection=PROJ, options=options)
+    return tif.score(store, tif.build_store(loss, ckpts, test, projection=PROJ, options=options))
 
 
 def _ranks(values):

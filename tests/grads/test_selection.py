@@ -43,7 +43,8 @@ def test_selected_gradients_equal_the_reference_subset():
 
 def test_store_layout_and_scores_cover_only_the_selection(mlp_setup):
     loss, ckpts, train, test = mlp_setup
-    options = {"projection": tif.Projection(kind="identity"), "select": tif.last_layers(1)}
+    options = {"projection": tif.Projection(kind="identity"),
+               "options": tif.GradientOptions(select=tif.last_layers(1))}
     store = tif.build_store(loss, ckpts, train, **options)
     test_store = tif.build_store(loss, ckpts, test, **options)
     assert [name for name, _ in store.meta.layout] == ["2.bias", "2.weight"]

@@ -231,7 +231,7 @@ def test_resuming_with_other_data_or_precision_is_refused(mlp_setup32, tmp_path,
     elif change == "order":
         batches = _batches(x.flip(0), y.flip(0))
     else:
-        options = {"mixed_precision": torch.bfloat16}
+        options = {"options": tif.GradientOptions(mixed_precision=torch.bfloat16)}
     with pytest.raises(tif.errors.IncompatibleGradientsError, match="does not match the store"):
         tif.build_store(loss, ckpts, batches, projection=projection, store=_tiny(path),
                         **options)

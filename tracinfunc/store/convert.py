@@ -31,8 +31,10 @@ from tracinfunc.store.memory.pinned import PinnedStore, PinnedWriter, QuantizedP
 from tracinfunc.store.memory.quantized import QuantizedMemoryStore
 from tracinfunc.store.meta import StoreMeta, dtype_name, norm_dtype
 from tracinfunc.store.protocols import GradientStore, SupportsQuantizedRows
+from tracinfunc.store.zarr.lock import WriterLock
 from tracinfunc.store.zarr.paths import read_store_meta
 from tracinfunc.store.zarr.store import ZarrStore
+from tracinfunc.store.zarr.urls import exists, is_url, location
 from tracinfunc.store.zarr.writer import ZarrWriter
 
 __all__ = ["save_store", "to_memory", "to_pinned"]
@@ -102,11 +104,21 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
         StoreExistsError: something is at ``path`` (without ``overwrite``), or it is not a
             tracinfunc store (never replaced).
     """
-    path = Path(path)
-    meta = _target_meta(store.meta, dtype).replace(n_train=0,
-                                                                       complete=False)
-    if overwrite and path.exists():
-        return _replace_store(store, path, meta, progress=progress, options=options)
+    path = location(path)  # a URL stays text: Path("s3://b/x") would be a local "s3:/b/x"
+    meta = _target_meta(store.meta, dtype).replace(n_train=0, complete=False)
+    if overwrite and is_url(path):
+        raise InvalidArgumentError(
+            f"save_store: overwrite=True replaces a store by renaming a complete copy over it, "
+            f"which object storage cannot do atomically, so it is refused for the URL "
+            f"{path!r}; call tif.remove_store({path!r}) first, or save to a new URL."
+        )
+    if exists(path):
+        if overwrite:
+            return _replace_store(store, path, meta, progress=progress, options=options)
+        raise StoreExistsError(
+            f"save_store: {str(path)!r} already exists; save_store writes new stores only. "
+            "Pass overwrite=True to replace a store there, or choose another path."
+        )
     writer = ZarrWriter(path, meta, **options)
     if writer.rows_written:
         raise InvalidArgumentError(
@@ -126,6 +138,7 @@ def _replace_store(store: GradientStore, path: Path, meta: StoreMeta, *,
             f"save_store: {str(path)!r} exists and is not a tracinfunc store, so overwrite=True "
             "will not delete it; choose another path."
         ) from error
+    lock = WriterLock(path)  # no build or other save may be writing there while we swap
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.resolve().parent))
     try:
         fresh = scratch / path.name
@@ -135,6 +148,7 @@ def _replace_store(store: GradientStore, path: Path, meta: StoreMeta, *,
         os.rename(fresh, path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        lock.release()
     return ZarrStore(path)
 
 

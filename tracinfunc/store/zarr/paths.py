@@ -15,8 +15,9 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore, aligned_rows
 from tracinfunc.store.zarr.layout import open_group, read_meta
+from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.store import ZarrStore
-from tracinfunc.store.zarr.urls import exists, location, remove
+from tracinfunc.store.zarr.urls import exists, is_url, location, remove
 
 __all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
 
@@ -83,7 +84,14 @@ def remove_store(path: str | os.PathLike[str]) -> None:
     Raises:
         StoreNotFoundError, CorruptStoreError: ``path`` is not a tracinfunc store (nothing
             is deleted).
+        StoreLockedError: a build or save is writing the store (nothing is deleted).
     """
     read_store_meta(path)  # refuses anything that is not one of ours
-    remove(location(path))
+    where = location(path)
+    # Taken before deleting anything: a build in progress keeps its store.
+    lock = RemoteLock(where) if is_url(where) else WriterLock(where)
+    try:
+        remove(where)
+    finally:
+        lock.release()
 

@@ -131,7 +131,7 @@ def worker(model_name: str, config: str, full: bool, out: str, repeats: int) -> 
     x, y = (t.to(device) for t in make_data(shape, n))
     loss = tif.loss_from_module(model, F.cross_entropy)
     options = options_for(config, model, params, size["batch"])
-    fn = tif.projected_grads(loss, PROJECTION, **options)
+    fn = tif.projected_grads(loss, PROJECTION, options=tif.GradientOptions(**options))
     fn(params, (x[:2], y[:2]))  # set-up outside the timing: projection blocks, stage check
     if device.type == "cuda":
         torch.cuda.synchronize()

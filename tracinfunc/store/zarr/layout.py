@@ -7,6 +7,7 @@ the file count low; compression gains ~7% on projected gradients (Gaussian-like 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -214,8 +215,12 @@ def open_group(path: Path, *, mode: str) -> zarr.Group:
         ) from error
 
 
-def read_meta(group: zarr.Group, path: Path) -> StoreMeta:
-    """The store's :class:`StoreMeta`, validated (and checksummed once finished)."""
+def read_meta(group: zarr.Group, path: Path, *, allow_unsealed: bool = False) -> StoreMeta:
+    """The store's :class:`StoreMeta`, validated, and checked against its seal once finished.
+
+    A finished store without its seal is refused unless ``allow_unsealed``: the seal cannot be
+    switched off by editing a field (``format_version``) or dropping the block.
+    """
     data = group.attrs.get(ATTRS_KEY)
     where = _join(path, "zarr.json")
     if not isinstance(data, dict):
@@ -245,10 +250,30 @@ def read_meta(group: zarr.Group, path: Path) -> StoreMeta:
             f"stores hold one of {sorted(_NUMPY)}. The metadata was edited or damaged."
         )
     # Stores on object storage carry a checksum of their metadata only (no file manifest);
-    # zarr's crc32c checks every chunk there.
-    if meta.complete and version >= 2:
+    # zarr's crc32c checks every chunk there. The seal is checked whenever it is there, whatever
+    # the version says, so an edited version cannot switch it off.
+    if meta.complete and INTEGRITY_KEY in data:
         check_digest(data, path)
+    elif meta.complete:
+        _unsealed(where, allow_unsealed)
     return meta
+
+
+def _unsealed(where: str, allowed: bool) -> None:
+    """A finished store without a seal: refused, or opened with a warning when asked."""
+    if not allowed:
+        raise CorruptStoreError(
+            f"{current_caller()}: {where!r} describes a finished store without its seal (no "
+            f"metadata checksum, no '{INTEGRITY_KEY}' block): it predates seals (format 1) or "
+            "the seal was removed "
+            "by an edit, so neither its metadata nor its files can be checked. If you trust "
+            "it, open it with tif.open_store(path, allow_unsealed=True) and re-save it with "
+            "tif.save_store to seal it; otherwise rebuild it."
+        )
+    warnings.warn(
+        f"opening the unsealed store {where!r}: its metadata (learning rates, projection, "
+        "order) and the placement of its files are not checked; re-save it with "
+        "tif.save_store to seal it.", UserWarning, stacklevel=4)
 
 
 def _join(path: Path | str, name: str) -> str:

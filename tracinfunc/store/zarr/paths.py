@@ -24,11 +24,14 @@ __all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
 _VERIFY_BYTES = 64 * 2**20  # rows read at once by verify_store
 
 
-def open_store(path: str | os.PathLike[str]) -> ZarrStore:
+def open_store(path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> ZarrStore:
     """Reopen a finished Zarr gradient store read-only, in any process.
 
     Args:
         path: Directory written by ``build_store(..., store=path)`` or ``save_store``.
+        allow_unsealed: Open a finished store that has no seal (written before seals, or
+            with its seal removed), with a warning: its metadata and file placement are then
+            unchecked. Re-save it with :func:`~tracinfunc.save_store` to seal it.
 
     Returns:
         A read-only :class:`~tracinfunc.store.zarr.store.ZarrStore`.
@@ -38,11 +41,13 @@ def open_store(path: str | os.PathLike[str]) -> ZarrStore:
         IncompleteStoreError: the build that wrote it was interrupted (resume it).
         CorruptStoreError: the metadata or arrays do not describe a valid store.
     """
-    return ZarrStore(path)
+    return ZarrStore(path, allow_unsealed=allow_unsealed)
 
 
-def read_store_meta(path: str | os.PathLike[str]) -> StoreMeta:
+def read_store_meta(path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> StoreMeta:
     """The metadata of the store at ``path``, finished or not, without opening its arrays.
+
+    ``allow_unsealed``: as for :func:`open_store`.
 
     Raises:
         StoreNotFoundError: no ``zarr.json`` at ``path``.
@@ -55,7 +60,7 @@ def read_store_meta(path: str | os.PathLike[str]) -> StoreMeta:
             "zarr.json there); build one "
             f"with tif.build_store(..., store={str(path)!r}) or 'tracinfunc build --out {path}'."
         )
-    return read_meta(open_group(path, mode="r"), path)
+    return read_meta(open_group(path, mode="r"), path, allow_unsealed=allow_unsealed)
 
 
 def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:

@@ -87,7 +87,7 @@ class ZarrStore(StoreProperties):
     __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows", "_scales")
 
     @entry_point("ZarrStore")
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> None:
         path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
         if not exists(path, "zarr.json"):
             raise StoreNotFoundError(
@@ -95,7 +95,7 @@ class ZarrStore(StoreProperties):
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
             )
         group = open_group(path, mode="r")
-        meta = read_meta(group, path)
+        meta = read_meta(group, path, allow_unsealed=allow_unsealed)
         if not meta.complete:
             raise IncompleteStoreError(
                 f"ZarrStore: the store at {str(path)!r} is incomplete ({meta.n_train} rows "

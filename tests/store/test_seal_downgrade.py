@@ -57,3 +57,22 @@ def test_an_unsealed_store_opens_only_when_asked_and_says_so(saved):
     expected = memory_store()
     assert torch.equal(store.read_rows(0, 0, store.n_train),
                        expected.read_rows(0, 0, expected.n_train))
+
+
+@pytest.mark.parametrize("kind", ["norms", "rows"])
+def test_an_empty_shard_file_present_at_commit_is_corruption_not_zeros(tmp_path, kind):
+    """Before (issue 25 item 6): an empty norms shard file present at commit was sealed with
+    size 0, read back as zeros, and verify_store passed."""
+    source = memory_store()
+    meta = source.meta.replace(n_train=0, complete=False)
+    writer = tif.store.ZarrWriter(tmp_path / "g.zarr", meta, **LAYOUTS["raw-sharded"])
+    rows = torch.stack([source.read_rows(c, 0, source.n_train) for c in range(source.n_ckpt)])
+    norms = torch.stack([source.read_norms(c, 0, source.n_train) for c in range(source.n_ckpt)])
+    writer.append(rows, norms)
+    target = tmp_path / "g.zarr" / kind / "1" / "c" / "1"
+    target = target / "0" if kind == "rows" else target
+    target.write_bytes(b"")  # a lost write, or an attacker
+    with pytest.raises(tif.errors.CorruptStoreError, match=f"{kind}/1/c/1.*empty"):
+        writer.finish()
+    with pytest.raises(tif.errors.TracInFuncError):
+        tif.open_store(tmp_path / "g.zarr")

@@ -46,12 +46,23 @@ def _tail_hash(path: Path, size: int) -> str:
 
 
 def manifest(root: Path) -> dict[str, list]:
-    """``relative path -> [size, BLAKE2b-64 of the tail]`` of every file below ``root``."""
+    """``relative path -> [size, BLAKE2b-64 of the tail]`` of every file below ``root``.
+
+    Raises:
+        CorruptStoreError: a file is empty. Every file a writer makes (array metadata, shard
+            files) holds bytes; an empty one is a lost write, which zarr would read as zeros.
+    """
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         name = path.relative_to(root).as_posix()
         if name != _ROOT_JSON:
             size = path.stat().st_size
+            if size == 0:
+                raise CorruptStoreError(
+                    f"{current_caller()}: {name} in {str(root)!r} is empty: its write was lost "
+                    "(a crash, a full disk or an edit), and zarr would read it as zeros. The "
+                    "store is not sealed; rebuild it (or resume the build)."
+                )
             files[name] = [size, _tail_hash(path, size)]
     return files
 
@@ -185,13 +196,14 @@ class FileGuard:
                 f"{current_caller()}: {str(path)!r} is missing; the store is damaged. Rebuild it "
                 "or restore it from a copy."
             ) from None
-        if actual != size and (size is not None or actual == 0):
+        # Empty is never right, even where a store was sealed with an empty file (before
+        # sealing refused them): zarr would read it as zeros.
+        if actual == 0 or (size is not None and actual != size):
             expected = "a non-empty file" if size is None else f"{size} bytes"
             raise CorruptStoreError(
                 f"{current_caller()}: {str(path)!r} has {actual} bytes, expected {expected} "
-                "(truncated, "
-                "e.g. by a power loss); the store is damaged. Rebuild it or restore it from a "
-                "copy."
+                "(truncated, e.g. by a power loss); the store is damaged. Rebuild it or restore "
+                "it from a copy."
             )
 
 

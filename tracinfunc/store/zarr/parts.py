@@ -37,11 +37,12 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store.codes import to_stored
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import check_block
-from tracinfunc.store.zarr.integrity import seal, seal_metadata
+from tracinfunc.store.zarr.integrity import seal, seal_metadata, sync_files
 from tracinfunc.store.zarr.layout import (
     ATTRS_KEY,
     buffer_rows,
     check_resumable,
+    chunk_files,
     create_layout,
     pending_buffers,
     read_meta,
@@ -185,7 +186,12 @@ class PartWriter:
         n = self._filled
         if n == 0:
             return
-        write_pending(self, self._committed, resize=False)  # the arrays are full-size
+        written = write_pending(self, self._committed, resize=False)  # full-size arrays
+        # On disk before they are counted, as ZarrWriter does: else a power loss leaves
+        # counted empty shards. (An object store's PUT is durable when it returns.)
+        if not is_url(self._path):
+            sync_files([f for a in written
+                        for f in chunk_files(a, self._committed, self._committed + n)])
         # Only now: a crash before redoes the shard.
         self._committed, self._filled = self._committed + n, 0
         self._record(complete=False)

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.func import grad, vmap
 from torch.utils._pytree import tree_leaves
 
+from tracinfunc._devices import in_full_float32
 from tracinfunc._validate import check_bool, current_caller, entry_point
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -188,13 +189,14 @@ def projected_grads(
 
         factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
                                                 select=options.select)
-        return entry_point("projected_grads")(
+        return entry_point("projected_grads")(in_full_float32(
             lambda params, batch: _call_loss_transform(factorized, params, batch,
-                                                       caller=current_caller()))
+                                                       caller=current_caller())))
     projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 
     @entry_point("projected_grads")
+    @in_full_float32  # projections in IEEE float32 even where the process turned TF32 on
     def projected_grads_fn(params: Params, batch: Batch) -> Tensor:
         names, per_stage, chunk = options.resolve(params)
         if per_stage is None:

@@ -57,12 +57,15 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
         host = _views(store.view_rows, pieces)
     else:
         host = _prefetch(store, pieces, max_rows=max_rows, pin=pin, depth=depth)
-    if backend is not None:
-        yield from copy_through_ring(host, backend, depth=depth, max_rows=max_rows)
-        return
-    for piece, rows, release in host:
-        yield piece, rows.to(device)  # the CPU: the rows themselves
-        release()
+    try:
+        if backend is not None:
+            yield from copy_through_ring(host, backend, depth=depth, max_rows=max_rows)
+            return
+        for piece, rows, release in host:
+            yield piece, rows.to(device)  # the CPU: the rows themselves
+            release()
+    finally:
+        host.close()  # an early exit stops the reader thread now, not at garbage collection
 
 
 def copy_backend(device: torch.device) -> CopyBackend | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import grad, vmap
+from torch.func import vmap
 from torch.utils._pytree import tree_leaves
 
 from tracinfunc._devices import in_full_float32
@@ -35,7 +35,7 @@ from tracinfunc.errors import (
     TrainModeError,
 )
 from tracinfunc.grads.options import GradientOptions, gradient_options
-from tracinfunc.grads.precision import with_mixed_precision
+from tracinfunc.grads.precision import loss_scaled_grad, with_mixed_precision
 from tracinfunc.grads.selection import Selection
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
@@ -275,13 +275,15 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
                       ) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options, current_caller())
-    batched = vmap(grad(fn, has_aux=has_aux), in_dims=(None, None, 0), chunk_size=chunk)
+    grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision)
+    batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
     return _call_loss_transform(batched, selected, frozen, batch, caller=current_caller())
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
-    grad_fn = grad(_selected_loss(loss, params, options, current_caller()), has_aux=has_aux)
+    grad_fn = loss_scaled_grad(_selected_loss(loss, params, options, current_caller()),
+                               has_aux=has_aux, mixed_precision=options.mixed_precision)
 
     def one_example(selected: Params, frozen: Params, example: Example) -> Any:
         if has_aux:

@@ -24,7 +24,7 @@ from tracinfunc._validate import current_caller
 from tracinfunc.errors import MemoryBudgetError
 
 __all__ = ["canonical_device", "check_device_memory", "free_bytes", "full_float32",
-           "in_full_float32"]
+           "in_full_float32", "module_device"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,6 +53,13 @@ def canonical_device(device: torch.device | str,
         return device
     index = (index_of or current_index)(device.type)
     return device if index is None else torch.device(device.type, index)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (or buffer); the CPU for an empty module."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def free_bytes(device: torch.device) -> int | None:

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
+from tracinfunc._devices import module_device
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import MissingDependencyError, MissingParametersError
 
@@ -35,8 +37,6 @@ def adapter_state_dict(path: str | PathLike) -> dict[str, Tensor]:
                 "install it with pip install 'tracinfunc[hf]'."
             ) from error
         return load_file(str(path), device="cpu")
-    import torch
-
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -47,6 +47,7 @@ def adapter_checkpoint(
     adapter_name: str = "default",
     lr: float = 1.0,
     name: str | None = None,
+    device: torch.device | str | None = None,
 ) -> Checkpoint:
     """A checkpoint of ``model``'s trainable adapter parameters from a saved adapter.
 
@@ -57,6 +58,7 @@ def adapter_checkpoint(
         adapter_name: The adapter the file holds (peft's default is ``"default"``).
         lr: As for :class:`~tracinfunc.Checkpoint`.
         name: As for :class:`~tracinfunc.Checkpoint`.
+        device: Where the parameters go (default: ``model``'s device).
 
     Returns:
         A :class:`~tracinfunc.Checkpoint` holding exactly the trainable parameters of
@@ -68,13 +70,14 @@ def adapter_checkpoint(
     """
     saved = adapter_state_dict(source) if not isinstance(source, Mapping) else dict(source)
     live = [key for key, value in model.named_parameters() if value.requires_grad]
+    device = module_device(model) if device is None else torch.device(device)
     params, missing = {}, []
     for key in live:
         found = next((saved[c] for c in _saved_names(key, adapter_name) if c in saved), None)
         if found is None:
             missing.append(key)
         else:
-            params[key] = found.detach().clone()
+            params[key] = found.detach().to(device, copy=True)
     if missing:
         raise MissingParametersError(
             f"adapter_checkpoint: the adapter file lacks {len(missing)} trainable parameters "

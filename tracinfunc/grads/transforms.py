@@ -368,6 +368,12 @@ def _call_loss_transform(fn, *args: Any, caller: str):
 def explain_loss_error(error: Exception, *, caller: str) -> Exception | None:
     """A tracinfunc error that explains a known torch failure of the loss, else ``None``."""
     message = str(error).strip()
+    if "same device" in message:  # names running_mean too when a buffer is left behind
+        return LossFunctionError(
+            f"{caller}: the loss mixes devices ({message}). Put the model, its buffers, the "
+            "parameters and the batch on one device (build_store(..., device=...) moves the "
+            "parameters, buffers and batches it is given)."
+        )
     batchnorm_hints = ("running_mean", "running_var", "value per channel", "mutate a captured")
     if any(hint in message for hint in batchnorm_hints):
         return TrainModeError(

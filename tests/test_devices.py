@@ -197,3 +197,23 @@ def test_gpu_benchmark_quick_runs_its_cpu_checks_without_cuda():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "skipped (needs CUDA)" in result.stdout
     assert "verdict: PASS" in result.stdout and "FAIL" not in result.stdout
+
+
+def test_a_row_range_of_an_in_memory_store_streams_views_without_a_copy(stores, monkeypatch):
+    # Issue 23 item 13: rows= on an in-memory (or pinned) store read through buffers (a copy
+    # per piece, and on a GPU a pinned staging copy) instead of lending views.
+    from tracinfunc.store import stream as stream_module
+    from tracinfunc.store.base import SupportsRowViews
+    from tracinfunc.store.rowrange import row_range
+
+    store, test_store = stores
+    part = row_range(store, (8, 30))
+    assert isinstance(part, SupportsRowViews)
+    assert part.view_rows(1, 2, 5).data_ptr() == store.view_rows(1, 10, 13).data_ptr()
+    expected = tif.score(store, test_store)[:, 8:30]
+
+    def no_buffers(*args, **kwargs):
+        raise AssertionError("an in-memory row range was read through buffers")
+
+    monkeypatch.setattr(stream_module, "_prefetch", no_buffers)
+    torch.testing.assert_close(tif.score(store, test_store, rows=(8, 30)), expected)

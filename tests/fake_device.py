@@ -61,7 +61,8 @@ class FakeBackend:
     # --- the CopyBackend protocol -------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         self.allocated += 1
-        buffer = torch.full(shape, float("nan"), dtype=dtype)  # garbage until a copy lands
+        garbage = float("nan") if dtype.is_floating_point else 77  # until a copy lands
+        buffer = torch.full(shape, garbage, dtype=dtype)
         self.slots[_key(buffer)] = _Slot()
         self.clock += 1
         return buffer

@@ -135,3 +135,30 @@ def test_scores_through_the_fake_device_equal_the_cpu_path(mlp_setup32, tmp_path
     expected_top = tif.top_k(store, test_store, k=4, chunk_rows=7, normalize=normalize,
                              device="cpu")
     torch.testing.assert_close((values, indices), expected_top, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "sign"])
+def test_quantised_stores_send_codes_and_dequantise_on_the_device(mlp_setup32, monkeypatch,
+                                                                  dtype):
+    # Issue 23 item 13: the codes were pinned but float32 rows (4-32x the bytes) were sent.
+    loss, ckpts, train, test = mlp_setup32
+    projection = tif.Projection(dim=16, seed=0)
+    store = tif.build_store(loss, ckpts, train, projection=projection, dtype=dtype,
+                            store="pinned", progress=False)
+    test_store = tif.build_store(loss, ckpts, test, projection=projection, progress=False)
+    expected = tif.score(store, test_store, chunk_rows=7)
+    fakes = []
+    allocated = []
+
+    def fake_backend(device):
+        fakes.append(FakeBackend())
+        real_empty = fakes[-1].empty
+        fakes[-1].empty = lambda shape, dtype: allocated.append(dtype) or real_empty(shape, dtype)
+        return fakes[-1]
+
+    monkeypatch.setattr(stream_module, "copy_backend", fake_backend)
+    got = tif.score(store, test_store, chunk_rows=7)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    codes = torch.int8 if dtype == "int8" else torch.uint8
+    assert sorted(map(str, set(allocated))) == sorted(map(str, {codes, torch.float32}))
+    assert allocated.count(codes) == 3  # depth buffers of codes, depth of scales

@@ -29,7 +29,8 @@ from torch import Tensor
 __all__ = ["CopyBackend", "CudaBackend", "copy_through_ring"]
 
 Piece = tuple[int, int, int]  # (ckpt, start, stop)
-HostPieces = Iterator[tuple[Piece, Tensor, Callable[[], None]]]
+Rows = Tensor | tuple[Tensor, ...]  # rows, or parts with rows first (codes and scales)
+HostPieces = Iterator[tuple[Piece, Rows, Callable[[], None]]]
 
 
 class CopyBackend(Protocol):
@@ -92,11 +93,13 @@ class CudaBackend:
 
 
 def copy_through_ring(host: HostPieces, backend: CopyBackend, *, depth: int,
-                      max_rows: int) -> Iterator[tuple[Piece, Tensor]]:
+                      max_rows: int) -> Iterator[tuple[Piece, Rows]]:
     """Yield ``(piece, rows on the device)`` for each host piece, through ``depth`` buffers.
 
     Args:
-        host: ``(piece, rows [n, k], release)``; ``release()`` hands the host buffer back.
+        host: ``(piece, rows [n, ...], release)``; ``release()`` hands the host buffer back.
+            ``rows`` may be a tuple of tensors with ``n`` rows each (quantised codes and
+            their scales): each gets its own buffers, and the tuple is yielded.
         backend: The device's streams and events.
         depth: Device buffers in the ring (at least 1).
         max_rows: The largest ``n`` (sizes the buffers).
@@ -104,24 +107,27 @@ def copy_through_ring(host: HostPieces, backend: CopyBackend, *, depth: int,
     Yields:
         ``(piece, rows)``: a view of a ring buffer, valid until the next one is requested.
     """
-    slots: list[Tensor] = []
+    slots: list[tuple[Tensor, ...]] = []
     consumed: list[Any] = []  # per slot: the compute-stream event after its last reader
     previous: tuple[Callable[[], None], Any] | None = None
     try:
         for index, (piece, rows, release) in enumerate(host):
-            slot = index % depth
+            slot, parts = index % depth, rows if isinstance(rows, tuple) else (rows,)
             if slot == len(slots):
-                slots.append(backend.empty((max_rows, *rows.shape[1:]), rows.dtype))
+                slots.append(tuple(backend.empty((max_rows, *part.shape[1:]), part.dtype)
+                                   for part in parts))
                 consumed.append(backend.record(backend.compute))  # after the allocation
-            target = slots[slot][: rows.shape[0]]
+            targets = tuple(buffer[: part.shape[0]]
+                            for buffer, part in zip(slots[slot], parts, strict=True))
             backend.wait(backend.side, consumed[slot])
-            backend.copy(target, rows, backend.side)
+            for target, part in zip(targets, parts, strict=True):
+                backend.copy(target, part, backend.side)
             copied = backend.record(backend.side)
             backend.wait(backend.compute, copied)
             if previous is not None:  # queued before this copy: done or nearly
                 _release(backend, previous)
             previous = (release, copied)
-            yield piece, target
+            yield piece, targets if isinstance(rows, tuple) else targets[0]
             consumed[slot] = backend.record(backend.compute)  # the caller's work is queued
     finally:
         if previous is not None:  # also on an early exit: no copy still reads a host buffer

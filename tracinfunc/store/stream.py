@@ -28,6 +28,8 @@ from torch import Tensor
 from tracinfunc.store.base import GradientStore, SupportsRowViews
 from tracinfunc.store.device_copy import CopyBackend, CudaBackend, copy_through_ring
 from tracinfunc.store.pinned import pinned_empty
+from tracinfunc.store.quantize import dequantize
+from tracinfunc.store.quantized import QuantizedMemoryStore
 
 __all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
 
@@ -52,6 +54,10 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
     """
     backend = copy_backend(device)
     depth = depth or (2 if backend is None else 3)
+    if backend is not None and isinstance(store, QuantizedMemoryStore):
+        yield from _dequantized_on_device(store, pieces, backend, depth=depth,
+                                          max_rows=max_rows)
+        return
     pin = backend is not None and backend.pins_host
     if isinstance(store, SupportsRowViews) and (not pin or _is_pinned(store.view_rows(0, 0, 0))):
         host = _views(store.view_rows, pieces)
@@ -66,6 +72,20 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
             release()
     finally:
         host.close()  # an early exit stops the reader thread now, not at garbage collection
+
+
+def _dequantized_on_device(store: QuantizedMemoryStore, pieces: Sequence[Piece],
+                           backend: CopyBackend, *, depth: int, max_rows: int
+                           ) -> Iterator[tuple[Piece, Tensor]]:
+    """Send an in-memory quantised store's codes and scales (1/4 or 1/32 of the float32
+    bytes) and dequantise on the device, into float32 rows allocated in the compute
+    stream's order. (A quantised Zarr store is still read and dequantised by the background
+    reader, which overlaps its disk reads with compute.)"""
+    meta = store.meta
+    host = ((piece, store.read_codes(*piece), _nothing) for piece in pieces)
+    for piece, (codes, scales) in copy_through_ring(host, backend, depth=depth,
+                                                    max_rows=max_rows):
+        yield piece, dequantize(codes, scales, meta.quantization, meta.k)
 
 
 def copy_backend(device: torch.device) -> CopyBackend | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import types
 from pathlib import Path
 
 import pytest
@@ -82,17 +83,29 @@ def test_checkpoint_load_maps_to_the_models_device(tmp_path, monkeypatch):
         return real_load(*args, map_location="cpu", **kwargs)
 
     monkeypatch.setattr(torch, "load", load)
-    tif.Checkpoint.load(path, model.to(META))  # a model on "the GPU"
-    tif.Checkpoint.load(path, model, device="cpu")
-    assert seen == [META, torch.device("cpu")]
+    on_gpu = types.SimpleNamespace(  # what Checkpoint.load asks of a model on the second GPU
+        parameters=lambda: iter([_on("cuda:1")]), buffers=lambda: iter([]),
+        named_parameters=model.named_parameters, named_buffers=model.named_buffers)
+    tif.Checkpoint.load(path, on_gpu)  # a model on the second GPU
+    tif.Checkpoint.load(path, model, device=META)
+    tif.Checkpoint.load(path, model.to(META))  # shapes only: weights go to real memory
+    assert seen == [torch.device("cuda:1"), META, torch.device("cpu")]
 
 
-def test_adapter_checkpoint_puts_parameters_on_the_models_device():
+def _on(device: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(device=torch.device(device))
+
+
+def test_adapter_checkpoint_puts_parameters_on_the_models_device(monkeypatch):
     model = nn.Linear(3, 2)
     saved = {name: value.detach().clone() for name, value in model.named_parameters()}
     assert tif.adapter_checkpoint(saved, model).params["weight"].device.type == "cpu"
     with pytest.raises(tif.InvalidArgumentError, match="meta device"):
-        tif.adapter_checkpoint(saved, model.to(META))  # moved there, then refused: no values
+        tif.adapter_checkpoint(saved, model, device=META)  # moved there, then refused
+    adapters = importlib.import_module("tracinfunc.adapters")
+    monkeypatch.setattr(adapters, "module_device", lambda module: META)  # "the model's GPU"
+    with pytest.raises(tif.InvalidArgumentError, match="meta device"):
+        tif.adapter_checkpoint(saved, model)
 
 
 def _run(*args: str) -> tuple[int, str]:

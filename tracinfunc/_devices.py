@@ -56,9 +56,11 @@ def canonical_device(device: torch.device | str,
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
-    """The device of ``module``'s first parameter (or buffer); the CPU for an empty module."""
+    """Where tensors for ``module`` belong: its first parameter's (or buffer's) device; the
+    CPU for an empty module or one on the meta device (shapes only: its weights are loaded
+    into real memory)."""
     for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
+        return tensor.device if tensor.device.type != "meta" else torch.device("cpu")
     return torch.device("cpu")
 
 

@@ -102,6 +102,8 @@ def score(
 
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
+        MemoryBudgetError: the score matrix would not fit in the device's free memory (use
+            ``top_k``, ``rows=``, ``score_chunks`` or ``device="cpu"``).
     """
     framework = resolve_output(output, like, caller=current_caller())
     test_grads = tensor_if_array(test_grads, caller=current_caller())

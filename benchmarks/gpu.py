@@ -11,13 +11,19 @@
   ``build_store`` + ``score`` against the naive torch.func reference (``vmap(grad)``, a dense
   Gaussian ``[p, k]`` per checkpoint, ``test @ train.T``), both on the GPU.
 
-    python benchmarks/gpu.py            # needs CUDA; on a CPU machine it says so, exit 0
+Every figure is also checked against the CPU path (scores, projected rows), printed as
+``PASS``/``FAIL``; the exit status is 1 if any check failed, so the first run on a GPU gives
+a verdict in one command. Without CUDA, ``--quick`` runs the CPU checks and says which GPU
+parts it skipped (exit 0 when they pass).
+
+    python benchmarks/gpu.py            # needs CUDA for the measurements
     python benchmarks/gpu.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -27,6 +33,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+FAILURES: list[str] = []
+
+
+def check(name: str, got: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Print PASS/FAIL: ``got`` (any device) against ``expected`` (the CPU path)."""
+    got, expected = got.detach().double().cpu(), expected.detach().double().cpu()
+    error = float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+    ok = got.shape == expected.shape and error <= rtol
+    print(f"  {'PASS' if ok else 'FAIL'} {name}: relative error {error:.2e} (<= {rtol:.0e})")
+    if not ok:
+        FAILURES.append(name)
 
 
 def cuda_time(fn, repeat: int = 3) -> float:
@@ -79,33 +98,49 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
-def bench_stores(tif, n: int, k: int) -> None:
+def bench_stores(tif, n: int, k: int, *, measure: bool) -> None:
+    """Score throughput (with CUDA), and scores checked against the CPU path (always)."""
+    device = "cuda" if measure else "cpu"
     nbytes = n * k * 4
-    bandwidth = h2d_bandwidth(nbytes)
-    test = torch.randn(1, 64, k, device="cuda")
-    print(f"stores: {n} x {k} float32 ({nbytes / 1e9:.1f} GB), 64 test rows")
-    print(f"  pinned H2D copy                  {bandwidth:6.1f} GB/s")
+    test = torch.randn(1, 64, k, generator=torch.Generator().manual_seed(1))
+    print(f"stores: {n} x {k} float32 ({nbytes / 1e9:.2f} GB), 64 test rows, on {device}")
     pinned = fill(tif.store.PinnedWriter(random_meta(tif, n, k), n_train=n), n, k)
-    rate = nbytes / cuda_time(lambda: tif.score(pinned, test, device="cuda")) / 1e9
-    print(f"  PinnedStore score                {rate:6.1f} GB/s   {rate / bandwidth:.2f}x "
-          "(target >= 0.8x)")
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         path = Path(tmp) / "grads.zarr"
         store = fill(tif.store.ZarrWriter(path, random_meta(tif, n, k)), n, k)
-        warm = nbytes / cuda_time(lambda: tif.score(store, test, device="cuda")) / 1e9
-        print(f"  ZarrStore score, warm            {warm:6.1f} GB/s   {warm / bandwidth:.2f}x")
+        rows = (0, min(n, 50_000))  # the CPU reference on part of the rows keeps it quick
+        expected = tif.score(pinned, test, device="cpu", rows=rows)
+        top_values, _ = tif.top_k(pinned, test, k=10, device="cpu", rows=rows)
+        on_device = test.to(device)  # test gradients on the device, as a user has them
+        for name, source in (("PinnedStore", pinned), ("ZarrStore", store)):
+            check(f"{name} score on {device} vs CPU",
+                  tif.score(source, on_device, rows=rows, device=device), expected, 1e-5)
+            values, _ = tif.top_k(source, on_device, k=10, rows=rows, device=device)
+            check(f"{name} top_k on {device} vs CPU", values, top_values, 1e-5)
+        if measure:
+            measure_stores(tif, pinned, store, path, on_device, nbytes)
 
-        def cold():
-            drop_cache(path)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            tif.score(store, test, device="cuda")
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
 
-        cold_rate = nbytes / min(cold() for _ in range(2)) / 1e9
-        print(f"  ZarrStore score, cold            {cold_rate:6.1f} GB/s   "
-              f"{cold_rate / bandwidth:.2f}x")
+def measure_stores(tif, pinned, store, path: Path, test, nbytes: int) -> None:
+    bandwidth = h2d_bandwidth(nbytes)
+    print(f"  pinned H2D copy                  {bandwidth:6.1f} GB/s")
+    rate = nbytes / cuda_time(lambda: tif.score(pinned, test, device="cuda")) / 1e9
+    print(f"  PinnedStore score                {rate:6.1f} GB/s   {rate / bandwidth:.2f}x "
+          "(target >= 0.8x)")
+    warm = nbytes / cuda_time(lambda: tif.score(store, test, device="cuda")) / 1e9
+    print(f"  ZarrStore score, warm            {warm:6.1f} GB/s   {warm / bandwidth:.2f}x")
+
+    def cold():
+        drop_cache(path)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tif.score(store, test, device="cuda")
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    cold_rate = nbytes / min(cold() for _ in range(2)) / 1e9
+    print(f"  ZarrStore score, cold            {cold_rate:6.1f} GB/s   "
+          f"{cold_rate / bandwidth:.2f}x")
 
 
 def bench_projected(tif, batch: int) -> None:
@@ -127,12 +162,18 @@ def bench_projected(tif, batch: int) -> None:
     base = batch / cuda_time(forward_backward)
     print(f"projected gradients: MLP 1024-1024-1024-10, batch {batch}")
     print(f"  batched forward + backward       {base:10.0f} examples/s")
+    cpu_model = copy.deepcopy(model).cpu()
+    cpu_loss = tif.loss_from_module(cpu_model, F.cross_entropy)
+    cpu_params = {name: p.detach() for name, p in cpu_model.named_parameters()}
+    part = (x[:32].cpu(), y[:32].cpu())
     for projection in (tif.Projection(dim=1024, kind="kronecker", seed=0),
                        tif.Projection(dim=4096, kind="sjlt", nnz=4, seed=0)):
         fn = tif.projected_grads(loss, projection)
         rate = batch / cuda_time(lambda fn=fn: fn(params, (x, y)))
         print(f"  {projection.kind:<10} k={projection.dim:<5}            {rate:10.0f} "
               f"examples/s   {rate / base:.2f}x of forward + backward")
+        check(f"{projection.kind} rows on cuda vs CPU", fn(params, (x[:32], y[:32])),
+              tif.projected_grads(cpu_loss, projection)(cpu_params, part), 1e-5)
 
 
 def bench_dattri(tif, n_train: int, n_test: int) -> None:
@@ -154,15 +195,15 @@ def bench_dattri(tif, n_train: int, n_test: int) -> None:
         return [(data[0][i : i + batch], data[1][i : i + batch])
                 for i in range(0, len(data[1]), batch)]
 
-    def tracinfunc_run():
+    def tracinfunc_run(device="cuda"):
         loss = tif.loss_from_module(model, F.cross_entropy)
         ckpts = [tif.Checkpoint(params=s, lr=lr, name=f"e{i}")
                  for i, (s, lr) in enumerate(zip(states, lrs, strict=True))]
         store = tif.build_store(loss, ckpts, batches(train), projection=tif.Projection(dim=k),
-                                store="pinned", progress=False)
+                                store="pinned", progress=False, device=device)
         test_grads = tif.build_store(loss, ckpts, batches(test), projection=store.projection,
-                                     progress=False)
-        return tif.score(store, test_grads, device="cuda")
+                                     progress=False, device=device)
+        return tif.score(store, test_grads, device=device)
 
     def per_example_loss(params, xi, yi):
         return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
@@ -192,25 +233,37 @@ def bench_dattri(tif, n_train: int, n_test: int) -> None:
           f"{batch}, 2 checkpoints, k={k}, end to end")
     print(f"  naive torch.func reference       {naive:7.3f} s")
     print(f"  tracinfunc build_store + score   {ours:7.3f} s   {naive / ours:.2f}x faster")
+    check("dattri configuration scores on cuda vs CPU", tracinfunc_run(),
+          tracinfunc_run("cpu"), 1e-4)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA device; none is available here, nothing to "
-              "measure (exit 0).")
-        return 0
     import tracinfunc as tif
 
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"tracinfunc {tif.__version__}")
-    n = 1_000_000 if not args.quick else 200_000
-    bench_stores(tif, n, 1024)
-    bench_projected(tif, 1024 if not args.quick else 256)
-    bench_dattri(tif, 10_000, 2_000)
-    return 0
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        print("benchmarks/gpu.py needs a CUDA device for its measurements; none is available "
+              "here. Run it with --quick for the CPU checks (exit 0).")
+        return 0
+    name = torch.cuda.get_device_name() if cuda else "CPU only"
+    print(f"device: {name}, torch {torch.__version__}, tracinfunc {tif.__version__}")
+    if not cuda:
+        print("no CUDA device: GPU measurements and GPU-vs-CPU checks skipped; running the "
+              "CPU checks (streamed stores against in-memory ones).")
+    n = 1_000_000 if not args.quick else (200_000 if cuda else 20_000)
+    bench_stores(tif, n, 1024 if cuda else 256, measure=cuda)
+    if cuda:
+        bench_projected(tif, 1024 if not args.quick else 256)
+        bench_dattri(tif, 10_000, 2_000)
+    else:
+        print("projected gradients: skipped (needs CUDA)")
+        print("dattri PR #257 configuration: skipped (needs CUDA)")
+    verdict = f"FAIL: {', '.join(FAILURES)}" if FAILURES else "PASS: every check"
+    print(f"verdict: {verdict}")
+    return 1 if FAILURES else 0
 
 
 if __name__ == "__main__":

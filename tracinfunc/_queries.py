@@ -25,18 +25,20 @@ __all__ = ["check_not_empty", "check_test_shape", "check_test_tensor", "check_te
 
 
 def query_matrix(
-    meta: StoreMeta, test_grads: GradientStore | Tensor
+    meta: StoreMeta, test_grads: GradientStore | Tensor, *, device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """Test gradients ``[n_ckpt, n_test, k]`` and their norms ``[n_ckpt, n_test]``, validated."""
+    """Test gradients ``[n_ckpt, n_test, k]`` and their norms ``[n_ckpt, n_test]``, validated,
+    on ``device`` (where they are multiplied; they may arrive on any device)."""
     if isinstance(test_grads, Tensor):
         check_test_tensor(meta, test_grads)
-        return test_grads, test_grads.to(compute_dtype(test_grads.dtype)).norm(dim=-1)
+        norms = test_grads.to(compute_dtype(test_grads.dtype)).norm(dim=-1)
+        return test_grads.to(device), norms.to(device)
     check_test_type(test_grads)
     check_compatible(meta, test_grads.meta)
     n_test = test_grads.meta.n_train
     rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
     norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
-    return rows, norms
+    return rows.to(device), norms.to(device)
 
 
 def check_test_type(test_grads: object) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from tracinfunc._devices import module_device
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import MissingDependencyError, MissingParametersError
 
@@ -46,6 +47,7 @@ def adapter_checkpoint(
     adapter_name: str = "default",
     lr: float = 1.0,
     name: str | None = None,
+    device: torch.device | str | None = None,
 ) -> Checkpoint:
     """A checkpoint of ``model``'s trainable adapter parameters from a saved adapter.
 
@@ -56,6 +58,7 @@ def adapter_checkpoint(
         adapter_name: The adapter the file holds (peft's default is ``"default"``).
         lr: As for :class:`~tracinfunc.Checkpoint`.
         name: As for :class:`~tracinfunc.Checkpoint`.
+        device: Where the parameters go (default: ``model``'s device).
 
     Returns:
         A :class:`~tracinfunc.Checkpoint` holding exactly the trainable parameters of
@@ -67,13 +70,14 @@ def adapter_checkpoint(
     """
     saved = adapter_state_dict(source) if not isinstance(source, Mapping) else dict(source)
     live = [key for key, value in model.named_parameters() if value.requires_grad]
+    device = module_device(model) if device is None else torch.device(device)
     params, missing = {}, []
     for key in live:
         found = next((saved[c] for c in _saved_names(key, adapter_name) if c in saved), None)
         if found is None:
             missing.append(key)
         else:
-            params[key] = found.detach().clone()
+            params[key] = found.detach().to(device, copy=True)
     if missing:
         raise MissingParametersError(
             f"adapter_checkpoint: the adapter file lacks {len(missing)} trainable parameters "

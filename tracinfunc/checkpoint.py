@@ -12,6 +12,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
+from tracinfunc._devices import module_device
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
@@ -147,9 +148,15 @@ class Checkpoint:
         *,
         lr: float = 1.0,
         name: str | None = None,
+        device: torch.device | str | None = None,
     ) -> Checkpoint:
-        """Load a state dict saved with ``torch.save(model.state_dict(), path)``."""
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        """Load a state dict saved with ``torch.save(model.state_dict(), path)``.
+
+        Tensors land on ``device`` (default: ``module``'s device, so a GPU model gets GPU
+        checkpoints, whatever device they were saved from).
+        """
+        device = module_device(module) if device is None else torch.device(device)
+        state_dict = torch.load(path, map_location=device, weights_only=True)
         return cls.from_state_dict(state_dict, module, lr=lr, name=name)
 
     @cached_property

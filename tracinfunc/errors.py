@@ -102,7 +102,8 @@ class StageMismatchError(TracInFuncError, ValueError):
 
 
 class MemoryBudgetError(TracInFuncError, ValueError):
-    """A memory budget cannot hold even one example's gradient."""
+    """A memory budget cannot hold even one example's gradient, or a result cannot fit in
+    the device's free memory."""
 
 
 class InvalidArgumentError(TracInFuncError, ValueError):

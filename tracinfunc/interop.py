@@ -19,6 +19,7 @@ inputs, and you should not either. This module imports no JAX: it is looked up i
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -147,7 +148,8 @@ def to_framework(tensor: Tensor, framework: str) -> Any:
         return _to_jax(tensor)
     if framework == "cupy":
         cupy = _import("cupy", "pip install cupy-cuda12x")
-        return cupy.from_dlpack(tensor.contiguous())
+        with _exporting_from(tensor):
+            return cupy.from_dlpack(tensor.contiguous())
     raise InvalidArgumentError(
         f"to_framework: framework must be one of {', '.join(map(repr, FRAMEWORKS))}, got "
         f"{framework!r}."
@@ -192,7 +194,16 @@ def _to_jax(tensor: Tensor) -> Any:
         _is_pinned(tensor) or not tensor.is_contiguous() or not is_aligned(tensor)
     ):
         tensor = aligned_empty(tensor.shape, tensor.dtype).copy_(tensor)
-    return jax.dlpack.from_dlpack(tensor.contiguous())
+    with _exporting_from(tensor):
+        return jax.dlpack.from_dlpack(tensor.contiguous())
+
+
+def _exporting_from(tensor: Tensor) -> contextlib.AbstractContextManager:
+    """Make ``tensor``'s GPU the current one while DLPack exports it: torch (2.13) raises
+    ``BufferError`` exporting a tensor of a GPU other than the current one."""
+    if tensor.device.type == "cuda":
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 def _is_pinned(tensor: Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc._deprecations import warn_deprecated
+from tracinfunc._devices import canonical_device, check_device_memory, full_float32
 from tracinfunc._queries import (
     check_not_empty,
     check_test_shape,
@@ -100,6 +101,8 @@ def score(
 
     Raises:
         IncompatibleGradientsError: projection, checkpoints, layout or k differ from the store's.
+        MemoryBudgetError: the score matrix would not fit in the device's free memory (use
+            ``top_k``, ``rows=``, ``score_chunks`` or ``device="cpu"``).
     """
     framework = resolve_output(output, like)
     test_grads = tensor_if_array(test_grads)
@@ -113,6 +116,7 @@ def score(
         check_test_shape(meta, test_grads)
     n_test = test_grads.shape[1] if isinstance(test_grads, Tensor) else test_grads.meta.n_train
     dtype = compute_dtype(meta.torch_dtype, _dtype_of(test_grads))
+    _check_room(device, n_test, meta, dtype)
     # Blocks are written straight into the output: no per-chunk allocation or copy.
     out = torch.empty(n_test, meta.n_train, dtype=dtype, device=device)
     for _ in score_chunks(store, test_grads, normalize=normalize, device=device,
@@ -327,10 +331,10 @@ def score_chunks(
     test_grads = tensor_if_array(test_grads)
     meta = store.meta
     device = _resolve_device(device, test_grads)
-    test, test_norms = query_matrix(meta, test_grads)
+    test, test_norms = query_matrix(meta, test_grads, device=device)
     dtype = compute_dtype(meta.torch_dtype, test.dtype)
     # Fold lr_c (and the test side of the cosine) into the test rows once, not per chunk.
-    lrs = torch.tensor(meta.lrs, dtype=dtype)
+    lrs = torch.tensor(meta.lrs, dtype=dtype, device=device)
     scale = lrs[:, None, None]
     if normalize:
         scale = scale * _safe_reciprocal(test_norms.to(dtype))[..., None]
@@ -361,7 +365,7 @@ def score_chunks(
             block = (out[:, start:stop] if out is not None else
                      torch.empty(test.shape[1], stop - start, dtype=dtype, device=device))
         inverse = None if inverse_norms is None else inverse_norms[ckpt, start:stop]
-        with threads:
+        with threads, full_float32():  # no TF32 whatever the process set
             train = rows if upcast is None else upcast[: stop - start].copy_(rows)
             _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
@@ -392,11 +396,23 @@ def _check_out(out: Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
                device: torch.device) -> None:
     if out is None:
         return
-    if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != device.type:
+    device = canonical_device(device)  # "cuda" is the current GPU, not any GPU
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise InvalidArgumentError(
             f"score_chunks: out must be {list(shape)} {dtype} on {device}, got "
             f"{list(out.shape)} {out.dtype} on {out.device}."
         )
+
+
+def _check_room(device: torch.device, n_test: int, meta: StoreMeta, dtype: torch.dtype) -> None:
+    """Refuse, before any work, a score matrix (plus the test rows) that cannot fit."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = (n_test * meta.n_train + meta.n_ckpt * n_test * meta.k) * itemsize
+    check_device_memory(
+        device, nbytes, what=f"the [{n_test}, {meta.n_train}] score matrix",
+        fix="use tif.top_k (never forms the matrix), score part of the rows with "
+            "rows=(start, stop), reduce blocks yourself with tif.score_chunks, or score "
+            "on the CPU with device='cpu'.")
 
 
 def _dtype_of(test_grads: GradientStore | Tensor) -> torch.dtype:

@@ -13,7 +13,7 @@ import torch
 
 import tracinfunc as tif
 from tests.store.test_tamper import LAYOUTS, N_TRAIN, memory_store
-from tracinfunc.cli import main
+from tracinfunc.cli import commands, main
 
 
 def rows_of(store) -> torch.Tensor:
@@ -327,8 +327,8 @@ def test_top_k_into_npy_is_refused_before_any_scoring(store_dir, monkeypatch):
     def no_scoring(*args, **kwargs):
         raise AssertionError("scored before checking the output format")
 
-    monkeypatch.setattr(tif, "top_k", no_scoring)
-    monkeypatch.setattr(tif, "open_store", no_scoring)
+    monkeypatch.setattr(commands, "top_k", no_scoring)
+    monkeypatch.setattr(commands, "open_store", no_scoring)
     code, stderr = run_cli("score", "g.zarr", "--test-store", "g.zarr", "--top-k", "3",
                            "--output", "top.npy", cwd=store_dir)
     assert code == 1 and ".npy file holds one array" in stderr, stderr

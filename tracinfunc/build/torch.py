@@ -166,8 +166,7 @@ def build_store(
     # Each checkpoint is differentiated with its own buffers (BatchNorm statistics), its own
     # projection (per_checkpoint) and preconditioner; equal ones share one transform (and its
     # cached projector).
-    ckpt_losses = [loss_at(loss, replace(c, buffers=_params_on(c.buffers, device)))
-                   for c in checkpoints]
+    ckpt_losses = [_loss_on(loss, c, device) for c in checkpoints]
     transforms: dict[tuple, Callable[[Params, Batch], Tensor]] = {}
     grads_fns = []
     for i, (ckpt_meta, ckpt_loss) in enumerate(zip(meta.checkpoints, ckpt_losses, strict=True)):
@@ -201,7 +200,8 @@ def build_store(
 
     result = fill_store(
         writer, ((batch_size_of(batch), batch) for batch in batches), rows_of, meta=meta,
-        check_first=lambda batch: _check_loss(loss, params_per_ckpt[0], on_device(batch)),
+        check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
+                                              on_device(batch)),
         progress=progress, total=known_size(data), stop=stop)
     return commit_after_barrier(result.path) if distributed else result
 
@@ -223,6 +223,14 @@ def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
 
 def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:
     return {name: value.to(device) for name, value in params.items()}
+
+
+def _loss_on(loss: LossFn, checkpoint: Checkpoint, device: torch.device) -> LossFn:
+    """``loss`` at ``checkpoint`` with every buffer on ``device``: the checkpoint's, and the
+    module's own ones it lacks (a CPU model's BatchNorm statistics with ``device="cuda"``)."""
+    own = loss.buffers if isinstance(loss, ModuleLoss) else {}
+    buffers = _params_on({**own, **checkpoint.buffers}, device)
+    return loss_at(loss, replace(checkpoint, buffers=buffers))
 
 
 def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:

@@ -122,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
                               "'fc2.*'); score defaults to the store's own")
     options.add_argument("--last-layers", type=_positive_int, metavar="N",
                          help="differentiate only the last N layers")
+    options.add_argument("--device", type=_device, metavar="DEVICE",
+                         help="where gradients (and scores) are computed, e.g. cuda, cuda:1 "
+                              "or cpu; default: the checkpoints' device for gradients, CUDA "
+                              "when available for scores")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     build = commands.add_parser("build", parents=[common, gradients],
@@ -269,6 +273,7 @@ def _build_store(args: argparse.Namespace, sharded: bool) -> int:
         dataset_fingerprint=args.dataset_fingerprint,
         store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
         progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
+        device=args.device,
     )
     if isinstance(store, StorePart):
         print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
@@ -282,6 +287,14 @@ def _commit(args: argparse.Namespace) -> int:
     store = commit_store(args.store)
     print(f"committed {store}")
     return 0
+
+
+def _device(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device such as cuda, cuda:1 or cpu, got {text!r}") from None
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -394,10 +407,12 @@ def _score(args: argparse.Namespace) -> int:
     test = _test_gradients(args, store)
     if args.top_k is not None:
         values, indices = top_k(store, test, k=args.top_k, largest=not args.opponents,
-                                    normalize=args.normalize, progress=_progress(args))
+                                    normalize=args.normalize, progress=_progress(args),
+                                    device=args.device)
         write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
     else:
-        scores = score(store, test, normalize=args.normalize, progress=_progress(args))
+        scores = score(store, test, normalize=args.normalize, progress=_progress(args),
+                           device=args.device)
         write_results(args.output, {"scores": scores}, columns="matrix")
     print(f"wrote {args.output}")
     return 0
@@ -418,7 +433,7 @@ def _test_gradients(args: argparse.Namespace, store: GradientStore) -> GradientS
                                 default_select=[name for name, _ in store.meta.layout])
     return build_store(spec.loss, checkpoints, spec.test[args.test],
                            projection=store.projection, progress=_progress(args),
-                           options=options)
+                           options=options, device=args.device)
 
 
 def _self_influence(args: argparse.Namespace) -> int:

@@ -17,12 +17,30 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.func import grad
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidTypeError, UnsupportedPrecisionError
 
-__all__ = ["autocast_supported", "check_mixed_precision", "mixed_precision_context",
-           "with_mixed_precision"]
+__all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision",
+           "loss_scaled_grad", "mixed_precision_context", "with_mixed_precision"]
+
+# float16 flushes backward signals below 2**-24 to zero: an example with a loss near 0 gets
+# an all-zero gradient (measured: max relative error 1 on confident, correctly classified
+# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 14),
+# so its logit gradients stay near those of a loss-1 example; a static scale cannot serve
+# both ends (measured: 2**10 still flushes some, 2**12 overflows wrong confident examples).
+_MAX_LOSS_SCALE_EXPONENT = 14
+
+# Normalisation layers whose per-example backward fails when autocast hands them 16-bit
+# inputs with float32 weights ("expected scalar type Half but found Float"; LayerNorm and
+# BatchNorm, CPU and CUDA). Autocast's own policy computes norms in float32 on CUDA.
+_NORMS = frozenset(getattr(F, name) for name in (
+    "layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm", "local_response_norm")
+    if hasattr(F, name))
 
 
 def check_mixed_precision(mixed_precision: Any) -> torch.dtype | None:
@@ -93,7 +111,65 @@ def with_mixed_precision(
 
     def autocast_fn(*args: Any) -> Any:
         # A fresh context per call: torch.autocast objects keep state and are not re-entrant.
-        with torch.autocast(device.type, dtype=mixed_precision):
+        with torch.autocast(device.type, dtype=mixed_precision), NormsInFloat32(device.type):
             return fn(*args)
 
     return autocast_fn
+
+
+class NormsInFloat32(TorchFunctionMode):
+    """Run normalisation layers (``F.layer_norm``, ``F.batch_norm``, ...) in float32 under
+    autocast: their floating inputs are upcast and autocast is off inside, so the output
+    is float32 as autocast's float32 policy gives it, and the next matmul casts it down."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self._device_type = device_type
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func not in _NORMS:
+            return func(*args, **kwargs)
+        args = [_float32(a) for a in args]
+        kwargs = {key: _float32(value) for key, value in kwargs.items()}
+        with torch.autocast(self._device_type, enabled=False):
+            return func(*args, **kwargs)
+
+
+def _float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
+def loss_scaled_grad(fn: Callable[..., Any], *, has_aux: bool,
+                     mixed_precision: torch.dtype | None) -> Callable[..., Any]:
+    """``torch.func.grad(fn, has_aux=has_aux)``, with per-example loss scaling in float16.
+
+    The loss is multiplied by a power of two before the backward and the gradients divided
+    by it after, both exact in float32, so only the float16 backward sees larger signals.
+    """
+    if mixed_precision != torch.float16:
+        return grad(fn, has_aux=has_aux)
+
+    def scaled(*args: Any) -> Any:
+        out = fn(*args)
+        loss, aux = out if has_aux else (out, ())
+        scale = _loss_scale(loss.detach())
+        return loss.float() * scale, (scale, aux)
+
+    scaled_grad = grad(scaled, has_aux=True)
+
+    def unscaled(*args: Any) -> Any:
+        grads, (scale, aux) = scaled_grad(*args)
+        grads = tree_map(lambda g: g / scale.to(g.dtype), grads)
+        return (grads, aux) if has_aux else grads
+
+    return unscaled
+
+
+def _loss_scale(loss: torch.Tensor) -> torch.Tensor:
+    tiny = 2.0 ** -_MAX_LOSS_SCALE_EXPONENT
+    exponent = torch.floor(-torch.log2(loss.float().abs().clamp_min(tiny)))
+    return torch.exp2(exponent.clamp(0, _MAX_LOSS_SCALE_EXPONENT))

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import grad, vmap
+from torch.func import vmap
 from torch.utils._pytree import tree_leaves
 
+from tracinfunc._devices import in_full_float32
 from tracinfunc._validate import check_bool, current_caller, entry_point
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -35,7 +36,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads.factorized import factorized_projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
-from tracinfunc.grads.precision import with_mixed_precision
+from tracinfunc.grads.precision import loss_scaled_grad, with_mixed_precision
 from tracinfunc.grads.selection import Selection
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
@@ -173,12 +174,13 @@ def projected_grads(
         # gradient.
         factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
                                                 select=options.select)
-        return entry_point("projected_grads")(
-            lambda params, batch: _call_loss_transform(factorized, params, batch))
+        return entry_point("projected_grads")(in_full_float32(
+            lambda params, batch: _call_loss_transform(factorized, params, batch)))
     projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 
     @entry_point("projected_grads")
+    @in_full_float32  # projections in IEEE float32 even where the process turned TF32 on
     def projected_grads_fn(params: Params, batch: Batch) -> Tensor:
         names, per_stage, chunk = options.resolve(params)
         if per_stage is None:
@@ -257,13 +259,15 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
                       ) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options)
-    batched = vmap(grad(fn, has_aux=has_aux), in_dims=(None, None, 0), chunk_size=chunk)
+    grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision)
+    batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
     return _call_loss_transform(batched, selected, frozen, batch)
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
-    grad_fn = grad(_selected_loss(loss, params, options), has_aux=has_aux)
+    grad_fn = loss_scaled_grad(_selected_loss(loss, params, options),
+                               has_aux=has_aux, mixed_precision=options.mixed_precision)
 
     def one_example(selected: Params, frozen: Params, example: Example) -> Any:
         if has_aux:
@@ -347,6 +351,12 @@ def _call_loss_transform(fn, *args: Any, ):
 def explain_loss_error(error: Exception) -> Exception | None:
     """A tracinfunc error that explains a known torch failure of the loss, else ``None``."""
     message = str(error).strip()
+    if "same device" in message:  # names running_mean too when a buffer is left behind
+        return LossFunctionError(
+            f"{current_caller()}: the loss mixes devices ({message}). Put the model, its buffers, "
+            "the parameters and the batch on one device (build_store(..., device=...) moves the "
+            "parameters, buffers and batches it is given)."
+        )
     batchnorm_hints = ("running_mean", "running_var", "value per channel", "mutate a captured")
     if any(hint in message for hint in batchnorm_hints):
         return TrainModeError(

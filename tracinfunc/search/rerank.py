@@ -63,7 +63,9 @@ def indexed_top_k(
     faiss = import_faiss()
     meta = store.meta
     nprobe, candidates = _check_args(store, index, k, nprobe, candidates, normalize)
-    test, test_norms = query_matrix(meta, test_grads)  # errors name top_k, the entry point
+    # Errors name top_k, the entry point. FAISS searches and the re-rank run on the CPU:
+    # test gradients may arrive on a GPU.
+    test, test_norms = query_matrix(meta, test_grads, device=torch.device("cpu"))
     dtype = compute_dtype(meta.torch_dtype, test.dtype)
     # The exact side folds lr_c (and 1/|test_c| for cosine) into the test rows, as score does.
     scale = torch.tensor(meta.lrs, dtype=dtype)[:, None, None]

@@ -12,9 +12,14 @@ from torch import Tensor
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import RowRangeError
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.protocols import GradientStore, SupportsChunkAlignment, check_row_range
+from tracinfunc.store.protocols import (
+    GradientStore,
+    SupportsChunkAlignment,
+    SupportsRowViews,
+    check_row_range,
+)
 
-__all__ = ["RowRange", "check_rows", "row_range"]
+__all__ = ["RowRange", "RowRangeViews", "check_rows", "row_range"]
 
 
 def check_rows(rows: object, n_train: int) -> tuple[int, int]:
@@ -65,7 +70,20 @@ class RowRange:
         return self.store.read_norms(ckpt, self.start + start, self.start + stop)
 
 
+class RowRangeViews(RowRange):
+    """A :class:`RowRange` of a store that lends views of its rows (in-memory and pinned
+    stores), so a worker's part streams without a copy, as the whole store does."""
+
+    __slots__ = ()
+
+    @entry_point("RowRange.view_rows")
+    def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
+        check_row_range(self._meta, ckpt, start, stop)
+        return self.store.view_rows(ckpt, self.start + start, self.start + stop)
+
+
 def row_range(store: GradientStore, rows: object) -> RowRange:
     """Rows ``rows=(start, stop)`` of ``store`` as a store (see :class:`RowRange`)."""
     start, stop = check_rows(rows, store.meta.n_train)
-    return RowRange(store, start, stop)
+    views = isinstance(store, SupportsRowViews)
+    return (RowRangeViews if views else RowRange)(store, start, stop)

@@ -8,9 +8,10 @@ the rows on the target device, in the storage dtype:
   caller multiplies piece i, into a small ring of preallocated buffers (page-locked when the
   target is a GPU) that are reused for the whole pass.
 * On CUDA: each host piece (a ring buffer, or a PinnedStore's own pinned memory) is copied
-  with ``non_blocking=True`` on a side stream; the compute stream waits on an event, the
-  device tensor is ``record_stream``-ed onto it, and a host buffer goes back to the reader
-  only once its copy has finished.
+  with ``non_blocking=True`` on a side stream into a ring of ``depth`` device buffers, each
+  reused only after the compute that read it (:mod:`tracinfunc.store.device_copy`); a host
+  buffer goes back to the reader only once its copy has finished.
+* On any other device (mps, xpu, ...): a plain ``.to(device)`` per piece.
 
 A yielded tensor is valid until the next one is requested.
 """
@@ -24,7 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from tracinfunc.store.codes import dequantize
+from tracinfunc.store.device_copy import CopyBackend, CudaBackend, copy_through_ring
 from tracinfunc.store.memory.pinned import pinned_empty
+from tracinfunc.store.memory.quantized import QuantizedMemoryStore
 from tracinfunc.store.protocols import GradientStore, SupportsRowViews
 
 __all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
@@ -41,23 +45,52 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
     Args:
         store: Any GradientStore.
         pieces: What to read, in order.
-        device: Where the rows are needed.
+        device: Where the rows are needed: the CPU, CUDA (asynchronous copies through a ring
+            of device buffers, :mod:`tracinfunc.store.device_copy`) or any other device
+            (mps, xpu, ...: a plain copy per piece).
         max_rows: The largest ``stop - start`` among ``pieces`` (sizes the buffers).
-        depth: Buffers in the ring. Default: 2 on the CPU (one read while one is multiplied),
-            3 on CUDA (one more is in flight to the device).
+        depth: Buffers in each ring. Default: 2 on the CPU (one read while one is
+            multiplied), 3 with asynchronous copies (one more is in flight to the device).
     """
-    cuda = device.type == "cuda"
-    depth = depth or (3 if cuda else 2)
-    if isinstance(store, SupportsRowViews) and (not cuda or _is_pinned(store.view_rows(0, 0, 0))):
+    backend = copy_backend(device)
+    depth = depth or (2 if backend is None else 3)
+    if backend is not None and isinstance(store, QuantizedMemoryStore):
+        yield from _dequantized_on_device(store, pieces, backend, depth=depth,
+                                          max_rows=max_rows)
+        return
+    pin = backend is not None and backend.pins_host
+    if isinstance(store, SupportsRowViews) and (not pin or _is_pinned(store.view_rows(0, 0, 0))):
         host = _views(store.view_rows, pieces)
     else:
-        host = _prefetch(store, pieces, max_rows=max_rows, pin=cuda, depth=depth)
-    if not cuda:
+        host = _prefetch(store, pieces, max_rows=max_rows, pin=pin, depth=depth)
+    try:
+        if backend is not None:
+            yield from copy_through_ring(host, backend, depth=depth, max_rows=max_rows)
+            return
         for piece, rows, release in host:
-            yield piece, rows
+            yield piece, rows.to(device)  # the CPU: the rows themselves
             release()
-        return
-    yield from _to_cuda(host, device)
+    finally:
+        host.close()  # an early exit stops the reader thread now, not at garbage collection
+
+
+def _dequantized_on_device(store: QuantizedMemoryStore, pieces: Sequence[Piece],
+                           backend: CopyBackend, *, depth: int, max_rows: int
+                           ) -> Iterator[tuple[Piece, Tensor]]:
+    """Send an in-memory quantised store's codes and scales (1/4 or 1/32 of the float32
+    bytes) and dequantise on the device, into float32 rows allocated in the compute
+    stream's order. (A quantised Zarr store is still read and dequantised by the background
+    reader, which overlaps its disk reads with compute.)"""
+    meta = store.meta
+    host = ((piece, store.read_codes(*piece), _nothing) for piece in pieces)
+    for piece, (codes, scales) in copy_through_ring(host, backend, depth=depth,
+                                                    max_rows=max_rows):
+        yield piece, dequantize(codes, scales, meta.quantization, meta.k)
+
+
+def copy_backend(device: torch.device) -> CopyBackend | None:
+    """The asynchronous copy backend of ``device``: CUDA's, or ``None`` (plain copies)."""
+    return CudaBackend(device) if device.type == "cuda" else None
 
 
 def _is_pinned(tensor: Tensor) -> bool:
@@ -109,34 +142,6 @@ def _prefetch(store: GradientStore, pieces: Sequence[Piece], *, max_rows: int, p
         stop.set()
         free.put(-1)  # wake the reader if it waits for a buffer
         thread.join()
-
-
-def _to_cuda(host: _HostPieces, device: torch.device) -> Iterator[tuple[Piece, Tensor]]:
-    """Copy host pieces to ``device`` on a side stream, overlapped with the caller's compute."""
-    side = torch.cuda.Stream(device=device)
-    compute = torch.cuda.current_stream(device)
-    previous: tuple[Callable[[], None], torch.cuda.Event] | None = None
-    try:
-        for piece, rows, release in host:
-            with torch.cuda.stream(side):
-                # Allocated on the side stream, so the copy cannot race with earlier compute
-                # on memory the allocator hands back.
-                on_device = torch.empty(rows.shape, dtype=rows.dtype, device=device)
-                on_device.copy_(rows, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(side)
-            compute.wait_event(copied)
-            # Used on the compute stream: keep its memory until that work is done.
-            on_device.record_stream(compute)
-            if previous is not None:  # its copy was queued before this one: done or nearly
-                previous[1].synchronize()
-                previous[0]()
-            previous = (release, copied)
-            yield piece, on_device
-    finally:
-        if previous is not None:
-            previous[1].synchronize()
-            previous[0]()
 
 
 class ComputeThreads:

@@ -1,0 +1,127 @@
+"""Mixed precision with normalisation layers and small losses (issue 23, items 3 and 8).
+
+Both failed on the CPU exactly as on a GPU: a LayerNorm or BatchNorm under autocast raised
+"expected scalar type Half/BFloat16 but found Float", and float16 flushed the gradients of
+examples with a loss near zero to exactly zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tracinfunc as tif
+
+NORMS = {
+    "layer_norm": lambda: nn.LayerNorm(16),
+    "batch_norm": lambda: nn.BatchNorm1d(16),
+    "group_norm": lambda: nn.GroupNorm(4, 16),
+}
+
+
+def _model(norm: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), NORMS[norm](), nn.Tanh(), nn.Linear(16, 3)).eval()
+    if norm == "batch_norm":  # non-trivial running statistics
+        model[1].running_mean.normal_(0, 0.3)
+        model[1].running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_layers_under_autocast_give_gradients_close_to_float32(norm, dtype):
+    model = _model(norm)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g))
+    full = tif.per_sample_grads(loss)(params, batch)
+    half = tif.per_sample_grads(loss, options=tif.GradientOptions(mixed_precision=dtype))(
+        params, batch
+    )
+    tolerance = 0.05 if dtype == torch.bfloat16 else 0.01
+    for name in full:
+        assert half[name].dtype == torch.float32
+        assert _relative_error(half[name], full[name]) < tolerance, name
+    projection = tif.Projection(dim=32, seed=0)
+    rows = tif.projected_grads(
+        loss, projection, options=tif.GradientOptions(mixed_precision=dtype)
+    )(params, batch)
+    expected = tif.projected_grads(loss, projection)(params, batch)
+    assert _relative_error(rows, expected) < tolerance
+
+
+def test_build_store_with_a_layer_norm_under_autocast():
+    model = _model("layer_norm")
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ckpts = [tif.Checkpoint.from_module(model, lr=0.1)]
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
+    store = tif.build_store(
+        loss,
+        ckpts,
+        data,
+        projection=tif.Projection(dim=32, seed=0),
+        options=tif.GradientOptions(mixed_precision=torch.bfloat16),
+        progress=False,
+    )
+    assert store.meta.n_train == 12
+
+
+def _confident_setup(margin: float):
+    """A classifier sure of its labels: correctly labelled examples have losses ~1e-6."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)).eval()
+    with torch.no_grad():
+        model[2].weight.mul_(margin)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 20, generator=g)
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    return model, tif.loss_from_module(model, F.cross_entropy), x, y
+
+
+# (30, False): losses down to ~1e-6, all flushed without scaling; (300, True): losses ~100,
+# where a static 2**12 scale overflows. Losses below 2**-14 (margin 300, right labels) stay
+# partly flushed: their gradients are below what a bounded scale can lift.
+@pytest.mark.parametrize(("margin", "wrong"), [(30.0, False), (30.0, True), (300.0, True)])
+def test_float16_gradients_of_small_and_large_losses_are_neither_flushed_nor_overflowed(
+        margin, wrong):
+    model, loss, x, y = _confident_setup(margin)
+    if wrong:  # large losses: scaling must not overflow them
+        y = (y + 1) % 5
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    full = tif.per_sample_grads(loss)(params, (x, y))
+    half = tif.per_sample_grads(loss, options=tif.GradientOptions(mixed_precision=torch.float16))(
+        params, (x, y)
+    )
+    for name in full:
+        assert bool(torch.isfinite(half[name]).all()), name
+        per_example = ((half[name] - full[name]).flatten(1).norm(dim=1)
+                       / full[name].flatten(1).norm(dim=1))
+        assert float(per_example.max()) < 0.05, name  # unscaled float16: 1.0 (all zeros)
+    rows = tif.projected_grads(
+        loss,
+        tif.Projection(dim=64, seed=0),
+        options=tif.GradientOptions(mixed_precision=torch.float16),
+    )(params, (x, y))
+    reference = tif.projected_grads(loss, tif.Projection(dim=64, seed=0))(params, (x, y))
+    per_row = (rows - reference).norm(dim=1) / reference.norm(dim=1)
+    assert float(per_row.max()) < 0.05
+
+
+def test_loss_scaling_is_exact_where_float16_does_not_underflow():
+    # Scaling by a power of two and dividing after changes nothing for ordinary losses.
+    from tracinfunc.grads import precision
+
+    assert precision._loss_scale(torch.tensor(3.0)) == 1
+    assert precision._loss_scale(torch.tensor(0.3)) == 2
+    assert precision._loss_scale(torch.tensor(1e-9)) == 2**14
+    assert precision._loss_scale(torch.tensor(0.0)) == 2**14

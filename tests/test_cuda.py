@@ -1,0 +1,219 @@
+"""On a CUDA device, everything issue 23 found on paper: each test would fail on the code
+before it (float32, not only float64; test tensors, not only stores; norm layers; TF32 on; a
+CPU model with ``device="cuda"``; bounded device memory). Skipped without CUDA; their CPU
+twins (stand-in devices, a fake stream backend) are in tests/test_devices*.py,
+tests/test_device_copy.py and tests/test_precision_norms.py.
+
+    pytest -m cuda tests/     # the GPU verdict, with benchmarks/gpu.py --quick
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tracinfunc as tif
+from tests.conftest import make_checkpoints, make_data, make_mlp
+from tests.reference import exact_tracin
+from tracinfunc.interop import to_framework
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+PROJ = tif.Projection(dim=64, seed=0)
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double().cpu() - expected.double().cpu()).norm() / expected.norm())
+
+
+@pytest.fixture
+def setup32():
+    model = make_mlp(d_in=20, hidden=64, d_out=5, dtype=torch.float32).eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    train = make_data(300, d_in=20, n_classes=5, dtype=torch.float32, seed=1)
+    test = make_data(9, d_in=20, n_classes=5, dtype=torch.float32, seed=3)
+    return loss, make_checkpoints(model), train, test
+
+
+@pytest.fixture
+def stores(setup32):
+    loss, ckpts, train, test = setup32
+    store = tif.build_store(loss, ckpts, train, projection=PROJ, progress=False)
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ, progress=False)
+    return store, test_store
+
+
+def _as_tensor(store) -> torch.Tensor:
+    n = store.meta.n_train
+    return torch.stack([store.read_rows(c, 0, n) for c in range(store.meta.n_ckpt)])
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_score_and_top_k_take_cuda_test_tensors(stores, normalize):
+    # Item 1: the lr scale was a CPU tensor and `test * scale` failed.
+    store, test_store = stores
+    expected = tif.score(store, test_store, device="cpu", normalize=normalize)
+    test = _as_tensor(test_store).cuda()
+    got = tif.score(store, test, normalize=normalize)
+    assert got.device.type == "cuda"
+    assert _relative(got, expected) < 1e-5
+    for source in (store, store.to_pinned()):
+        values, indices = tif.top_k(source, test, k=5, normalize=normalize)
+        expected_values, _ = tif.top_k(store, test_store, k=5, device="cpu",
+                                       normalize=normalize)
+        assert indices.device.type == "cuda"
+        torch.testing.assert_close(values.cpu(), expected_values, rtol=1e-4, atol=1e-6)
+
+
+def test_indexed_top_k_takes_cuda_test_tensors(stores):
+    pytest.importorskip("faiss")
+    store, test_store = stores
+    index = tif.build_index(store, nlist=4)
+    expected = tif.top_k(store, test_store, k=5, index=index, nprobe=4)
+    got = tif.top_k(store, _as_tensor(test_store).cuda(), k=5, index=index, nprobe=4)
+    torch.testing.assert_close(got, expected)
+
+
+def test_scores_with_tf32_on_stay_float32_accurate(setup32):
+    # Item 7: TF32 inherited from the process gave ~1e-3 relative error.
+    loss, ckpts, train, test = setup32
+    identity = tif.Projection(kind="identity")
+    expected = exact_tracin(loss, ckpts, train, test)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        store = tif.build_store(loss, ckpts, train, projection=identity, device="cuda",
+                                progress=False)
+        test_store = tif.build_store(loss, ckpts, test, projection=identity, device="cuda",
+                                     progress=False)
+        got = tif.score(store, test_store, device="cuda")
+        assert torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert _relative(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.BatchNorm1d])
+def test_norm_layers_under_cuda_autocast(norm, dtype):
+    # Item 3: "expected scalar type Half but found Float".
+    if not tif.grads.autocast_supported("cuda", dtype):
+        pytest.skip(f"this GPU has no {dtype} autocast")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), norm(32), nn.Tanh(), nn.Linear(32, 5)).cuda()
+    model.eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    batch = tuple(t.cuda() for t in make_data(16, d_in=20, n_classes=5, dtype=torch.float32))
+    full = tif.projected_grads(loss, PROJ)(params, batch)
+    half = tif.projected_grads(loss, PROJ, options=tif.GradientOptions(mixed_precision=dtype))(
+        params, batch
+    )
+    assert _relative(half, full) < (0.05 if dtype == torch.bfloat16 else 0.01)
+
+
+def test_float16_small_losses_are_not_flushed_on_cuda():
+    # Item 8: no loss scaling, so confident examples got all-zero gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)).cuda().eval()
+    with torch.no_grad():
+        model[2].weight.mul_(30)
+        x = torch.randn(64, 20, device="cuda")
+        y = model(x).argmax(1)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    full = tif.projected_grads(loss, PROJ)(params, (x, y))
+    half = tif.projected_grads(
+        loss, PROJ, options=tif.GradientOptions(mixed_precision=torch.float16)
+    )(params, (x, y))
+    per_row = (half - full).norm(dim=1) / full.norm(dim=1)
+    assert float(per_row.max()) < 0.05
+
+
+def test_cpu_model_with_buffers_builds_on_cuda():
+    # Item 4: the first-batch check used the module's CPU BatchNorm statistics (then said
+    # "put the model in eval mode").
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.BatchNorm1d(32), nn.Tanh(),
+                          nn.Linear(32, 5)).eval()
+    model[1].running_mean.normal_(0, 0.3)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ckpts = [tif.Checkpoint(params={k: v.detach().clone()
+                                    for k, v in model.named_parameters()})]
+    data = make_data(40, d_in=20, n_classes=5, dtype=torch.float32)
+    on_gpu = tif.build_store(loss, ckpts, data, projection=PROJ, device="cuda", progress=False)
+    on_cpu = tif.build_store(loss, ckpts, data, projection=PROJ, progress=False)
+    assert _relative(_as_tensor(on_gpu), _as_tensor(on_cpu)) < 1e-5
+
+
+def test_checkpoint_load_follows_a_gpu_model(tmp_path):
+    model = make_mlp(dtype=torch.float32)
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    ckpt = tif.Checkpoint.load(tmp_path / "w.pt", model.cuda())
+    assert {v.device.type for v in ckpt.params.values()} == {"cuda"}
+
+
+def _identity_store(rows: torch.Tensor) -> tif.GradientStore:
+    """A one-checkpoint in-memory store holding ``rows`` ``[1, n, k]`` as they are."""
+    from tracinfunc.build.loop import new_store_meta
+
+    meta = new_store_meta(
+        [("c0", 1.0, "f")],
+        tif.projection.canonical_layout({"w": (rows.shape[2],)}),
+        tif.Projection(dim=None, kind="identity"),
+        torch.float32,
+        None,
+    )
+    writer = tif.store.MemoryWriter(meta)
+    writer.append(rows, rows.norm(dim=-1))
+    return writer.finish()
+
+
+def test_streaming_keeps_device_memory_bounded():
+    # Item 10: a fresh device buffer per piece, so memory grew when compute lagged copies.
+    n, k = 200_000, 256  # 205 MB of float32 rows, streamed in 4096-row (4 MiB) pieces
+    store = _identity_store(torch.randn(1, n, k))
+    test = torch.randn(1, 8, k, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_reserved()
+    values, _ = tif.top_k(store, test, k=3, chunk_rows=4096)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_reserved() - before
+    assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB reserved for 4 MiB pieces"
+    expected, _ = tif.top_k(store, test.cpu(), k=3, device="cpu")
+    torch.testing.assert_close(values.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_score_refuses_a_matrix_larger_than_the_gpu():
+    # Item 11: [n_test, n_train] was allocated on the GPU unchecked.
+    n_train, n_test = 2_000_000, 200_000  # 1.6 TB of float32 scores, 8 MB of rows
+    store = _identity_store(torch.ones(1, n_train, 1))
+    with pytest.raises(tif.errors.MemoryBudgetError, match="top_k"):
+        tif.score(store, torch.ones(1, n_test, 1, device="cuda"))
+
+
+@two_gpus
+def test_out_on_another_gpu_is_refused(stores):
+    # Item 6: _check_out compared only the device type.
+    store, test_store = stores
+    out = torch.empty(9, 300, device="cuda:1")
+    with pytest.raises(tif.errors.InvalidArgumentError, match="cuda:0"):
+        list(tif.score_chunks(store, test_store, device="cuda:0", out=out))
+
+
+@two_gpus
+def test_results_on_a_non_current_gpu_export_to_jax_and_cupy(stores):
+    # Item 5: DLPack raised BufferError for another GPU's tensor.
+    store, test_store = stores
+    scores = tif.score(store, test_store, device="cuda:1")
+    for framework in ("jax", "cupy"):
+        try:
+            exported = to_framework(scores, framework)
+        except ImportError:
+            continue
+        assert exported.shape == (9, 300)

@@ -1,0 +1,153 @@
+"""Device facts the library acts on: which device is meant, its free memory, float32 scope.
+
+Each is a small function with its device queries injectable (module-level hooks that a CPU
+test replaces), so the logic that only a GPU would exercise runs in CPU tests:
+
+* :func:`canonical_device`: ``"cuda"`` means the current CUDA device, so ``cuda`` and
+  ``cuda:0`` name the same device there and ``cuda:1`` does not.
+* :func:`check_device_memory`: refuse to allocate a result that cannot fit, naming the
+  alternatives, before any work.
+* :func:`full_float32`: matmuls in true float32 (no TF32, no reduced-precision float32
+  matmuls) for the duration of a call, whatever the process set, restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import MemoryBudgetError
+
+__all__ = ["canonical_device", "check_device_memory", "free_bytes", "full_float32",
+           "in_full_float32", "module_device"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def current_index(device_type: str) -> int | None:
+    """The current device index of ``device_type`` (``None`` where it has no notion of one)."""
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    current = getattr(module, "current_device", None)
+    if device_type == "cpu" or None in (is_available, current) or not is_available():
+        return None
+    return current()
+
+
+def canonical_device(device: torch.device | str,
+                     index_of: Callable[[str], int | None] | None = None) -> torch.device:
+    """``device`` with its index filled in (``cuda`` -> ``cuda:<current>``), comparable with
+    ``==`` to a tensor's device.
+
+    Args:
+        device: A device or its name.
+        index_of: ``device_type -> current index`` (default :func:`current_index`).
+    """
+    device = torch.device(device)
+    if device.index is not None:
+        return device
+    index = (index_of or current_index)(device.type)
+    return device if index is None else torch.device(device.type, index)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where tensors for ``module`` belong: its first parameter's (or buffer's) device; the
+    CPU for an empty module or one on the meta device (shapes only: its weights are loaded
+    into real memory)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device if tensor.device.type != "meta" else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device``; ``None`` when unknown (the CPU).
+
+    On CUDA, free device memory plus what torch's caching allocator holds unused.
+    """
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached)
+
+
+def check_device_memory(device: torch.device, nbytes: int, *, what: str, fix: str) -> None:
+    """Raise :class:`MemoryBudgetError` if ``nbytes`` cannot fit on ``device`` now.
+
+    Looked up through the module (``_devices.free_bytes``), so a test can fake the device.
+    """
+    free = free_bytes(device)
+    if free is not None and nbytes > free:
+        raise MemoryBudgetError(
+            f"{current_caller()}: {what} needs {nbytes / 2**30:.2f} GiB on {device} but only "
+            f"{free / 2**30:.2f} GiB is free there; {fix}"
+        )
+
+
+# torch >= 2.9 keeps one fp32_precision per backend and operator family; the legacy flags
+# (allow_tf32, set_float32_matmul_precision) are views of these, and reading one raises once
+# the families differ, so the knobs themselves are saved and restored.
+_KNOBS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv",
+          "mkldnn.rnn")
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """Run float32 matmuls and convolutions in IEEE float32, then restore the settings.
+
+    TF32 (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``, or
+    ``torch.set_float32_matmul_precision("high")``, as Hugging Face's ``tf32=True`` sets)
+    rounds matmul inputs to 10 mantissa bits: ~1e-3 relative error in scores and
+    projections; ``"medium"`` also runs CPU (oneDNN) matmuls in bfloat16. These are
+    process-wide settings, so they are set for the call only and the caller's values
+    restored on exit, exception or not.
+    """
+    knobs = _precision_knobs()
+    if knobs:
+        saved = torch.get_float32_matmul_precision(), [knob.fp32_precision for knob in knobs]
+        try:
+            torch.set_float32_matmul_precision("highest")  # what torch.compile consults
+            for knob in knobs:
+                knob.fp32_precision = "ieee"
+            yield
+        finally:
+            torch.set_float32_matmul_precision(saved[0])
+            for knob, value in zip(knobs, saved[1], strict=True):
+                knob.fp32_precision = value
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn  # torch < 2.9
+    legacy = (torch.get_float32_matmul_precision(), matmul.allow_tf32, cudnn.allow_tf32)
+    try:
+        torch.set_float32_matmul_precision("highest")
+        matmul.allow_tf32 = cudnn.allow_tf32 = False
+        yield
+    finally:
+        torch.set_float32_matmul_precision(legacy[0])
+        matmul.allow_tf32, cudnn.allow_tf32 = legacy[1], legacy[2]
+
+
+def in_full_float32(fn: F) -> F:
+    """``fn`` with every call run under :func:`full_float32`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with full_float32():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _precision_knobs() -> list[object]:
+    knobs = []
+    for path in _KNOBS:
+        knob: object = torch.backends
+        for part in path.split("."):
+            knob = getattr(knob, part, None)
+        if knob is not None and hasattr(knob, "fp32_precision"):
+            knobs.append(knob)
+    return knobs

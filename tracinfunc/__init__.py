@@ -11,6 +11,7 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build import build_store
 from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
+from tracinfunc.data_selection import DataSelection, less_scores, select_training_data
 from tracinfunc.distributed import gather_top_k, merge_top_k
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -80,6 +81,7 @@ from tracinfunc.store import (
     verify_store,
 )
 from tracinfunc.store.parts import PartWriter, StorePart, commit_store
+from tracinfunc.top_examples import TopExamples
 from tracinfunc.training import (
     CheckpointRecorder,
     load_recorded_checkpoints,
@@ -93,6 +95,7 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointRecorder",
     "CorruptStoreError",
+    "DataSelection",
     "EmptyDataError",
     "GradientOptions",
     "GradientStore",
@@ -135,6 +138,7 @@ __all__ = [
     "SupportsChunkAlignment",
     "SupportsQuantizedRows",
     "SupportsRowViews",
+    "TopExamples",
     "TracInFuncError",
     "TrainModeError",
     "UnsupportedPrecisionError",
@@ -154,6 +158,7 @@ __all__ = [
     "gather_top_k",
     "iter_batches",
     "last_layers",
+    "less_scores",
     "load_index",
     "load_recorded_checkpoints",
     "load_recorded_preconditioners",
@@ -174,6 +179,7 @@ __all__ = [
     "score",
     "score_chunks",
     "select_params",
+    "select_training_data",
     "self_influence",
     "sequence_classification_loss",
     "store_fingerprint",

@@ -42,8 +42,11 @@ def build(size: str, device: str, lora: bool):
     if lora:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True))
+        with warnings.catch_warnings():  # peft reads transformers' deprecated property
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                    FutureWarning)
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True))
     return model.to(device).eval(), config
 
 

@@ -46,6 +46,7 @@ from tracinfunc.grads.precision import autocast_supported
 from tracinfunc.grads.selection import last_layers, select_params
 from tracinfunc.grads.stages import Stage, Stages, model_stages
 from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
+from tracinfunc.lm_data import completion_batch, completion_collator, generation_batch
 from tracinfunc.loss import ModuleLoss, loss_from_model, loss_from_module
 from tracinfunc.precondition import (
     AdamState,
@@ -153,9 +154,12 @@ __all__ = [
     "causal_lm_loss",
     "chunk_size_for_budget",
     "commit_store",
+    "completion_batch",
+    "completion_collator",
     "completion_labels",
     "factorized_weights",
     "gather_top_k",
+    "generation_batch",
     "iter_batches",
     "last_layers",
     "less_scores",

@@ -199,3 +199,23 @@ def test_recordings_of_format_1_still_load(tmp_path):
     assert checkpoint.lr == 0.25
     for name, value in model.named_parameters():
         assert torch.equal(checkpoint.params[name], value.detach())
+
+
+def test_a_peft_lora_run_records_adapters_only(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny_gpt2(), peft.LoraConfig(
+        r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))
+    record, manifest = _train(tmp_path, model, max_steps=2)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    [entry] = manifest["checkpoints"]
+    saved = torch.load(record / entry["weights"], weights_only=True)
+    assert {n for n in saved if "lora_" in n} == adapters
+    assert not any(n.endswith("c_attn.base_layer.weight") for n in saved)
+    assert len(manifest["frozen"][entry["frozen"]]) == sum(
+        1 for _, p in model.named_parameters() if not p.requires_grad)
+    [checkpoint] = tif.load_recorded_checkpoints(record, model)
+    assert set(checkpoint.params) == adapters
+    for name, value in model.named_parameters():
+        if value.requires_grad:
+            assert torch.equal(checkpoint.params[name], value.detach())

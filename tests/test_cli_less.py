@@ -107,3 +107,17 @@ def test_preconditioner_prints_a_summary():
     shown = repr(tif.Preconditioner.from_optimizer(optimizer, model, kind="adam"))
     assert shown == ("Preconditioner(kind='adam', 2 parameters, 20,100 values, step=1, "
                      "betas=(0.9, 0.999), eps=1e-08)")
+
+
+def test_select_reads_the_json_that_score_and_self_influence_write(tmp_path):
+    (tmp_path / "scores.json").write_text(json.dumps({"scores": [[0.1, 0.9, 0.5]]}))
+    result = cli_here("select", "scores.json", "--top-k", "2", "--output", "a.npy", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert np.load(tmp_path / "a.npy").tolist() == [1, 2]
+    (tmp_path / "si.json").write_text(json.dumps({"self_influence": [3.0, 1.0, 2.0]}))
+    result = cli_here("select", "si.json", "--fraction", "0.5", "--output", "b.json",
+                      cwd=tmp_path)
+    assert json.loads((tmp_path / "b.json").read_text())["indices"] == [0]
+    (tmp_path / "top.json").write_text(json.dumps({"values": [[1.0]], "indices": [[0]]}))
+    result = cli_here("select", "top.json", "--top-k", "1", "--output", "c.json", cwd=tmp_path)
+    assert result.returncode == 1 and "holds no 'scores'" in result.stderr

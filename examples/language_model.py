@@ -8,12 +8,16 @@ Python), saving a checkpoint with its learning rate every few steps. Then:
    checkpoint (``kind="kronecker"``: the embedding, every Conv1D and the tied head are
    factorised, never materialised per example);
 2. for each prompt, the model's greedy continuation becomes a test example whose loss counts
-   only the continuation (completion-only labels, as LESS does);
-3. ``top_k`` finds the training snippets with the highest TracIn scores; they are printed and
-   saved as an HTML page.
+   only the continuation (``tif.generation_batch``: completion-only labels, as LESS does);
+3. ``top_k`` finds the training snippets with the highest TracIn scores; ``tif.TopExamples``
+   prints them as text and saves them (JSON, and an HTML page).
 
-With ``--lora``, the trained model is fine-tuned further with LoRA adapters (peft) on a subset,
-and influence is taken over the adapter checkpoints only.
+With ``--lora``, the LESS workflow end to end: the trained model is fine-tuned further with
+LoRA adapters (peft) by a HF ``Trainer`` whose ``tif.trainer_callback`` records the adapter
+checkpoints (each weighted by the mean lr of its steps, the frozen base never re-saved) with
+Adam's state; the store holds LESS's Adam update directions (``preconditioners=``); cosine
+scores against the prompts (one validation task each) are aggregated as LESS does and
+``tif.select_training_data`` keeps the top 10% of the training snippets, written as JSON.
 
 Run:  python examples/language_model.py            (a few minutes on a laptop CPU)
       python examples/language_model.py --lora     (LoRA fine-tuning, adapter influence)
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import html
 import importlib
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -58,11 +63,16 @@ def snippets(length: int, limit: int) -> list[str]:
 
 
 class Chars:
-    """A character tokenizer: id 0 pads, printable ASCII from 1."""
+    """A character tokenizer: id 0 pads, printable ASCII from 1 (called as a HF tokenizer is)."""
+
+    pad_token_id, eos_token_id = 0, None
 
     def __init__(self) -> None:
         self.chars = [chr(c) for c in range(32, 127)]
         self.index = {c: i + 1 for i, c in enumerate(self.chars)}
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [self.index.get(c, 1) for c in text]}
 
     def encode(self, texts: list[str], length: int) -> dict[str, torch.Tensor]:
         ids = torch.zeros(len(texts), length, dtype=torch.long)
@@ -71,7 +81,7 @@ class Chars:
             ids[row, :len(codes)] = torch.tensor(codes)
         return {"input_ids": ids, "attention_mask": (ids != 0).long()}
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(self.chars[i - 1] for i in ids if i > 0)
 
 
@@ -81,7 +91,9 @@ def make_model(length: int, width: int) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+    model.loss_type = "ForCausalLM"  # transformers cannot tell from the class name GPT2LMHeadModel
+    return model
 
 
 def train(model, data, *, steps: int, every: int, lr: float, name: str):
@@ -103,13 +115,46 @@ def train(model, data, *, steps: int, every: int, lr: float, name: str):
     return model.eval(), checkpoints
 
 
-def continuation(model, chars: Chars, prompt: str, length: int) -> str:
-    ids = chars.encode([prompt], len(prompt))["input_ids"]
-    with torch.no_grad():
-        for _ in range(length):
-            next_id = model(input_ids=ids).logits[0, -1, 1:].argmax() + 1  # never the pad id
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return chars.decode(ids[0].tolist())[len(prompt):]
+def train_lora(model, data, *, steps: int, every: int, lr: float, directory: str):
+    """LoRA fine-tuning with a HF Trainer (linear lr decay, AdamW); ``tif.trainer_callback``
+    records the adapters and Adam's state every ``every`` steps and at the end."""
+    import peft
+
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"], lora_dropout=0.0,
+            fan_in_fan_out=True))
+    labels = tif.completion_labels(data, 0)  # the whole snippet is scored, padding is not
+    rows = [{"input_ids": i, "attention_mask": m, "labels": y}
+            for i, m, y in zip(data["input_ids"], data["attention_mask"], labels, strict=True)]
+    args = transformers.TrainingArguments(
+        output_dir=directory, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr,
+        lr_scheduler_type="linear", save_strategy="no", report_to=[], use_cpu=True,
+        logging_strategy="no", disable_tqdm=True, seed=1)
+    transformers.Trainer(model=model, args=args, train_dataset=rows,
+                         callbacks=[tif.trainer_callback(directory, every=every)]).train()
+    return model.eval()
+
+
+def less_selection(model, loss, texts, data, test, directory: str, *, dim: int, out: Path):
+    """LESS: Adam-preconditioned training rows, cosine scores, per-task aggregation, top 10%."""
+    checkpoints = tif.load_recorded_checkpoints(directory, model)
+    adam = tif.load_recorded_preconditioners(directory, model, kind="adam")
+    projection = tif.Projection(dim=dim, seed=0, kind="sjlt")
+    store = tif.build_store(loss, checkpoints, data, projection=projection, batch_size=64,
+                            preconditioners=adam)
+    val_grads = tif.build_store(loss, checkpoints, test, projection=projection)
+    scores = tif.score(store, val_grads, normalize=True)  # [n_val, n_train]
+    chosen = tif.select_training_data(scores, fraction=0.1, tasks=PROMPTS)
+    print(f"\nLESS: {len(checkpoints)} adapter checkpoints, lrs "
+          f"{[f'{c.lr:.2g}' for c in checkpoints]}; kept {len(chosen.indices)} of "
+          f"{chosen.n_train} snippets, best first:")
+    print(chosen.examples(texts))
+    chosen.examples(texts).save(out, overwrite=True)
+    print(f"saved {out}")
+    return chosen
 
 
 def write_page(path: Path, results: list[tuple[str, str, list[tuple[float, str]]]]) -> None:
@@ -139,36 +184,34 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, list[tuple[float
     data = chars.encode(texts, length)
     model, checkpoints = train(make_model(length + 16, width), data, steps=steps, every=every,
                                lr=3e-3, name="step")
+    recording = tempfile.TemporaryDirectory(prefix="lora-checkpoints-")
     if args.lora:
-        import peft
-
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"], lora_dropout=0.0,
-            fan_in_fan_out=True))
-        model, checkpoints = train(model, data, steps=steps // 2, every=every, lr=1e-3,
-                                   name="lora")
+        model = train_lora(model, data, steps=steps // 2, every=every, lr=1e-3,
+                           directory=recording.name)
+        checkpoints = tif.load_recorded_checkpoints(recording.name, model)
     print(f"trained on {len(texts)} docstring snippets; {len(checkpoints)} checkpoints "
           f"of {sum(v.numel() for v in checkpoints[0].params.values()):,} parameters")
 
     loss = tif.causal_lm_loss(model)
     projection = tif.Projection(dim=args.dim, seed=0, kind="kronecker")
     store = tif.build_store(loss, checkpoints, data, projection=projection, batch_size=64)
-    completions = [continuation(model, chars, p, 16 if not args.quick else 8) for p in PROMPTS]
-    test = chars.encode([p + c for p, c in zip(PROMPTS, completions, strict=True)], length)
-    test["labels"] = tif.completion_labels(test["input_ids"],
-                                           torch.tensor([len(p) for p in PROMPTS]))
-    test["labels"] = test["labels"].masked_fill(test["attention_mask"] == 0, -100)
+    # The model's own greedy continuations (never the pad id), scored as completions.
+    test, completions = tif.generation_batch(model, chars, PROMPTS,
+                                             max_new_tokens=8 if args.quick else 16,
+                                             bad_words_ids=[[0]])
     test_grads = tif.build_store(loss, checkpoints, test, projection=projection)
     values, indices = tif.top_k(store, test_grads, 3 if args.quick else 5)
-    results = []
-    for prompt, completion, vals, rows in zip(PROMPTS, completions, values, indices,
-                                              strict=True):
-        top = [(float(v), texts[int(i)]) for v, i in zip(vals, rows, strict=True)]
-        results.append((prompt, completion, top))
-        print(f"\n{prompt!r} -> {completion!r}")
-        for value, text in top:
-            print(f"  {value:+.3g}  {text}")
+    top = tif.TopExamples(values, indices, texts,
+                          queries=[f"{p}[{c}]" for p, c in zip(PROMPTS, completions, strict=True)])
+    print(top)
+    results = [(prompt, completion, [(value, item) for value, _, item in top[i]])
+               for i, (prompt, completion) in enumerate(zip(PROMPTS, completions, strict=True))]
     write_page(args.out, results)
+    top.save(args.out.with_suffix(".json"), overwrite=True)
+    if args.lora:
+        less_selection(model, loss, texts, data, test, recording.name, dim=args.dim,
+                       out=args.out.with_suffix(".selected.json"))
+    recording.cleanup()
     print(f"\nsaved {args.out} ({time.perf_counter() - started:.0f} s)")
     return results
 

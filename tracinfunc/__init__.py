@@ -49,8 +49,9 @@ from tracinfunc import (
 from tracinfunc._deprecations import warn_deprecated
 from tracinfunc._version import __version__
 from tracinfunc.adapters import adapter_checkpoint
-from tracinfunc.build import build_store
+from tracinfunc.build.torch import build_store
 from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.data_selection import select_training_data
 from tracinfunc.errors import TracInFuncError
 from tracinfunc.grads import (
     GradientOptions,
@@ -61,6 +62,7 @@ from tracinfunc.grads import (
     select_params,
 )
 from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
+from tracinfunc.lm_data import completion_batch, completion_collator, generation_batch
 from tracinfunc.loss import loss_from_model, loss_from_module
 from tracinfunc.precondition import Preconditioner
 from tracinfunc.projection import Projection
@@ -75,6 +77,7 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
+from tracinfunc.top_examples import TopExamples
 from tracinfunc.training import (
     load_recorded_checkpoints,
     load_recorded_preconditioners,
@@ -88,15 +91,20 @@ __all__ = [
     "Preconditioner",
     "Projection",
     "SearchIndex",
+    "TopExamples",
     "TracInFuncError",
     "__version__",
     "adapter_checkpoint",
     "build_index",
     "build_store",
     "causal_lm_loss",
+    "completion_batch",
+    "completion_collator",
     "completion_labels",
+    "generation_batch",
     "indexed_top_k",
     "last_layers",
+    "less_scores",
     "load_index",
     "load_recorded_checkpoints",
     "load_recorded_preconditioners",
@@ -111,6 +119,7 @@ __all__ = [
     "score",
     "score_chunks",
     "select_params",
+    "select_training_data",
     "self_influence",
     "sequence_classification_loss",
     "to_memory",

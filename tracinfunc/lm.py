@@ -13,6 +13,8 @@ labels), so every model that returns logits works, and factorised projection
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -58,16 +60,37 @@ def sequence_classification_loss(model: nn.Module) -> ModuleLoss:
     return loss_from_model(model, criterion=_classification_loss, skip_keys=("labels",))
 
 
-def completion_labels(input_ids: Tensor, prompt_length: int | Tensor) -> Tensor:
-    """``input_ids`` with the prompt's tokens set to :data:`IGNORE_INDEX`.
+def completion_labels(input_ids: Tensor | Mapping[str, Tensor], prompt_length: int | Tensor,
+                      *, attention_mask: Tensor | None = None,
+                      pad_token_id: int | None = None) -> Tensor:
+    """``input_ids`` with the prompt's tokens and the padding set to :data:`IGNORE_INDEX`.
+
+    Padding is where ``attention_mask`` is 0, else (without a mask) where the token is
+    ``pad_token_id``. Give one of them for padded batches: HF's own loss (``labels=``) and a
+    ``Trainer`` score every label that is not -100, so unmasked padding would be trained on
+    and counted. Prefer the mask when the pad token is also the end-of-text token (GPT-2,
+    Llama), since the pad id also masks a real end-of-text token.
 
     Args:
-        input_ids: ``[T]`` or ``[b, T]`` token ids.
-        prompt_length: Tokens of prompt (an int, or ``[b]`` per row).
+        input_ids: ``[T]`` or ``[b, T]`` token ids, or a tokenizer's output (a dict or
+            ``BatchEncoding`` with ``input_ids`` and, if present, ``attention_mask``).
+        prompt_length: Tokens of prompt (an int, or ``[b]`` per row), counted from the
+            first position (left padding counts as prompt).
+        attention_mask: ``[T]`` or ``[b, T]``, 1 on tokens, 0 on padding.
+        pad_token_id: The tokenizer's ``pad_token_id``, used when there is no mask.
 
     Returns:
-        Labels shaped like ``input_ids``: the completion's tokens are scored, the prompt's not.
+        Labels shaped like ``input_ids``: the completion's tokens are scored; the prompt's
+        and the padding's are :data:`IGNORE_INDEX`.
+
+    Example:
+        >>> batch = tokenizer(texts, padding=True, return_tensors="pt")
+        >>> batch["labels"] = completion_labels(batch, prompt_lengths)
     """
+    if isinstance(input_ids, Mapping):
+        if attention_mask is None:
+            attention_mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
     lengths = torch.as_tensor(prompt_length, device=input_ids.device)
     if (lengths < 0).any():
         raise InvalidArgumentError(
@@ -75,6 +98,16 @@ def completion_labels(input_ids: Tensor, prompt_length: int | Tensor) -> Tensor:
         )
     positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
     prompt = positions < lengths.unsqueeze(-1) if lengths.dim() else positions < lengths
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise InvalidArgumentError(
+                f"completion_labels: attention_mask has shape {tuple(attention_mask.shape)} "
+                f"but input_ids has {tuple(input_ids.shape)}; pass the tokenizer's mask for "
+                "the same batch."
+            )
+        prompt = prompt | (attention_mask == 0)
+    elif pad_token_id is not None:
+        prompt = prompt | (input_ids == pad_token_id)
     return input_ids.masked_fill(prompt, IGNORE_INDEX)
 
 

@@ -59,6 +59,10 @@ class AdamState:
     beta2: float
     eps: float
 
+    def __repr__(self) -> str:
+        return (f"AdamState(shape={list(self.exp_avg_sq.shape)}, step={self.step:g}, "
+                f"beta1={self.beta1:g}, beta2={self.beta2:g}, eps={self.eps:g})")
+
 
 @dataclass(frozen=True, eq=False)
 class Preconditioner:
@@ -117,6 +121,18 @@ class Preconditioner:
     def names(self) -> tuple[str, ...]:
         """Parameter names covered, sorted."""
         return tuple(sorted(self.state))
+
+    def __repr__(self) -> str:
+        # A summary: the dataclass default would print every moment tensor.
+        states = list(self.state.values())
+        values = sum(s.exp_avg_sq.numel() for s in states)
+        steps = sorted({int(s.step) for s in states})
+        hyper = sorted({(s.beta1, s.beta2, s.eps) for s in states})
+        shown = (f"betas=({hyper[0][0]:g}, {hyper[0][1]:g}), eps={hyper[0][2]:g}"
+                 if len(hyper) == 1 else f"{len(hyper)} parameter groups")
+        step = f"step={steps[0]}" if len(steps) == 1 else f"steps={steps[0]}..{steps[-1]}"
+        return (f"Preconditioner(kind={self.kind!r}, {len(states)} parameters, "
+                f"{values:,} values, {step}, {shown})")
 
     def apply(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Precondition one example's gradients (elementwise; safe inside ``vmap``).

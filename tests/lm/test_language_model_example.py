@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "language_model.py"
@@ -27,3 +28,9 @@ def test_language_model_example_prints_and_saves_influential_snippets(tmp_path):
         values = [value for value, _ in top]
         assert values == sorted(values, reverse=True)
     assert page.read_text().count("<ol>") == len(module.PROMPTS)
+    # The LESS step: the top 10% of the 48 snippets, chosen from recorded adapter checkpoints.
+    chosen = json.loads(page.with_suffix(".selected.json").read_text())
+    assert len(chosen) == 4 and all(r["text"] in texts for r in chosen)
+    assert [r["score"] for r in chosen] == sorted((r["score"] for r in chosen), reverse=True)
+    shown = json.loads(page.with_suffix(".json").read_text())
+    assert len(shown) == 3 * len(module.PROMPTS)

@@ -33,7 +33,9 @@ def _train_plain(directory, *, steps=6, every=2, save_optimizer_state=True):
             snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
             state = {n: optimizer.state[p]["exp_avg_sq"].clone()
                      for n, p in model.named_parameters()}
-            expected.append((step, 0.1 * 0.5**step, snapshot, state))
+            # The mean of the lrs its steps used (step t, 0-based, uses 0.1 * 0.5**t).
+            lr = sum(0.1 * 0.5**t for t in range(step - every, step)) / every
+            expected.append((step, lr, snapshot, state))
     return model, expected
 
 
@@ -105,21 +107,18 @@ def test_trainer_callback_records_checkpoints_lrs_and_optimizer_state(tmp_path):
                       callbacks=[tif.trainer_callback(record)])
     trainer.train()
 
-    # Linear decay from 1e-2 to 0 over 4 steps; the lr in force after step s. The last
-    # checkpoint (lr 0) weighs nothing in TracIn and is left out, with a warning.
+    # Linear decay from 1e-2 to 0 over 4 steps: steps use 1e-2, 7.5e-3, 5e-3, 2.5e-3, and
+    # each checkpoint gets the mean of its two; the last (the final model) is kept.
     manifest = json.loads((record / "manifest.json").read_text())["checkpoints"]
     assert [e["name"] for e in manifest] == ["checkpoint-2", "checkpoint-4"]
-    assert [e["lr"] for e in manifest] == pytest.approx([1e-2 * 2 / 4, 0.0], abs=1e-12)
-    with pytest.warns(RuntimeWarning, match=r"\['checkpoint-4'\] were recorded at lr 0"):
-        checkpoints = tif.load_recorded_checkpoints(record, model)
-    assert [c.name for c in checkpoints] == ["checkpoint-2"]
-    assert checkpoints[0].lr == pytest.approx(1e-2 * 2 / 4, abs=1e-12)
+    assert [e["lr"] for e in manifest] == pytest.approx([8.75e-3, 3.75e-3], abs=1e-12)
+    checkpoints = tif.load_recorded_checkpoints(record, model)
+    assert [c.name for c in checkpoints] == ["checkpoint-2", "checkpoint-4"]
     final = tif.Checkpoint.load(record / manifest[-1]["weights"], model, lr=1.0)
     for name, value in model.named_parameters():
         assert torch.equal(final.params[name], value.detach())
     # The Trainer's own optimizer.pt, read in the Trainer's parameter order, matches.
-    with pytest.warns(RuntimeWarning, match="lr 0"):
-        ours = tif.load_recorded_preconditioners(record, model)[0]
+    ours = tif.load_recorded_preconditioners(record, model)[0]
     theirs = tif.Preconditioner.load(tmp_path / "hf" / "checkpoint-2" / "optimizer.pt",
                                      tif.precondition.trainer_param_names(model))
     assert ours.names == theirs.names

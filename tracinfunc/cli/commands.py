@@ -5,6 +5,8 @@
     tracinfunc score grads.zarr --spec exp.py:make --test test --top-k 10 --output top.json
     tracinfunc self-influence grads.zarr --output si.csv
     tracinfunc info grads.zarr [--verify]
+    tracinfunc build ... --recorded ckpts/ --preconditioner adam       (LESS; trackstar too)
+    tracinfunc select scores.npy --fraction 0.05 [--tasks tasks.json] --output chosen.json
 
 Errors print one line (``tracinfunc: error: ...``) and exit with status 1 (2 for usage
 errors); ``--debug`` shows the traceback instead. ``--quiet`` and ``--debug`` go before or
@@ -25,12 +27,18 @@ from tracinfunc._version import __version__
 from tracinfunc.build.torch import build_store
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.cli.evaluate import add_evaluate_command
+from tracinfunc.cli.recorded import (
+    add_recorded_arguments,
+    recorded_checkpoints,
+    recorded_preconditioners,
+)
 from tracinfunc.cli.results import (
     check_output_path,
     check_result_format,
     check_writable_directory,
     write_results,
 )
+from tracinfunc.cli.select import add_select_command
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 from tracinfunc.distributed import init_from_environment
 from tracinfunc.errors import (
@@ -149,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="build only part I of N (0-based), e.g. one SLURM array task: "
                             "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; then run "
                             "'tracinfunc commit OUT' (under torchrun: rank/world size)")
+    add_recorded_arguments(build, preconditioner=True)
     existing = build.add_mutually_exclusive_group()
     existing.add_argument("--resume", action="store_true",
                           help="continue an interrupted build at --out")
@@ -163,6 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--test", default="test", help="name of the spec's test set")
     score.add_argument("--checkpoints", nargs="+", metavar="FILE[@LR]",
                        help="state-dict files the store was built from (as in build)")
+    add_recorded_arguments(score, preconditioner=False)
     score.add_argument("--test-store", type=location,
                        help="a store of test gradients instead of --spec/--test")
     score.add_argument("--top-k", type=_positive_int,
@@ -193,6 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     info.set_defaults(run=_info)
 
     add_evaluate_command(commands, common, _positive_int)
+    add_select_command(commands, common, _positive_int)
     return parser
 
 
@@ -266,7 +277,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def _build_store(args: argparse.Namespace, sharded: bool) -> int:
     spec = load_spec(args.spec)
-    checkpoints = _checkpoints(spec, args.checkpoints)
+    checkpoints = recorded_checkpoints(args, spec) or _checkpoints(spec, args.checkpoints)
     store = build_store(
         spec.loss, checkpoints, spec.train, projection=args.projection,
         dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
@@ -274,6 +285,7 @@ def _build_store(args: argparse.Namespace, sharded: bool) -> int:
         store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
         progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
         device=args.device,
+        preconditioners=recorded_preconditioners(args, spec),
     )
     if isinstance(store, StorePart):
         print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
@@ -427,7 +439,7 @@ def _test_gradients(args: argparse.Namespace, store: GradientStore) -> GradientS
     if not spec.test or args.test not in spec.test:
         raise SpecError(f"score: the spec has no test set {args.test!r}; it has "
                         f"{sorted(spec.test or {})}.")
-    checkpoints = _checkpoints(spec, args.checkpoints)
+    checkpoints = recorded_checkpoints(args, spec) or _checkpoints(spec, args.checkpoints)
     # By default the store's own parameters, so the layouts match.
     options = _gradient_options(args, spec,
                                 default_select=[name for name, _ in store.meta.layout])
@@ -466,6 +478,7 @@ def _info(args: argparse.Namespace) -> int:
         print(f"complete    False  ({meta.n_train} rows written so far: the build was "
               f"interrupted; {resume})")
     print(f"projection  {meta.projection}")
+    print(f"preconditioner  {meta.preconditioner or 'none'}")
     for c in meta.checkpoints:
         print(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}")
     print(f"parameters  {len(meta.layout)} tensors, p={sum(_numel(s) for _, s in meta.layout)}")

@@ -112,7 +112,9 @@ def bench_s3(rows: int, k: int, repeats: int) -> None:
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="bench")
     try:
-        meta = tif.store.fill.new_store_meta(
+        from tracinfunc.build.loop import new_store_meta
+
+        meta = new_store_meta(
             [("c0", 1.0, "f")], tif.projection.canonical_layout({"w": (k,)}),
             tif.Projection(dim=None, kind="identity"), torch.float32, None)
         writer = tif.store.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=1024,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tracinfunc as tif
+from tracinfunc._validate import calling
 from tracinfunc.interop import (
     aligned_empty,
     as_tensor,
@@ -53,7 +54,8 @@ def test_as_tensor_shares_memory(make):
 def test_as_tensor_passes_tensors_and_rejects_lists():
     t = torch.ones(2)
     assert as_tensor(t) is t
-    with pytest.raises(TypeError, match=r"score: expected a torch.Tensor or an array"):
+    with pytest.raises(TypeError, match=r"score: expected a torch.Tensor or an array"), \
+            calling("score"):
         as_tensor([1.0, 2.0])
 
 
@@ -96,11 +98,13 @@ def test_framework_and_output_resolution():
     assert framework_of(jnp.ones(1)) == "jax"
     assert resolve_output(None, None) == "torch"
     assert resolve_output(None, jnp.ones(1)) == "jax"
-    with pytest.raises(ValueError, match="score: output must be one of"):
+    with pytest.raises(ValueError, match="score: output must be one of"), calling("score"):
         resolve_output("tensorflow", None)
-    with pytest.raises(ValueError, match="score: pass output= or like=, not both"):
+    with pytest.raises(ValueError, match="score: pass output= or like=, not both"), \
+            calling("score"):
         resolve_output("jax", np.ones(1))
-    with pytest.raises(TypeError, match="top_k: like= must be a torch, NumPy, JAX or CuPy"):
+    with pytest.raises(TypeError, match="top_k: like= must be a torch, NumPy, JAX or CuPy"), \
+            calling("top_k"):
         resolve_output(None, [1.0])
 
 

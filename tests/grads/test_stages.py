@@ -139,7 +139,7 @@ def test_has_aux_with_stages_is_refused_up_front():
     for transform in (tif.per_sample_grads, lambda *a, **k: tif.projected_grads(
             a[0], tif.Projection(dim=4), **k)):
         with pytest.raises(ValueError, match="has_aux=True cannot be combined with stages="):
-            transform(loss, has_aux=True, stages=stages)
+            transform(loss, has_aux=True, options=tif.GradientOptions(stages=stages))
 
 
 class GlueNet(nn.Module):

@@ -16,6 +16,7 @@ import torch
 import tracinfunc as tif
 from tests.build.test_shards_build import PROJ, SHARD_ROWS, DyingDataset, batches
 from tests.cli.test_cli import SPEC, cli_here
+from tracinfunc.build.loop import new_store_meta
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +140,7 @@ def test_corrupted_and_missing_objects_are_reported(mlp_setup32, bucket, s3_serv
 def test_raw_reads_of_any_row_range_equal_zarrs_own_decoding(bucket, s3_server, read_path):
     """Ranges that start and end inside chunks, span shards and objects, and a truncated
     object (its index is gone: reported, not read as zeros)."""
-    meta = tif.store.fill.new_store_meta(
+    meta = new_store_meta(
         [("c0", 1.0, "f")], tif.projection.canonical_layout({"w": (24,)}),
         tif.Projection(dim=None, kind="identity"), torch.float32, None)
     writer = tif.store.ZarrWriter(f"s3://{bucket}/g.zarr", meta, chunk_rows=4, shard_rows=12)
@@ -185,7 +186,7 @@ def test_one_writer_per_store_url(mlp_setup32, bucket, s3_server):
 
 def _other_process_writer(url, meta):
     """A writer as another process would make it (this process's own takeover bypassed)."""
-    from tracinfunc.store import lock
+    from tracinfunc.store.zarr import lock
 
     held = dict(lock._HELD)
     lock._HELD.clear()
@@ -234,7 +235,7 @@ def test_a_dropped_writer_frees_its_lock_even_when_collected_on_fsspecs_loop_thr
     import time
 
     from tracinfunc.store.zarr.lock import RemoteLock
-    from tracinfunc.store.zarr.urls import _filesystem
+    from tracinfunc.store.zarr.urls import filesystem
 
     url = f"s3://{bucket}/dropped.zarr"
     held = [RemoteLock(url)]
@@ -244,7 +245,7 @@ def test_a_dropped_writer_frees_its_lock_even_when_collected_on_fsspecs_loop_thr
         held.clear()
         gc.collect()
 
-    fs, _ = _filesystem(url)
+    fs, _ = filesystem(url)
     asyncio.run_coroutine_threadsafe(drop_on_the_loop_thread(), fs.loop).result(timeout=20)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # the delete was scheduled, not waited for

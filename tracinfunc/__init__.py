@@ -11,6 +11,13 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build import build_store
 from tracinfunc.checkpoint import Checkpoint, loss_at, params_fingerprint
 from tracinfunc.cli.spec import Spec
+from tracinfunc.curvature import (
+    Curvature,
+    fit_curvature,
+    load_curvature,
+    preconditioned_test_grads,
+    save_curvature,
+)
 from tracinfunc.distributed import gather_top_k, merge_top_k
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -93,6 +100,7 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointRecorder",
     "CorruptStoreError",
+    "Curvature",
     "EmptyDataError",
     "GradientOptions",
     "GradientStore",
@@ -151,9 +159,11 @@ __all__ = [
     "commit_store",
     "completion_labels",
     "factorized_weights",
+    "fit_curvature",
     "gather_top_k",
     "iter_batches",
     "last_layers",
+    "load_curvature",
     "load_index",
     "load_recorded_checkpoints",
     "load_recorded_preconditioners",
@@ -166,10 +176,12 @@ __all__ = [
     "open_store",
     "optimizer_param_names",
     "params_fingerprint",
+    "preconditioned_test_grads",
     "per_sample_grads",
     "projected_grads",
     "read_store_meta",
     "remove_store",
+    "save_curvature",
     "save_store",
     "score",
     "score_chunks",

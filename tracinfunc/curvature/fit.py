@@ -19,7 +19,7 @@ from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.batches import iter_batches, rebatch
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature import kfac
-from tracinfunc.curvature.capture import first_example, find_layers, layer_io
+from tracinfunc.curvature.capture import find_layers, first_example, layer_io
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import Sampler, default_sampler

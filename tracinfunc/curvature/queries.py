@@ -25,7 +25,7 @@ from tracinfunc._validate import current_caller, entry_point
 from tracinfunc._version import __version__
 from tracinfunc.batches import iter_batches
 from tracinfunc.checkpoint import Checkpoint, loss_at
-from tracinfunc.curvature.binding import check_bound, check_checkpoints, check_curvature
+from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.capture import KfacLayer, first_example, layer_io
 from tracinfunc.curvature.kfac import augmented
 from tracinfunc.curvature.value import Curvature

@@ -115,7 +115,7 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
         weight, rule = names[index], _rule(module)
         if rule is None:
             unsupported.append(f"{weight!r} ({type(module).__name__})")
-            covered.add(weight)
+            covered |= {weight, bias_names.get(bias_id)} - {None}
             continue
         if weight in covered:
             repeated.append(weight)

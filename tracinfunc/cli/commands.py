@@ -142,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the k best training rows per test row")
     score.add_argument("--opponents", action="store_true", help="with --top-k: lowest scores")
     score.add_argument("--normalize", action="store_true", help="cosine TracIn")
+    score.add_argument("--curvature", type=Path, metavar="PATH",
+                       help="curvature-aware TracIn with a curvature saved by save_curvature")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
     score.add_argument("--overwrite", action="store_true", help="replace an existing output")
     score.set_defaults(run=_score)
@@ -369,19 +371,23 @@ def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite, caller="score")
     check_result_format(args.output, 1 if args.top_k is None else 2, caller="score")
     store = tif.open_store(str(args.store))
-    test = _test_gradients(args, store)
+    curvature = None if args.curvature is None else tif.load_curvature(args.curvature)
+    test = _test_gradients(args, store, curvature)
     if args.top_k is not None:
         values, indices = tif.top_k(store, test, k=args.top_k, largest=not args.opponents,
-                                    normalize=args.normalize, progress=_progress(args))
+                                    normalize=args.normalize, progress=_progress(args),
+                                    curvature=curvature)
         write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
     else:
-        scores = tif.score(store, test, normalize=args.normalize, progress=_progress(args))
+        scores = tif.score(store, test, normalize=args.normalize, progress=_progress(args),
+                           curvature=curvature)
         write_results(args.output, {"scores": scores}, columns="matrix")
     print(f"wrote {args.output}")
     return 0
 
 
-def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.GradientStore:
+def _test_gradients(args: argparse.Namespace, store: tif.GradientStore,
+                    curvature: tif.Curvature | None = None) -> tif.GradientStore:
     if args.test_store is not None:
         return tif.open_store(str(args.test_store))
     if args.spec is None:
@@ -394,6 +400,10 @@ def _test_gradients(args: argparse.Namespace, store: tif.GradientStore) -> tif.G
     # By default the store's own parameters, so the layouts match.
     options = _gradient_options(args, spec,
                                 default_select=[name for name, _ in store.meta.layout])
+    if curvature is not None and curvature.kind != "projected":  # preconditioned before projecting
+        return tif.preconditioned_test_grads(spec.loss, checkpoints, spec.test[args.test],
+                                             curvature, projection=store.projection,
+                                             select=options.select)
     return tif.build_store(spec.loss, checkpoints, spec.test[args.test],
                            projection=store.projection, progress=_progress(args),
                            options=options)

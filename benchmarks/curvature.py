@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quality  # noqa: E402  (the shared digits harness)
+import quality
 
-import tracinfunc as tif  # noqa: E402
-import tracinfunc.evaluate as ev  # noqa: E402
-from tracinfunc.curvature import classification_sampler, fit_curvature  # noqa: E402
+import tracinfunc as tif
+import tracinfunc.evaluate as ev
+from tracinfunc.curvature import classification_sampler, fit_curvature
 
 SCALES = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 QUICK_SCALES = (1.0, 10.0)

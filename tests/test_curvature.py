@@ -45,9 +45,9 @@ def _ggn(model, params, x) -> torch.Tensor:
     names = sorted(params)
     total = 0
     for i in range(x.shape[0]):
-        def logits(*flat):
+        def logits(*flat, row=x[i:i + 1]):
             state = dict(zip(names, flat, strict=True))
-            return functional_call(model, state, (x[i:i + 1],))[0]
+            return functional_call(model, state, (row,))[0]
 
         jac = torch.autograd.functional.jacobian(logits, tuple(params[n] for n in names))
         j = torch.cat([part.reshape(part.shape[0], -1) for part in jac], 1)  # [C, p]

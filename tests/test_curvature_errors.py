@@ -62,7 +62,7 @@ def test_curvature_of_other_checkpoints_is_refused(setup):
 
 
 def test_curvature_of_another_layout_is_refused(setup):
-    _, loss, ckpts, data, store, tests = setup
+    _, loss, ckpts, data, store, _ = setup
     other = fit_curvature(loss, ckpts, data, projection=PROJECTION, select=["2.*"])
     with pytest.raises(IncompatibleGradientsError, match="other parameters.*missing '0.bias'"):
         tif.self_influence(store, curvature=other)
@@ -135,7 +135,7 @@ def test_saved_curvature_loads_equal(setup, tmp_path, kind):
 
 
 def test_tampered_curvature_is_refused(setup, tmp_path):
-    _, loss, ckpts, data, store, tests = setup
+    _, loss, ckpts, data, _, _ = setup
     curvature = fit_curvature(loss, ckpts, data, projection=PROJECTION)
     path = tif.save_curvature(curvature, tmp_path / "c.zarr")
     with pytest.raises(Exception, match="exists"):

@@ -187,3 +187,31 @@ def test_projected_score_top_k_and_self_influence_equal_explicit_solves(setup):
     torch.testing.assert_close(tif.self_influence(store, curvature=curvature), influence)
     plain = tif.score(store, tests)
     assert not torch.allclose(plain, expected)  # the curvature changes the scores
+
+
+def test_kfac_on_a_conv1d_layer_equals_kfac_on_the_same_linear_layer():
+    """HF ``Conv1D`` stores its weight transposed; K-FAC must precondition it as the Linear."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    linear = _model()
+    conv = nn.Sequential(pytorch_utils.Conv1D(3, 4), nn.Tanh(), nn.Linear(3, 3)).double().eval()
+    with torch.no_grad():
+        conv[0].weight.copy_(linear[0].weight.T)
+        conv[0].bias.copy_(linear[0].bias)
+        conv[2].load_state_dict(linear[2].state_dict())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(10, 4, dtype=torch.float64, generator=g), torch.randint(0, 3, (10,))
+    results = []
+    for model in (linear, conv):
+        loss = tif.loss_from_module(model, F.cross_entropy)
+        ckpts = [tif.Checkpoint.from_module(model, name="a")]
+        curvature = fit_curvature(loss, ckpts, (x, y), kind="kfac", sampler=EXACT)
+        grads = tif.per_sample_grads(loss)(dict(ckpts[0].params), (x[:3], y[:3]))
+        results.append(curvature.precondition(0, grads))
+        projection = tif.Projection(dim=4, kind="kronecker", seed=1)
+        factored = tif.preconditioned_test_grads(loss, ckpts, (x[:3], y[:3]), curvature,
+                                                 projection=projection)
+        project = tif.make_projector(projection, tif.canonical_layout(ckpts[0].params),
+                                     dtype=torch.float64)
+        torch.testing.assert_close(factored.read_rows(0, 0, 3), vmap(project)(results[-1]))
+    torch.testing.assert_close(results[1]["0.weight"], results[0]["0.weight"].transpose(1, 2))
+    torch.testing.assert_close(results[1]["0.bias"], results[0]["0.bias"])

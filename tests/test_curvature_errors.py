@@ -194,3 +194,37 @@ def test_causal_lm_sampler_keeps_ignored_positions():
     assert (drawn[:, :2] == -100).all() and (drawn[1, 3:] == -100).all()
     assert ((drawn[0, 2:] >= 0) & (drawn[0, 2:] < 7)).all()
     assert torch.equal(labelled["input_ids"], ids)
+
+
+def test_causal_lm_curvature_end_to_end():
+    """The default sampler of causal_lm_loss; K-FAC names the embedding it cannot cover and
+    fits the head alone when selected."""
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(7, 4), nn.Linear(4, 7)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.head(torch.tanh(self.emb(input_ids)))
+
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    loss = tif.causal_lm_loss(model)
+    ckpts = [tif.Checkpoint.from_module(model, name="a")]
+    ids = torch.randint(0, 7, (6, 5))
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    projection = tif.Projection(dim=8, seed=0)
+    with pytest.raises(InvalidArgumentError, match=r"'emb.weight' \(Embedding\)"):
+        fit_curvature(loss, ckpts, data, kind="kfac")
+    for kind, select in (("projected", None), ("kfac", ["head.*"])):
+        curvature = fit_curvature(loss, ckpts, data, kind=kind, projection=projection,
+                                  select=select)
+        store = tif.build_store(loss, ckpts, data, projection=projection, select=select,
+                                progress=False)
+        queries = tif.preconditioned_test_grads(loss, ckpts, data, curvature,
+                                                projection=projection, select=select)
+        scores = tif.score(store, queries, curvature=curvature)
+        assert scores.shape == (6, 6) and torch.isfinite(scores).all()
+        # self-scores of curvature-aware TracIn are g^T (H + l I)^-1 g > 0
+        assert (scores.diagonal() > 0).all()

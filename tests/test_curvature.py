@@ -215,3 +215,13 @@ def test_kfac_on_a_conv1d_layer_equals_kfac_on_the_same_linear_layer():
         torch.testing.assert_close(factored.read_rows(0, 0, 3), vmap(project)(results[-1]))
     torch.testing.assert_close(results[1]["0.weight"], results[0]["0.weight"].transpose(1, 2))
     torch.testing.assert_close(results[1]["0.bias"], results[0]["0.bias"])
+
+
+@pytest.mark.parametrize("kind", ["dense", "kfac", "ekfac"])
+def test_default_damping_uses_the_measured_multiple_for_the_kind(setup, kind):
+    _, loss, ckpts, train, _ = setup
+    default = fit_curvature(loss, ckpts, train, kind=kind, sampler=EXACT)
+    once = fit_curvature(loss, ckpts, train, kind=kind, sampler=EXACT, damping=Damping(1.0))
+    scale = tif.curvature.DEFAULT_SCALES[kind]
+    assert default.damping == pytest.approx(tuple(scale * d for d in once.damping))
+    assert default.info["damping"] == f"{scale:g} x mean eigenvalue"

@@ -7,7 +7,7 @@ test gradients of the full-space kinds. See ``docs/curvature.md``.
 """
 
 from tracinfunc.curvature.capture import SUPPORTED, KfacLayer
-from tracinfunc.curvature.damping import DEFAULT_SCALE, Damping
+from tracinfunc.curvature.damping import DEFAULT_SCALES, Damping
 from tracinfunc.curvature.fit import MAX_DENSE_PARAMS, fit_curvature
 from tracinfunc.curvature.persist import load_curvature, save_curvature
 from tracinfunc.curvature.queries import (
@@ -24,7 +24,7 @@ from tracinfunc.curvature.samplers import (
 from tracinfunc.curvature.value import KINDS, Curvature
 
 __all__ = [
-    "DEFAULT_SCALE",
+    "DEFAULT_SCALES",
     "KINDS",
     "MAX_DENSE_PARAMS",
     "SUPPORTED",

@@ -71,8 +71,9 @@ def fit_curvature(
             ``"projected"``, ignored by the others (their queries are preconditioned before
             any projection).
         damping: A :class:`~tracinfunc.curvature.Damping` (``lambda_c`` a multiple of each
-            checkpoint's mean eigenvalue; the default ``Damping()`` uses the measured
-            multiple) or a float (the same ``lambda`` for every checkpoint).
+            checkpoint's mean eigenvalue; the default ``Damping()`` uses the multiple
+            measured best for the kind) or a float (the same ``lambda`` for every
+            checkpoint).
         sampler: Draws labels from the model (see :mod:`tracinfunc.curvature.samplers`);
             default: chosen for :func:`~tracinfunc.loss_from_module` classifiers and
             :func:`~tracinfunc.causal_lm_loss`.
@@ -118,10 +119,10 @@ def fit_curvature(
             torch.Generator().manual_seed(seed + position), chunk_size,
             None if projection is None else projection.for_checkpoint(meta.name))
         estimates.append(estimate)
-        dampings.append(resolve(damping, mean))
+        dampings.append(resolve(damping, mean, kind))
         seen = n
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
-            "damping": damping.describe() if isinstance(damping, Damping) else "fixed"}
+            "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
     return Curvature(kind, metas, layout, projection if kind == "projected" else None,
                      tuple(dampings), tuple(estimates), tuple(layers), info)
 

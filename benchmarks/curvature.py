@@ -125,14 +125,16 @@ def save_plot(results: list[dict], scales, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
     for ax, result in zip(axes[0], results, strict=True):
         by_config: dict[str, list] = {}
         for row in result["rows"]:
             by_config.setdefault(row["config"], []).append(row)
         for config, rows in by_config.items():
-            if rows[0]["scale"] is None:
-                ax.axhline(rows[0]["lds"], linestyle="--", linewidth=1, label=config)
+            if rows[0]["scale"] is None:  # plain TracIn: gray, exact store solid
+                style = "-" if config == "tracin-exact" else (0, (2, 2 + len(config) % 3))
+                ax.axhline(rows[0]["lds"], color="gray", linestyle=style, linewidth=1,
+                           label=config)
             else:
                 ax.plot([r["scale"] for r in rows], [r["lds"] for r in rows], marker="o",
                         label=config)
@@ -140,7 +142,7 @@ def save_plot(results: list[dict], scales, path: Path) -> None:
         ax.set_xlabel("damping: multiple of the mean eigenvalue")
         ax.set_ylabel("LDS")
         ax.set_title(result["model"])
-        ax.legend(fontsize=6)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -136,20 +136,26 @@ def test_kfac_equals_the_explicit_kronecker_factored_inverse(setup):
         torch.testing.assert_close(got[f"{name}.bias"], solved[:, :, -1])
 
 
-def test_ekfac_with_exact_eigenvalues_is_exact_on_one_linear_layer():
-    """One Linear layer, one output token: EK-FAC's refitted eigenvalues make it the exact
-    damped Fisher of that layer whenever the Fisher is diagonal in the K-FAC basis; at least
-    its trace (sum of refitted eigenvalues) equals the dense Fisher's trace."""
+def test_ekfac_eigenvalues_are_the_dense_fishers_diagonal_in_the_kfac_basis():
+    """EK-FAC refits eigenvalue (o, i) as ``E[(Q_S^T G Q_A)_oi^2]``: the diagonal of the exact
+    Fisher in K-FAC's Kronecker eigenbasis ``Q_S (x) Q_A``."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3).double().eval()
     loss = tif.loss_from_module(model, F.cross_entropy)
     x, y = torch.randn(20, 4, dtype=torch.float64), torch.randint(0, 3, (20,))
     ckpts = [tif.Checkpoint.from_module(model, name="a")]
-    dense = fit_curvature(loss, ckpts, (x, y), kind="dense", sampler=EXACT)
-    ekfac = fit_curvature(loss, ckpts, (x, y), kind="ekfac", sampler=EXACT)
-    eigen = ekfac.estimates[0]["weight:eigen"]
-    assert float(eigen.sum()) == pytest.approx(float(dense.estimates[0]["matrix"].trace()))
-    assert ekfac.damping[0] == pytest.approx(dense.damping[0])
+    once = Damping(1.0)
+    dense = fit_curvature(loss, ckpts, (x, y), kind="dense", sampler=EXACT, damping=once)
+    ekfac = fit_curvature(loss, ckpts, (x, y), kind="ekfac", sampler=EXACT, damping=once)
+    estimate = ekfac.estimates[0]
+    # Dense order is sorted names (bias [3], weight [3, 4]); G_aug [3, 5] row-major puts the
+    # bias of output o after its 4 weights.
+    order = [3 + o * 4 + i if i < 4 else o for o in range(3) for i in range(5)]
+    fisher = dense.estimates[0]["matrix"][order][:, order]
+    basis = torch.kron(estimate["weight:QS"], estimate["weight:QA"])
+    expected = (basis.T @ fisher @ basis).diagonal().reshape(3, 5)
+    torch.testing.assert_close(estimate["weight:eigen"], expected)
+    assert ekfac.damping[0] == pytest.approx(dense.damping[0])  # same trace, same mean
 
 
 def test_factored_kronecker_query_equals_preconditioning_then_projecting(setup):

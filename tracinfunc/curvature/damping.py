@@ -45,7 +45,8 @@ class Damping:
                 or not math.isfinite(scale) or scale <= 0:
             raise InvalidArgumentError(
                 f"Damping: scale must be a positive finite number (a multiple of the mean "
-                f"eigenvalue), got {scale!r}; e.g. Damping(scale=3.0), or Damping() for the measured default."
+                f"eigenvalue), got {scale!r}; e.g. Damping(scale=3.0), or Damping() for the "
+                "measured default."
             )
         object.__setattr__(self, "scale", float(scale))
 

@@ -10,10 +10,12 @@ refitting the eigenvalues). ``lambda_c`` follows from ``damping``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.batches import iter_batches, rebatch
@@ -214,14 +216,10 @@ def _limited(data: Batch | Iterable[Batch], max_examples: int | None) -> Iterato
 
 
 def _batch_len(batch: Batch) -> int:
-    from torch.utils._pytree import tree_leaves
-
     return next(leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)).shape[0]
 
 
 def _take(batch: Batch, n: int) -> Batch:
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda leaf: leaf[:n] if isinstance(leaf, Tensor) else leaf, batch)
 
 
@@ -246,7 +244,7 @@ def _check_sampler(sampler: object) -> Sampler:
 
 
 def _check_dense_size(layout) -> None:
-    p = sum(int(torch.tensor(shape).prod()) for _, shape in layout)
+    p = sum(math.prod(shape) for _, shape in layout)
     if p > MAX_DENSE_PARAMS:
         raise MemoryBudgetError(
             f"{current_caller()}: kind='dense' holds a [p, p] matrix per checkpoint, and "

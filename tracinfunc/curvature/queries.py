@@ -111,14 +111,16 @@ def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projectio
     if curvature.kind == "kfac" and projection.kind == "kronecker":
         return _factored_kfac(loss, curvature, ckpt, names, projection)
     psg = per_sample_grads(loss, select=list(names), chunk_size=chunk_size)
+    projectors = {}  # one per dtype and device: blocks generated once, not per batch
 
     def rows(params: Params, batch: Batch) -> Tensor:
         grads = curvature.precondition(ckpt, psg(params, batch))
         first = next(iter(grads.values()))
-        project = make_projector(projection, canonical_layout({n: g[0] for n, g in
-                                                                 grads.items()}),
-                                 device=first.device, dtype=first.dtype)
-        return vmap(project, chunk_size=chunk_size)(grads)
+        key = (first.dtype, first.device)
+        if key not in projectors:
+            projectors[key] = make_projector(projection, curvature.layout, device=first.device,
+                                             dtype=first.dtype)
+        return vmap(projectors[key], chunk_size=chunk_size)(grads)
 
     return rows
 

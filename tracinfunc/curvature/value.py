@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -81,7 +82,7 @@ class Curvature:
         """Size of the space it acts on: ``k`` (projected) or ``p``."""
         if self.kind == "projected":
             return int(self.estimates[0]["matrix"].shape[0])
-        return sum(int(torch.tensor(shape).prod()) for _, shape in self.layout)
+        return sum(math.prod(shape) for _, shape in self.layout)
 
     def metadata(self) -> dict[str, Any]:
         """Everything but the tensors, as JSON types."""

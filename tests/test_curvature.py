@@ -172,9 +172,14 @@ def test_factored_kronecker_query_equals_preconditioning_then_projecting(setup):
         torch.testing.assert_close(factored.read_rows(c, 0, 4), vmap(project)(grads))
 
 
-def test_projected_score_top_k_and_self_influence_equal_explicit_solves(setup):
+@pytest.mark.parametrize("projection", [
+    tif.Projection(dim=8, seed=0),
+    tif.Projection(dim=8, kind="sjlt", nnz=2, seed=1),
+    tif.Projection(dim=9, kind="kronecker", seed=2, per_checkpoint=True),
+], ids=["rademacher", "sjlt", "kronecker-per-checkpoint"])
+def test_projected_score_top_k_and_self_influence_equal_explicit_solves(setup, projection):
     _, loss, ckpts, train, test = setup
-    projection = tif.Projection(dim=8, seed=0)
+    k = projection.dim
     store = tif.build_store(loss, ckpts, train, projection=projection, dtype=torch.float64,
                             progress=False)
     tests = tif.build_store(loss, ckpts, test, projection=projection, dtype=torch.float64,
@@ -183,7 +188,7 @@ def test_projected_score_top_k_and_self_influence_equal_explicit_solves(setup):
     expected, influence = 0, 0
     for c, lr in enumerate(store.meta.lrs):
         fisher = curvature.estimates[c]["matrix"]
-        damped = fisher + curvature.damping[c] * torch.eye(8, dtype=torch.float64)
+        damped = fisher + curvature.damping[c] * torch.eye(k, dtype=torch.float64)
         rows, queries = store.read_rows(c, 0, 12), tests.read_rows(c, 0, 4)
         expected = expected + lr * torch.linalg.solve(damped, queries.T).T @ rows.T
         influence = influence + lr * (torch.linalg.solve(damped, rows.T).T * rows).sum(1)
@@ -193,6 +198,16 @@ def test_projected_score_top_k_and_self_influence_equal_explicit_solves(setup):
     torch.testing.assert_close(tif.self_influence(store, curvature=curvature), influence)
     plain = tif.score(store, tests)
     assert not torch.allclose(plain, expected)  # the curvature changes the scores
+
+
+def test_max_examples_fits_on_the_first_inputs_only(setup):
+    _, loss, ckpts, train, _ = setup
+    head = (train[0][:5], train[1][:5])
+    batches = [(train[0][i:i + 3], train[1][i:i + 3]) for i in range(0, 12, 3)]
+    cut = fit_curvature(loss, ckpts, batches, kind="dense", sampler=EXACT, max_examples=5)
+    whole = fit_curvature(loss, ckpts, head, kind="dense", sampler=EXACT)
+    assert cut.info["n_examples"] == 5
+    torch.testing.assert_close(cut.estimates[1]["matrix"], whole.estimates[1]["matrix"])
 
 
 def test_kfac_on_a_conv1d_layer_equals_kfac_on_the_same_linear_layer():

@@ -51,6 +51,13 @@ from tracinfunc._version import __version__
 from tracinfunc.adapters import adapter_checkpoint
 from tracinfunc.build.torch import build_store
 from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.curvature import (
+    Curvature,
+    fit_curvature,
+    load_curvature,
+    preconditioned_test_grads,
+    save_curvature,
+)
 from tracinfunc.data_selection import select_training_data
 from tracinfunc.errors import TracInFuncError
 from tracinfunc.grads import (
@@ -86,6 +93,7 @@ from tracinfunc.training import (
 
 __all__ = [
     "Checkpoint",
+    "Curvature",
     "GradientOptions",
     "GradientStore",
     "Preconditioner",
@@ -101,10 +109,12 @@ __all__ = [
     "completion_batch",
     "completion_collator",
     "completion_labels",
+    "fit_curvature",
     "generation_batch",
     "indexed_top_k",
     "last_layers",
     "less_scores",
+    "load_curvature",
     "load_index",
     "load_recorded_checkpoints",
     "load_recorded_preconditioners",
@@ -113,8 +123,10 @@ __all__ = [
     "model_stages",
     "open_store",
     "per_sample_grads",
+    "preconditioned_test_grads",
     "projected_grads",
     "remove_store",
+    "save_curvature",
     "save_store",
     "score",
     "score_chunks",

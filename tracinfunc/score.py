@@ -25,6 +25,8 @@ from tracinfunc._queries import (
     query_matrix,
 )
 from tracinfunc._validate import check_int, entry_point
+from tracinfunc.curvature.queries import curvature_self_influence, precondition_test_grads
+from tracinfunc.curvature.value import Curvature
 from tracinfunc.distributed import merge_top_k
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -71,6 +73,7 @@ def score(
     output: str | None = None,
     like: object = None,
     rows: tuple[int, int] | None = None,
+    curvature: Curvature | None = None,
 ) -> Tensor:
     """TracIn scores: ``sum over checkpoints c of lr_c * <test_c, train_c>``.
 
@@ -94,6 +97,8 @@ def score(
             exclusive with ``output``.
         rows: ``(start, stop)``: score only training rows ``[start, stop)`` (a worker's part
             of the store; see :func:`tracinfunc.distributed.rank_rows`).
+        curvature: Curvature-aware TracIn, ``sum_c lr_c <(H_c + l_c I)^-1 test_c, train_c>``:
+            a :class:`~tracinfunc.Curvature` fitted for this store (``docs/curvature.md``).
 
     Returns:
         Scores ``[n_test, n_train]`` (``[n_test, stop - start]`` with ``rows``), float32
@@ -106,6 +111,7 @@ def score(
     """
     framework = resolve_output(output, like)
     test_grads = tensor_if_array(test_grads)
+    test_grads = precondition_test_grads(store, test_grads, curvature)
     if rows is not None:
         store = row_range(store, rows)
     meta = store.meta
@@ -142,6 +148,7 @@ def top_k(
     nprobe: int | None = None,
     candidates: int | None = None,
     rows: tuple[int, int] | None = None,
+    curvature: Curvature | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
 
@@ -166,6 +173,7 @@ def top_k(
             (or :func:`tracinfunc.distributed.gather_top_k` under torchrun).
         index, nprobe, candidates: Deprecated (removed in 0.3.0): an approximate search is
             :func:`tracinfunc.indexed_top_k`. Given, they warn and forward to it.
+        curvature: As in :func:`score`.
 
     Returns:
         ``(values, indices)``, both ``[n_test, k]``, sorted best first, equal scores by row;
@@ -173,6 +181,7 @@ def top_k(
     """
     framework = resolve_output(output, like)
     test_grads = tensor_if_array(test_grads)
+    test_grads = precondition_test_grads(store, test_grads, curvature)
     check_not_empty(store.meta)
     offset = 0
     if rows is not None:
@@ -264,6 +273,7 @@ def self_influence(
     output: str | None = None,
     like: object = None,
     rows: tuple[int, int] | None = None,
+    curvature: Curvature | None = None,
 ) -> Tensor:
     """Self-influence ``sum_c lr_c * ||train_c||^2`` of every training row.
 
@@ -276,6 +286,8 @@ def self_influence(
         output: Framework of the result, as in :func:`score`.
         like: As in :func:`score`.
         rows: ``(start, stop)``: only training rows ``[start, stop)``.
+        curvature: A ``"projected"`` :class:`~tracinfunc.Curvature` of this store:
+            ``sum_c lr_c train_c^T (F_c + l_c I)^-1 train_c`` (reads the rows).
 
     Returns:
         ``[n_train]`` (``[stop - start]`` with ``rows``), float32 (float64 for float64
@@ -284,6 +296,9 @@ def self_influence(
     framework = resolve_output(output, like)
     if rows is not None:
         store = row_range(store, rows)
+    if curvature is not None:
+        return to_framework(curvature_self_influence(store, curvature,
+                                                     _resolve_device(device, None)), framework)
     meta = store.meta
     dtype = compute_dtype(meta.torch_dtype)
     device = _resolve_device(device, None)

@@ -40,6 +40,9 @@ from tracinfunc.cli.results import (
 )
 from tracinfunc.cli.select import add_select_command
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
+from tracinfunc.curvature.persist import load_curvature
+from tracinfunc.curvature.queries import preconditioned_test_grads
+from tracinfunc.curvature.value import Curvature
 from tracinfunc.distributed import init_from_environment
 from tracinfunc.errors import (
     IncompleteStoreError,
@@ -179,6 +182,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the k best training rows per test row")
     score.add_argument("--opponents", action="store_true", help="with --top-k: lowest scores")
     score.add_argument("--normalize", action="store_true", help="cosine TracIn")
+    score.add_argument("--curvature", type=Path, metavar="PATH",
+                       help="curvature-aware TracIn with a curvature saved by save_curvature")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
     score.add_argument("--overwrite", action="store_true", help="replace an existing output")
     score.set_defaults(run=_score)
@@ -416,21 +421,23 @@ def _score(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite)
     check_result_format(args.output, 1 if args.top_k is None else 2)
     store = open_store(str(args.store))
-    test = _test_gradients(args, store)
+    curvature = None if args.curvature is None else load_curvature(args.curvature)
+    test = _test_gradients(args, store, curvature)
     if args.top_k is not None:
         values, indices = top_k(store, test, k=args.top_k, largest=not args.opponents,
-                                    normalize=args.normalize, progress=_progress(args),
-                                    device=args.device)
+                                normalize=args.normalize, progress=_progress(args),
+                                device=args.device, curvature=curvature)
         write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
     else:
         scores = score(store, test, normalize=args.normalize, progress=_progress(args),
-                           device=args.device)
+                       device=args.device, curvature=curvature)
         write_results(args.output, {"scores": scores}, columns="matrix")
     print(f"wrote {args.output}")
     return 0
 
 
-def _test_gradients(args: argparse.Namespace, store: GradientStore) -> GradientStore:
+def _test_gradients(args: argparse.Namespace, store: GradientStore,
+                    curvature: Curvature | None = None) -> GradientStore:
     if args.test_store is not None:
         return open_store(str(args.test_store))
     if args.spec is None:
@@ -443,6 +450,10 @@ def _test_gradients(args: argparse.Namespace, store: GradientStore) -> GradientS
     # By default the store's own parameters, so the layouts match.
     options = _gradient_options(args, spec,
                                 default_select=[name for name, _ in store.meta.layout])
+    if curvature is not None and curvature.kind != "projected":  # preconditioned before projecting
+        return preconditioned_test_grads(spec.loss, checkpoints, spec.test[args.test],
+                                         curvature, projection=store.projection,
+                                         select=options.select)
     return build_store(spec.loss, checkpoints, spec.test[args.test],
                            projection=store.projection, progress=_progress(args),
                            options=options, device=args.device)

@@ -1,0 +1,44 @@
+"""Curvature-aware TracIn over the same store: test gradients preconditioned by ``(H_c + l I)^-1``.
+
+:func:`fit_curvature` fits a damped Gauss-Newton (true Fisher) estimate per checkpoint
+(``"dense"``, ``"projected"``, ``"kfac"``, ``"ekfac"``); ``score``, ``top_k`` and
+``self_influence`` take it as ``curvature=``, and :func:`preconditioned_test_grads` makes the
+test gradients of the full-space kinds. See ``docs/curvature.md``.
+"""
+
+from tracinfunc.curvature.capture import SUPPORTED, KfacLayer
+from tracinfunc.curvature.damping import DEFAULT_SCALES, Damping
+from tracinfunc.curvature.fit import MAX_DENSE_PARAMS, fit_curvature
+from tracinfunc.curvature.persist import load_curvature, save_curvature
+from tracinfunc.curvature.queries import (
+    curvature_self_influence,
+    precondition_test_grads,
+    preconditioned_test_grads,
+)
+from tracinfunc.curvature.samplers import (
+    Sampler,
+    causal_lm_sampler,
+    classification_sampler,
+    default_sampler,
+)
+from tracinfunc.curvature.value import KINDS, Curvature
+
+__all__ = [
+    "DEFAULT_SCALES",
+    "KINDS",
+    "MAX_DENSE_PARAMS",
+    "SUPPORTED",
+    "Curvature",
+    "Damping",
+    "KfacLayer",
+    "Sampler",
+    "causal_lm_sampler",
+    "classification_sampler",
+    "curvature_self_influence",
+    "default_sampler",
+    "fit_curvature",
+    "load_curvature",
+    "precondition_test_grads",
+    "preconditioned_test_grads",
+    "save_curvature",
+]

@@ -1,0 +1,185 @@
+"""Layer inputs ``x`` and output gradients ``delta`` per example, for K-FAC.
+
+A layer ``y = x W^T + b`` has the per-example gradient ``G = delta^T [x, 1]`` (summed over
+tokens), so K-FAC's factors ``E[x x^T]`` and ``E[delta delta^T]`` and the factored
+preconditioning ``S^-1 G A^-1`` need ``x`` and ``delta`` only. They are captured as
+:mod:`tracinfunc.grads.factorized` does for the Kronecker projection (with its own small
+copy, so the two evolve apart): a global forward hook records the calls of layers whose weight
+is one of the parameters, and ``grad`` of the loss with respect to zero "taps" added to their
+outputs gives ``delta``. Weights and biases stay constants; nothing else may be selected.
+
+Supported layers (exact types): ``nn.Linear`` and Hugging Face ``Conv1D`` (GPT-2), each called
+once per example. Anything else holding a selected parameter is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import grad, vmap
+from torch.nn.modules.module import register_module_forward_hook
+from torch.utils._pytree import tree_map
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import InvalidArgumentError, LossFunctionError
+from tracinfunc.types import Batch, Example, LossFn, Params
+
+__all__ = ["SUPPORTED", "KfacLayer", "find_layers", "layer_io"]
+
+SUPPORTED = ("nn.Linear", "transformers Conv1D")
+
+
+@dataclass(frozen=True)
+class KfacLayer:
+    """One layer K-FAC covers.
+
+    Attributes:
+        weight: The weight's parameter name.
+        bias: The bias's parameter name, or ``None`` (no bias, or not selected).
+        rule: ``"linear"`` (weight ``[d_out, d_in]``) or ``"conv1d"`` (weight ``[d_in, d_out]``).
+        d_out: Output features.
+        d_in: Input features (without the bias column).
+    """
+
+    weight: str
+    bias: str | None
+    rule: str
+    d_out: int
+    d_in: int
+
+    @property
+    def d_a(self) -> int:
+        """Size of the input factor ``A``: ``d_in`` plus one column for the bias."""
+        return self.d_in + (self.bias is not None)
+
+    def to_list(self) -> list:
+        return [self.weight, self.bias, self.rule, self.d_out, self.d_in]
+
+
+def _rule(module: nn.Module) -> str | None:
+    kind = type(module)
+    if kind is nn.Linear:
+        return "linear"
+    if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):
+        return "conv1d"
+    return None
+
+
+@contextmanager
+def _hooked(ids: dict[int, int], taps: list[Tensor] | None) -> Iterator[list]:
+    """Record ``(layer index, module, input, output, id of the bias)`` of calls of layers in
+    ``ids`` (the bias as called: ``functional_call`` restores the module's own afterwards);
+    add ``taps[call]`` to the outputs when given."""
+    seen: list = []
+
+    def hook(module, inputs, output):
+        index = ids.get(id(getattr(module, "weight", None)))
+        if index is None:
+            return None
+        call = len(seen)
+        seen.append((index, module, inputs[0], output, id(getattr(module, "bias", None))))
+        if taps is None:
+            return None
+        if call >= len(taps):
+            raise LossFunctionError(
+                f"{current_caller()}: a layer was called more often than on the first "
+                "example; K-FAC needs each layer called once per example."
+            )
+        return output + taps[call]
+
+    handle = register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLayer]:
+    """The layers applying ``params``, in call order; refuse what K-FAC cannot cover.
+
+    Raises:
+        InvalidArgumentError: a parameter is not the weight or bias of a supported layer, or
+            a layer is called more than once (a tied weight).
+    """
+    ids = {id(value): i for i, value in enumerate(params.values())}
+    names = list(params)
+    with torch.no_grad(), _hooked(ids, None) as seen:
+        loss(params, example)
+    bias_names = {id(value): name for name, value in params.items()}
+    layers, covered, unsupported, repeated = [], set(), [], []
+    for index, module, _, _, bias_id in seen:
+        weight, rule = names[index], _rule(module)
+        if rule is None:
+            unsupported.append(f"{weight!r} ({type(module).__name__})")
+            covered |= {weight, bias_names.get(bias_id)} - {None}
+            continue
+        if weight in covered:
+            repeated.append(weight)
+            continue
+        bias = bias_names.get(bias_id)
+        shape = params[weight].shape
+        d_out, d_in = (shape[0], shape[1]) if rule == "linear" else (shape[1], shape[0])
+        layers.append(KfacLayer(weight, bias, rule, int(d_out), int(d_in)))
+        covered |= {weight, bias} - {None}
+    rest = [name for name in names if name not in covered]
+    if unsupported or repeated or rest:
+        problems = []
+        if unsupported:
+            problems.append(f"applied by unsupported layers: {', '.join(unsupported)}")
+        if repeated:
+            problems.append(f"applied by several layer calls (tied weights): {repeated}")
+        if rest:
+            problems.append(f"not the weight or bias of a layer: {rest[:6]}")
+        raise InvalidArgumentError(
+            f"{current_caller()}: kind='kfac'/'ekfac' covers the weights and biases of "
+            f"{' and '.join(SUPPORTED)} layers called once per example, but some selected "
+            f"parameters are {'; '.join(problems)}. Select only supported layers "
+            "(select=[...]), or use kind='projected' (any model) or 'dense' (small models)."
+        )
+    return layers
+
+
+def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Example
+             ) -> Callable[[Batch], list[tuple[Tensor, Tensor]]]:
+    """``fn(batch) -> [(x [b, T, d_in], delta [b, T, d_out]) per layer]`` at ``params``.
+
+    ``example`` (no batch dimension) fixes the layers' output shapes; every example of a
+    batch must call the layers alike (sequences padded to one length).
+    """
+    ids = {id(params[layer.weight]): i for i, layer in enumerate(layers)}
+    with torch.no_grad(), _hooked(ids, None) as seen:
+        loss(params, example)
+    shapes = [(output.shape, output.dtype) for _, _, _, output, _ in seen]
+    order = [index for index, *_ in seen]
+    if order != list(range(len(layers))):
+        raise InvalidArgumentError(
+            f"{current_caller()}: the layers were called in another order than when they were "
+            "found; K-FAC needs the same layer calls for every example."
+        )
+    device = next(iter(params.values())).device
+
+    def one(example: Example) -> list[tuple[Tensor, Tensor]]:
+        taps = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+
+        def inner(taps: list[Tensor]):
+            with _hooked(ids, taps) as calls:
+                value = loss(params, example)
+            return value, [x for _, _, x, _, _ in calls]
+
+        deltas, inputs = grad(inner, has_aux=True)(taps)
+        return [(x.reshape(-1, layer.d_in), delta.reshape(-1, layer.d_out))
+                for layer, x, delta in zip(layers, inputs, deltas, strict=True)]
+
+    def batched(batch: Batch) -> list[tuple[Tensor, Tensor]]:
+        return vmap(one)(batch)
+
+    return batched
+
+
+def first_example(batch: Batch) -> Example:
+    """Example 0 of a batch (no batch dimension)."""
+    return tree_map(lambda leaf: leaf[0], batch)

@@ -1,0 +1,87 @@
+"""Damping ``lambda_c`` of each checkpoint's curvature, chosen from its own spectrum.
+
+Curvature-aware TracIn solves ``(H_c + lambda_c I) x = g`` per checkpoint. Measured on digits
+(``benchmarks/curvature.py``, ``docs/curvature.md``), LDS depends on ``lambda_c`` as much as on
+the curvature itself, and the best absolute value differs by model and checkpoint by orders of
+magnitude; relative to the mean eigenvalue ``tr(H_c) / dim`` it is far more stable. The default
+is therefore ``lambda_c = scale * tr(H_c) / dim`` with the ``scale`` measured best for the kind
+(``DEFAULT_SCALES``): the block-diagonal K-FAC kinds want less damping than the full matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["DEFAULT_SCALES", "Damping", "check_damping"]
+
+# Measured on digits LR and MLP (benchmarks/curvature.py, docs/curvature.md): per kind, the
+# multiple of the mean eigenvalue with the best LDS averaged over the two models (and k = 256,
+# 1024 for "projected"); exact-store LDS at these: dense 0.958 / 0.892, projected-1024
+# 0.932 / 0.871, kfac 0.950 / 0.847, ekfac 0.950 / 0.857 (LR / MLP).
+DEFAULT_SCALES = {"dense": 3.0, "projected": 1.0, "kfac": 0.1, "ekfac": 0.3}
+
+
+@dataclass(frozen=True)
+class Damping:
+    """``lambda_c = scale * mean eigenvalue of H_c`` (``tr(H_c) / dim``), per checkpoint.
+
+    Attributes:
+        scale: The multiple, a positive finite float; ``None`` (default): the measured best
+            for the curvature's kind, ``DEFAULT_SCALES`` (dense 3, projected 1, kfac 0.1,
+            ekfac 0.3).
+    """
+
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        scale = self.scale
+        if scale is None:
+            return
+        if isinstance(scale, bool) or not isinstance(scale, int | float) \
+                or not math.isfinite(scale) or scale <= 0:
+            raise InvalidArgumentError(
+                f"Damping: scale must be a positive finite number (a multiple of the mean "
+                f"eigenvalue), got {scale!r}; e.g. Damping(scale=3.0), or Damping() for the "
+                "measured default."
+            )
+        object.__setattr__(self, "scale", float(scale))
+
+    def scale_for(self, kind: str) -> float:
+        """The multiple used for a curvature of ``kind``."""
+        return DEFAULT_SCALES[kind] if self.scale is None else self.scale
+
+    def value(self, mean_eigenvalue: float, kind: str) -> float:
+        """``lambda`` for a ``kind`` curvature whose mean eigenvalue is ``mean_eigenvalue``."""
+        scale = self.scale_for(kind)
+        # A zero curvature (no data, dead layer) still needs an invertible system.
+        return scale * mean_eigenvalue if mean_eigenvalue > 0 else scale
+
+    def describe(self, kind: str) -> str:
+        return f"{self.scale_for(kind):g} x mean eigenvalue"
+
+
+def check_damping(damping: object) -> Damping | float:
+    """``damping`` if it is a :class:`Damping` or a non-negative finite float, else raise."""
+    if isinstance(damping, Damping):
+        return damping
+    if isinstance(damping, bool) or not isinstance(damping, int | float):
+        raise InvalidTypeError(
+            f"{current_caller()}: damping must be a tracinfunc.curvature.Damping (relative to "
+            f"each checkpoint's spectrum) or a float (the same lambda for every checkpoint), "
+            f"got {type(damping).__name__}; e.g. damping=Damping(scale=3.0) or damping=1e-3."
+        )
+    if not math.isfinite(damping) or damping < 0:
+        raise InvalidArgumentError(
+            f"{current_caller()}: damping must be a finite float >= 0, got {damping!r}; "
+            "e.g. damping=1e-3, or Damping() to choose it from the data."
+        )
+    return float(damping)
+
+
+def resolve(damping: Damping | float, mean_eigenvalue: float, kind: str) -> float:
+    """The ``lambda`` of one checkpoint of a ``kind`` curvature."""
+    return damping.value(mean_eigenvalue, kind) if isinstance(damping, Damping) else damping

@@ -1,0 +1,255 @@
+"""fit_curvature: one pass over (a sample of) the training data per checkpoint -> a Curvature.
+
+For each checkpoint ``w_c``, labels are drawn from the model's predictive distribution (a
+:mod:`~tracinfunc.curvature.samplers` sampler), and the gradients at those labels are reduced
+to the kind's estimate of the Gauss-Newton matrix ``H_c`` (the Fisher, for cross-entropy):
+``E[g g^T]`` in parameter space (``"dense"``) or in the store's projected space
+(``"projected"``), or per-layer Kronecker factors (``"kfac"``; ``"ekfac"`` adds a second pass
+refitting the eigenvalues). ``lambda_c`` follows from ``damping``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc.batches import iter_batches, rebatch
+from tracinfunc.build.loop import checkpoint_list
+from tracinfunc.checkpoint import Checkpoint, loss_at
+from tracinfunc.curvature import kfac
+from tracinfunc.curvature.capture import find_layers, first_example, layer_io
+from tracinfunc.curvature.damping import Damping, check_damping, resolve
+from tracinfunc.curvature.flat import flatten
+from tracinfunc.curvature.samplers import Sampler, default_sampler
+from tracinfunc.curvature.value import KINDS, Curvature
+from tracinfunc.errors import EmptyDataError, InvalidArgumentError, MemoryBudgetError
+from tracinfunc.grads import per_sample_grads, projected_grads
+from tracinfunc.grads.options import GradientOptions
+from tracinfunc.grads.selection import Selection, selected_names
+from tracinfunc.projection import Projection, canonical_layout
+from tracinfunc.projection.spec import check_projection
+from tracinfunc.store.meta import CheckpointMeta
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["MAX_DENSE_PARAMS", "fit_curvature"]
+
+# A [p, p] float64 matrix per checkpoint: 3.2 GB at this size; beyond, use kfac or projected.
+MAX_DENSE_PARAMS = 20_000
+
+
+@entry_point("fit_curvature")
+def fit_curvature(
+    loss: LossFn,
+    checkpoints: Sequence[Checkpoint],
+    data: Batch | Iterable[Batch],
+    *,
+    kind: str = "projected",
+    projection: Projection | None = None,
+    damping: Damping | float | None = None,
+    sampler: Sampler | None = None,
+    select: Selection | None = None,
+    max_examples: int | None = None,
+    batch_size: int | None = None,
+    chunk_size: int | None = None,
+    seed: int = 0,
+) -> Curvature:
+    """Fit a damped Gauss-Newton (true Fisher) estimate at every checkpoint.
+
+    Args:
+        loss: The per-example loss the store was built with.
+        checkpoints: The store's checkpoints, in the store's order.
+        data: Training batches (one batch or an iterable of them), or a sample of them; their
+            labels are replaced by the sampler's. ``"ekfac"`` iterates them twice, so pass a
+            list or a DataLoader, not a generator.
+        kind: ``"projected"`` (``[k, k]`` in ``projection``'s space: any model, any
+            projection kind), ``"kfac"``/``"ekfac"`` (per-layer Kronecker factors of
+            ``nn.Linear`` and HF ``Conv1D`` layers), or ``"dense"`` (the exact ``[p, p]``
+            matrix, for small models: the reference).
+        projection: The store's projection (``store.projection``); needed by
+            ``"projected"``, ignored by the others (their queries are preconditioned before
+            any projection).
+        damping: A :class:`~tracinfunc.curvature.Damping` (``lambda_c`` a multiple of each
+            checkpoint's mean eigenvalue; the default ``Damping()`` uses the multiple
+            measured best for the kind) or a float (the same ``lambda`` for every
+            checkpoint).
+        sampler: Draws labels from the model (see :mod:`tracinfunc.curvature.samplers`);
+            default: chosen for :func:`~tracinfunc.loss_from_module` classifiers and
+            :func:`~tracinfunc.causal_lm_loss`.
+        select: The store's parameter selection.
+        max_examples: Use only the first this many inputs of ``data`` (``None``: all).
+        batch_size: Regroup ``data`` into batches of this many inputs.
+        chunk_size: Examples differentiated at once inside vmap.
+        seed: Seeds the label draws (results are a function of the arguments).
+
+    Returns:
+        A :class:`~tracinfunc.Curvature` bound to these checkpoints, the layout and (for
+        ``"projected"``) the projection.
+
+    Raises:
+        InvalidArgumentError: unknown kind, missing projection, parameters K-FAC does not
+            cover (named), or no sampler for the loss.
+        MemoryBudgetError: ``"dense"`` for more than ``MAX_DENSE_PARAMS`` parameters.
+        EmptyDataError: ``data`` holds no examples.
+    """
+    kind = _check_kind(kind)
+    damping = check_damping(Damping() if damping is None else damping)
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint")
+    if kind == "projected":
+        check_projection(projection)
+    check_int(max_examples, "max_examples", optional=True)
+    sampler = default_sampler(loss) if sampler is None else _check_sampler(sampler)
+    names = selected_names(checkpoints[0].params, select)
+    layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
+    if kind == "dense":
+        _check_dense_size(layout)
+    metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr, c.fingerprint)
+                  for i, c in enumerate(checkpoints))
+
+    def batches() -> Iterator[Batch]:
+        return _limited(data if batch_size is None else rebatch(data, batch_size), max_examples)
+
+    estimates, dampings, layers, seen = [], [], (), 0
+    for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
+        fit_one = _FITTERS[kind]
+        estimate, mean, n, layers = fit_one(
+            loss_at(loss, ckpt), dict(ckpt.params), names, batches, sampler,
+            torch.Generator().manual_seed(seed + position), chunk_size,
+            None if projection is None else projection.for_checkpoint(meta.name))
+        estimates.append(estimate)
+        dampings.append(resolve(damping, mean, kind))
+        seen = n
+    info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
+            "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
+    return Curvature(kind, metas, layout, projection if kind == "projected" else None,
+                     tuple(dampings), tuple(estimates), tuple(layers), info)
+
+
+def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,
+                sampler: Sampler, loss: LossFn, generator: torch.Generator
+                ) -> tuple[dict[str, Tensor], float, int]:
+    """``E[g g^T]`` of rows ``grads_fn(params, labelled batch) -> [b', dim]``."""
+    total, seen = None, 0.0
+    for batch in batches():
+        labelled, weights = sampler(loss, params, batch, generator)
+        rows = grads_fn(params, labelled).double()  # [b', dim]
+        part = (rows * weights.to(rows)[:, None]).T @ rows
+        total = part.cpu() if total is None else total + part.cpu()
+        seen += float(weights.sum())
+    if total is None:
+        raise EmptyDataError(f"{current_caller()}: data holds no examples; pass training "
+                             "batches (or a sample of them).")
+    matrix = total / seen
+    return {"matrix": matrix}, float(matrix.trace()) / matrix.shape[0], round(seen)
+
+
+def _fit_dense(loss, params, names, batches, sampler, generator, chunk_size, projection):
+    psg = per_sample_grads(loss, options=GradientOptions(select=list(names), chunk_size=chunk_size))
+    layout = canonical_layout({name: params[name] for name in names})
+
+    def rows(params: Params, batch: Batch) -> Tensor:
+        return flatten(psg(params, batch), layout)
+
+    return (*_fit_matrix(rows, params, batches, sampler, loss, generator), ())
+
+
+def _fit_projected(loss, params, names, batches, sampler, generator, chunk_size, projection):
+    fn = projected_grads(
+        loss, projection, options=GradientOptions(select=list(names), chunk_size=chunk_size)
+    )
+    return (*_fit_matrix(fn, params, batches, sampler, loss, generator), ())
+
+
+def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, projection,
+              *, eigen: bool = False):
+    selected = {name: params[name] for name in names}
+    frozen = {n: v for n, v in params.items() if n not in selected}
+
+    def selected_loss(chosen: Params, example) -> Tensor:
+        return loss({**frozen, **chosen}, example)
+
+    sums, seen, io_fn, layers = {}, 0.0, None, []
+    for batch in batches():
+        labelled, weights = sampler(loss, params, batch, generator)
+        if io_fn is None:
+            layers = find_layers(selected_loss, selected, first_example(labelled))
+            io_fn = layer_io(selected_loss, selected, layers, first_example(labelled))
+        kfac.accumulate_factors(sums, io_fn(labelled), layers, weights)
+        seen += float(weights.sum())
+    if io_fn is None:
+        raise EmptyDataError(f"{current_caller()}: data holds no examples; pass training "
+                             "batches (or a sample of them).")
+    estimate = {key: value / seen for key, value in sums.items()}
+    if not eigen:
+        return estimate, kfac.kfac_mean_eigenvalue(estimate, layers), round(seen), layers
+    estimate.update(kfac.eigenbases(estimate, layers))
+    corrected: dict[str, Tensor] = {}
+    for batch in batches():  # EK-FAC's second pass: eigenvalues in the fitted eigenbases
+        labelled, weights = sampler(loss, params, batch, generator)
+        kfac.accumulate_eigenvalues(corrected, io_fn(labelled), layers, weights, estimate)
+    estimate.update({key: value / seen for key, value in corrected.items()})
+    return estimate, kfac.ekfac_mean_eigenvalue(estimate, layers), round(seen), layers
+
+
+def _fit_ekfac(*args):
+    return _fit_kfac(*args, eigen=True)
+
+
+_FITTERS = {"dense": _fit_dense, "projected": _fit_projected, "kfac": _fit_kfac,
+            "ekfac": _fit_ekfac}
+
+
+def _limited(data: Batch | Iterable[Batch], max_examples: int | None) -> Iterator[Batch]:
+    """The batches of ``data``, cut after ``max_examples`` inputs."""
+    left = max_examples
+    for batch in iter_batches(data):
+        if left is not None:
+            size = _batch_len(batch)
+            if left <= 0:
+                return
+            if size > left:
+                batch = _take(batch, left)
+            left -= min(size, left)
+        yield batch
+
+
+def _batch_len(batch: Batch) -> int:
+    return next(leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)).shape[0]
+
+
+def _take(batch: Batch, n: int) -> Batch:
+    return tree_map(lambda leaf: leaf[:n] if isinstance(leaf, Tensor) else leaf, batch)
+
+
+def _check_kind(kind: object) -> str:
+    if kind not in KINDS:
+        raise InvalidArgumentError(
+            f"{current_caller()}: kind must be one of {list(KINDS)}, got {kind!r}; "
+            "'projected' works for any model and projection, 'kfac' for Linear/Conv1D "
+            "layers, 'dense' for small models."
+        )
+    return kind
+
+
+def _check_sampler(sampler: object) -> Sampler:
+    if not callable(sampler):
+        raise InvalidArgumentError(
+            f"{current_caller()}: sampler must be callable as sampler(loss, params, batch, "
+            f"generator) -> (labelled batch, weights), got {type(sampler).__name__}; e.g. "
+            "tracinfunc.curvature.classification_sampler()."
+        )
+    return sampler
+
+
+def _check_dense_size(layout) -> None:
+    p = sum(math.prod(shape) for _, shape in layout)
+    if p > MAX_DENSE_PARAMS:
+        raise MemoryBudgetError(
+            f"{current_caller()}: kind='dense' holds a [p, p] matrix per checkpoint, and "
+            f"p={p} is over {MAX_DENSE_PARAMS} ({8 * p * p / 2**30:.1f} GiB in float64); use "
+            "kind='kfac' or 'projected', or select= fewer parameters."
+        )

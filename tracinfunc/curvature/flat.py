@@ -1,0 +1,53 @@
+"""Per-example gradients between their three forms: a dict, a flat row, a layer matrix.
+
+Flat rows follow the canonical layout (parameters sorted by name, each flattened as stored), the
+order of the ``identity`` projection and of ``tests/reference.py``. A K-FAC layer's matrix is
+``[d_out, d_a]``: the weight as ``[d_out, d_in]`` (a ``Conv1D`` weight is stored transposed)
+and the bias as the last column.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.projection.spec import Layout
+
+__all__ = ["flatten", "layer_matrix", "split_layer", "unflatten"]
+
+
+def flatten(grads: dict[str, Tensor], layout: Layout) -> Tensor:
+    """``{name: [b, *shape]} -> [b, p]`` in layout order."""
+    return torch.cat([grads[name].reshape(grads[name].shape[0], -1) for name, _ in layout], 1)
+
+
+def unflatten(flat: Tensor, layout: Layout) -> dict[str, Tensor]:
+    """``[b, p] -> {name: [b, *shape]}``."""
+    out, start = {}, 0
+    for name, shape in layout:
+        size = math.prod(shape)
+        out[name] = flat[:, start:start + size].reshape(flat.shape[0], *shape)
+        start += size
+    return out
+
+
+def layer_matrix(grads: dict[str, Tensor], layer: KfacLayer) -> Tensor:
+    """``[b, d_out, d_a]`` from the layer's weight (and bias) gradients."""
+    weight = grads[layer.weight]
+    if layer.rule == "conv1d":
+        weight = weight.transpose(1, 2)
+    if layer.bias is None:
+        return weight
+    return torch.cat([weight, grads[layer.bias][:, :, None]], dim=2)
+
+
+def split_layer(matrix: Tensor, layer: KfacLayer) -> dict[str, Tensor]:
+    """Inverse of :func:`layer_matrix`: ``{weight: [b, *stored], bias: [b, d_out]}``."""
+    weight = matrix[:, :, :layer.d_in]
+    out = {layer.weight: weight.transpose(1, 2) if layer.rule == "conv1d" else weight}
+    if layer.bias is not None:
+        out[layer.bias] = matrix[:, :, layer.d_in]
+    return out

@@ -1,0 +1,131 @@
+"""A Curvature on disk: its own sealed, checksummed Zarr group.
+
+Layout (Zarr v3)::
+
+    curvature.zarr/zarr.json     attributes.tracinfunc_curvature = {...metadata..., "tensors":
+                                 {"0/3": [name, shape, dtype, blake2b]}, "integrity": {...}}
+    curvature.zarr/<ckpt>/<i>    one float64 array per estimate tensor
+
+The metadata (kind, checkpoints, layout, projection, damping, layers) and a BLAKE2b hash of every
+tensor's bytes are sealed with the store's integrity block (:mod:`tracinfunc.store.zarr.integrity`:
+a SHA-256 over the metadata and a manifest of the files), so an edited damping, checkpoint list
+or tensor is refused on load, as is a truncated or swapped file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from os import PathLike
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from tracinfunc._validate import current_caller, entry_point
+from tracinfunc.curvature.binding import check_curvature
+from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.curvature.value import Curvature
+from tracinfunc.errors import CorruptStoreError, StoreExistsError, StoreNotFoundError
+from tracinfunc.projection.spec import Projection
+from tracinfunc.store.meta import CheckpointMeta
+from tracinfunc.store.zarr.integrity import FileGuard, check_digest, seal
+
+__all__ = ["ATTRIBUTE", "load_curvature", "save_curvature"]
+
+ATTRIBUTE = "tracinfunc_curvature"
+FORMAT = 1
+
+
+@entry_point("save_curvature")
+def save_curvature(curvature: Curvature, path: str | PathLike, *,
+                   overwrite: bool = False) -> Path:
+    """Write ``curvature`` as a sealed Zarr group at ``path``.
+
+    Raises:
+        StoreExistsError: ``path`` exists and ``overwrite`` is false.
+    """
+    curvature = check_curvature(curvature)
+    root = Path(path)
+    if root.exists():
+        if not overwrite:
+            raise StoreExistsError(
+                f"save_curvature: {str(root)!r} exists; pass overwrite=True or another path."
+            )
+        shutil.rmtree(root)
+    group = zarr.open_group(str(root), mode="w-")
+    tensors = {}
+    for c, estimate in enumerate(curvature.estimates):
+        for i, name in enumerate(sorted(estimate)):
+            value = estimate[name].detach().cpu().contiguous().double().numpy()
+            key = f"{c}/{i}"
+            group.create_array(key, data=value, chunks=value.shape or None)
+            tensors[key] = [name, list(value.shape), "float64", _hash(value)]
+    meta = {**curvature.metadata(), "format": FORMAT, "digest": curvature.digest,
+            "tensors": tensors}
+    group.attrs[ATTRIBUTE] = seal(root, meta)
+    return root
+
+
+@entry_point("load_curvature")
+def load_curvature(path: str | PathLike) -> Curvature:
+    """Read a curvature written by :func:`save_curvature`, checking every byte first.
+
+    Raises:
+        StoreNotFoundError: nothing at ``path``.
+        CorruptStoreError: the metadata, a file or a tensor differs from what was sealed.
+    """
+    root = Path(path)
+    if not (root / "zarr.json").is_file():
+        raise StoreNotFoundError(
+            f"load_curvature: no saved curvature at {str(root)!r}; save one with "
+            "tif.save_curvature(curvature, path)."
+        )
+    group = zarr.open_group(str(root), mode="r")
+    meta = group.attrs.get(ATTRIBUTE)
+    if not isinstance(meta, dict):
+        raise CorruptStoreError(
+            f"load_curvature: {str(root)!r} is a Zarr group without a curvature's metadata "
+            f"('{ATTRIBUTE}'); pass the path given to save_curvature."
+        )
+    check_digest(meta, root)
+    guard = FileGuard(root, meta["integrity"]["files"])
+    guard.check_metadata_files()
+    for name in meta["integrity"]["files"]:
+        guard.check(root / name)
+    estimates: list[dict] = [{} for _ in meta["checkpoints"]]
+    for key, (name, shape, _, digest) in meta["tensors"].items():
+        value = np.asarray(group[key][...])
+        if list(value.shape) != shape or _hash(value) != digest:
+            raise CorruptStoreError(
+                f"load_curvature: the array {key!r} ({name}) in {str(root)!r} differs from "
+                "the one sealed (edited or damaged); fit the curvature again or restore a copy."
+            )
+        estimates[int(key.split("/")[0])][name] = torch.from_numpy(value.copy())
+    curvature = _curvature(meta, estimates)
+    if curvature.digest != meta["digest"]:
+        raise CorruptStoreError(
+            f"{current_caller()}: the curvature read from {str(root)!r} does not match its "
+            "digest; fit it again or restore a copy."
+        )
+    return curvature
+
+
+def _curvature(meta: dict, estimates: list[dict]) -> Curvature:
+    projection = meta["projection"]
+    return Curvature(
+        kind=meta["kind"],
+        checkpoints=tuple(CheckpointMeta(c["name"], c["lr"], c["fingerprint"])
+                          for c in meta["checkpoints"]),
+        layout=tuple((name, tuple(shape)) for name, shape in meta["layout"]),
+        projection=None if projection is None else Projection.from_dict(projection),
+        damping=tuple(float(d) for d in meta["damping"]),
+        estimates=tuple(estimates),
+        layers=tuple(KfacLayer(*layer) for layer in meta["layers"]),
+        info=meta["info"],
+    )
+
+
+def _hash(value: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(value).tobytes(), digest_size=16).hexdigest()

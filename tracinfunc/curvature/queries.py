@@ -1,0 +1,243 @@
+"""Preconditioned test gradients: the only side of curvature-aware TracIn that changes.
+
+``sum_c lr_c g_test,c^T (H_c + lambda_c I)^-1 g_train,c`` is plain TracIn between the stored
+training rows and preconditioned test rows, so the training store stays as built.
+
+- ``kind="projected"`` acts on projected rows: ``score(store, test_grads, curvature=c)``
+  preconditions plain test gradients itself (:func:`precondition_test_grads`).
+- ``"dense"``, ``"kfac"`` and ``"ekfac"`` act on full gradients, before the projection:
+  :func:`preconditioned_test_grads` computes them (for ``"kfac"`` with a Kronecker projection
+  without forming a layer's gradient: ``(delta S^-1 P_out)^T (x A^-1 P_in)``), marked with the
+  curvature's digest, and ``score(..., curvature=c)`` checks the mark.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from tracinfunc._queries import query_matrix
+from tracinfunc._validate import current_caller, entry_point
+from tracinfunc._version import __version__
+from tracinfunc.batches import iter_batches
+from tracinfunc.build.loop import checkpoint_list
+from tracinfunc.checkpoint import Checkpoint, loss_at
+from tracinfunc.curvature.binding import check_bound, check_curvature
+from tracinfunc.curvature.capture import KfacLayer, first_example, layer_io
+from tracinfunc.curvature.kfac import augmented
+from tracinfunc.curvature.value import Curvature
+from tracinfunc.errors import EmptyDataError, IncompatibleGradientsError
+from tracinfunc.grads import per_sample_grads, projected_grads
+from tracinfunc.grads.options import GradientOptions
+from tracinfunc.grads.selection import Selection, selected_names
+from tracinfunc.projection import Projection, canonical_layout, kronecker_factors, make_projector
+from tracinfunc.projection.spec import check_projection
+from tracinfunc.store.memory.dense import MemoryStore
+from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
+from tracinfunc.store.protocols import GradientStore
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["MARK", "curvature_self_influence", "precondition_test_grads",
+           "preconditioned_test_grads"]
+
+MARK = "curvature"  # StoreMeta.extra key: {"kind", "digest"} of the curvature applied
+
+
+@entry_point("preconditioned_test_grads")
+def preconditioned_test_grads(
+    loss: LossFn,
+    checkpoints: Sequence[Checkpoint],
+    data: Batch | Iterable[Batch],
+    curvature: Curvature,
+    *,
+    projection: Projection,
+    select: Selection | None = None,
+    chunk_size: int | None = None,
+) -> MemoryStore:
+    """Test gradients preconditioned by ``curvature``, then projected: ``P (H_c + l I)^-1 g``.
+
+    Args:
+        loss: The per-example loss (the test examples keep their own labels).
+        checkpoints: The checkpoints the curvature and the store were made at.
+        data: Test batches.
+        curvature: From :func:`~tracinfunc.fit_curvature` at these checkpoints.
+        projection: The store's projection (``store.projection``).
+        select: The store's parameter selection.
+        chunk_size: Examples differentiated at once inside vmap.
+
+    Returns:
+        A :class:`~tracinfunc.store.MemoryStore` ``[n_ckpt, n_test, k]`` to pass as ``test_grads``
+        (with or without ``curvature=``) to :func:`~tracinfunc.score` or ``top_k``.
+
+    Raises:
+        IncompatibleGradientsError: the curvature was fitted at other checkpoints, over
+            other parameters, or (``"projected"``) in another projected space.
+    """
+    curvature = check_curvature(curvature)
+    check_projection(projection)
+    checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint")
+    metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr, c.fingerprint)
+                  for i, c in enumerate(checkpoints))
+    names = selected_names(checkpoints[0].params, select)
+    layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
+    meta = StoreMeta(projection=projection, checkpoints=metas, layout=layout, n_train=0,
+                     k=projection.output_dim(layout), library_version=__version__)
+    check_bound(curvature, meta)
+    per_ckpt = []
+    for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
+        rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
+                           projection.for_checkpoint(ckpt_meta.name), chunk_size)
+        params = dict(ckpt.params)
+        parts = [rows_fn(params, batch) for batch in iter_batches(data)]
+        if not parts:
+            raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
+        per_ckpt.append(torch.cat(parts))
+    rows = torch.stack(per_ckpt).cpu()  # [n_ckpt, n_test, k]
+    meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
+                        extra={MARK: {"kind": curvature.kind, "digest": curvature.digest}})
+    return MemoryStore(meta, rows, rows.norm(dim=-1))
+
+
+def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projection,
+             chunk_size):
+    """``fn(params, batch) -> [b, k]`` preconditioned, projected test rows at checkpoint c."""
+    if curvature.kind == "projected":
+        fn = projected_grads(
+            loss, projection, options=GradientOptions(select=list(names), chunk_size=chunk_size)
+        )
+        return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
+    if curvature.kind == "kfac" and projection.kind == "kronecker":
+        return _factored_kfac(loss, curvature, ckpt, names, projection)
+    psg = per_sample_grads(loss, options=GradientOptions(select=list(names), chunk_size=chunk_size))
+    projectors = {}  # one per dtype and device: blocks generated once, not per batch
+
+    def rows(params: Params, batch: Batch) -> Tensor:
+        grads = curvature.precondition(ckpt, psg(params, batch))
+        first = next(iter(grads.values()))
+        key = (first.dtype, first.device)
+        if key not in projectors:
+            projectors[key] = make_projector(projection, curvature.layout, device=first.device,
+                                             dtype=first.dtype)
+        return vmap(projectors[key], chunk_size=chunk_size)(grads)
+
+    return rows
+
+
+def _factored_kfac(loss, curvature: Curvature, ckpt: int, names, projection: Projection):
+    """K-FAC with a Kronecker projection: ``(delta S'^-1 P_r)^T (x A'^-1 P_c)`` per layer,
+    the layer's gradient never formed; biases through the projector's vector blocks."""
+    scale = 1 / math.sqrt(projection.dim)
+
+    def rows(params: Params, batch: Batch) -> Tensor:
+        selected = {name: params[name] for name in names}
+        frozen = {n: v for n, v in params.items() if n not in selected}
+
+        def selected_loss(chosen: Params, example) -> Tensor:
+            return loss({**frozen, **chosen}, example)
+
+        layers = list(curvature.layers)
+        io = layer_io(selected_loss, selected, layers, first_example(batch))(batch)
+        total, biases = 0, {}
+        for layer, (x, delta) in zip(layers, io, strict=True):
+            s_inv, a_inv = (m.to(x.device) for m in curvature.factor_inverses(ckpt, layer))
+            d_pre = delta.double() @ s_inv  # [b, T, d_out]
+            x_pre = augmented(x, layer) @ a_inv  # [b, T, d_a]
+            total = total + _kronecker_block(layer, d_pre, x_pre[..., :layer.d_in], projection,
+                                             tuple(params[layer.weight].shape)) * scale
+            if layer.bias is not None:
+                biases[layer.bias] = torch.einsum("bto,bt->bo", d_pre, x_pre[..., layer.d_in])
+        dtype = next(iter(params.values())).dtype
+        if biases:
+            project = make_projector(projection, canonical_layout(
+                {n: g[0] for n, g in biases.items()}), dtype=torch.float64, device=x.device)
+            total = total + vmap(project)(biases)
+        return total.to(dtype)
+
+    return rows
+
+
+def _kronecker_block(layer: KfacLayer, delta: Tensor, x: Tensor, projection: Projection,
+                     shape: tuple[int, ...]) -> Tensor:
+    """``(left @ P_r)^T (right @ P_c)`` flattened, ``[b, k]`` (unscaled)."""
+    p_rows, p_cols = kronecker_factors(projection, layer.weight, shape, device=x.device,
+                                       dtype=torch.float64)
+    left, right = (delta, x) if layer.rule == "linear" else (x, delta)
+    block = torch.einsum("btr,btc->brc", left @ p_rows, right @ p_cols)  # [b, k_r, k_c]
+    return block.reshape(block.shape[0], -1)
+
+
+def precondition_test_grads(store: GradientStore, test_grads: GradientStore | Tensor,
+                            curvature: Curvature | None) -> GradientStore | Tensor:
+    """``test_grads`` made curvature-aware for ``store``: the one call ``score``/``top_k`` make.
+
+    ``None`` returns ``test_grads`` unchanged; test gradients already preconditioned by this
+    curvature (:func:`preconditioned_test_grads`) pass through; plain ones are preconditioned
+    in the projected space by a ``"projected"`` curvature.
+
+    Returns:
+        ``test_grads``, or the preconditioned rows ``[n_ckpt, n_test, k]``.
+
+    Raises:
+        IncompatibleGradientsError: the curvature belongs to another store (named
+            difference), the test gradients were preconditioned by another curvature, or a
+            full-space curvature (``"dense"``, ``"kfac"``, ``"ekfac"``) meets plain projected
+            test gradients.
+    """
+    if curvature is None:
+        return test_grads
+    curvature = check_curvature(curvature)
+    meta = store.meta
+    check_bound(curvature, meta)
+    mark = test_grads.meta.extra.get(MARK) if isinstance(test_grads, GradientStore) else None
+    if mark is not None:
+        if mark.get("digest") != curvature.digest:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: the test gradients were preconditioned by another "
+                f"curvature ({mark.get('kind')!r}, digest {str(mark.get('digest'))[:12]}…) "
+                f"than the one given ({curvature.kind!r}, {curvature.digest[:12]}…); pass the "
+                "curvature they were made with, or make them again with this one."
+            )
+        return test_grads
+    if curvature.kind != "projected":
+        raise IncompatibleGradientsError(
+            f"{current_caller()}: a {curvature.kind!r} curvature preconditions gradients before "
+            "they are projected, so it cannot be applied to projected test gradients; make "
+            "them with tif.preconditioned_test_grads(loss, checkpoints, test_data, curvature, "
+            "projection=store.projection), or fit kind='projected'."
+        )
+    # Validated (shape, finite, compatible store), left where the test gradients are.
+    where = test_grads.device if isinstance(test_grads, Tensor) else torch.device("cpu")
+    rows, _ = query_matrix(meta, test_grads, device=where)
+    return torch.stack([curvature.precondition_rows(c, rows[c]) for c in range(meta.n_ckpt)])
+
+
+def curvature_self_influence(store: GradientStore, curvature: Curvature,
+                             device: torch.device, *, chunk_rows: int = 4096) -> Tensor:
+    """``sum_c lr_c row_c^T (F_c + lambda_c I)^-1 row_c`` per training row, ``[n_train]``.
+
+    Raises:
+        IncompatibleGradientsError: not a ``"projected"`` curvature (the store holds no
+            full-space gradients to precondition), or one for another store.
+    """
+    curvature = check_curvature(curvature)
+    meta = store.meta
+    check_bound(curvature, meta)
+    if curvature.kind != "projected":
+        raise IncompatibleGradientsError(
+            f"{current_caller()}: curvature-aware self-influence from a store needs a "
+            f"'projected' curvature, got {curvature.kind!r}: the store holds projected rows, "
+            "not the full gradients a dense or K-FAC curvature acts on. Fit "
+            "kind='projected' with projection=store.projection."
+        )
+    dtype = torch.float64 if meta.torch_dtype == torch.float64 else torch.float32
+    total = torch.zeros(meta.n_train, dtype=torch.float64, device=device)
+    for c, lr in enumerate(meta.lrs):
+        for start in range(0, meta.n_train, chunk_rows):
+            stop = min(start + chunk_rows, meta.n_train)
+            rows = store.read_rows(c, start, stop).to(device, torch.float64)
+            total[start:stop] += lr * (curvature.precondition_rows(c, rows) * rows).sum(1)
+    return total.to(dtype)

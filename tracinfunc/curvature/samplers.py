@@ -1,0 +1,201 @@
+"""Labels drawn from the model's own predictive distribution: the true Fisher, not the empirical.
+
+The Gauss-Newton matrix of a cross-entropy loss equals the Fisher ``E_x E_{y ~ p(y|x; w)}
+[g(x, y) g(x, y)^T]``: gradients taken at labels the model itself would predict. The empirical
+Fisher, built from the dataset's labels, is a different matrix (and measured worse here, see
+``docs/curvature.md``). A sampler turns a batch into such a labelled batch:
+
+    sampler(loss, params, batch, generator) -> (labelled batch [b'], weights [b'])
+
+where every input's weights sum to 1, so ``sum_j w_j g_j g_j^T`` over the labelled batch is
+``b`` times the batch's Fisher. ``loss`` is the per-example loss with the checkpoint's buffers
+(:func:`~tracinfunc.checkpoint.loss_at`), ``params`` the checkpoint's parameters, ``generator`` the
+only source of randomness (results are a function of the arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, LossFunctionError
+from tracinfunc.lm import IGNORE_INDEX, causal_lm_loss
+from tracinfunc.loss import ModuleLoss
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["Sampler", "causal_lm_sampler", "classification_sampler", "default_sampler"]
+
+
+class Sampler(Protocol):
+    """``(loss, params, batch, generator) -> (labelled batch [b'], weights [b'])``."""
+
+    def __call__(self, loss: LossFn, params: Params, batch: Batch,
+                 generator: torch.Generator) -> tuple[Batch, Tensor]: ...
+
+
+@dataclass(frozen=True)
+class ClassificationSampler:
+    """Class labels for ``(inputs, target)`` batches of a :func:`~tracinfunc.loss_from_module`
+    loss whose module returns logits ``[b, n_classes]``.
+
+    Attributes:
+        samples: Labels drawn per input (weights ``1 / samples`` each).
+        exact: Every class once, weighted by its probability: the exact Fisher (``n_classes``
+            gradients per input instead of ``samples``).
+    """
+
+    samples: int = 1
+    exact: bool = False
+
+    def __call__(self, loss: LossFn, params: Params, batch: Batch,
+                 generator: torch.Generator) -> tuple[Batch, Tensor]:
+        module_loss = _module_loss(loss, pair=True)
+        inputs = batch[0]
+        with torch.no_grad():
+            logits = functional_call(module_loss.module, ({**module_loss.buffers, **params},),
+                                     (inputs,))
+        if not isinstance(logits, Tensor) or logits.dim() != 2:
+            raise LossFunctionError(
+                f"classification_sampler: the model must return logits [b, n_classes], got "
+                f"{_describe(logits)}; pass sampler= your own (see tracinfunc.curvature."
+                "samplers) for other outputs."
+            )
+        probs = logits.double().softmax(-1)  # [b, C]
+        b, n_classes = probs.shape
+        if self.exact:
+            labels = torch.arange(n_classes, device=inputs.device).repeat(b)  # [b * C]
+            owner = torch.arange(b, device=inputs.device).repeat_interleave(n_classes)
+            weights = probs.reshape(-1)
+        else:
+            draws = torch.multinomial(probs.cpu(), self.samples, replacement=True,
+                                      generator=generator).to(inputs.device)  # [b, samples]
+            labels = draws.reshape(-1)
+            owner = torch.arange(b, device=inputs.device).repeat_interleave(self.samples)
+            weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
+        target = batch[1]
+        labels = labels.to(target.dtype) if not target.is_floating_point() else labels
+        return (inputs[owner], labels), weights.cpu()
+
+
+@dataclass(frozen=True)
+class CausalLMSampler:
+    """Next tokens for ``{"input_ids": [b, T], ...}`` batches of a
+    :func:`~tracinfunc.causal_lm_loss`: every scored position gets a token drawn from the
+    model's next-token distribution (the inputs stay as given, teacher forcing).
+
+    Attributes:
+        samples: Label sequences drawn per input (weights ``1 / samples`` each).
+    """
+
+    samples: int = 1
+
+    def __call__(self, loss: LossFn, params: Params, batch: Batch,
+                 generator: torch.Generator) -> tuple[Batch, Tensor]:
+        module_loss = _module_loss(loss, pair=False)
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise InvalidArgumentError(
+                "causal_lm_sampler: batches must be dicts with 'input_ids' [b, T], got "
+                f"{_describe(batch)}; this sampler is for tracinfunc.causal_lm_loss."
+            )
+        kwargs = {k: v for k, v in batch.items() if k not in module_loss.skip_keys}
+        with torch.no_grad():
+            outputs = functional_call(module_loss.module, ({**module_loss.buffers, **params},),
+                                      (), kwargs)
+        logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
+        if not isinstance(logits, Tensor) or logits.dim() != 3:
+            raise LossFunctionError(
+                f"causal_lm_sampler: the model must return logits [b, T, V], got "
+                f"{_describe(outputs)}."
+            )
+        ids = batch["input_ids"]
+        b, length, vocab = logits.shape
+        scored = batch.get("labels", ids).clone()
+        if "attention_mask" in batch:
+            scored = scored.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        probs = logits[:, :-1].double().softmax(-1).reshape(-1, vocab).cpu()
+        draws = torch.multinomial(probs, self.samples, replacement=True, generator=generator)
+        draws = draws.reshape(b, length - 1, self.samples).permute(0, 2, 1).to(ids.device)
+        owner = torch.arange(b, device=ids.device).repeat_interleave(self.samples)
+        labels = torch.full((b * self.samples, length), IGNORE_INDEX, dtype=ids.dtype,
+                            device=ids.device)
+        labels[:, 1:] = draws.reshape(-1, length - 1).to(ids.dtype)
+        labels = labels.masked_fill(scored[owner] == IGNORE_INDEX, IGNORE_INDEX)
+        labelled = {key: value[owner] for key, value in batch.items() if key != "labels"}
+        labelled["labels"] = labels
+        weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
+        return labelled, weights
+
+
+def classification_sampler(*, samples: int = 1, exact: bool = False) -> ClassificationSampler:
+    """Labels for a classifier: ``samples`` draws per input, or every class (``exact``).
+
+    Args:
+        samples: Draws per input, a positive int.
+        exact: Use every class weighted by its probability (the exact Fisher, as ``dense``'s
+            reference); costs ``n_classes`` gradients per input.
+    """
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise InvalidArgumentError(
+            f"classification_sampler: samples must be a positive int, got {samples!r}; e.g. 1."
+        )
+    if not isinstance(exact, bool):
+        raise InvalidTypeError(
+            f"classification_sampler: exact must be True or False, got {exact!r}."
+        )
+    return ClassificationSampler(samples, exact)
+
+
+def causal_lm_sampler(*, samples: int = 1) -> CausalLMSampler:
+    """Next-token labels for a :func:`~tracinfunc.causal_lm_loss`, ``samples`` per sequence."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise InvalidArgumentError(
+            f"causal_lm_sampler: samples must be a positive int, got {samples!r}; e.g. 1."
+        )
+    return CausalLMSampler(samples)
+
+
+_CAUSAL_CRITERION = causal_lm_loss.__module__  # lm's criteria live in tracinfunc.lm
+
+
+def default_sampler(loss: LossFn) -> Sampler:
+    """The sampler for losses the library made: classification for
+    :func:`~tracinfunc.loss_from_module`, next tokens for :func:`~tracinfunc.causal_lm_loss`.
+
+    Raises:
+        InvalidArgumentError: any other loss (pass ``sampler=`` yourself).
+    """
+    if isinstance(loss, ModuleLoss) and loss.pair:
+        return classification_sampler()
+    criterion = getattr(loss, "criterion", None)
+    if isinstance(loss, ModuleLoss) and getattr(criterion, "__name__", "") == "_next_token_loss" \
+            and getattr(criterion, "__module__", "") == _CAUSAL_CRITERION:
+        return causal_lm_sampler()
+    raise InvalidArgumentError(
+        f"fit_curvature: cannot tell how to sample labels for this loss "
+        f"({type(loss).__name__}); the true Fisher needs labels drawn from the model. Pass "
+        "sampler=classification_sampler() for a loss_from_module classifier, "
+        "sampler=causal_lm_sampler() for causal_lm_loss, or your own "
+        "sampler(loss, params, batch, generator) -> (labelled batch, weights)."
+    )
+
+
+def _module_loss(loss: LossFn, *, pair: bool) -> ModuleLoss:
+    if not isinstance(loss, ModuleLoss) or loss.pair != pair:
+        made_by = "loss_from_module" if pair else "causal_lm_loss"
+        raise InvalidTypeError(
+            f"{current_caller()}: needs a loss made by tracinfunc.{made_by} (it runs the model to "
+            f"draw labels), got {type(loss).__name__}; pass sampler= your own for other losses."
+        )
+    return loss
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return type(value).__name__

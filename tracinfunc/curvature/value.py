@@ -1,0 +1,163 @@
+"""The :class:`Curvature` value: one damped curvature estimate per checkpoint, and its inverse.
+
+Made by :func:`~tracinfunc.fit_curvature`, saved and loaded by
+:mod:`tracinfunc.curvature.persist`; immutable (inverses are cached, never changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tracinfunc.curvature import kfac
+from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
+from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.projection.spec import Layout, Projection
+from tracinfunc.store.meta import CheckpointMeta
+
+__all__ = ["KINDS", "Curvature"]
+
+KINDS = ("dense", "projected", "kfac", "ekfac")
+
+
+@dataclass(frozen=True, eq=False)
+class Curvature:
+    """Damped Gauss-Newton (true Fisher) estimates ``H_c + lambda_c I``, one per checkpoint.
+
+    Curvature-aware TracIn scores ``sum_c lr_c g_test,c^T (H_c + lambda_c I)^-1 g_train,c``:
+    only the test side is preconditioned, so one training store serves plain TracIn and this.
+
+    Attributes:
+        kind: ``"dense"`` (``[p, p]``), ``"projected"`` (``[k, k]`` in the store's projected
+            space), ``"kfac"`` or ``"ekfac"`` (per-layer Kronecker factors).
+        checkpoints: Name, lr and parameter fingerprint of each checkpoint fitted.
+        layout: The differentiated parameters' names and shapes (sorted by name).
+        projection: The store's projection (``"projected"`` only; ``None`` otherwise).
+        damping: ``lambda_c`` per checkpoint.
+        estimates: Per checkpoint, named float64 tensors (read-only mappings).
+        layers: The layers K-FAC covers (``"kfac"``/``"ekfac"``; empty otherwise).
+        info: How it was fitted (examples, sampler, damping rule), JSON types.
+    """
+
+    kind: str
+    checkpoints: tuple[CheckpointMeta, ...]
+    layout: Layout
+    projection: Projection | None
+    damping: tuple[float, ...]
+    estimates: tuple[Mapping[str, Tensor], ...]
+    layers: tuple[KfacLayer, ...] = ()
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgumentError(
+                f"Curvature: kind must be one of {list(KINDS)}, got {self.kind!r}."
+            )
+        if not len(self.checkpoints) == len(self.damping) == len(self.estimates):
+            raise InvalidArgumentError(
+                f"Curvature: one damping and one estimate per checkpoint, got "
+                f"{len(self.checkpoints)} checkpoints, {len(self.damping)} dampings and "
+                f"{len(self.estimates)} estimates."
+            )
+        frozen = tuple(MappingProxyType(dict(e)) for e in self.estimates)
+        object.__setattr__(self, "estimates", frozen)
+        object.__setattr__(self, "info", MappingProxyType(dict(self.info)))
+        object.__setattr__(self, "_cache", {})  # inverses, computed once each
+
+    @property
+    def n_ckpt(self) -> int:
+        return len(self.checkpoints)
+
+    @property
+    def dim(self) -> int:
+        """Size of the space it acts on: ``k`` (projected) or ``p``."""
+        if self.kind == "projected":
+            return int(self.estimates[0]["matrix"].shape[0])
+        return sum(math.prod(shape) for _, shape in self.layout)
+
+    def metadata(self) -> dict[str, Any]:
+        """Everything but the tensors, as JSON types."""
+        return {
+            "kind": self.kind,
+            "checkpoints": [{"name": c.name, "lr": c.lr, "fingerprint": c.fingerprint}
+                            for c in self.checkpoints],
+            "layout": [[name, list(shape)] for name, shape in self.layout],
+            "projection": None if self.projection is None else self.projection.to_dict(),
+            "damping": list(self.damping),
+            "layers": [layer.to_list() for layer in self.layers],
+            "info": dict(self.info),
+        }
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the metadata and every tensor's bytes: equal digests, equal curvatures."""
+        if "digest" not in self._cache:
+            h = hashlib.sha256(json.dumps(self.metadata(), sort_keys=True).encode())
+            for estimate in self.estimates:
+                for name in sorted(estimate):
+                    value = estimate[name].detach().cpu().contiguous()
+                    h.update(f"{name}|{tuple(value.shape)}|{value.dtype}|".encode())
+                    h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+            self._cache["digest"] = h.hexdigest()
+        return self._cache["digest"]
+
+    def precondition(self, ckpt: int, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``(H_c + lambda_c I)^-1 g`` for per-example gradients ``{name: [b, *shape]}``.
+
+        Computed in float64, returned in the gradients' dtype; for every kind but
+        ``"projected"`` (which acts on projected rows: :meth:`precondition_rows`).
+        """
+        dtype = next(iter(grads.values())).dtype
+        grads = {name: value.double() for name, value in grads.items()}
+        if self.kind == "dense":
+            flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
+            return {n: v.to(dtype) for n, v in unflatten(flat, self.layout).items()}
+        out = {}
+        for layer in self.layers:
+            matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
+            if self.kind == "kfac":
+                matrix = kfac.precondition_kfac(matrix, self.factor_inverses(ckpt, layer))
+            else:
+                matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
+                                                 self.damping[ckpt])
+            out.update(split_layer(matrix, layer))
+        return {name: value.to(dtype) for name, value in out.items()}
+
+    def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:
+        """``(F_c + lambda_c I)^-1 row`` for projected rows ``[b, k]`` (``"projected"``).
+
+        The inverse is computed in float64 once, and applied in float64 to float64 rows and
+        in float32 otherwise (scores accumulate in float32 anyway; half the time of a
+        float64 product, which matters when ``k`` approaches ``n_train``).
+        """
+        dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        key = ("inverse", ckpt, dtype, rows.device)
+        if key not in self._cache:
+            self._cache[key] = self._inverse(ckpt).to(rows.device, dtype)
+        # [b, k] @ [k, k]; symmetric, so row @ inv = (inv @ row)^T
+        return (rows.to(dtype) @ self._cache[key]).to(rows.dtype)
+
+    def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
+        """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
+        key = ("factors", ckpt, layer.weight)
+        if key not in self._cache:
+            self._cache[key] = kfac.factor_inverses(self.estimates[ckpt], layer,
+                                                    self.damping[ckpt])
+        return self._cache[key]
+
+    def _inverse(self, ckpt: int) -> Tensor:
+        key = ("inverse", ckpt)
+        if key not in self._cache:
+            matrix = self.estimates[ckpt]["matrix"]
+            eye = torch.eye(matrix.shape[0], dtype=matrix.dtype)
+            self._cache[key] = torch.linalg.inv(matrix + self.damping[ckpt] * eye)
+        return self._cache[key]

@@ -83,3 +83,21 @@ def test_remove_store_refuses_a_store_being_written(tmp_path):
         assert path.exists()
     tif.remove_store(path)
     assert not path.exists()
+
+
+def test_a_store_opened_before_an_overwrite_refuses_to_read_the_new_files(tmp_path):
+    """Before (issue 25 item 7): the old object read the new files under its old metadata and
+    cached checks, and scores moved with no error."""
+    path = tmp_path / "g.zarr"
+    tif.save_store(memory_store(), path, progress=False)
+    old = tif.open_store(path)
+    old.read_rows(0, 0, 4)  # checks cached, shard index read
+    tif.save_store(memory_store(seed=1), path, overwrite=True, progress=False)
+    with pytest.raises(tif.errors.CorruptStoreError, match="replaced.*open_store"):
+        old.read_rows(0, 0, old.n_train)
+    with pytest.raises(tif.errors.CorruptStoreError, match="replaced"):
+        old.read_norms(1, 0, old.n_train)
+    with pytest.raises(tif.errors.CorruptStoreError, match="replaced"):
+        tif.score(old, old)
+    fresh = tif.open_store(path)
+    assert torch.equal(rows_of(fresh), rows_of(memory_store(seed=1)))

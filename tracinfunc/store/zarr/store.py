@@ -38,7 +38,7 @@ import zarr
 from torch import Tensor
 from zarr.storage import LocalStore
 
-from tracinfunc._validate import entry_point
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import (
     CorruptStoreError,
     IncompleteStoreError,
@@ -119,7 +119,8 @@ class ZarrStore(StoreProperties):
                     f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
                     "damaged or was edited by hand."
                 )
-        for name, value in (("_path", path), ("_group", group), ("_meta", meta),
+        for name, value in (("_path", path), ("_identity", _identity(path)),
+                            ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
                             ("_guard", guard), ("_readers", _readers(path, rows, guard))):
             object.__setattr__(self, name, value)
@@ -179,9 +180,20 @@ class ZarrStore(StoreProperties):
             self._read_stored(ckpt, start, stop, codes)
         return codes, self._read_per_row(self._scales, "read_codes", ckpt, start, stop)
 
+    def _check_identity(self) -> None:
+        """Refuse to read a store that was replaced at this path after it was opened: its
+        files would be read under this object's metadata, cached indices and checks."""
+        if self._identity is not None and _identity(self._path) != self._identity:
+            raise CorruptStoreError(
+                f"{current_caller()}: the store at {str(self._path)!r} was replaced (overwritten "
+                "or rebuilt) after this ZarrStore opened it, so its rows would be read under "
+                f"the old metadata; reopen it with tif.open_store({str(self._path)!r})."
+            )
+
     def _read_stored(self, ckpt: int, start: int, stop: int, target: Tensor) -> None:
         """Rows ``[start, stop)`` of the ``rows`` array as stored (floats or codes) into
         ``target``: raw shard reads when possible, else zarr's own path."""
+        self._check_identity()
         try:
             reader = self._readers[ckpt]
             if reader is not None and target.is_contiguous():
@@ -204,6 +216,7 @@ class ZarrStore(StoreProperties):
     def _read_per_row(self, arrays: list[zarr.Array], method: str, ckpt: int, start: int,
                       stop: int) -> Tensor:
         """Values ``[stop - start]`` of a one-value-per-row array (norms, scales), checked."""
+        self._check_identity()
         try:
             if self._guard is not None:
                 _check_chunk_files(self._guard, arrays[ckpt], start, stop)
@@ -263,6 +276,18 @@ def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[z
             f"ZarrStore: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
             f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."
         ) from error
+
+
+def _identity(path: Path | str) -> tuple[int, int] | None:
+    """``(device, inode)`` of a local store directory: a store swapped in by rename or rebuilt
+    has another. ``None`` for object storage (no directory to compare; see the stores page)."""
+    if is_url(path):
+        return None
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return (-1, -1)  # gone: differs from any identity taken at open
+    return (info.st_dev, info.st_ino)
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

@@ -135,10 +135,16 @@ def fill_store(
             if seen >= stop:  # past this part: later batches are other parts' work
                 break
             seen += size
-            # The data's first batch, stored before by the build being resumed: same data?
-            # (Only writers that can read rows back; a part of a sharded build starts later.)
-            if resume_at and seen == size and size and isinstance(writer, SupportsReadBack):
-                check_same_data(writer, rows_of(batch)[:, :resume_at], meta)
+            first = seen - size
+            computed = None
+            # Stored before by the build being resumed: same data? The first batch, and the
+            # last stored one (an example inserted or dropped anywhere before the resume point
+            # shifts every row after it). Only writers that can read rows back; a part of a
+            # sharded build starts later.
+            if (resume_at and size and isinstance(writer, SupportsReadBack)
+                    and (first == 0 or first < resume_at <= seen)):
+                computed = rows_of(batch)
+                check_same_data(writer, computed[:, : resume_at - first], meta, start=first)
             if size == 0 or seen <= resume_at:  # stored before the interruption: skip
                 continue
             if not checked:
@@ -146,8 +152,8 @@ def fill_store(
                 checked = True
             # A batch straddling the resume point or the part's end is computed whole, as in
             # a one-process build, and cut: the rows are bit-identical.
-            first = seen - size
-            rows = rows_of(batch)[:, max(0, resume_at - first) : min(size, stop - first)]
+            computed = rows_of(batch) if computed is None else computed
+            rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
             check_finite(rows, meta, first_row=writer.rows_written)
             writer.append(rows, rows.norm(dim=-1))
             bar.update(rows.shape[1])

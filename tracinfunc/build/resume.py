@@ -35,11 +35,12 @@ class SupportsReadBack(Protocol):
         ...
 
 
-def check_same_data(writer: object, rows: Tensor, meta: StoreMeta) -> None:
-    """Raise unless ``rows`` ``[n_ckpt, b, k]`` (recomputed) match rows ``[0, b)`` as stored."""
+def check_same_data(writer: object, rows: Tensor, meta: StoreMeta, *, start: int = 0) -> None:
+    """Raise unless ``rows`` ``[n_ckpt, b, k]`` (recomputed) match rows ``[start, start + b)``
+    as stored."""
     if not isinstance(writer, SupportsReadBack) or rows.shape[1] == 0:
         return
-    stored = writer.read_back(0, rows.shape[1]).to(torch.float64)
+    stored = writer.read_back(start, start + rows.shape[1]).to(torch.float64)
     recomputed = rows.detach().to(meta.torch_dtype).to(device="cpu", dtype=torch.float64)
     slack = torch.zeros(())
     if meta.quantization is not None:
@@ -54,9 +55,9 @@ def check_same_data(writer: object, rows: Tensor, meta: StoreMeta) -> None:
     error = (((recomputed - stored).norm(dim=-1, keepdim=True) - slack) / scale).max().item()
     if not error <= _TOLERANCE:
         raise IncompatibleGradientsError(
-            f"{current_caller()}: the data does not match the store being resumed: the first "
-            f"{rows.shape[1]} examples give rows that differ from the stored ones (relative "
-            f"difference {error:.3g}). Resume with the same data, in the same order, and the "
+            f"{current_caller()}: the data does not match the store being resumed: examples "
+            f"[{start}, {start + rows.shape[1]}) give rows that differ from the stored ones "
+            f"(relative difference {error:.3g}). Resume with the same data, in the same order, and the "
             "same options (mixed_precision, dtype) as the interrupted build, or delete the "
             "store (or use another path) to start over."
         )

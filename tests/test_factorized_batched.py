@@ -126,3 +126,18 @@ def test_the_batched_path_neither_copies_nor_differentiates_the_weights():
         torch.Tensor.clone = original
     big = [shape for shape in seen if shape.numel() >= 32 * 32]
     assert big == [] and all(p.grad is None for p in params.values())
+
+
+def test_llm_throughput_benchmark_quick_mode_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "llm_throughput.py"
+    spec = importlib.util.spec_from_file_location("llm_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--quick"])
+    assert [(r["method"], r["precondition"]) for r in rows] == [
+        ("kronecker", None), ("kronecker", "adam factored")]
+    assert all(r["tool_s"] > 0 and r["floor_s"] > 0 and -1 <= r["r"] <= 1 for r in rows)
+    assert "x floor" in capsys.readouterr().out

@@ -16,20 +16,31 @@ from tracinfunc.grads.factorized import factorized_projected_grads
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
 
 SPEC = tif.Projection(dim=16, seed=3, kind="kronecker")
-MATCHED = "transformer.h.*.weight"  # the blocks' Conv1D weights (and LayerNorm weights)
+MATCHED = "transformer.h.*.c_*.weight"  # the blocks' Conv1D weights (bergson's default)
 
 
 def params_of(model):
     return {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
 
 
-def both_paths(loss, params, batch, *, spec=SPEC, **keywords):
-    """``(batched rows, vmapped rows)``; the batched path must be taken (no fallback)."""
+def both_paths(loss, params, batch, *, spec=SPEC, mode=None, **keywords):
+    """``(batched rows, vmapped rows)``; the batched path must be taken (no fallback), by
+    ``mode`` (``"forward"``: one batched forward; ``"vmap"``) when given."""
+    fn = factorized_projected_grads(loss, spec, **keywords)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BatchedPathWarning)
-        fast = factorized_projected_grads(loss, spec, **keywords)(params, batch)
+        fast = fn(params, batch)
+    if mode is not None:
+        assert plan_of(fn).batched == mode
     slow = factorized_projected_grads(loss, spec, batched=False, **keywords)(params, batch)
     return fast, slow
+
+
+def plan_of(fn):
+    """The one plan a factorised function made (a test peeks at its closure)."""
+    cells = [c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict)]
+    (plan,) = [p for plans in cells for p in plans.values()]
+    return plan
 
 
 def tolerances(dtype):
@@ -42,7 +53,8 @@ def tolerances(dtype):
 def test_gpt2_conv1d_rows_equal_the_vmapped_path(dtype, select):
     model = tiny_gpt2(dtype=dtype)
     batch = token_batch(n=5)
-    fast, slow = both_paths(tif.causal_lm_loss(model), params_of(model), batch, select=select)
+    fast, slow = both_paths(tif.causal_lm_loss(model), params_of(model), batch, select=select,
+                            mode="forward" if select else "vmap")
     assert fast.shape == (5, 16) and fast.dtype == dtype
     torch.testing.assert_close(fast, slow, **tolerances(dtype))
 
@@ -81,6 +93,33 @@ def test_lora_rows_equal_the_vmapped_path(dtype):
     torch.testing.assert_close(fast, slow, **tolerances(dtype))
 
 
+class Interacting(torch.nn.Module):
+    """Rows interact in a batched forward (each gets the batch mean added): per example the
+    model is ``2 * fc(x)``, which vmap computes, but not one batched forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(torch.tanh(h + h.mean(dim=0, keepdim=True)))
+
+
+def test_examples_that_interact_in_a_batched_forward_keep_the_vmap_forward():
+    model = Interacting().double().eval()
+    loss, batch = tif.loss_from_module(model, F.cross_entropy), make_data(6)
+    params = params_of(model)
+    weights = {name: value for name, value in params.items() if name.endswith("weight")}
+    fn = factorized_projected_grads(loss, SPEC, select=list(weights))
+    with pytest.warns(BatchedPathWarning, match="examples may interact"):
+        got = fn(params, batch)
+    assert plan_of(fn).batched == "vmap"
+    expected = factorized_projected_grads(loss, SPEC, select=list(weights), batched=False)(
+        params, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_rows_that_disagree_on_the_first_batch_fall_back_with_the_reason(monkeypatch):
     model, batch = make_mlp(), make_data(6)
     loss, params = tif.loss_from_module(model.eval(), F.cross_entropy), params_of(model)
@@ -89,7 +128,7 @@ def test_rows_that_disagree_on_the_first_batch_fall_back_with_the_reason(monkeyp
     monkeypatch.setattr(factorized_batched, "batched_rows",
                         lambda *args: real(*args) + 1.0)  # e.g. examples that interact
     fn = tif.projected_grads(loss, SPEC)
-    with pytest.warns(BatchedPathWarning, match="differ from the vmapped path"):
+    with pytest.warns(BatchedPathWarning, match="differ from the per-example ones"):
         got = fn(params, batch)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     with warnings.catch_warnings():

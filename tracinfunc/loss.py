@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
@@ -85,6 +85,34 @@ class ModuleLoss:
         if self.criterion is not None:
             return self.criterion(outputs, batched)
         return _own_loss(outputs)
+
+    def per_example(self, params: Params, batch: Any) -> Tensor:
+        """The losses ``[b]`` of a batch from one batched forward of the module.
+
+        Equal to ``vmap(self)(params, batch)`` when the model's rows do not interact (eval
+        mode, no cross-example layer); callers check that (the batched kronecker path
+        compares with its vmapped path on the first batch). Attention uses any SDPA kernel.
+
+        Raises:
+            LossFunctionError: the loss is the model's own ``outputs.loss`` (a batch mean).
+        """
+        if self.criterion is None:
+            raise LossFunctionError(
+                "ModuleLoss.per_example: the model's own outputs.loss is a mean over the "
+                "batch, not per example; pass criterion=."
+            )
+        self._check_names(params)
+        state = {**self.buffers, **params}
+        if self.pair:
+            inputs, target = batch
+            outputs = functional_call(self.module, (state,), (inputs,))
+            return torch.stack([self.criterion(_row(outputs, i), target[i:i + 1])
+                                for i in range(target.shape[0])])
+        args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
+        outputs = functional_call(self.module, (state,), args, kwargs)
+        size = tree_leaves(batch)[0].shape[0]
+        return torch.stack([self.criterion(_row(outputs, i), _row(batch, i))
+                            for i in range(size)])
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> ModuleLoss:
         """The same loss with ``buffers`` (e.g. a checkpoint's) replacing those of that name.
@@ -193,6 +221,12 @@ def loss_from_model(
         )
     return ModuleLoss(model, criterion, _buffers_of(model, buffers), pair=False,
                       skip_keys=frozenset(skip_keys))
+
+
+def _row(tree: Any, i: int) -> Any:
+    """Row ``i`` of every tensor leaf of ``tree``, keeping a batch dimension of 1."""
+    return tree_map(lambda leaf: leaf[i:i + 1] if isinstance(leaf, Tensor) and leaf.dim()
+                    else leaf, tree)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -48,6 +48,7 @@ from tracinfunc.grads.layer_rules import (
     tapping,
 )
 from tracinfunc.grads.selection import Selection, check_select, selected_names
+from tracinfunc.loss import ModuleLoss
 from tracinfunc.precondition import Preconditioner
 from tracinfunc.precondition_factored import preconditioned_sides
 from tracinfunc.projection import (
@@ -276,9 +277,18 @@ def factorized_projected_grads(
         if not batched:
             return vmapped(batch)
         return batched_or_vmapped(plan, selected_loss, chosen, batch, order, shapes,
-                                  vmapped=vmapped, chunk_size=chunk_size)
+                                  vmapped=vmapped, chunk_size=chunk_size,
+                                  batch_loss=_batch_loss(loss, frozen))
 
     return factorized_fn
+
+
+def _batch_loss(loss: LossFn, frozen: Params):
+    """``batch_loss(selected, batch) -> [b]`` from one batched forward, for a
+    :class:`~tracinfunc.ModuleLoss` with a criterion; else ``None``."""
+    if not isinstance(loss, ModuleLoss) or loss.criterion is None:
+        return None
+    return lambda selected, batch: loss.per_example({**frozen, **selected}, batch)
 
 
 def factorized_weights(loss: LossFn, params: Params, example: Example, *,

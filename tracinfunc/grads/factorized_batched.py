@@ -36,13 +36,15 @@ from tracinfunc.types import Batch, LossFn, Params
 __all__ = ["BatchedPathWarning", "batched_or_vmapped", "batched_rows"]
 
 _CHECKED_EXAMPLES = 4  # of the first batch, compared with the vmapped path
+BatchLoss = Callable[[Params, Batch], Tensor]
 
 
 class BatchedPathWarning(UserWarning):
     """The batched factorised path does not apply to a loss; the vmapped path is used."""
 
 
-def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes) -> Tensor:
+def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes,
+                 batch_loss: BatchLoss | None = None) -> Tensor:
     """``[b, k]`` rows of ``batch`` from one backward of its summed loss.
 
     Args:
@@ -51,7 +53,13 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
         params: The differentiated parameters (the plan's layout).
         batch: Examples with a leading batch dimension ``b``.
         order, shapes: The layer calls and their output shapes for one example.
+        batch_loss: ``batch_loss(params, batch) -> [b]`` from one batched forward (no
+            vmap; every parameter must be a factorised weight, and every layer output of
+            one example must have a leading dimension of 1, its batch dimension), or
+            ``None``: the forward is ``vmap(loss)``.
     """
+    if batch_loss is not None:
+        return _direct_rows(plan, batch_loss, params, batch, order, shapes)
     b = tree_leaves(batch)[0].shape[0]
     consts = {name: params[name].detach() for name in plan.weights}  # views, no copy
     rest = {name: value.detach() for name, value in params.items() if name not in consts}
@@ -80,6 +88,30 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
         grads = torch.autograd.grad(values.sum(), [*taps, *shifts.values()],
                                     allow_unused=True, materialize_grads=True)
     deltas, rest_grads = grads[:len(taps)], dict(zip(shifts, grads[len(taps):], strict=True))
+    return _project(plan, modules, inputs, deltas, rest_grads)
+
+
+def _direct_rows(plan, batch_loss: BatchLoss, params: Params, batch: Batch, order, shapes
+                 ) -> Tensor:
+    """:func:`batched_rows` from a batched forward: layer outputs ``[b, ...]`` are one
+    example's ``[1, ...]`` stacked."""
+    b = tree_leaves(batch)[0].shape[0]
+    consts = {name: params[name].detach() for name in plan.weights}  # views, no copy
+    ids = {id(consts[name]): i for i, name in enumerate(plan.weights)}
+    taps = [torch.zeros((b, *shape[1:]), dtype=dtype, device=plan.device, requires_grad=True)
+            for shape, dtype in shapes]
+    with torch.enable_grad(), tapping(ids, taps, order) as seen:
+        values = batch_loss(consts, batch)  # [b]
+        deltas = torch.autograd.grad(values.sum(), taps, materialize_grads=True)
+    if len(seen) != len(order):
+        raise RuntimeError(f"{len(seen)} layer calls on a batch, {len(order)} per example")
+    modules = [(index, module) for index, module, _, _ in seen]
+    inputs = [x.unsqueeze(1) for _, _, x, _ in seen]  # [b, 1, ...]: one example's [1, ...]
+    return _project(plan, modules, inputs, [d.unsqueeze(1) for d in deltas], {})
+
+
+def _project(plan, modules, inputs, deltas, rest_grads: Params) -> Tensor:
+    """``[b, k]``: each example's row from its layers' inputs and output gradients."""
 
     def one_row(inputs: list[Tensor], deltas: list[Tensor], rest_grads: Params) -> Tensor:
         sides = [(index, layer_rule(module), *rule_sides(layer_rule(module), module, x, delta))
@@ -91,51 +123,73 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
 
 
 def batched_or_vmapped(plan, loss: LossFn, params: Params, batch: Batch, order, shapes, *,
-                       vmapped: Callable[[Batch], Tensor], chunk_size: int | None) -> Tensor:
+                       vmapped: Callable[[Batch], Tensor], chunk_size: int | None,
+                       batch_loss: BatchLoss | None = None) -> Tensor:
     """``[b, k]`` by the batched path once the first batch proved it, else by ``vmapped``.
 
-    ``plan.batched`` records the outcome (``None`` until the first batch), and
-    ``plan.fallback_reason`` why the vmapped path is used.
+    The first batch tries one batched forward (``batch_loss``, where it applies), then
+    ``vmap(loss)``, and keeps the first whose rows equal ``vmapped``'s. ``plan.batched``
+    records the outcome (``None`` until the first batch; ``"forward"``, ``"vmap"`` or
+    ``False``), ``plan.fallback_reason`` why a faster one was not kept.
     """
+    if plan.batched is None:
+        return _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size,
+                      batch_loss)
     if plan.batched is False:
         return vmapped(batch)
-    if plan.batched is None:
-        return _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size)
-    return _chunked(plan, loss, params, batch, order, shapes, chunk_size)
+    direct = batch_loss if plan.batched == "forward" else None
+    return _chunked(plan, loss, params, batch, order, shapes, chunk_size, direct)
 
 
-def _chunked(plan, loss, params, batch, order, shapes, chunk_size: int | None) -> Tensor:
+def _chunked(plan, loss, params, batch, order, shapes, chunk_size: int | None,
+             batch_loss: BatchLoss | None) -> Tensor:
     b = tree_leaves(batch)[0].shape[0]
     step = b if chunk_size is None else chunk_size
-    parts = [batched_rows(plan, loss, params, _rows(batch, start, start + step), order, shapes)
-             for start in range(0, b, step)]
+    parts = [batched_rows(plan, loss, params, _rows(batch, start, start + step), order, shapes,
+                          batch_loss) for start in range(0, b, step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size) -> Tensor:
-    try:
-        rows = _chunked(plan, loss, params, batch, order, shapes, chunk_size)
-    except RuntimeError as error:
-        return _fall_back(plan, f"its backward failed ({error})", vmapped, batch)
-    head = min(rows.shape[0], _CHECKED_EXAMPLES)
-    expected = vmapped(_rows(batch, 0, head))
-    error = float(((rows[:head] - expected).norm(dim=1)
-                   / expected.norm(dim=1).clamp_min(1e-30)).max())
-    allowed = 1e-6 if rows.dtype == torch.float64 else 1e-3
-    if not error <= allowed:
-        return _fall_back(plan, f"its rows differ from the vmapped path's on the first batch "
-                          f"(relative difference {error:.3g}, allowed {allowed})", vmapped, batch)
-    plan.batched = True
-    return rows
-
-
-def _fall_back(plan, reason: str, vmapped, batch: Batch) -> Tensor:
-    plan.batched, plan.fallback_reason = False, reason
-    warnings.warn(
-        f"projected_grads: kind='kronecker' uses the per-example (vmapped) backward for this "
-        f"loss, not one batched backward, because {reason}. The rows are the same; only the "
-        "speed differs.", BatchedPathWarning, stacklevel=5)
+def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_loss) -> Tensor:
+    b = tree_leaves(batch)[0].shape[0]
+    expected = vmapped(_rows(batch, 0, min(b, _CHECKED_EXAMPLES)))
+    reasons = []
+    forward_applies = (batch_loss is not None and len(plan.weights) == len(params)
+                       and all(shape[:1] == (1,) for shape, _ in shapes))
+    for mode in ("forward", "vmap") if forward_applies else ("vmap",):
+        direct = batch_loss if mode == "forward" else None
+        try:
+            rows = _chunked(plan, loss, params, batch, order, shapes, chunk_size, direct)
+        except RuntimeError as error:
+            reasons.append(f"{_NAMES[mode]} failed ({error})")
+            continue
+        error = float(((rows[:len(expected)] - expected).norm(dim=1)
+                       / expected.norm(dim=1).clamp_min(1e-30)).max())
+        allowed = 1e-6 if rows.dtype == torch.float64 else 1e-3
+        if error <= allowed:
+            plan.batched = mode
+            _say(plan, reasons, "uses one backward of vmap(loss) over the batch")
+            return rows
+        reasons.append(f"{_NAMES[mode]} gives rows that differ from the per-example ones on "
+                       f"the first batch (relative difference {error:.3g}, allowed {allowed})")
+    plan.batched = False
+    _say(plan, reasons, "uses the per-example (vmapped) backward")
     return vmapped(batch)
+
+
+_NAMES = {"forward": "one batched forward of the module (examples may interact: a "
+                     "cross-example layer, or outputs without a batch dimension)",
+          "vmap": "the batched backward"}
+
+
+def _say(plan, reasons: list[str], instead: str) -> None:
+    if not reasons:
+        return
+    plan.fallback_reason = "; ".join(reasons)
+    warnings.warn(
+        f"projected_grads: kind='kronecker' {instead} for this loss because "
+        f"{plan.fallback_reason}. The rows are the same; only the speed differs.",
+        BatchedPathWarning, stacklevel=6)
 
 
 def _rows(batch: Batch, start: int, stop: int) -> Batch:

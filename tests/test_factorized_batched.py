@@ -54,7 +54,7 @@ def test_gpt2_conv1d_rows_equal_the_vmapped_path(dtype, select):
     model = tiny_gpt2(dtype=dtype)
     batch = token_batch(n=5)
     fast, slow = both_paths(tif.causal_lm_loss(model), params_of(model), batch, select=select,
-                            mode="forward" if select else "vmap")
+                            mode="forward")
     assert fast.shape == (5, 16) and fast.dtype == dtype
     torch.testing.assert_close(fast, slow, **tolerances(dtype))
 
@@ -74,8 +74,45 @@ def test_linear_and_conv_rows_equal_the_vmapped_path(dtype, chunk_size):
                          (make_convnet(dtype=dtype),
                           (torch.randn(5, 1, 8, 8, dtype=dtype), torch.randint(0, 3, (5,))))):
         loss = tif.loss_from_module(model.eval(), F.cross_entropy)
-        fast, slow = both_paths(loss, params_of(model), batch, chunk_size=chunk_size)
+        fast, slow = both_paths(loss, params_of(model), batch, chunk_size=chunk_size,
+                                mode="forward")
         torch.testing.assert_close(fast, slow, **tolerances(dtype))
+
+
+def test_shared_layers_and_layer_norm_in_one_batched_forward():
+    from tests.test_factorized import Tokens
+
+    model = Tokens().double().eval()  # a Linear called twice, a LayerNorm, biases
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(5, 3, 4, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (5,), generator=g))
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    fast, slow = both_paths(loss, params_of(model), batch, mode="forward")
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+
+
+class Scaled(torch.nn.Module):
+    """A free parameter outside any layer: no rule gives its per-example gradient from
+    one batched forward, so the vmap forward is used."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = torch.nn.Linear(6, 3), torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_parameter_outside_the_rules_keeps_the_vmap_forward():
+    model = Scaled().double().eval()
+    loss, batch = tif.loss_from_module(model, F.cross_entropy), make_data(5)
+    params = params_of(model)
+    fn = factorized_projected_grads(loss, SPEC)
+    with pytest.warns(BatchedPathWarning, match=r"parameters \['scale'\]"):
+        got = fn(params, batch)
+    assert plan_of(fn).batched == "vmap"
+    expected = factorized_projected_grads(loss, SPEC, batched=False)(params, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -89,7 +126,7 @@ def test_lora_rows_equal_the_vmapped_path(dtype):
             if "lora_B" in name:
                 value.normal_(0, 0.1)
     params = dict(tif.Checkpoint.from_module(model).params)
-    fast, slow = both_paths(tif.causal_lm_loss(model), params, token_batch(n=4))
+    fast, slow = both_paths(tif.causal_lm_loss(model), params, token_batch(n=4), mode="forward")
     torch.testing.assert_close(fast, slow, **tolerances(dtype))
 
 

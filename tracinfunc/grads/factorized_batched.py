@@ -30,6 +30,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc.errors import LossFunctionError
+from tracinfunc.grads.factorized_forward import forward_sides
 from tracinfunc.grads.layer_rules import layer_rule, rule_sides, tapping
 from tracinfunc.types import Batch, LossFn, Params
 
@@ -54,12 +55,11 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
         batch: Examples with a leading batch dimension ``b``.
         order, shapes: The layer calls and their output shapes for one example.
         batch_loss: ``batch_loss(params, batch) -> [b]`` from one batched forward (no
-            vmap; every parameter must be a factorised weight, and every layer output of
-            one example must have a leading dimension of 1, its batch dimension), or
-            ``None``: the forward is ``vmap(loss)``.
+            vmap; see :mod:`~tracinfunc.grads.factorized_forward`), or ``None``: the
+            forward is ``vmap(loss)``.
     """
     if batch_loss is not None:
-        return _direct_rows(plan, batch_loss, params, batch, order, shapes)
+        return _project(plan, *forward_sides(plan, batch_loss, params, batch, order, shapes))
     b = tree_leaves(batch)[0].shape[0]
     consts = {name: params[name].detach() for name in plan.weights}  # views, no copy
     rest = {name: value.detach() for name, value in params.items() if name not in consts}
@@ -89,25 +89,6 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
                                     allow_unused=True, materialize_grads=True)
     deltas, rest_grads = grads[:len(taps)], dict(zip(shifts, grads[len(taps):], strict=True))
     return _project(plan, modules, inputs, deltas, rest_grads)
-
-
-def _direct_rows(plan, batch_loss: BatchLoss, params: Params, batch: Batch, order, shapes
-                 ) -> Tensor:
-    """:func:`batched_rows` from a batched forward: layer outputs ``[b, ...]`` are one
-    example's ``[1, ...]`` stacked."""
-    b = tree_leaves(batch)[0].shape[0]
-    consts = {name: params[name].detach() for name in plan.weights}  # views, no copy
-    ids = {id(consts[name]): i for i, name in enumerate(plan.weights)}
-    taps = [torch.zeros((b, *shape[1:]), dtype=dtype, device=plan.device, requires_grad=True)
-            for shape, dtype in shapes]
-    with torch.enable_grad(), tapping(ids, taps, order) as seen:
-        values = batch_loss(consts, batch)  # [b]
-        deltas = torch.autograd.grad(values.sum(), taps, materialize_grads=True)
-    if len(seen) != len(order):
-        raise RuntimeError(f"{len(seen)} layer calls on a batch, {len(order)} per example")
-    modules = [(index, module) for index, module, _, _ in seen]
-    inputs = [x.unsqueeze(1) for _, _, x, _ in seen]  # [b, 1, ...]: one example's [1, ...]
-    return _project(plan, modules, inputs, [d.unsqueeze(1) for d in deltas], {})
 
 
 def _project(plan, modules, inputs, deltas, rest_grads: Params) -> Tensor:
@@ -154,13 +135,12 @@ def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_
     b = tree_leaves(batch)[0].shape[0]
     expected = vmapped(_rows(batch, 0, min(b, _CHECKED_EXAMPLES)))
     reasons = []
-    forward_applies = (batch_loss is not None and len(plan.weights) == len(params)
-                       and all(shape[:1] == (1,) for shape, _ in shapes))
+    forward_applies = batch_loss is not None and all(shape[:1] == (1,) for shape, _ in shapes)
     for mode in ("forward", "vmap") if forward_applies else ("vmap",):
         direct = batch_loss if mode == "forward" else None
         try:
             rows = _chunked(plan, loss, params, batch, order, shapes, chunk_size, direct)
-        except RuntimeError as error:
+        except _CAUGHT[mode] as error:
             reasons.append(f"{_NAMES[mode]} failed ({error})")
             continue
         error = float(((rows[:len(expected)] - expected).norm(dim=1)
@@ -177,6 +157,8 @@ def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_
     return vmapped(batch)
 
 
+# A model may refuse a real batch in many ways (the vmap modes then say what is wrong).
+_CAUGHT = {"forward": Exception, "vmap": RuntimeError}
 _NAMES = {"forward": "one batched forward of the module (examples may interact: a "
                      "cross-example layer, or outputs without a batch dimension)",
           "vmap": "the batched backward"}

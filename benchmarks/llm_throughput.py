@@ -11,7 +11,10 @@ default) and ``all``. Methods:
 - ``kronecker vmapped``: the same rows by the per-example (vmapped) backward (before);
 - ``sjlt``: materialised per-example gradients, sparse projection;
 - ``+adam factored``: kronecker with Adam (LESS) preconditioning, second moment in
-  Adafactor form (stays factorised); ``+adam exact``: the exact diagonal (generic path).
+  Adafactor form (stays factorised); ``+adam exact``: the exact diagonal (generic path);
+- ``bergson`` (when ``.venv-bergson`` exists, ``make bench-setup``; ``benchmarks/
+  _bergson_child.py``): per-module projection ``p x p`` (p=16 on the small model, 9 on
+  GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.
 
 On the small model each method's scores are compared with exact TracIn (dense per-example
 gradients, exact diagonal Adam where preconditioned): Pearson r and top-10 overlap.
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
            ("kronecker", "adam factored"), ("kronecker", "adam exact")]
@@ -180,8 +184,11 @@ def child_main(cfg: dict) -> None:
 
 def spawn(cfg: dict) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], env=env,
-                         capture_output=True, text=True, check=False)
+    command = [sys.executable, __file__, "--child", json.dumps(cfg)]
+    if cfg["method"] == "bergson":
+        command = [bergson_python(), str(Path(__file__).with_name("_bergson_child.py")),
+                   json.dumps(cfg)]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"configuration {cfg} failed:\n{out.stderr[-3000:]}")
@@ -212,12 +219,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def configurations(args) -> list[dict]:
     methods = METHODS[::3] if args.quick else METHODS
+    if not args.quick and Path(bergson_python()).exists():
+        methods = [("bergson", None), *methods]
     return [{"model": size, "params": params, "method": method,
              "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
              "k": args.k, "repeats": args.repeats, "quick": args.quick,
-             "agreement": size == "small"}
+             "agreement": size == "small", "p": 16 if size == "small" else 9}
             for size in args.models for params in ("matched", "all")[:1 + (not args.quick)]
             for method, precondition in methods]
+
+
+def bergson_python() -> str:
+    """bergson's own environment (``make bench-setup``), or ``$BERGSON_PYTHON``."""
+    root = Path(__file__).resolve().parent.parent
+    return os.environ.get("BERGSON_PYTHON", str(root / ".venv-bergson" / "bin" / "python"))
 
 
 def print_row(row: dict, flush: bool = False) -> None:

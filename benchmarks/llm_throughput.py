@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--methods", nargs="+", help="only these, e.g. kronecker bergson "
+                        "'kronecker+adam factored' (default: all)")
+    parser.add_argument("--params", nargs="+", default=["matched", "all"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -244,12 +247,18 @@ def configurations(args) -> list[dict]:
     methods = METHODS[::3] if args.quick else METHODS
     if not args.quick and Path(bergson_python()).exists():
         methods = [("bergson", None), *methods]
+    if args.methods:
+        methods = [(m, p) for m, p in methods if _label(m, p) in args.methods]
     return [{"model": size, "params": params, "method": method,
              "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
              "k": args.k, "repeats": args.repeats, "quick": args.quick,
              "agreement": size == "small", "p": 16 if size == "small" else 9}
-            for size in args.models for params in ("matched", "all")[:1 + (not args.quick)]
+            for size in args.models for params in args.params[:1 if args.quick else None]
             for method, precondition in methods]
+
+
+def _label(method: str, precondition: str | None) -> str:
+    return method + (f"+{precondition}" if precondition else "")
 
 
 def bergson_python() -> str:
@@ -259,7 +268,7 @@ def bergson_python() -> str:
 
 
 def print_row(row: dict, flush: bool = False) -> None:
-    label = row["method"] + (f" +{row['precondition']}" if row["precondition"] else "")
+    label = _label(row["method"], row["precondition"])
     agree = (f"r {row['r']:.3f}  top-10 {row['top10']:.2f}" if "r" in row else "")
     if "r_factored_vs_exact" in row:
         agree += f"  (factored vs exact Adam, unprojected: r {row['r_factored_vs_exact']:.3f})"

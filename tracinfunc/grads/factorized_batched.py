@@ -12,11 +12,15 @@ gradient per example is the shift's). The layers' inputs come out of the vmapped
 each example's row is then projected exactly as on the vmapped path (same code,
 :meth:`_Plan.combine`), batched over examples.
 
-The first batch proves the path: the rows of its first examples must equal the vmapped
-path's (relative difference at most 1e-3 in float32, 1e-6 in float64), and a batched
-backward that fails (an operation autograd cannot differentiate outside torch.func) or
-disagrees makes this plan use the vmapped path from then on, with a
-:class:`BatchedPathWarning` giving the reason.
+For a :class:`~tracinfunc.ModuleLoss` a faster mode skips vmap in the forward too: the
+model's own batched forward (:mod:`tracinfunc.grads.factorized_forward`).
+
+The first batch proves the modes, fastest first: the rows of its first examples must equal
+the vmapped path's (relative difference at most 1e-3 in float32, 1e-6 in float64). A mode that
+fails (an operation autograd cannot differentiate outside torch.func, a model that refuses a
+real batch) or disagrees (examples that interact in a batched forward) is dropped for this
+plan, with a :class:`BatchedPathWarning` giving the reason; the vmapped path is the last
+resort.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ BatchLoss = Callable[[Params, Batch], Tensor]
 
 
 class BatchedPathWarning(UserWarning):
-    """The batched factorised path does not apply to a loss; the vmapped path is used."""
+    """A faster mode of the factorised path does not apply to a loss; a slower one with the
+    same rows is used (the message says why)."""
 
 
 def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes,

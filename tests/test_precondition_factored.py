@@ -103,3 +103,21 @@ def test_factored_must_be_a_bool():
     state = tif.Preconditioner.from_optimizer(optimizer, model).state
     with pytest.raises(tif.errors.InvalidTypeError, match="factored must be True or False"):
         tif.Preconditioner("adam", state, factored="yes")
+
+
+def test_a_factored_preconditioner_keeps_kronecker_off_the_generic_path(monkeypatch):
+    from tracinfunc.grads import transforms
+
+    model, optimizer = trained()
+    exact = tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
+    loss, batch = tif.loss_from_module(model, F.cross_entropy), make_data(4, seed=7)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    spec = tif.Projection(dim=16, seed=0, kind="kronecker")
+
+    def generic(*args, **kwargs):
+        raise AssertionError("materialised per-example gradients")
+
+    monkeypatch.setattr(transforms, "_plain_projected", generic)
+    tif.projected_grads(loss, spec, precondition=exact.as_factored())(params, batch)
+    with pytest.raises(AssertionError, match="materialised"):
+        tif.projected_grads(loss, spec, precondition=exact)(params, batch)

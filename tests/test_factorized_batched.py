@@ -217,3 +217,16 @@ def test_llm_throughput_benchmark_quick_mode_runs(capsys):
         ("kronecker", None), ("kronecker", "adam factored")]
     assert all(r["tool_s"] > 0 and r["floor_s"] > 0 and -1 <= r["r"] <= 1 for r in rows)
     assert "x floor" in capsys.readouterr().out
+
+
+def test_module_loss_per_example_equals_vmap_of_the_loss():
+    from torch.func import vmap
+
+    model, batch = tiny_gpt2(), token_batch(n=4)  # right padding of varied lengths
+    loss, params = tif.causal_lm_loss(model), params_of(model)
+    torch.testing.assert_close(loss.per_example(params, batch),
+                               vmap(loss, in_dims=(None, 0))(params, batch),
+                               rtol=1e-10, atol=1e-12)
+    own = tif.loss_from_model(model)  # outputs.loss: a batch mean, not per example
+    with pytest.raises(tif.errors.LossFunctionError, match="pass criterion="):
+        own.per_example(params, {**batch, "labels": batch["input_ids"]})

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
+from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.layer_rules import layer_rule, tapping
 from tracinfunc.types import Batch, Params
 
@@ -36,7 +37,7 @@ def forward_sides(plan, batch_loss: Callable[[Params, Batch], Tensor], params: P
     """``(modules, inputs [b, 1, ...], deltas [b, 1, ...], rest grads [b, *shape])``.
 
     Raises:
-        RuntimeError: a parameter is neither a factorised weight nor claimed by a rule, or
+        LossFunctionError: a parameter is neither a factorised weight nor claimed by a rule, or
             the batched forward called the layers differently.
     """
     b = tree_leaves(batch)[0].shape[0]
@@ -51,7 +52,9 @@ def forward_sides(plan, batch_loss: Callable[[Params, Batch], Tensor], params: P
         grads = torch.autograd.grad(values.sum(), taps + [tap for *_, tap in claims.norms],
                                     materialize_grads=True)
     if len(seen) != len(order):
-        raise RuntimeError(f"{len(seen)} layer calls on a batch, {len(order)} per example")
+        raise LossFunctionError(
+            f"projected_grads: {len(seen)} layer calls in one batched forward, {len(order)} "
+            "for one example")
     deltas, norm_deltas = grads[:len(taps)], grads[len(taps):]
     rest_grads: dict[str, Tensor] = {}
     for (_, module, _, _), bias, delta in zip(seen, claims.biases, deltas, strict=True):
@@ -64,8 +67,9 @@ def forward_sides(plan, batch_loss: Callable[[Params, Batch], Tensor], params: P
         _add(rest_grads, names[1], delta.reshape(b, -1, width).sum(1))
     missing = sorted(set(rest.values()) - set(rest_grads))
     if missing:
-        raise RuntimeError(f"parameters {missing[:4]} are not biases of factorised layers or "
-                           "LayerNorm parameters")
+        raise LossFunctionError(
+            f"projected_grads: parameters {missing[:4]} are not biases of factorised layers "
+            "or LayerNorm parameters")
     modules = [(index, module) for index, module, _, _ in seen]
     # An input shared by the batch (GPT-2's position ids, [1, T]) is every example's input.
     inputs = [x.detach().expand(b, *x.shape[1:]).unsqueeze(1) for _, _, x, _ in seen]

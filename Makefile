@@ -4,6 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 DATTRI_VENV ?= .venv-dattri
+BERGSON_VENV ?= .venv-bergson
 BIN := $(VENV)/bin
 
 .PHONY: quickstart test lint docs install clean bench bench-setup
@@ -34,9 +35,16 @@ bench-setup: install
 	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e ".[bench]"
 	test -x $(DATTRI_VENV)/bin/python || $(PYTHON) -m venv $(DATTRI_VENV)
 	$(DATTRI_VENV)/bin/python -m pip install -q -c constraints-cpu.txt dattri==0.3.0 torch
+	# bergson's metadata asks for torchvision, torchaudio and bitsandbytes (CUDA builds), which
+	# it never imports: install it without dependencies, then the ones it imports.
+	test -x $(BERGSON_VENV)/bin/python || $(PYTHON) -m venv $(BERGSON_VENV)
+	$(BERGSON_VENV)/bin/python -m pip install -q -c constraints-cpu.txt torch transformers \
+		peft accelerate datasets numpy safetensors simple-parsing jaxtyping torchopt ml_dtypes \
+		natsort psutil tqdm pyarrow scipy pyyaml petname jinja2 huggingface-hub
+	$(BERGSON_VENV)/bin/python -m pip install -q -c constraints-cpu.txt --no-deps bergson==2.5.1
 
 bench: bench-setup
 	DATTRI_PYTHON=$(DATTRI_VENV)/bin/python $(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(DATTRI_VENV) build *.egg-info
+	rm -rf $(VENV) $(DATTRI_VENV) $(BERGSON_VENV) build *.egg-info

@@ -1,177 +1,283 @@
-"""Tokens/s of projected per-example gradients of a GPT-2-style model, beside the floor.
+"""Projected per-example gradients of GPT-2 models against the floor: one batched fwd+bwd.
 
-The floor is one batched forward+backward over the same tokens (what training a step costs);
-the table gives each method's tokens/s and its ratio to the floor, measured side by side in
-one run, after a warm-up call of each. Methods:
+Each configuration runs in its own process (peak RSS is its own), with 1 thread, and times
+CPU seconds, interleaved: floor, method, floor, method, ... (medians). The floor is one
+training step's forward+backward of the same model on the same batch (weight gradients
+included). Parameter sets: ``matched`` (the transformer blocks' Conv1D weights, bergson's
+default) and ``all``. Methods:
 
-- ``kronecker`` / ``sjlt``: :func:`tracinfunc.projected_grads` with :func:`causal_lm_loss`
-  (full model), and the same on a LoRA-only model (peft adapters on ``c_attn``/``c_fc``);
-- attention under vmap: the same sjlt run with a hand-written loss that calls HF's SDPA
-  attention directly (vmap falls back to a per-example loop for the fused kernel), with
-  tracinfunc's loss (math attention inside vmap: the default), and a Python loop of
-  batch-of-one ``grad`` calls (no vmap).
+- ``kronecker``: ``projected_grads(kind="kronecker")``, the batched factorised path (one
+  backward of the batch's summed loss, weights frozen);
+- ``kronecker vmapped``: the same rows by the per-example (vmapped) backward (before);
+- ``sjlt``: materialised per-example gradients, sparse projection;
+- ``+adam factored``: kronecker with Adam (LESS) preconditioning, second moment in
+  Adafactor form (stays factorised); ``+adam exact``: the exact diagonal (generic path);
+- ``bergson`` (when ``.venv-bergson`` exists, ``make bench-setup``; ``benchmarks/
+  _bergson_child.py``): per-module projection ``p x p`` (p=16 on the small model, 9 on
+  GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.
 
-Beside each kind's speed, its agreement with exact TracIn: the Pearson correlation of the
-projected inner products between 8 test and 8 training sequences with the exact ones
-(``kind="identity"``), over three projection seeds (min-max). LoRA adapters start random
-(``init_lora_weights=False``), as after training, so both factors have gradients.
+On the small model each method's scores are compared with exact TracIn (dense per-example
+gradients, exact diagonal Adam where preconditioned): Pearson r and top-10 overlap.
 
-    python benchmarks/llm_throughput.py            # CPU, ~1 minute
-    python benchmarks/llm_throughput.py --quick    # CPU, a few minutes: 4 x 32 tokens, k=1024
-    python benchmarks/llm_throughput.py --gpu      # CUDA, a ~100M-parameter model (GPT-2 small)
-
-Targets: kronecker within 3x of the fwd+bwd floor (full model and LoRA-only).
+    python benchmarks/llm_throughput.py                  # 4 layers x 128, ~5 minutes
+    python benchmarks/llm_throughput.py --models small gpt2
+    python benchmarks/llm_throughput.py --quick          # seconds, in process (a test runs it)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
-import torch
-import transformers
-from torch.func import functional_call, grad
-
-import tracinfunc as tif
+METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
+           ("kronecker", "adam factored"), ("kronecker", "adam exact")]
 
 
-def build(size: str, device: str, lora: bool):
-    if size == "small":
+def build(size: str, quick: bool):
+    import torch
+    import transformers
+
+    if quick:
+        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                         n_positions=32)
+    elif size == "small":
         config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2048,
-                                         n_positions=128, bos_token_id=0, eos_token_id=0)
+                                         n_positions=128)
     else:  # GPT-2 small's shape, ~124M parameters
         config = transformers.GPT2Config(n_positions=1024)
-    torch.manual_seed(0)  # the same weights every run: the agreement column depends on them
+    torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
-    if lora:
-        import peft
-
-        with warnings.catch_warnings():  # peft reads transformers' deprecated property
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
-                                    FutureWarning)
-            model = peft.get_peft_model(model, peft.LoraConfig(
-                r=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True,
-                init_lora_weights=False))
-    return model.to(device).eval(), config
+    return model.eval(), config
 
 
-def timed(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` calls after a warm-up (the least disturbed by other load)."""
-    fn()  # warm-up: torch.func tracing, plan discovery, projection blocks
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+def token_batches(config, n: int, batch: int, tokens: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, config.vocab_size, (batch, tokens), generator=g)}
+            for _ in range(n)]
 
 
-def agreement(loss, params, train, test, kind: str, k: int) -> tuple[float, float]:
-    """Min and max over seeds 0-2 of the Pearson correlation with exact inner products."""
-    exact_fn = tif.projected_grads(loss, tif.Projection(kind="identity"))
-    exact = (exact_fn(params, test) @ exact_fn(params, train).T).flatten()
-    values = []
-    for seed in range(3):
-        fn = tif.projected_grads(loss, tif.Projection(dim=k, kind=kind, seed=seed))
-        approx = (fn(params, test) @ fn(params, train).T).flatten()
-        values.append(float(torch.corrcoef(torch.stack([exact, approx]))[0, 1]))
-    return min(values), max(values)
+def matched_names(model) -> list[str]:
+    return [name for name, _ in model.named_parameters()
+            if name.startswith("transformer.h.") and ".c_" in name and name.endswith("weight")]
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def adam_state(model, batches):
+    """Adam after two steps (lr small, so the weights barely move), as a Preconditioner."""
+    import torch
+
+    import tracinfunc as tif
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    for batch in batches[:2]:
+        optimizer.zero_grad()
+        floor_step(model, batch)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
 
 
-def floor_fn(model, batch):
-    def step():
+def floor_step(model, batch) -> None:
+    import torch.nn.functional as F
+
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids).logits
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+
+def method_fn(model, method: str, precondition: str | None, names, state, k: int):
+    import tracinfunc as tif
+    from tracinfunc.grads.factorized import factorized_projected_grads
+
+    loss = tif.causal_lm_loss(model)
+    kind = "sjlt" if method == "sjlt" else "kronecker"
+    spec = tif.Projection(dim=k, kind=kind)
+    if method == "kronecker vmapped":
+        return factorized_projected_grads(loss, spec, select=names, batched=False)
+    chosen = None if precondition is None else (
+        state.as_factored() if precondition == "adam factored" else state)
+    return tif.projected_grads(
+        loss, spec, options=tif.GradientOptions(select=names), precondition=chosen
+    )
+
+
+def cpu_seconds(fn) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def run_config(cfg: dict) -> dict:
+    """One configuration in this process: timings, peak RSS, agreement."""
+    model, config = build(cfg["model"], cfg["quick"])
+    batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1)
+    names = matched_names(model) if cfg["params"] == "matched" else None
+    state = adam_state(model, batches) if cfg["precondition"] else None
+    params = {name: value.detach() for name, value in model.named_parameters()}  # no copy
+    fn = method_fn(model, cfg["method"], cfg["precondition"], names, state, cfg["k"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn(params, batches[0])  # warm-up: plan, projection blocks, first-batch check
+    tool = [cpu_seconds(lambda b=b: fn(params, b)) for b in batches]
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before any floor
+    floor = []
+    for r in range(cfg["repeats"]):
+        batch = batches[r % len(batches)]
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=batch["input_ids"]).logits
-        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
-                                          batch["input_ids"][:, 1:].flatten()).backward()
-    return step
+        floor.append(cpu_seconds(lambda b=batch: floor_step(model, b)))
+        model.zero_grad(set_to_none=True)
+        tool.append(cpu_seconds(lambda b=batch: fn(params, b)))
+    floor.append(cpu_seconds(lambda: floor_step(model, batches[0])))
+    model.zero_grad(set_to_none=True)
+    result = {"tool_s": statistics.median(tool), "floor_s": statistics.median(floor),
+              "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"]}
+    if cfg["agreement"]:
+        result.update(agreement(model, config, fn, cfg, names, state, params))
+    return result
 
 
-def hf_sdpa_loss(model):
-    """A hand-written loss calling HF's SDPA attention as is (the fused kernel under vmap)."""
-    def loss(params, example):
-        ids = example["input_ids"][None]
-        logits = functional_call(model, params, (), {"input_ids": ids}).logits
-        return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
-    return loss
+def agreement(model, config, fn, cfg, names, state, params) -> dict:
+    """Pearson r and top-10 overlap of the method's scores with exact TracIn."""
+    import torch
+
+    import tracinfunc as tif
+
+    n_train, n_test = (16, 4) if cfg["quick"] else (64, 16)
+    train = token_batches(config, 1, n_train, cfg["tokens"], seed=2)[0]
+    test = token_batches(config, 1, n_test, cfg["tokens"], seed=3)[0]
+    loss = tif.causal_lm_loss(model)
+    dense = tif.per_sample_grads(loss, options=tif.GradientOptions(select=names, chunk_size=8))
+    g_train, g_test = dense(params, train), dense(params, test)
+    extra = {}
+    if cfg["precondition"] == "adam factored":  # the approximation alone, no projection
+        extra["r_factored_vs_exact"] = pearson(
+            dense_scores(preconditioned(g_train, state.as_factored()), g_test),
+            dense_scores(preconditioned(g_train, state), g_test))
+    if cfg["precondition"]:
+        g_train = preconditioned(g_train, state)
+    exact = dense_scores(g_train, g_test)  # [n_test, n_train]
+    plain = method_fn(model, cfg["method"], None, names, None, cfg["k"])
+    rows_train = torch.cat([fn(params, {"input_ids": train["input_ids"][i:i + 8]})
+                            for i in range(0, n_train, 8)])
+    approx = plain(params, test) @ rows_train.T
+    top = min(10, n_train)
+    overlap = [len(set(exact[i].topk(top).indices.tolist())
+                   & set(approx[i].topk(top).indices.tolist())) / top for i in range(n_test)]
+    return {"r": pearson(exact, approx), "top10": statistics.mean(overlap), **extra}
 
 
-def loop_fn(loss, params, batch, projector):
-    def run():
-        rows = []
-        for i in range(batch["input_ids"].shape[0]):
-            g = grad(loss)(params, {k: v[i] for k, v in batch.items()})
-            rows.append(projector(g))
-        return torch.stack(rows)
-    return run
+def preconditioned(grads: dict, state) -> dict:
+    import torch
+
+    n = next(iter(grads.values())).shape[0]
+    return {name: torch.stack([state.apply({name: g[i]})[name] for i in range(n)])
+            for name, g in grads.items()}
 
 
-def main() -> None:
+def dense_scores(g_train: dict, g_test: dict):
+    import torch
+
+    flat = [torch.cat([g[name].flatten(1) for name in sorted(g)], dim=1)
+            for g in (g_train, g_test)]
+    return flat[1] @ flat[0].T  # [n_test, n_train]
+
+
+def pearson(a, b) -> float:
+    import torch
+
+    return float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])
+
+
+def child_main(cfg: dict) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    result = run_config(cfg)
+    print("RESULT " + json.dumps(result))
+
+
+def spawn(cfg: dict) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    command = [sys.executable, __file__, "--child", json.dumps(cfg)]
+    if cfg["method"] == "bergson":
+        command = [bergson_python(), str(Path(__file__).with_name("_bergson_child.py")),
+                   json.dumps(cfg)]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"configuration {cfg} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--models", nargs="+", default=["small"], choices=["small", "gpt2"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help="4 x 32 tokens, k=1024, best of 3; no fallback/loop rows")
-    args = parser.parse_args()
-    if args.quick:
-        args.batch, args.tokens, args.k, args.repeats = 4, 32, 1024, 3
-    device = "cuda" if args.gpu else "cpu"
-    size = "gpt2" if args.gpu else "small"
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--methods", nargs="+", help="only these, e.g. kronecker bergson "
+                        "'kronecker+adam factored' (default: all)")
+    parser.add_argument("--params", nargs="+", default=["matched", "all"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(json.loads(args.child))
+        return []
+    if args.quick:  # a tiny model, in this process, two configurations: a smoke test
+        args.models, args.batch, args.tokens, args.k, args.repeats = ["small"], 4, 16, 64, 1
     rows = []
-    for lora in (False, True):
-        model, config = build(size, device, lora)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(1, config.vocab_size, (args.batch, args.tokens), generator=g)
-        batch = {"input_ids": ids.to(device)}
-        # Agreement on 8 training and 8 test sequences (64 pairs) whatever the timing batch.
-        pairs = torch.randint(1, config.vocab_size, (16, args.tokens), generator=g).to(device)
-        train, test = {"input_ids": pairs[:8]}, {"input_ids": pairs[8:]}
-        params = dict(tif.Checkpoint.from_module(model).params)
-        n_tokens = ids.numel()
-        tag = "LoRA-only" if lora else "full model"
-        p = sum(v.numel() for v in params.values())
-        floor = timed(floor_fn(model, batch), args.repeats)
-        rows.append((tag, f"fwd+bwd floor (batched), p={p:,}", floor, floor, n_tokens, ""))
-        loss = tif.causal_lm_loss(model)
-        for kind in ("kronecker", "sjlt"):
-            fn = tif.projected_grads(loss, tif.Projection(dim=args.k, kind=kind))
-            seconds = timed(lambda fn=fn, p=params, b=batch: fn(p, b), args.repeats)
-            low, high = agreement(loss, params, train, test, kind, args.k)
-            rows.append((tag, f"{kind} k={args.k}", seconds, floor, n_tokens,
-                         f"{low:.3f}-{high:.3f}"))
-        if lora or args.quick:
-            continue
-        sjlt = tif.Projection(dim=args.k, kind="sjlt")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the fallback's "performance drop" warning
-            fused = tif.projected_grads(hf_sdpa_loss(model), sjlt)
-            seconds = timed(lambda f=fused, p=params, b=batch: f(p, b), 1)
-        rows.append((tag, "sjlt, vmap over HF SDPA (fallback)", seconds, floor, n_tokens, ""))
-        projector = tif.projection.make_projector(
-            sjlt, tif.projection.canonical_layout(params), device=device
-        )
-        seconds = timed(loop_fn(loss, params, batch, projector), 1)
-        rows.append((tag, "sjlt, loop of batch-of-one grads", seconds, floor, n_tokens, ""))
-    print(f"device: {torch.cuda.get_device_name() if args.gpu else 'CPU'}, threads "
-          f"{torch.get_num_threads()}, batch {args.batch} x {args.tokens} tokens")
-    print(f"{'model':<11} {'method':<40} {'s/batch':>8} {'tokens/s':>9} {'x floor':>8} "
-          f"{'Pearson vs exact':>17}")
-    for tag, method, seconds, floor, n_tokens, pearson in rows:
-        print(f"{tag:<11} {method:<40} {seconds:8.3f} {n_tokens / seconds:9.0f} "
-              f"{seconds / floor:8.2f} {pearson:>17}")
+    for cfg in configurations(args):
+        rows.append({**cfg, **(run_config(cfg) if args.quick else spawn(cfg))})
+        print_row(rows[-1], flush=True)
+    return rows
+
+
+def configurations(args) -> list[dict]:
+    methods = METHODS[::3] if args.quick else METHODS
+    if not args.quick and Path(bergson_python()).exists():
+        methods = [("bergson", None), *methods]
+    if args.methods:
+        methods = [(m, p) for m, p in methods if _label(m, p) in args.methods]
+    return [{"model": size, "params": params, "method": method,
+             "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
+             "k": args.k, "repeats": args.repeats, "quick": args.quick,
+             "agreement": size == "small", "p": 16 if size == "small" else 9}
+            for size in args.models for params in args.params[:1 if args.quick else None]
+            for method, precondition in methods]
+
+
+def _label(method: str, precondition: str | None) -> str:
+    return method + (f"+{precondition}" if precondition else "")
+
+
+def bergson_python() -> str:
+    """bergson's own environment (``make bench-setup``), or ``$BERGSON_PYTHON``."""
+    root = Path(__file__).resolve().parent.parent
+    return os.environ.get("BERGSON_PYTHON", str(root / ".venv-bergson" / "bin" / "python"))
+
+
+def print_row(row: dict, flush: bool = False) -> None:
+    label = _label(row["method"], row["precondition"])
+    agree = (f"r {row['r']:.3f}  top-10 {row['top10']:.2f}" if "r" in row else "")
+    if "r_factored_vs_exact" in row:
+        agree += f"  (factored vs exact Adam, unprojected: r {row['r_factored_vs_exact']:.3f})"
+    print(f"{row['model']:<6} {row['params']:<8} {label:<28} "
+          f"x floor {row['tool_s'] / row['floor_s']:5.2f}  "
+          f"tokens/s {row['tokens'] / row['tool_s']:8.0f}  RSS {row['rss_mib']:6.0f} MiB  "
+          f"bytes/example {4 * row['k']}  {agree}", flush=flush)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import LossFunctionError, TrainModeError
@@ -86,6 +86,34 @@ class ModuleLoss:
         if self.criterion is not None:
             return self.criterion(outputs, batched)
         return _own_loss(outputs)
+
+    def per_example(self, params: Params, batch: Any) -> Tensor:
+        """The losses ``[b]`` of a batch from one batched forward of the module.
+
+        Equal to ``vmap(self)(params, batch)`` when the model's rows do not interact (eval
+        mode, no cross-example layer); callers check that (the batched kronecker path
+        compares with its vmapped path on the first batch). Attention uses any SDPA kernel.
+
+        Raises:
+            LossFunctionError: the loss is the model's own ``outputs.loss`` (a batch mean).
+        """
+        if self.criterion is None:
+            raise LossFunctionError(
+                "ModuleLoss.per_example: the model's own outputs.loss is a mean over the "
+                "batch, not per example; pass criterion=."
+            )
+        self._check_names(params)
+        state = {**self.buffers, **params}
+        if self.pair:
+            inputs, target = batch
+            outputs = functional_call(self.module, (state,), (inputs,))
+            return torch.stack([self.criterion(row, t) for row, t in zip(
+                _rows(outputs, target.shape[0]), target.split(1), strict=True)])
+        args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
+        outputs = functional_call(self.module, (state,), args, kwargs)
+        size = tree_leaves(batch)[0].shape[0]
+        return torch.stack([self.criterion(row, example) for row, example in zip(
+            _rows(outputs, size), _rows(batch, size), strict=True)])
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> ModuleLoss:
         """The same loss with ``buffers`` (e.g. a checkpoint's) replacing those of that name.
@@ -196,6 +224,15 @@ def loss_from_model(
         )
     return ModuleLoss(model, criterion, _buffers_of(model, buffers), pair=False,
                       skip_keys=frozenset(skip_keys))
+
+
+def _rows(tree: Any, size: int) -> list[Any]:
+    """``size`` trees: row ``i`` of every tensor leaf whose first dimension is ``size``,
+    keeping a batch dimension of 1 (one ``split`` per leaf, whose backward is one ``cat``)."""
+    leaves, spec = tree_flatten(tree)
+    pieces = [leaf.split(1) if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == size
+              else (leaf,) * size for leaf in leaves]
+    return [tree_unflatten([parts[i] for parts in pieces], spec) for i in range(size)]
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

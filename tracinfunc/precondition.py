@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import check_bool, current_caller, entry_point
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -33,6 +33,12 @@ from tracinfunc.errors import (
     MissingDependencyError,
     MissingParametersError,
     TracInFuncError,
+)
+from tracinfunc.precondition_factored import (
+    FactoredTerms,
+    apply_factored,
+    factored_terms,
+    is_factored,
 )
 
 __all__ = ["KINDS", "AdamState", "Preconditioner", "check_preconditioners", "optimizer_param_names",
@@ -85,23 +91,30 @@ class Preconditioner:
     with ``v`` as saved (no bias correction; constant per parameter group anyway).
 
     The factorised ``kind="kronecker"`` projection path cannot apply a per-element map to
-    gradient factors, so with a preconditioner ``projected_grads`` materialises each
-    example's gradient and projects it with the same Kronecker matrix (generic path).
+    gradient factors, so with an exact preconditioner ``projected_grads`` materialises each
+    example's gradient and projects it with the same Kronecker matrix (generic path). With
+    ``factored=True`` (:meth:`as_factored`) matrix parameters use Adam's second moment in
+    Adafactor's row/column form (:mod:`tracinfunc.precondition_factored`), which keeps the
+    factorised path (vectors keep the exact diagonal); every path gives the same rows.
 
     Attributes:
         kind: ``"adam"`` or ``"trackstar"``.
         state: ``{parameter name: AdamState}``, read-only.
+        factored: Matrix parameters use the factored second moment (an approximation).
     """
 
     kind: str
     state: Mapping[str, AdamState]
+    factored: bool = False
 
+    @entry_point("Preconditioner")
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgumentError(
                 f"Preconditioner: kind must be one of {list(KINDS)}, got {self.kind!r}; use "
                 "'adam' (LESS's Adam update direction) or 'trackstar' (g / sqrt(v + eps))."
             )
+        check_bool(self.factored, "factored")
         if not isinstance(self.state, Mapping) or not self.state:
             raise InvalidTypeError(
                 "Preconditioner: state must be a non-empty dict {name: AdamState}, got "
@@ -134,6 +147,18 @@ class Preconditioner:
         return (f"Preconditioner(kind={self.kind!r}, {len(states)} parameters, "
                 f"{values:,} values, {step}, {shown})")
 
+    def as_factored(self) -> Preconditioner:
+        """The same state with ``factored=True`` (Adafactor-style second moment on matrices)."""
+        return Preconditioner(self.kind, self.state, factored=True)
+
+    def factored_terms(self, name: str, like: Tensor) -> FactoredTerms:
+        """``(a [r], b [c], g_scale, offset)`` of matrix parameter ``name`` (see
+        :func:`~tracinfunc.precondition_factored.factored_terms`), cached per device/dtype."""
+        key = ("factored", name, like.device, like.dtype)
+        if key not in self._moved:
+            self._moved[key] = factored_terms(self.kind, self.state[name], like)
+        return self._moved[key]
+
     def apply(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Precondition one example's gradients (elementwise; safe inside ``vmap``).
 
@@ -161,6 +186,8 @@ class Preconditioner:
 
     def _one(self, name: str, g: Tensor) -> Tensor:
         s = self.state[name]
+        if self.factored and is_factored(s.exp_avg_sq.shape):
+            return apply_factored(self.factored_terms(name, g), g)
         if self.kind == "trackstar":
             (inv_root,) = self._constants(name, g)
             return g * inv_root

@@ -57,7 +57,7 @@ def check_same_data(writer: object, rows: Tensor, meta: StoreMeta, *, start: int
         raise IncompatibleGradientsError(
             f"{current_caller()}: the data does not match the store being resumed: examples "
             f"[{start}, {start + rows.shape[1]}) give rows that differ from the stored ones "
-            f"(relative difference {error:.3g}). Resume with the same data, in the same order, and the "
-            "same options (mixed_precision, dtype) as the interrupted build, or delete the "
+            f"(relative difference {error:.3g}). Resume with the same data, in the same order, "
+            "and the same options (mixed_precision, dtype) as the interrupted build, or delete the "
             "store (or use another path) to start over."
         )

@@ -32,18 +32,26 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, vmap
-from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidTypeError, LossFunctionError
+from tracinfunc.grads.factorized_batched import batched_or_vmapped
+from tracinfunc.grads.layer_rules import (
+    dense_grad,
+    layer_rule,
+    project_left,
+    rule_sides,
+    tapping,
+)
 from tracinfunc.grads.selection import Selection, check_select, selected_names
+from tracinfunc.loss import ModuleLoss
+from tracinfunc.precondition import Preconditioner
+from tracinfunc.precondition_factored import preconditioned_sides
 from tracinfunc.projection import (
     Projection,
     Projector,
@@ -56,96 +64,11 @@ from tracinfunc.types import Batch, Example, LossFn, Params
 __all__ = ["factorizable_layers", "factorized_projected_grads", "factorized_weights"]
 
 
-def layer_rule(module: nn.Module) -> str | None:
-    """``"linear"``, ``"conv1d"``, ``"conv2d"``, ``"embedding"`` or ``None`` (not factorised).
-
-    Exact types only: subclasses may use their weight without calling the parent's forward
-    (``nn.MultiheadAttention.out_proj``). HF ``Conv1D`` is recognised without importing
-    transformers.
-    """
-    kind = type(module)
-    if kind is nn.Linear:
-        return "linear"
-    if kind is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros" \
-            and not isinstance(module.padding, str):
-        return "conv2d"
-    if kind is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
-        return "embedding"
-    if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):
-        return "conv1d"
-    return None
-
-
-def _sides(rule: str, module: nn.Module, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-    """``(left, right)`` with ``G = left.T @ right``; for embeddings ``left`` is token ids
-    ``[T]`` with ``-1`` where the gradient is zero (``padding_idx``)."""
-    if rule == "linear":
-        return delta.reshape(-1, module.out_features), x.reshape(-1, module.in_features)
-    if rule == "conv1d":
-        return x.reshape(-1, x.shape[-1]), delta.reshape(-1, module.nf)
-    if rule == "conv2d":
-        columns = F.unfold(x, module.kernel_size, module.dilation, module.padding,
-                           module.stride)  # [1, C_in * kh * kw, L]
-        return delta.reshape(module.out_channels, -1).T, columns[0].T
-    ids = x.reshape(-1)
-    if module.padding_idx is not None:
-        ids = torch.where(ids == module.padding_idx, -1, ids)
-    return ids, delta.reshape(ids.shape[0], -1)
-
-
-def _project_left(rule: str, left: Tensor, p_rows: Tensor) -> Tensor:
-    """``left @ P_r`` ``[T, k_r]``: a row gather for embeddings (zero for ``-1`` ids)."""
-    if rule != "embedding":
-        return left @ p_rows
-    rows = p_rows[left.clamp_min(0)]  # [T, k_r]
-    return rows * (left >= 0).unsqueeze(-1).to(rows.dtype)
-
-
-def _dense(rule: str, left: Tensor, right: Tensor, rows: int) -> Tensor:
-    """``G [r, c]`` of one call (the one-example check only)."""
-    if rule != "embedding":
-        return left.T @ right
-    keep = (left >= 0).unsqueeze(-1).to(right.dtype)
-    zeros = right.new_zeros(rows, right.shape[-1])
-    return zeros.index_add(0, left.clamp_min(0), right * keep)
-
-
-@contextmanager
-def _tapping(weight_ids: dict[int, int], taps: list[Tensor] | None, order: list | None):
-    """A global forward hook recording calls of layers whose weight is in ``weight_ids``.
-
-    Yields a list that fills with ``(weight index, module, input, output)`` per call;
-    ``taps[i]`` is added to the ``i``-th call's output (``None``: record only). ``order`` (when
-    given) is the call order found on the first example; a different order is refused.
-    """
-    seen: list[tuple[int, nn.Module, Tensor, Tensor]] = []
-
-    def hook(module, inputs, output):
-        index = weight_ids.get(id(getattr(module, "weight", None)))
-        if index is None or layer_rule(module) is None:
-            return None
-        call = len(seen)
-        if order is not None and (call >= len(order) or order[call] != (index, id(module))):
-            raise LossFunctionError(
-                "projected_grads: layers were called in another order (or number of times) "
-                "than on the first example; the factorised kind='kronecker' path needs the "
-                "same layer calls for every example of a batch. Use kind='sjlt' or "
-                "'rademacher' for data-dependent control flow."
-            )
-        seen.append((index, module, inputs[0], output))
-        return None if taps is None else output + taps[call]
-
-    handle = register_module_forward_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
-
-
 class _Plan:
     """Everything fixed for one parameter layout, device and dtype: weights, factors."""
 
-    def __init__(self, projection: Projection, params: Params) -> None:
+    def __init__(self, projection: Projection, params: Params,
+                 precondition: Preconditioner | None = None) -> None:
         first = next(iter(params.values()))
         self.device, self.dtype = first.device, first.dtype
         self.projection = projection
@@ -153,6 +76,9 @@ class _Plan:
         self.weights: list[str] = []
         self.shapes: dict[tuple, tuple[list, list]] = {}
         self.checked = False
+        self.batched: bool | None = None  # batched path proven (None: not yet tried)
+        self.fallback_reason: str | None = None
+        self.precondition = precondition  # factored: folded into the factors
         self._finish(params)
 
     def _finish(self, params: Params) -> None:
@@ -160,11 +86,23 @@ class _Plan:
         self.factors = [kronecker_factors(self.projection, name, params[name].shape,
                                           device=self.device, dtype=self.dtype)
                         for name in self.weights]
+        self.offset = None  # a row every example shares (Adam's first moment), or None
+        if self.precondition is not None:
+            self._precondition_factors()
         rest = {name: value for name, value in params.items() if name not in self.weights}
         self.rest: Projector | None = None
         if rest:
             self.rest = make_projector(self.projection, canonical_layout(rest),
                                        device=self.device, dtype=self.dtype)
+
+    def _precondition_factors(self) -> None:
+        like = torch.empty(0, device=self.device, dtype=self.dtype)
+        for index, name in enumerate(self.weights):
+            terms = self.precondition.factored_terms(name, like)
+            *sides, row = preconditioned_sides(terms, *self.factors[index], self.scale)
+            self.factors[index] = tuple(sides)
+            if row is not None:
+                self.offset = row if self.offset is None else self.offset + row
 
     def _ids(self, params: Params) -> dict[int, int]:
         return {id(params[name]): i for i, name in enumerate(self.weights)}
@@ -173,7 +111,7 @@ class _Plan:
         """Find the matrix parameters applied by factorisable layers (one no-grad call)."""
         candidates = sorted(n for n, v in params.items() if v.dim() >= 2)
         ids = {id(params[name]): i for i, name in enumerate(candidates)}
-        with torch.no_grad(), _tapping(ids, None, None) as seen:
+        with torch.no_grad(), tapping(ids, None, None) as seen:
             loss(params, example)
         found = {index for index, *_ in seen}
         self.weights = [name for i, name in enumerate(candidates) if i in found]
@@ -183,7 +121,7 @@ class _Plan:
         """Call order and output shapes/dtypes of the layers for examples shaped like this one."""
         key = tuple((leaf.shape, leaf.dtype) for leaf in tree_leaves(example))
         if key not in self.shapes:
-            with torch.no_grad(), _tapping(self._ids(params), None, None) as seen:
+            with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
                 loss(params, example)
             self.shapes[key] = ([(i, id(m)) for i, m, _, _ in seen],
                                 [(out.shape, out.dtype) for *_, out in seen])
@@ -198,7 +136,7 @@ class _Plan:
         modules: list[tuple[int, nn.Module]] = []  # not tensors: kept out of grad's aux
 
         def inner(rest: Params, taps: list[Tensor]):
-            with _tapping(ids, taps, order) as seen:
+            with tapping(ids, taps, order) as seen:
                 value = loss({**consts, **rest}, example)
             if len(seen) != len(order):
                 raise LossFunctionError(
@@ -210,16 +148,24 @@ class _Plan:
             return value, [x for _, _, x, _ in seen]
 
         (rest_grads, tap_grads), inputs = grad(inner, argnums=(0, 1), has_aux=True)(rest, taps)
-        sides = [(index, layer_rule(module), *_sides(layer_rule(module), module, x, delta))
+        sides = [(index, layer_rule(module), *rule_sides(layer_rule(module), module, x, delta))
                  for (index, module), x, delta in zip(modules, inputs, tap_grads, strict=True)]
         return rest_grads, sides
 
     def project(self, loss: LossFn, params: Params, example: Example, order, shapes) -> Tensor:
         rest_grads, sides = self.layer_sides(loss, params, example, order, shapes)
-        total = self.rest(rest_grads) if self.rest is not None else None
+        return self.combine(rest_grads, sides)
+
+    def combine(self, rest_grads: Params, sides: list) -> Tensor:
+        """One example's row ``[k]`` from its generic gradients and layer sides."""
+        if self.precondition is not None and rest_grads:
+            rest_grads = self.precondition.apply(rest_grads)
+        total = self.rest(rest_grads) if self.rest is not None else self.offset
+        if self.rest is not None and self.offset is not None:
+            total = total + self.offset
         for index, rule, left, right in sides:
             p_rows, p_cols = self.factors[index]
-            block = _project_left(rule, left, p_rows).T @ (right @ p_cols)  # [k_r, k_c]
+            block = project_left(rule, left, p_rows).T @ (right @ p_cols)  # [k_r, k_c]
             part = block.reshape(-1) * self.scale
             total = part if total is None else total + part
         return total
@@ -235,7 +181,7 @@ class _Plan:
         bad = []
         for index, name in enumerate(self.weights):
             expected = exact[name].reshape(exact[name].shape[0], -1)
-            got = sum(_dense(rule, left, right, expected.shape[0])
+            got = sum(dense_grad(rule, left, right, expected.shape[0])
                       for i, rule, left, right in sides if i == index)
             scale = float(expected.abs().max()) if expected.numel() else 0.0
             if isinstance(got, int) or not torch.allclose(
@@ -252,11 +198,11 @@ class _Plan:
 
 
 def _plan_for(plans: dict, loss: LossFn, projection: Projection, params: Params,
-              example: Example) -> _Plan:
+              example: Example, precondition: Preconditioner | None = None) -> _Plan:
     first = next(iter(params.values()))
     key = (canonical_layout(params), first.device, first.dtype)
     if key not in plans:
-        plan = _Plan(projection, params)
+        plan = _Plan(projection, params, precondition)
         plan.discover(loss, params, example)
         plan.check(loss, params, example)
         if not plan.weights:
@@ -272,7 +218,8 @@ def _plan_for(plans: dict, loss: LossFn, projection: Projection, params: Params,
 
 def factorized_projected_grads(
     loss: LossFn, projection: Projection, *, chunk_size: int | None = None,
-    select: Selection | None = None,
+    select: Selection | None = None, batched: bool = True,
+    precondition: Preconditioner | None = None,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected with ``kind="kronecker"``, layer weights factorised.
 
@@ -284,6 +231,11 @@ def factorized_projected_grads(
         projection: A ``kind="kronecker"`` spec.
         chunk_size: Examples processed at once inside vmap (``None``: the whole batch).
         select: Differentiate only these parameters (as for ``projected_grads``).
+        batched: One backward of the batch's summed loss
+            (:mod:`~tracinfunc.grads.factorized_batched`, proven on the first batch);
+            ``False``: a per-example backward under ``vmap``. Same rows.
+        precondition: A factored :class:`~tracinfunc.Preconditioner`
+            (``factored=True``), folded into the Kronecker side projections.
 
     Returns:
         ``fn(params, batch) -> [b, k]``, equal (up to float rounding) to projecting the
@@ -310,16 +262,33 @@ def factorized_projected_grads(
         def selected_loss(selected: Params, example: Example) -> Tensor:
             return loss({**frozen, **selected}, example)
 
+        if precondition is not None:
+            precondition.check({n: tuple(v.shape) for n, v in params.items()}, names)
         example = tree_map(lambda leaf: leaf[0], batch)
-        plan = _plan_for(plans, selected_loss, projection, chosen, example)
+        plan = _plan_for(plans, selected_loss, projection, chosen, example, precondition)
         order, shapes = plan.tap_shapes(selected_loss, chosen, example)
 
         def one_example(chosen: Params, example: Example) -> Tensor:
             return plan.project(selected_loss, chosen, example, order, shapes)
 
-        return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen, batch)
+        def vmapped(batch: Batch) -> Tensor:
+            return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen, batch)
+
+        if not batched:
+            return vmapped(batch)
+        return batched_or_vmapped(plan, selected_loss, chosen, batch, order, shapes,
+                                  vmapped=vmapped, chunk_size=chunk_size,
+                                  batch_loss=_batch_loss(loss, frozen))
 
     return factorized_fn
+
+
+def _batch_loss(loss: LossFn, frozen: Params):
+    """``batch_loss(selected, batch) -> [b]`` from one batched forward, for a
+    :class:`~tracinfunc.loss.ModuleLoss` with a criterion; else ``None``."""
+    if not isinstance(loss, ModuleLoss) or loss.criterion is None:
+        return None
+    return lambda selected, batch: loss.per_example({**frozen, **selected}, batch)
 
 
 @entry_point("factorized_weights")

@@ -148,8 +148,10 @@ def projected_grads(
             keywords (removed in 0.3.0; they warn): pass them in ``options``.
         precondition: A :class:`~tracinfunc.Preconditioner` (optimizer-aware TracIn)
             applied to each example's gradient before the projection, for training
-            gradients only. Uses the generic path (also for ``kind="kronecker"``: a
-            per-element map does not factorise); not with ``stages``.
+            gradients only. Exact (per-element) ones use the generic path (also for
+            ``kind="kronecker"``: a per-element map does not factorise); a factored one
+            (``precondition.as_factored()``) keeps ``kind="kronecker"`` factorised. Not
+            with ``stages``.
 
     Returns:
         ``fn(params, batch) -> [b, k]`` in the dtype and on the device of ``params``.
@@ -167,13 +169,13 @@ def projected_grads(
     _check_has_aux(has_aux, options)
     _check_precondition(precondition, options)
     if (projection.kind == "kronecker" and replace(options, select=None).plain()
-            and not has_aux and precondition is None):
+            and not has_aux and (precondition is None or precondition.factored)):
         # Factorised path for any loss (layer weights never materialised; a loss that calls
         # no layer falls back inside it to the same projection). With a memory option the
         # generic path below computes the same Kronecker projection, from the materialised
         # gradient.
         factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
-                                                select=options.select)
+                                                select=options.select, precondition=precondition)
         return entry_point("projected_grads")(in_full_float32(
             lambda params, batch: _call_loss_transform(factorized, params, batch)))
     projector_for = _projector_cache(projection, compile=options.compile_projection)

@@ -1,0 +1,123 @@
+"""Adam's second moment in factored (Adafactor) form on the factorised kronecker path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tracinfunc as tif
+from tests.conftest import make_data, make_mlp
+from tests.lm_helpers import explicit_kronecker
+from tests.reference import loop_grads
+from tracinfunc.precondition_factored import adafactor_inverse_root
+
+BETAS, EPS = (0.8, 0.95), 1e-6
+
+
+def trained(steps=3):
+    model = make_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, betas=BETAS, eps=EPS)
+    x, y = make_data(16, seed=5)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval(), optimizer
+
+
+def explicit_factored(v: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(r c^T / sum(r))`` written out as an explicit matrix."""
+    r, c = v.sum(dim=1), v.sum(dim=0)
+    return 1 / torch.sqrt(torch.outer(r, c) / r.sum())
+
+
+def test_adafactor_inverse_root_is_the_explicit_matrix():
+    v = torch.rand(5, 7, dtype=torch.float64) + 0.1
+    a, b = adafactor_inverse_root(v)
+    torch.testing.assert_close(torch.outer(a, b), explicit_factored(v), rtol=1e-12, atol=0)
+    rank_one = torch.outer(torch.rand(5, dtype=torch.float64), torch.rand(7, dtype=torch.float64))
+    # a rank-one second moment is recovered exactly
+    torch.testing.assert_close(torch.outer(*adafactor_inverse_root(rank_one)),
+                               1 / rank_one.sqrt(), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["trackstar", "adam"])
+def test_factored_apply_equals_the_explicit_computation(kind):
+    model, optimizer = trained()
+    exact = tif.Preconditioner.from_optimizer(optimizer, model, kind=kind)
+    factored = exact.as_factored()
+    g = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    got = factored.apply(g)
+    for name, p in model.named_parameters():
+        s = exact.state[name]
+        if p.dim() == 1:  # vectors keep the exact diagonal
+            torch.testing.assert_close(got[name], exact.apply({name: g[name]})[name])
+            continue
+        t = s.step + 1
+        if kind == "trackstar":
+            expected = g[name] * explicit_factored(s.exp_avg_sq + s.eps)
+        else:
+            second = (torch.sqrt(s.beta2 * s.exp_avg_sq / (1 - s.beta2**t)) + s.eps) ** 2
+            inverse = explicit_factored(second)
+            expected = ((1 - s.beta1) * g[name] + s.beta1 * s.exp_avg) / (1 - s.beta1**t) \
+                * inverse
+        torch.testing.assert_close(got[name], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["trackstar", "adam"])
+def test_factorised_path_equals_explicit_kronecker_of_preconditioned_loop_grads(kind):
+    model, optimizer = trained()
+    factored = tif.Preconditioner.from_optimizer(optimizer, model, kind=kind).as_factored()
+    loss, batch = tif.loss_from_module(model, F.cross_entropy), make_data(5, seed=7)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    spec = tif.Projection(dim=16, seed=0, kind="kronecker")
+    grads = loop_grads(loss, params, batch)  # {name: [n, *shape]}
+    preconditioned = {name: torch.stack([factored.apply({name: g[i]})[name]
+                                         for i in range(g.shape[0])])
+                      for name, g in grads.items()}
+    expected = explicit_kronecker(preconditioned, spec)
+    fast = tif.projected_grads(loss, spec, precondition=factored)(params, batch)
+    torch.testing.assert_close(fast, expected, rtol=1e-9, atol=1e-11)
+    # the generic path (a memory option) applies the same factored map to materialised grads
+    generic = tif.projected_grads(loss, spec, precondition=factored,
+                                  options=tif.GradientOptions(memory_budget=2**20))(params, batch)
+    torch.testing.assert_close(generic, expected, rtol=1e-9, atol=1e-11)
+
+
+def test_factored_rows_stay_close_to_the_exact_diagonal():
+    model, optimizer = trained(steps=20)
+    loss, batch = tif.loss_from_module(model, F.cross_entropy), make_data(32, seed=7)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    spec = tif.Projection(dim=64, seed=0, kind="kronecker")
+    exact = tif.Preconditioner.from_optimizer(optimizer, model, kind="trackstar")
+    rows_exact = tif.projected_grads(loss, spec, precondition=exact)(params, batch)
+    rows_factored = tif.projected_grads(loss, spec, precondition=exact.as_factored())(
+        params, batch)
+    cosine = F.cosine_similarity(rows_exact, rows_factored, dim=1)
+    assert cosine.median() > 0.5  # an approximation, not a different map
+
+
+def test_factored_must_be_a_bool():
+    model, optimizer = trained(steps=1)
+    state = tif.Preconditioner.from_optimizer(optimizer, model).state
+    with pytest.raises(tif.errors.InvalidTypeError, match="factored must be True or False"):
+        tif.Preconditioner("adam", state, factored="yes")
+
+
+def test_a_factored_preconditioner_keeps_kronecker_off_the_generic_path(monkeypatch):
+    from tracinfunc.grads import transforms
+
+    model, optimizer = trained()
+    exact = tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
+    loss, batch = tif.loss_from_module(model, F.cross_entropy), make_data(4, seed=7)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    spec = tif.Projection(dim=16, seed=0, kind="kronecker")
+
+    def generic(*args, **kwargs):
+        raise AssertionError("materialised per-example gradients")
+
+    monkeypatch.setattr(transforms, "_plain_projected", generic)
+    tif.projected_grads(loss, spec, precondition=exact.as_factored())(params, batch)
+    with pytest.raises(AssertionError, match="materialised"):
+        tif.projected_grads(loss, spec, precondition=exact)(params, batch)

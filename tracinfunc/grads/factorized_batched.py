@@ -1,0 +1,183 @@
+"""The batched factorised path: one backward of the batch's summed loss, weights frozen.
+
+The vmapped path (:mod:`tracinfunc.grads.factorized`) runs ``vmap(grad(...))``: a
+per-example backward under torch.func. Since a batch's per-example losses are independent
+(the loss takes one example), the output gradient of every layer call for every example is
+also the gradient of the *sum* of the batch's losses, so one ordinary autograd backward of
+``vmap(loss)(batch).sum()`` gives them all at once, as a training step's backward does but
+without weight gradients: the factorised weights are constants (no ``requires_grad``), and
+autograd differentiates only with respect to zero "taps" ``[b, *out_shape]`` added to each
+layer's output and zero shifts ``[b, *shape]`` of the other parameters (biases, norms: their
+gradient per example is the shift's). The layers' inputs come out of the vmapped forward;
+each example's row is then projected exactly as on the vmapped path (same code,
+:meth:`_Plan.combine`), batched over examples.
+
+For a :class:`~tracinfunc.loss.ModuleLoss` a faster mode skips vmap in the forward too: the
+model's own batched forward (:mod:`tracinfunc.grads.factorized_forward`).
+
+The first batch proves the modes, fastest first: the rows of its first examples must equal
+the vmapped path's (relative difference at most 1e-3 in float32, 1e-6 in float64). A mode that
+fails (an operation autograd cannot differentiate outside torch.func, a model that refuses a
+real batch) or disagrees (examples that interact in a batched forward) is dropped for this
+plan, with a :class:`BatchedPathWarning` giving the reason; the vmapped path is the last
+resort.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+from torch.utils._pytree import tree_leaves, tree_map
+
+from tracinfunc.errors import LossFunctionError
+from tracinfunc.grads.factorized_forward import forward_sides
+from tracinfunc.grads.layer_rules import layer_rule, rule_sides, tapping
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["BatchedPathWarning", "batched_or_vmapped", "batched_rows"]
+
+_CHECKED_EXAMPLES = 4  # of the first batch, compared with the vmapped path
+BatchLoss = Callable[[Params, Batch], Tensor]
+
+
+class BatchedPathWarning(UserWarning):
+    """A faster mode of the factorised path does not apply to a loss; a slower one with the
+    same rows is used (the message says why)."""
+
+
+def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes,
+                 batch_loss: BatchLoss | None = None) -> Tensor:
+    """``[b, k]`` rows of ``batch`` from one backward of its summed loss.
+
+    Args:
+        plan: The factorised path's plan for this layout (weights, factors, projector).
+        loss: ``loss(params, example)``, one example.
+        params: The differentiated parameters (the plan's layout).
+        batch: Examples with a leading batch dimension ``b``.
+        order, shapes: The layer calls and their output shapes for one example.
+        batch_loss: ``batch_loss(params, batch) -> [b]`` from one batched forward (no
+            vmap; see :mod:`~tracinfunc.grads.factorized_forward`), or ``None``: the
+            forward is ``vmap(loss)``.
+    """
+    if batch_loss is not None:
+        return _project(plan, *forward_sides(plan, batch_loss, params, batch, order, shapes))
+    b = tree_leaves(batch)[0].shape[0]
+    consts = {name: params[name].detach() for name in plan.weights}  # views, no copy
+    rest = {name: value.detach() for name, value in params.items() if name not in consts}
+    ids = {id(consts[name]): i for i, name in enumerate(plan.weights)}
+    taps = [torch.zeros((b, *shape), dtype=dtype, device=plan.device, requires_grad=True)
+            for shape, dtype in shapes]
+    shifts = {name: torch.zeros((b, *value.shape), dtype=value.dtype, device=value.device,
+                                requires_grad=True) for name, value in rest.items()}
+    modules: list = []  # (weight index, module) per call, in call order
+
+    def one_loss(taps: list[Tensor], shifts: Params, example) -> tuple[Tensor, list[Tensor]]:
+        shifted = {name: rest[name] + shift for name, shift in shifts.items()}
+        with tapping(ids, taps, order) as seen:
+            value = loss({**consts, **shifted}, example)
+        if len(seen) != len(order):
+            raise LossFunctionError(
+                f"projected_grads: {len(seen)} layer calls, {len(order)} on the first "
+                "example; the factorised kind='kronecker' path needs the same layer calls "
+                "for every example. Use kind='sjlt' or 'rademacher'."
+            )
+        modules[:] = [(index, module) for index, module, _, _ in seen]
+        return value, [x for _, _, x, _ in seen]
+
+    with torch.enable_grad():
+        values, inputs = vmap(one_loss)(taps, shifts, batch)  # [b], per call [b, *in_shape]
+        grads = torch.autograd.grad(values.sum(), [*taps, *shifts.values()],
+                                    allow_unused=True, materialize_grads=True)
+    deltas, rest_grads = grads[:len(taps)], dict(zip(shifts, grads[len(taps):], strict=True))
+    return _project(plan, modules, inputs, deltas, rest_grads)
+
+
+def _project(plan, modules, inputs, deltas, rest_grads: Params) -> Tensor:
+    """``[b, k]``: each example's row from its layers' inputs and output gradients."""
+
+    def one_row(inputs: list[Tensor], deltas: list[Tensor], rest_grads: Params) -> Tensor:
+        sides = [(index, layer_rule(module), *rule_sides(layer_rule(module), module, x, delta))
+                 for (index, module), x, delta in zip(modules, inputs, deltas, strict=True)]
+        return plan.combine(rest_grads, sides)
+
+    with torch.no_grad():
+        return vmap(one_row)([x.detach() for x in inputs], list(deltas), rest_grads)
+
+
+def batched_or_vmapped(plan, loss: LossFn, params: Params, batch: Batch, order, shapes, *,
+                       vmapped: Callable[[Batch], Tensor], chunk_size: int | None,
+                       batch_loss: BatchLoss | None = None) -> Tensor:
+    """``[b, k]`` by the batched path once the first batch proved it, else by ``vmapped``.
+
+    The first batch tries one batched forward (``batch_loss``, where it applies), then
+    ``vmap(loss)``, and keeps the first whose rows equal ``vmapped``'s. ``plan.batched``
+    records the outcome (``None`` until the first batch; ``"forward"``, ``"vmap"`` or
+    ``False``), ``plan.fallback_reason`` why a faster one was not kept.
+    """
+    if plan.batched is None:
+        return _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size,
+                      batch_loss)
+    if plan.batched is False:
+        return vmapped(batch)
+    direct = batch_loss if plan.batched == "forward" else None
+    return _chunked(plan, loss, params, batch, order, shapes, chunk_size, direct)
+
+
+def _chunked(plan, loss, params, batch, order, shapes, chunk_size: int | None,
+             batch_loss: BatchLoss | None) -> Tensor:
+    b = tree_leaves(batch)[0].shape[0]
+    step = b if chunk_size is None else chunk_size
+    parts = [batched_rows(plan, loss, params, _rows(batch, start, start + step), order, shapes,
+                          batch_loss) for start in range(0, b, step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_loss) -> Tensor:
+    b = tree_leaves(batch)[0].shape[0]
+    expected = vmapped(_rows(batch, 0, min(b, _CHECKED_EXAMPLES)))
+    reasons = []
+    forward_applies = batch_loss is not None and all(shape[:1] == (1,) for shape, _ in shapes)
+    for mode in ("forward", "vmap") if forward_applies else ("vmap",):
+        direct = batch_loss if mode == "forward" else None
+        try:
+            rows = _chunked(plan, loss, params, batch, order, shapes, chunk_size, direct)
+        except _CAUGHT[mode] as error:
+            reasons.append(f"{_NAMES[mode]} failed ({error})")
+            continue
+        error = float(((rows[:len(expected)] - expected).norm(dim=1)
+                       / expected.norm(dim=1).clamp_min(1e-30)).max())
+        allowed = 1e-6 if rows.dtype == torch.float64 else 1e-3
+        if error <= allowed:
+            plan.batched = mode
+            _say(plan, reasons, "uses one backward of vmap(loss) over the batch")
+            return rows
+        reasons.append(f"{_NAMES[mode]} gives rows that differ from the per-example ones on "
+                       f"the first batch (relative difference {error:.3g}, allowed {allowed})")
+    plan.batched = False
+    _say(plan, reasons, "uses the per-example (vmapped) backward")
+    return vmapped(batch)
+
+
+# A model may refuse a real batch in many ways (the vmap modes then say what is wrong).
+_CAUGHT = {"forward": Exception, "vmap": RuntimeError}
+_NAMES = {"forward": "one batched forward of the module (examples may interact: a "
+                     "cross-example layer, or outputs without a batch dimension)",
+          "vmap": "the batched backward"}
+
+
+def _say(plan, reasons: list[str], instead: str) -> None:
+    if not reasons:
+        return
+    plan.fallback_reason = "; ".join(reasons)
+    warnings.warn(
+        f"projected_grads: kind='kronecker' {instead} for this loss because "
+        f"{plan.fallback_reason}. The rows are the same; only the speed differs.",
+        BatchedPathWarning, stacklevel=6)
+
+
+def _rows(batch: Batch, start: int, stop: int) -> Batch:
+    return tree_map(lambda leaf: leaf[start:stop], batch)

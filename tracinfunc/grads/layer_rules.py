@@ -1,0 +1,104 @@
+"""The per-layer rules of the factorised kronecker path, shared by the vmapped and the batched
+path: which layers factorise, the two sides ``(left, right)`` of a layer's weight gradient
+``G = left.T @ right`` (see :mod:`tracinfunc.grads.factorized`), and the forward hook that finds
+those layers while any loss runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook
+
+from tracinfunc.errors import LossFunctionError
+
+__all__ = ["dense_grad", "layer_rule", "project_left", "rule_sides", "tapping"]
+
+
+def layer_rule(module: nn.Module) -> str | None:
+    """``"linear"``, ``"conv1d"``, ``"conv2d"``, ``"embedding"`` or ``None`` (not factorised).
+
+    Exact types only: subclasses may use their weight without calling the parent's forward
+    (``nn.MultiheadAttention.out_proj``). HF ``Conv1D`` is recognised without importing
+    transformers.
+    """
+    kind = type(module)
+    if kind is nn.Linear:
+        return "linear"
+    if kind is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros" \
+            and not isinstance(module.padding, str):
+        return "conv2d"
+    if kind is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
+        return "embedding"
+    if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):
+        return "conv1d"
+    return None
+
+
+def rule_sides(rule: str, module: nn.Module, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``G = left.T @ right``; for embeddings ``left`` is token ids
+    ``[T]`` with ``-1`` where the gradient is zero (``padding_idx``)."""
+    if rule == "linear":
+        return delta.reshape(-1, module.out_features), x.reshape(-1, module.in_features)
+    if rule == "conv1d":
+        return x.reshape(-1, x.shape[-1]), delta.reshape(-1, module.nf)
+    if rule == "conv2d":
+        columns = F.unfold(x, module.kernel_size, module.dilation, module.padding,
+                           module.stride)  # [1, C_in * kh * kw, L]
+        return delta.reshape(module.out_channels, -1).T, columns[0].T
+    ids = x.reshape(-1)
+    if module.padding_idx is not None:
+        ids = torch.where(ids == module.padding_idx, -1, ids)
+    return ids, delta.reshape(ids.shape[0], -1)
+
+
+def project_left(rule: str, left: Tensor, p_rows: Tensor) -> Tensor:
+    """``left @ P_r`` ``[T, k_r]``: a row gather for embeddings (zero for ``-1`` ids)."""
+    if rule != "embedding":
+        return left @ p_rows
+    rows = p_rows[left.clamp_min(0)]  # [T, k_r]
+    return rows * (left >= 0).unsqueeze(-1).to(rows.dtype)
+
+
+def dense_grad(rule: str, left: Tensor, right: Tensor, rows: int) -> Tensor:
+    """``G [r, c]`` of one call (the one-example check only)."""
+    if rule != "embedding":
+        return left.T @ right
+    keep = (left >= 0).unsqueeze(-1).to(right.dtype)
+    zeros = right.new_zeros(rows, right.shape[-1])
+    return zeros.index_add(0, left.clamp_min(0), right * keep)
+
+
+@contextmanager
+def tapping(weight_ids: dict[int, int], taps: list[Tensor] | None, order: list | None):
+    """A global forward hook recording calls of layers whose weight is in ``weight_ids``.
+
+    Yields a list that fills with ``(weight index, module, input, output)`` per call;
+    ``taps[i]`` is added to the ``i``-th call's output (``None``: record only). ``order`` (when
+    given) is the call order found on the first example; a different order is refused.
+    """
+    seen: list[tuple[int, nn.Module, Tensor, Tensor]] = []
+
+    def hook(module, inputs, output):
+        index = weight_ids.get(id(getattr(module, "weight", None)))
+        if index is None or layer_rule(module) is None:
+            return None
+        call = len(seen)
+        if order is not None and (call >= len(order) or order[call] != (index, id(module))):
+            raise LossFunctionError(
+                "projected_grads: layers were called in another order (or number of times) "
+                "than on the first example; the factorised kind='kronecker' path needs the "
+                "same layer calls for every example of a batch. Use kind='sjlt' or "
+                "'rademacher' for data-dependent control flow."
+            )
+        seen.append((index, module, inputs[0], output))
+        return None if taps is None else output + taps[call]
+
+    handle = register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()

@@ -141,10 +141,13 @@ def fill_store(
             # last stored one (an example inserted or dropped anywhere before the resume point
             # shifts every row after it). Only writers that can read rows back; a part of a
             # sharded build starts later.
-            if (resume_at and size and isinstance(writer, SupportsReadBack)
-                    and (first == 0 or first < resume_at <= seen)):
+            own = writer.first_row if isinstance(writer, SupportsReadBack) else resume_at
+            if (resume_at > own and size and seen > own
+                    and (first <= own or first < resume_at <= seen)):
                 computed = rows_of(batch)
-                check_same_data(writer, computed[:, : resume_at - first], meta, start=first)
+                lo = max(first, own)  # this writer's rows only: a part's start, or 0
+                check_same_data(writer, computed[:, lo - first : resume_at - first], meta,
+                                start=lo)
             if size == 0 or seen <= resume_at:  # stored before the interruption: skip
                 continue
             if not checked:

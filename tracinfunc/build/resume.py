@@ -28,7 +28,11 @@ _TOLERANCE = 1e-3
 
 @runtime_checkable
 class SupportsReadBack(Protocol):
-    """A writer that can return rows it already stored (a resumed Zarr writer)."""
+    """A writer that can return rows it already stored (a resumed Zarr writer or part)."""
+
+    #: The first row this writer writes (0, or a part's first row): rows before it are
+    #: another writer's.
+    first_row: int
 
     def read_back(self, start: int, stop: int) -> Tensor:
         """Stored rows ``[n_ckpt, stop - start, k]``."""

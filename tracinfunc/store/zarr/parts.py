@@ -50,7 +50,8 @@ from tracinfunc.store.zarr.layout import (
     writable_scales,
     write_pending,
 )
-from tracinfunc.store.zarr.store import ZarrStore
+from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
+from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
 from tracinfunc.store.zarr.urls import Location, is_url, location
 
 __all__ = ["PARTS_KEY", "PartWriter", "StorePart", "check_shard", "commit_store",
@@ -128,6 +129,10 @@ class PartWriter:
                  compression: str | None = None) -> None:
         self._path = location(path)
         self.index, self.count = check_shard(shard)
+        # One writer per part, as per store: a requeued task beside a still-running copy of
+        # the same part is refused (other parts write beside it freely).
+        lock_path = f"{self._path}.part{self.index}"
+        self._lock = RemoteLock(lock_path) if is_url(self._path) else WriterLock(Path(lock_path))
         self._group = _open_or_create(self._path, meta, self.count, chunk_rows=chunk_rows,
                                       shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path)
@@ -144,6 +149,16 @@ class PartWriter:
         self._filled = 0
         self._finished = False
         self._record(complete=bool(state.get("complete", False)))
+
+    @property
+    def first_row(self) -> int:
+        """The part's first row (rows before it are other parts')."""
+        return self.start
+
+    def read_back(self, start: int, stop: int) -> Tensor:
+        """Stored rows ``[n_ckpt, stop - start, k]`` of this part (a resume checks its data
+        against them)."""
+        return read_back_rows(self._meta, self._rows, self._scales, start, stop)
 
     @property
     def rows_written(self) -> int:
@@ -179,6 +194,7 @@ class PartWriter:
             )
         self._finished = True
         self._record(complete=True)
+        self._lock.release()
         return StorePart(self._path, self.index, self.count, self.start, self.stop, True)
 
     def _flush(self) -> None:
@@ -186,6 +202,7 @@ class PartWriter:
         n = self._filled
         if n == 0:
             return
+        self._lock.check()
         written = write_pending(self, self._committed, resize=False)  # full-size arrays
         # On disk before they are counted, as ZarrWriter does: else a power loss leaves
         # counted empty shards. (An object store's PUT is durable when it returns.)

@@ -301,3 +301,14 @@ def _from_numpy(values: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(values))
 
+
+def read_back_rows(meta: StoreMeta, rows: list[zarr.Array], scales: list[zarr.Array],
+                   start: int, stop: int) -> Tensor:
+    """Rows ``[n_ckpt, stop - start, k]`` of a store being written, as stored (dequantised
+    for a quantised store): what a resumed writer compares recomputed rows with."""
+    if meta.quantization is not None:
+        return torch.stack([dequantize(torch.from_numpy(codes[start:stop]),
+                                       torch.from_numpy(values[start:stop]),
+                                       meta.quantization, meta.k)
+                            for codes, values in zip(rows, scales, strict=True)])
+    return torch.stack([_from_numpy(a[start:stop], meta.torch_dtype) for a in rows])

@@ -21,7 +21,7 @@ from tracinfunc.errors import (
     StoreExistsError,
 )
 from tracinfunc.interop import as_tensor
-from tracinfunc.store.codes import check_codes, dequantize, to_stored
+from tracinfunc.store.codes import check_codes, to_stored
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import check_block
 from tracinfunc.store.zarr.integrity import seal, seal_metadata, sync_files
@@ -40,7 +40,7 @@ from tracinfunc.store.zarr.layout import (
     write_pending,
 )
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
-from tracinfunc.store.zarr.store import ZarrStore, _from_numpy
+from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
 from tracinfunc.store.zarr.urls import exists, is_url, location, remove
 
 __all__ = ["ZarrWriter"]
@@ -124,6 +124,9 @@ class ZarrWriter:
         check_resumable(StoreMeta.from_dict(existing), meta, self._path)
         return True
 
+    #: Rows before this writer's first (a one-process store starts at row 0).
+    first_row = 0
+
     @property
     def rows_written(self) -> int:
         """Rows stored so far, including those of a resumed build (or a finished one)."""
@@ -136,13 +139,7 @@ class ZarrWriter:
         if self._rerun is not None:
             return torch.stack([self._rerun.read_rows(c, start, stop)
                                 for c in range(self._rerun.n_ckpt)])
-        if self._meta.quantization is not None:
-            return torch.stack([dequantize(torch.from_numpy(codes[start:stop]),
-                                           torch.from_numpy(scales[start:stop]),
-                                           self._meta.quantization, self._meta.k)
-                                for codes, scales in zip(self._rows, self._scales, strict=True)])
-        return torch.stack([_from_numpy(a[start:stop], self._meta.torch_dtype)
-                            for a in self._rows])
+        return read_back_rows(self._meta, self._rows, self._scales, start, stop)
 
     @entry_point("ZarrWriter.append")
     def append(self, rows: Tensor, norms: Tensor) -> None:

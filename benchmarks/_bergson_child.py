@@ -14,14 +14,16 @@ import resource
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
 from bergson.collector.collector import HookCollectorBase
 from bergson.gradients import GradientProcessor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llm_throughput
 
 
 @dataclass(kw_only=True)
@@ -42,19 +44,8 @@ class Rows(HookCollectorBase):
 
 
 def build(cfg):
-    if cfg["quick"]:
-        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
-                                         n_positions=32)
-    elif cfg["model"] == "small":
-        config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2048,
-                                         n_positions=128)
-    else:
-        config = transformers.GPT2Config(n_positions=1024)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
-    return model.eval(), config
+    """The same model as the tracinfunc side builds (one definition, in llm_throughput.py)."""
+    return llm_throughput.build(cfg["model"], cfg["quick"])
 
 
 def batches_of(config, n, batch, tokens, seed):

@@ -46,6 +46,7 @@ from tracinfunc.grads.layer_rules import (
     layer_rule,
     project_left,
     rule_sides,
+    tapped_loss,
     tapping,
 )
 from tracinfunc.grads.selection import Selection, check_select, selected_names
@@ -136,16 +137,7 @@ class _Plan:
         modules: list[tuple[int, nn.Module]] = []  # not tensors: kept out of grad's aux
 
         def inner(rest: Params, taps: list[Tensor]):
-            with tapping(ids, taps, order) as seen:
-                value = loss({**consts, **rest}, example)
-            if len(seen) != len(order):
-                raise LossFunctionError(
-                    f"projected_grads: {len(seen)} layer calls, {len(order)} on the first "
-                    "example; the factorised kind='kronecker' path needs the same layer calls "
-                    "for every example. Use kind='sjlt' or 'rademacher'."
-                )
-            modules[:] = [(index, module) for index, module, _, _ in seen]
-            return value, [x for _, _, x, _ in seen]
+            return tapped_loss(loss, {**consts, **rest}, example, ids, taps, order, modules)
 
         (rest_grads, tap_grads), inputs = grad(inner, argnums=(0, 1), has_aux=True)(rest, taps)
         sides = [(index, layer_rule(module), *rule_sides(layer_rule(module), module, x, delta))
@@ -332,3 +324,4 @@ def factorizable_layers(module: nn.Module, params: Params) -> list[str]:
         if name in params and layer_rule(sub) is not None:
             found.add(name)
     return sorted(found)
+

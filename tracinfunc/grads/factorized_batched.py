@@ -33,9 +33,8 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_forward import forward_sides
-from tracinfunc.grads.layer_rules import layer_rule, rule_sides, tapping
+from tracinfunc.grads.layer_rules import layer_rule, rule_sides, tapped_loss
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["BatchedPathWarning", "batched_or_vmapped", "batched_rows"]
@@ -77,16 +76,7 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
 
     def one_loss(taps: list[Tensor], shifts: Params, example) -> tuple[Tensor, list[Tensor]]:
         shifted = {name: rest[name] + shift for name, shift in shifts.items()}
-        with tapping(ids, taps, order) as seen:
-            value = loss({**consts, **shifted}, example)
-        if len(seen) != len(order):
-            raise LossFunctionError(
-                f"projected_grads: {len(seen)} layer calls, {len(order)} on the first "
-                "example; the factorised kind='kronecker' path needs the same layer calls "
-                "for every example. Use kind='sjlt' or 'rademacher'."
-            )
-        modules[:] = [(index, module) for index, module, _, _ in seen]
-        return value, [x for _, _, x, _ in seen]
+        return tapped_loss(loss, {**consts, **shifted}, example, ids, taps, order, modules)
 
     with torch.enable_grad():
         values, inputs = vmap(one_loss)(taps, shifts, batch)  # [b], per call [b, *in_shape]

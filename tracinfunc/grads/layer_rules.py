@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from tracinfunc.errors import LossFunctionError
+from tracinfunc.types import LossFn, Params
 
 __all__ = ["dense_grad", "layer_rule", "project_left", "rule_sides", "tapping"]
 
@@ -102,3 +103,19 @@ def tapping(weight_ids: dict[int, int], taps: list[Tensor] | None, order: list |
         yield seen
     finally:
         handle.remove()
+
+
+def tapped_loss(loss: LossFn, params: Params, example, ids, taps: list[Tensor], order,
+                modules: list) -> tuple[Tensor, list[Tensor]]:
+    """``loss(params, example)`` with a tap on each factorised layer's output: ``(value,
+    layer inputs)``; ``modules`` is refilled with the layers called, in call order."""
+    with tapping(ids, taps, order) as seen:
+        value = loss(params, example)
+    if len(seen) != len(order):
+        raise LossFunctionError(
+            f"projected_grads: {len(seen)} layer calls, {len(order)} on the first "
+            "example; the factorised kind='kronecker' path needs the same layer calls "
+            "for every example. Use kind='sjlt' or 'rademacher'."
+        )
+    modules[:] = [(index, module) for index, module, _, _ in seen]
+    return value, [x for _, _, x, _ in seen]

@@ -44,6 +44,7 @@ from tracinfunc.store.zarr.layout import (
     check_resumable,
     chunk_files,
     create_layout,
+    default_rows,
     pending_buffers,
     read_meta,
     writable_arrays,
@@ -218,8 +219,25 @@ class PartWriter:
                                       "rows_written": self._committed, "complete": complete}
 
 
+def balanced_rows(meta: StoreMeta, count: int, chunk_rows: int | None,
+                  shard_rows: int | None) -> tuple[int, int]:
+    """``(chunk_rows, shard_rows)`` of a store built in ``count`` parts: the defaults, made
+    small enough that there are about four shards per part, so the parts (whole shards each)
+    share the work evenly even for stores that would be one shard. Given values are kept."""
+    chunk, shard = default_rows(meta, chunk_rows, shard_rows)
+    if shard_rows is not None:
+        return chunk, shard
+    target = max(1, -(-meta.n_train // (4 * count)))  # rows per shard for ~4 shards a part
+    if chunk_rows is None:
+        chunk = min(chunk, target)
+    shard = min(shard, chunk * max(1, -(-target // chunk)))
+    return chunk, shard
+
+
 def _open_or_create(path: Location, meta: StoreMeta, count: int, **layout) -> zarr.Group:
     """The sharded store's group: created at full size by the first part, else waited for."""
+    layout["chunk_rows"], layout["shard_rows"] = balanced_rows(
+        meta, count, layout.get("chunk_rows"), layout.get("shard_rows"))
     try:
         group = create_layout(path, meta, **layout)
     except Exception:  # another part created it (or is creating it): wait for its marker

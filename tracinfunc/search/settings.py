@@ -68,11 +68,12 @@ def build_settings(meta: StoreMeta, kind: str, nlist: int | None, m: int | None,
 def quiet_clustering(index: Any, kind: str, nlist: int, train_size: int, *,
                      chosen: bool) -> None:
     """Stop FAISS printing its k-means warning; warn in Python when ``chosen`` settings
-    (given by the caller, not defaults) give fewer than 39 training rows per centroid."""
+    (given by the caller, not defaults) give fewer than 39 training rows per cluster (one
+    cluster needs no clustering)."""
     index.cp.min_points_per_centroid = 1  # only ever used for that print
     if kind == "ivf_pq":
         index.pq.cp.min_points_per_centroid = 1
-    if chosen and train_size < _FAISS_ADVISED * nlist:
+    if chosen and nlist > 1 and train_size < _FAISS_ADVISED * nlist:
         warnings.warn(
             f"build_index: {train_size} training rows for nlist={nlist} clusters is fewer "
             f"than the {_FAISS_ADVISED} per cluster FAISS advises, so clusters may be poor "

@@ -12,6 +12,7 @@ one run, after a warm-up call of each. Methods:
   batch-of-one ``grad`` calls (no vmap).
 
     python benchmarks/llm_throughput.py            # CPU, ~1 minute
+    python benchmarks/llm_throughput.py --quick    # tiny sizes (tests/ runs it)
     python benchmarks/llm_throughput.py --gpu      # CUDA, a ~100M-parameter model (GPT-2 small)
 
 Targets: kronecker within 3x of the fwd+bwd floor (full model and LoRA-only).
@@ -97,7 +98,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="2 x 16 tokens, k=256, 1 repeat")
     args = parser.parse_args()
+    if args.quick:
+        args.batch, args.tokens, args.k, args.repeats = 2, 16, 256, 1
     device = "cuda" if args.gpu else "cpu"
     size = "gpt2" if args.gpu else "small"
     rows = []

@@ -115,8 +115,10 @@ def bench_s3(rows: int, k: int, repeats: int) -> None:
         meta = tif.store.fill.new_store_meta(
             [("c0", 1.0, "f")], tif.canonical_layout({"w": (k,)}),
             tif.Projection(dim=None, kind="identity"), torch.float32, None, caller="bench")
-        writer = tif.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=1024,
-                                shard_rows=rows // 8)
+        # ~8 shard objects (--quick: 4096 rows -> 512-row chunks, one per shard)
+        chunk = min(1024, rows // 8)
+        writer = tif.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=chunk,
+                                shard_rows=chunk * max(1, rows // 8 // chunk))
         g = torch.Generator().manual_seed(0)
         for start in range(0, rows, 4096):
             block = torch.randn(1, min(4096, rows - start), k, generator=g)

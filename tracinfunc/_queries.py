@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -30,7 +31,7 @@ def query_matrix(
     """Test gradients ``[n_ckpt, n_test, k]`` and their norms ``[n_ckpt, n_test]``, validated."""
     if isinstance(test_grads, Tensor):
         check_test_tensor(meta, test_grads)
-        return test_grads, test_grads.to(compute_dtype(test_grads.dtype)).norm(dim=-1)
+        return test_grads, row_norms(test_grads.to(compute_dtype(test_grads.dtype)))
     check_test_type(test_grads)
     check_compatible(meta, test_grads.meta, caller=current_caller())
     n_test = test_grads.meta.n_train

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc._version import __version__
 from tracinfunc.errors import (
     EmptyDataError,
@@ -146,7 +147,7 @@ def fill_store(
             first = seen - size
             rows = rows_of(batch)[:, max(0, resume_at - first) : min(size, stop - first)]
             check_finite(rows, meta, first_row=writer.rows_written, caller=caller)
-            writer.append(rows, rows.norm(dim=-1))
+            writer.append(rows, row_norms(rows))
             bar.update(rows.shape[1])
     if stop != float("inf") and seen < stop:
         raise EmptyDataError(

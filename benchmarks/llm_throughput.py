@@ -32,7 +32,10 @@ import tracinfunc as tif
 
 
 def build(size: str, device: str, lora: bool):
-    if size == "small":
+    if size == "tiny":  # --quick: checks the script runs (tests/)
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+    elif size == "small":
         config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2048,
                                          n_positions=128, bos_token_id=0, eos_token_id=0)
     else:  # GPT-2 small's shape, ~124M parameters
@@ -98,12 +101,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="2 x 16 tokens, k=256, 1 repeat")
+    parser.add_argument("--quick", action="store_true",
+                        help="a 2-layer 64-wide model, 2 x 16 tokens, k=256, 1 repeat")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.tokens, args.k, args.repeats = 2, 16, 256, 1
     device = "cuda" if args.gpu else "cpu"
-    size = "gpt2" if args.gpu else "small"
+    size = "gpt2" if args.gpu else "tiny" if args.quick else "small"
     rows = []
     for lora in (False, True):
         model, config = build(size, device, lora)

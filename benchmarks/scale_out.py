@@ -180,8 +180,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child == "build":
         return child_build(args)
-    if args.quick:
-        args.n, args.rows = 1024, 4096
+    if args.quick:  # seconds of work (tests/ runs it); the ratios need the full sizes
+        args.n, args.rows, args.repeats = 256, 4096, 3
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "build"):
             bench_build(args.n, args.procs, Path(tmp))

@@ -193,7 +193,7 @@ def build_index(
                         m if kind == "ivf_pq" else None, normalize, meta.n_train, target)
     if target is not None:
         _save(built, target, faiss)
-    return built
+    return _verified_for(built, store)
 
 
 def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchIndex:
@@ -216,9 +216,17 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
     faiss = import_faiss("load_index")
     path = Path(path)
     saved, faiss_index = read_index_files(path, store_fingerprint(store), faiss.read_index)
-    return SearchIndex(faiss_index, saved["fingerprint"], saved["meta_fingerprint"],
-                       saved["kind"], int(saved["nlist"]), saved["m"], bool(saved["normalize"]),
-                       int(saved["n_train"]), path)
+    loaded = SearchIndex(faiss_index, saved["fingerprint"], saved["meta_fingerprint"],
+                         saved["kind"], int(saved["nlist"]), saved["m"],
+                         bool(saved["normalize"]), int(saved["n_train"]), path)
+    return _verified_for(loaded, store)
+
+
+def _verified_for(index: SearchIndex, store: GradientStore) -> SearchIndex:
+    """``index``, knowing that ``store`` (just fingerprinted) is the one it was built for."""
+    with contextlib.suppress(TypeError):
+        index._verified.add(store)
+    return index
 
 
 def store_fingerprint(store: GradientStore) -> str:

@@ -5,6 +5,7 @@ Side by side in one run, on one store: writing it (ZarrWriter, fsync included) v
 same ShardReader with no FileGuard. Prints ratios.
 
     PYTHONPATH=. python benchmarks/integrity_overhead.py [--rows 65536] [--k 256] [--ckpts 4]
+    PYTHONPATH=. python benchmarks/integrity_overhead.py --quick    # seconds (tests/ runs it)
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--ckpts", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="8192 x 64, 2 checkpoints")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.k, args.ckpts = 8192, 64, 2
     rows = torch.randn(args.ckpts, args.rows, args.k)
     meta = StoreMeta(projection=tif.Projection(dim=args.k),
                      checkpoints=tuple(CheckpointMeta(f"c{i}", 0.1, f"f{i}")

@@ -6,7 +6,7 @@ computes projected gradients of ``n_train`` training and ``n_test`` test example
 :func:`tracinfunc.projected_grads`, and writes its scores ``[n_test, n_train]``; this process
 compares them with the float32 baseline and prints one table per model.
 
-    python benchmarks/memory_techniques.py --quick     # < 3 GB per subprocess, a few minutes
+    python benchmarks/memory_techniques.py --quick     # tiny MLP only: checks it runs (tests/)
     python benchmarks/memory_techniques.py --full      # the sizes: ~10M-parameter MLP,
                                                        # batch 256; ~11 GB peak for the baseline
 
@@ -36,9 +36,9 @@ import tracinfunc as tif
 
 SIZES = {
     # model: (quick, full) keyword arguments
-    "mlp": ({"width": 512, "depth": 8, "batch": 64, "n_train": 128},
+    "mlp": ({"width": 128, "depth": 4, "batch": 16, "n_train": 32},
             {"width": 1024, "depth": 10, "batch": 256, "n_train": 512}),
-    "convnet": ({"channels": 16, "batch": 64, "n_train": 128},
+    "convnet": ({"channels": 4, "batch": 16, "n_train": 32},
                 {"channels": 32, "batch": 256, "n_train": 512}),
 }
 N_TEST = 16
@@ -234,13 +234,15 @@ def _top_overlap(reference: torch.Tensor, approx: torch.Tensor, k: int = 10) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--quick", action="store_true", help="reduced size (< 3 GB per process)")
+    size.add_argument("--quick", action="store_true",
+                      help="a tiny MLP (--models convnet adds the convnet): seconds a config")
     size.add_argument("--full", action="store_true", help="the issue's sizes (~11 GB peak)")
     size.add_argument("--worker", nargs=3, metavar=("MODEL", "CONFIG", "OUT"),
                       help=argparse.SUPPRESS)
     size.add_argument("--repeated-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-full", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--models", nargs="+", choices=list(SIZES),
+                        help="default: both with --full, the mlp with --quick")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads per worker (0: torch's default)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes; the fastest counts")
@@ -259,8 +261,9 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"device={device}, torch {torch.__version__}, threads={threads}, "
           f"projection={PROJECTION}, {'full' if args.full else 'quick'} size")
+    models = args.models or (list(SIZES) if args.full else ["mlp"])
     with tempfile.TemporaryDirectory() as tmp:
-        for model_name in args.models:
+        for model_name in models:
             prepare(model_name, args.full, str(Path(tmp) / f"{model_name}.pt"))
             rows = {}
             for config in CONFIGS:

@@ -7,6 +7,7 @@ a preconditioner ``kind="kronecker"`` leaves its factorised path (a per-element 
 factorise) and materialises each example's gradient: the ratio shows what that costs.
 
     python benchmarks/preconditioning.py            # MLP 256 wide, 4 layers, batch 128, k=1024
+    python benchmarks/preconditioning.py --quick    # tiny sizes (tests/ runs it)
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="MLP 2x32, batch 16, k=64")
     args = parser.parse_args()
+    if args.quick:
+        args.width, args.depth, args.batch, args.dim, args.repeats = 32, 2, 16, 64, 1
     model, optimizer, batch = make_problem(args.width, args.depth, args.batch)
     loss = tif.loss_from_module(model, F.cross_entropy)
     params = {name: p.detach() for name, p in model.named_parameters()}

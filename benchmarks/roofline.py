@@ -6,7 +6,7 @@ script times it beside ``projected_grads`` for the same ``B`` examples with each
 kind, and ``per_sample_grads`` (full per-example gradients, unprojected), and prints the ratios.
 
     python benchmarks/roofline.py            # MLP 784-1024-1024-10, B=256, k=512
-    python benchmarks/roofline.py --quick    # B=64, fewer repeats
+    python benchmarks/roofline.py --quick    # a small MLP, B=32: checks it runs (tests/)
 
 Target (issue 5): the factorised ``kind="kronecker"`` within 3x of the batched
 forward+backward on the 784-1024-1024-10 MLP.
@@ -40,14 +40,17 @@ def best_of(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="B=64, 3 repeats")
-    parser.add_argument("--batch", type=int, help="examples (default 256; 64 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="MLP 196-256-256-10, B=32, 2 repeats (seconds; tests/ runs it)")
+    parser.add_argument("--batch", type=int, help="examples (default 256; 32 with --quick)")
     parser.add_argument("--dim", type=int, default=512, help="projected dimension k")
     parser.add_argument("--repeats", type=int, help="timed repeats (best counts)")
-    parser.add_argument("--widths", type=int, nargs="+", default=[784, 1024, 1024, 10])
+    parser.add_argument("--widths", type=int, nargs="+",
+                        help="layer widths (default 784 1024 1024 10; 196 256 256 10 with --quick)")
     args = parser.parse_args()
-    batch = args.batch or (64 if args.quick else 256)
-    repeats = args.repeats or (3 if args.quick else 5)
+    batch = args.batch or (32 if args.quick else 256)
+    repeats = args.repeats or (2 if args.quick else 5)
+    args.widths = args.widths or ([196, 256, 256, 10] if args.quick else [784, 1024, 1024, 10])
 
     torch.manual_seed(0)
     layers = []

@@ -117,8 +117,10 @@ def bench_s3(rows: int, k: int, repeats: int) -> None:
         meta = new_store_meta(
             [("c0", 1.0, "f")], tif.projection.canonical_layout({"w": (k,)}),
             tif.Projection(dim=None, kind="identity"), torch.float32, None)
-        writer = tif.store.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=1024,
-                                shard_rows=rows // 8)
+        # ~8 shard objects (--quick: 4096 rows -> 512-row chunks, one per shard)
+        chunk = min(1024, rows // 8)
+        writer = tif.store.ZarrWriter("s3://bench/grads.zarr", meta, chunk_rows=chunk,
+                                      shard_rows=chunk * max(1, rows // 8 // chunk))
         g = torch.Generator().manual_seed(0)
         for start in range(0, rows, 4096):
             block = torch.randn(1, min(4096, rows - start), k, generator=g)
@@ -180,8 +182,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child == "build":
         return child_build(args)
-    if args.quick:
-        args.n, args.rows = 1024, 4096
+    if args.quick:  # seconds of work (tests/ runs it); the ratios need the full sizes
+        args.n, args.rows, args.repeats = 256, 4096, 3
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "build"):
             bench_build(args.n, args.procs, Path(tmp))

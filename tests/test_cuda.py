@@ -73,8 +73,8 @@ def test_indexed_top_k_takes_cuda_test_tensors(stores):
     pytest.importorskip("faiss")
     store, test_store = stores
     index = tif.build_index(store, nlist=4)
-    expected = tif.top_k(store, test_store, k=5, index=index, nprobe=4)
-    got = tif.top_k(store, _as_tensor(test_store).cuda(), k=5, index=index, nprobe=4)
+    expected = tif.indexed_top_k(store, test_store, k=5, index=index, nprobe=4)
+    got = tif.indexed_top_k(store, _as_tensor(test_store).cuda(), k=5, index=index, nprobe=4)
     torch.testing.assert_close(got, expected)
 
 

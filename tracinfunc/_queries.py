@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -31,7 +32,7 @@ def query_matrix(
     on ``device`` (where they are multiplied; they may arrive on any device)."""
     if isinstance(test_grads, Tensor):
         check_test_tensor(meta, test_grads)
-        norms = test_grads.to(compute_dtype(test_grads.dtype)).norm(dim=-1)
+        norms = row_norms(test_grads.to(compute_dtype(test_grads.dtype)))
         return test_grads.to(device), norms.to(device)
     check_test_type(test_grads)
     check_compatible(meta, test_grads.meta)

@@ -78,7 +78,8 @@ def calling(name: str) -> Iterator[None]:
         _CALLER.reset(token)
 
 
-def _run_as(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _run_as(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    # Positional-only: the wrapped function may take keywords called name or fn.
     if _CALLER.get() is not None:  # a public function calling another: the outer one speaks
         return fn(*args, **kwargs)
     token = _CALLER.set(name)

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from tracinfunc._devices import module_device
+from tracinfunc._shapes import check_loaded_shapes
+from tracinfunc._validate import entry_point
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import MissingDependencyError, MissingParametersError
 
@@ -40,6 +42,7 @@ def adapter_state_dict(path: str | PathLike) -> dict[str, Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+@entry_point("adapter_checkpoint")
 def adapter_checkpoint(
     source: str | PathLike | Mapping[str, Tensor],
     model: nn.Module,
@@ -67,6 +70,7 @@ def adapter_checkpoint(
     Raises:
         MissingParametersError: the file lacks adapters the model has (another model or
             another adapter configuration).
+        InvalidArgumentError: an adapter's shape differs from the model's (another rank).
     """
     saved = adapter_state_dict(source) if not isinstance(source, Mapping) else dict(source)
     live = [key for key, value in model.named_parameters() if value.requires_grad]
@@ -84,6 +88,10 @@ def adapter_checkpoint(
             f"of the model, e.g. {missing[:3]}; it has {sorted(saved)[:3]}. Load it into the "
             "peft model it was trained with (same LoraConfig and adapter_name)."
         )
+    live_params = dict(model.named_parameters())
+    check_loaded_shapes(((key, live_params[key], value) for key, value in params.items()),
+                        hint="was the adapter saved with another LoraConfig (rank r, "
+                             "target modules)? Load it into the peft model it was trained with.")
     return Checkpoint(params=params, lr=lr, name=name)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from tracinfunc._devices import module_device
+from tracinfunc._shapes import check_loaded_shapes
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
@@ -113,6 +114,7 @@ class Checkpoint:
         return cls(params=params, lr=lr, name=name, buffers=buffers)
 
     @classmethod
+    @entry_point("Checkpoint.from_state_dict")
     def from_state_dict(
         cls,
         state_dict: Mapping[str, Tensor],
@@ -126,7 +128,8 @@ class Checkpoint:
         The state dict's entries that are buffers of ``module`` (BatchNorm statistics; not the
         non-persistent ones, which state dicts leave out) become the checkpoint's ``buffers``.
         Raises :class:`MissingParametersError` (a ``KeyError``)
-        naming any parameter it lacks.
+        naming any parameter it lacks, and :class:`InvalidArgumentError` naming a parameter
+        whose shape differs from the module's.
         """
         names = [key for key, value in module.named_parameters() if value.requires_grad]
         missing = [key for key in names if key not in state_dict]
@@ -138,9 +141,13 @@ class Checkpoint:
         params = {key: state_dict[key].detach().clone() for key in names}
         buffers = {key: state_dict[key].detach().clone()
                    for key, _ in module.named_buffers() if key in state_dict}
+        live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        check_loaded_shapes(((k, live[k], v) for k, v in {**params, **buffers}.items()),
+                            hint="was the state dict saved from another model (other sizes)?")
         return cls(params=params, lr=lr, name=name, buffers=buffers)
 
     @classmethod
+    @entry_point("Checkpoint.load")
     def load(
         cls,
         path: str | PathLike,

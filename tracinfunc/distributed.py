@@ -14,6 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
+
+# torch.func's first vmap imports torch._dynamo, and importing it while a process group
+# exists keeps references to that group: destroy_process_group then leaves the C++ gloo group
+# and its threads alive into interpreter shutdown, where a gloo thread releasing a finished
+# collective's tensors needs the GIL of a finalizing interpreter and the process aborts
+# ("terminate called without an active exception", a flaky torchrun teardown). Imported here,
+# with tracinfunc, it is loaded before any group a script or the CLI creates afterwards.
+import torch._dynamo  # loaded for its side effect above, before any process group
 from torch import Tensor
 
 from tracinfunc.errors import InvalidArgumentError

@@ -1,14 +1,9 @@
 """tracinfunc.evaluate: LDS against hand and brute-force computations, the resumable
-retraining harness, mislabel curves, and the quality benchmark's quick mode."""
+retraining harness and mislabel curves (the quality benchmark: test_benchmarks_quick.py)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +11,6 @@ import torch
 
 import tracinfunc.evaluate as ev
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, TracInFuncError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def brute_ranks(values: list[float]) -> list[float]:
@@ -268,34 +261,3 @@ def test_mislabel_errors():
     with pytest.raises(InvalidTypeError, match="suspicion must be a real 1-D tensor"):
         ev.mislabel_curve(torch.zeros(4, 1), torch.tensor([0]))
 
-
-# ---- benchmarks/quality.py --quick ----------------------------------------------------------
-
-def test_quality_benchmark_quick_mode_writes_its_table_and_plot(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--model", "logreg",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "| exact-all | identity | p | all | dot |" in done.stdout
-    (result,) = json.loads((tmp_path / "quality.json").read_text())
-    names = {row["name"] for row in result["rows"]}
-    for kind in ("identity", "rademacher", "sjlt", "kronecker"):
-        assert any(row["kind"] == kind for row in result["rows"])
-    assert {"exact-last", "exact-all-cos", "kronecker-64-last-cos"} <= names
-    for row in result["rows"]:
-        assert -1 <= row["low"] <= row["lds"] <= row["high"] <= 1
-        # exact float32 rows are the reference of their own (checkpoints, normalize) group
-        assert (row["score_error"] == 0) == (row["kind"] == "identity" and not row["storage"])
-    # item 4: storage rows beside their float32 rows, in the JSON and a second table
-    storage = {row["name"]: row for row in result["rows"] if row["storage"]}
-    assert {"exact-int8-all", "rademacher-64-sign-all", "exact-bfloat16-all"} <= set(storage)
-    assert "| exact-int8-all | int8 |" in done.stdout
-    int8, sign = storage["exact-int8-all"], storage["exact-sign-all"]
-    assert int8["vs_float32"]["score_error"] < 0.02 < sign["vs_float32"]["score_error"]
-    assert int8["flip_auc"] == int8["vs_float32"]["flip_auc"]  # from the exact stored norms
-    k = (int8["vs_float32"]["row_bytes"] - 4) // 4  # float32: 4 bytes a value, plus the norm
-    assert int8["row_bytes"] == k + 4 + 4  # int8: a byte a value, the scale and the norm
-    assert (tmp_path / "quality.png").stat().st_size > 0
-    assert len(list(tmp_path.glob("retrain-logreg-*.zarr"))) == 2  # kept, so a rerun resumes

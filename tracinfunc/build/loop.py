@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc._version import __version__
 from tracinfunc.build.resume import SupportsReadBack, check_same_data
@@ -158,7 +159,7 @@ def fill_store(
             computed = rows_of(batch) if computed is None else computed
             rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
             check_finite(rows, meta, first_row=writer.rows_written)
-            writer.append(rows, rows.norm(dim=-1))
+            writer.append(rows, row_norms(rows))
             bar.update(rows.shape[1])
     if stop != float("inf") and seen < stop:
         raise EmptyDataError(

@@ -250,13 +250,38 @@ def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[Checkpoint]:
         return list(spec.checkpoints)
     if spec.model is None:
         raise SpecError("build: --checkpoints needs the spec to return its model (Spec.model).")
-    checkpoints = []
-    for item in files:
-        path, _, lr = item.partition("@")
-        checkpoints.append(
-            Checkpoint.load(path, spec.model, lr=float(lr or 1.0), name=Path(path).stem)
+    return [_load_checkpoint(item, spec.model) for item in files]
+
+
+def _load_checkpoint(item: str, model: torch.nn.Module) -> Checkpoint:
+    """``FILE[@LR]``: the text after the last ``@`` is the lr when it is a number (so file
+    names may hold ``@``); any failure to read the file is one clear line."""
+    path, at, lr = item.rpartition("@")
+    if not (at and _is_number(lr) and (Path(path).is_file() or not Path(item).is_file())):
+        path, lr = item, "1.0"
+    if not Path(path).is_file():
+        raise SpecError(
+            f"--checkpoints {item!r}: no file {path!r}; give FILE or FILE@LR (the text after "
+            "the last @ is the learning rate, so file names may contain @)."
         )
-    return checkpoints
+    try:
+        return Checkpoint.load(path, model, lr=float(lr), name=Path(path).stem)
+    except TracInFuncError:
+        raise
+    except Exception as error:  # torch.load of a text file raises IndexError, EOFError, ...
+        raise SpecError(
+            f"--checkpoints {item!r}: {path!r} is not a state dict saved with "
+            f"torch.save(model.state_dict(), path) ({type(error).__name__}: {error}); pass "
+            "the checkpoint files the spec's model was trained into."
+        ) from error
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -488,12 +513,14 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print(f"complete    False  ({meta.n_train} rows written so far: the build was "
               f"interrupted; {resume})")
-    print(f"projection  {meta.projection}")
-    print(f"preconditioner  {meta.preconditioner or 'none'}")
+    # Names and versions are text from the store's metadata: escape what a terminal would run.
+    print(_escaped(f"projection  {meta.projection}"))
+    print(_escaped(f"preconditioner  {meta.preconditioner or 'none'}"))
     for c in meta.checkpoints:
-        print(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}")
+        print(_escaped(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}"))
     print(f"parameters  {len(meta.layout)} tensors, p={sum(_numel(s) for _, s in meta.layout)}")
-    print(f"written by  tracinfunc {meta.library_version} (format {meta.format_version})")
+    print(_escaped(f"written by  tracinfunc {meta.library_version} "
+                   f"(format {meta.format_version})"))
     if args.verify:
         if store is None:
             raise IncompleteStoreError(
@@ -503,6 +530,12 @@ def _info(args: argparse.Namespace) -> int:
         verify_store(store, progress=_progress(args))
         print("verify      every row and norm read back and matched its checksum")
     return 0
+
+
+def _escaped(text: str) -> str:
+    """``text`` with every non-printable character (ESC, BEL, newlines) as a Python escape."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
 
 
 def _parts_or_none(store: Path | str) -> list[dict | None] | None:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, OutputPathError
+from tracinfunc.search.files import enclosing_store_or_index
 
 __all__ = ["RESULT_SUFFIXES", "check_output_path", "check_result_format",
            "check_writable_directory", "write_results"]
@@ -30,6 +31,13 @@ def check_output_path(path: Path, *, overwrite: bool) -> None:
         raise InvalidArgumentError(
             f"{current_caller()}: output {str(path)!r} must end in one of "
             f"{', '.join(RESULT_SUFFIXES)}."
+        )
+    inside = enclosing_store_or_index(path)
+    if inside is not None:
+        raise OutputPathError(
+            f"{current_caller()}: output {str(path)!r} is or lies inside the {inside[0]} at "
+            f"{str(inside[1])!r}; results never go there (they would replace its files). "
+            "Choose an output path outside it."
         )
     if path.exists() and not overwrite:
         raise OutputPathError(

@@ -1,12 +1,8 @@
 """A retraining harness for models that train in seconds: the ground truth LDS compares to.
 
 ``retrain_subsets`` draws seeded random subsets, calls the user's ``train_fn`` on each and
-keeps the measurements in a Zarr group, so an interrupted run resumes where it stopped::
-
-    path/zarr.json              attributes["tracinfunc_retrain"] = {n_train, n_subsets, alpha, seed}
-    path/subsets                [m, n_train] bool
-    path/outputs                [m, n_test] float64 (row j written once subset j is trained)
-    path/done                   [m] bool
+keeps the measurements in a Zarr group (see :mod:`tracinfunc.evaluate.runs`), so an
+interrupted run resumes where it stopped and a damaged saved row is trained again.
 """
 
 from __future__ import annotations
@@ -20,12 +16,12 @@ import torch
 import zarr
 from torch import Tensor
 
-from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+from tracinfunc.errors import CorruptStoreError, InvalidArgumentError, InvalidTypeError
+from tracinfunc.evaluate.runs import ATTRS_KEY, checked_rows, open_run, read_run, save_row
 from tracinfunc.progress import ProgressArg, progress_bar
 
 __all__ = ["RetrainResult", "draw_subsets", "load_retrain", "retrain_subsets"]
 
-ATTRS_KEY = "tracinfunc_retrain"
 TrainFn = Callable[[Tensor], Tensor]
 
 
@@ -95,8 +91,8 @@ def retrain_subsets(
     """
     subsets = draw_subsets(n_train, n_subsets, alpha=alpha, seed=seed)
     config = {"n_train": n_train, "n_subsets": n_subsets, "alpha": alpha, "seed": seed}
-    group = None if path is None else _open_group(Path(path), config)
-    outputs, done = _saved(group, n_subsets)
+    group = None if path is None else open_run(Path(path), config)
+    outputs, done = read_run(group, n_subsets)
     with progress_bar(progress, total=n_subsets, desc="retrain_subsets", unit="subset") as bar:
         bar.update(int(done.sum()))
         for j in np.flatnonzero(~done):
@@ -105,7 +101,7 @@ def retrain_subsets(
                 outputs = np.full((n_subsets, len(measured)), np.nan)
             outputs[j] = measured
             if group is not None:
-                _save_row(group, subsets, outputs, j)
+                save_row(group, subsets.numpy(), outputs, j)
             bar.update(1)
     return RetrainResult(subsets=subsets, outputs=torch.from_numpy(outputs), alpha=alpha, seed=seed)
 
@@ -115,6 +111,8 @@ def load_retrain(path: str | Path) -> RetrainResult:
 
     Raises:
         InvalidArgumentError: ``path`` holds no retraining run, or the run is unfinished.
+        CorruptStoreError: saved outputs fail their checksums (a deleted or damaged chunk),
+            or the saved subsets are not those the run's settings draw.
     """
     path = Path(path)
     try:
@@ -126,14 +124,30 @@ def load_retrain(path: str | Path) -> RetrainResult:
             f"none ({type(error).__name__}); run tracinfunc.evaluate.retrain_subsets(..., "
             "path=...) first."
         ) from None
-    done = group["done"][:] if "done" in group else np.zeros(config["n_subsets"], bool)
+    if "done" not in group:
+        done, damaged = np.zeros(config["n_subsets"], bool), []
+    else:
+        outputs, done, damaged = checked_rows(group)
+    if damaged:
+        raise CorruptStoreError(
+            f"load_retrain: the saved outputs of subsets {damaged} at {path} do not match "
+            "their checksums (deleted or damaged files); call retrain_subsets with the same "
+            "settings to train them again."
+        )
     if not done.all():
         raise InvalidArgumentError(
             f"load_retrain: expected a finished run of {config['n_subsets']} subsets at {path}, "
             f"got {int(done.sum())} done; call retrain_subsets with the same settings to resume."
         )
-    return RetrainResult(subsets=torch.from_numpy(group["subsets"][:]),
-                         outputs=torch.from_numpy(group["outputs"][:]),
+    subsets = torch.from_numpy(group["subsets"][:])
+    if not torch.equal(subsets, draw_subsets(config["n_train"], config["n_subsets"],
+                                             alpha=config["alpha"], seed=config["seed"])):
+        raise CorruptStoreError(
+            f"load_retrain: the subsets saved at {path} are not the ones its settings "
+            f"{config} draw (damaged or edited); call retrain_subsets with those settings "
+            "and another path to measure them again."
+        )
+    return RetrainResult(subsets=subsets, outputs=torch.from_numpy(outputs),
                          alpha=config["alpha"], seed=config["seed"])
 
 
@@ -157,45 +171,6 @@ def _measure(train_fn: TrainFn, indices: Tensor, outputs: np.ndarray | None) -> 
             "lower the learning rate or clip the measurement."
         )
     return measured
-
-
-def _open_group(path: Path, config: dict):
-    if not (path / "zarr.json").exists():
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            # mode="w" would clear the directory: never delete what this harness did not write
-            raise InvalidArgumentError(
-                f"retrain_subsets: expected path to be a new or empty directory or a previous "
-                f"run's Zarr group, got {str(path)!r}, which holds other files; pass another "
-                "path."
-            )
-        group = zarr.open_group(path, mode="w")
-        group.attrs[ATTRS_KEY] = config
-        return group
-    group = zarr.open_group(path, mode="r+")
-    saved = dict(group.attrs.get(ATTRS_KEY, {}))
-    if saved != config:
-        raise InvalidArgumentError(
-            f"retrain_subsets: the results at {path} were made with {saved or 'no run'}, but "
-            f"this call asks for {config}; pass the same settings to resume, or another path "
-            "to start a new run."
-        )
-    return group
-
-
-def _saved(group, n_subsets: int) -> tuple[np.ndarray | None, np.ndarray]:
-    if group is None or "done" not in group:
-        return None, np.zeros(n_subsets, dtype=bool)
-    return group["outputs"][:], group["done"][:]
-
-
-def _save_row(group, subsets: Tensor, outputs: np.ndarray, j: int) -> None:
-    if "done" not in group:  # the first result fixes n_test: create the arrays now
-        group.create_array("subsets", data=subsets.numpy())
-        group.create_array("outputs", shape=outputs.shape, dtype="float64",
-                           chunks=(1, outputs.shape[1]), fill_value=np.nan)
-        group.create_array("done", shape=(len(outputs),), dtype="bool", fill_value=False)
-    group["outputs"][j] = outputs[j]
-    group["done"][j] = True  # written after the row, so a kill between the two only redoes j
 
 
 def _check_sizes(n_train: object, n_subsets: object, alpha: object, seed: object) -> None:

@@ -132,8 +132,8 @@ def lds(
 
     Raises:
         InvalidTypeError: An argument is not a tensor, or ``subsets`` is not bool.
-        InvalidArgumentError: Shapes disagree, fewer than 3 subsets, or no test example has
-            a defined correlation.
+        InvalidArgumentError: Shapes disagree, NaN/inf scores or outputs, fewer than 3
+            subsets, or no test example has a defined correlation.
     """
     _check_inputs(scores, subsets, outputs, n_bootstrap, confidence)
     predicted = subsets.double().cpu() @ scores.double().cpu().T  # [m, n_train] @ [n_train, n_test]
@@ -191,6 +191,16 @@ def _check_inputs(scores: object, subsets: object, outputs: object, n_bootstrap:
             f"{list(subsets.shape)}, outputs {list(outputs.shape)}; transpose or re-slice "
             "the one that disagrees."
         )
+    for name, value in (("scores", scores), ("outputs", outputs)):
+        bad = ~torch.isfinite(value)
+        if bool(bad.any()):
+            first = tuple(bad.nonzero()[0].tolist())
+            raise InvalidArgumentError(
+                f"lds: expected finite {name}, got {int(bad.sum())} NaN/inf of "
+                f"{value.numel()} entries (the first at {first}); every prediction sums "
+                "scores, so one NaN makes the LDS meaningless. Recompute them (a NaN score "
+                "comes from a NaN gradient or a zero norm with normalize=True)."
+            )
     if m < 3:
         raise InvalidArgumentError(
             f"lds: expected at least 3 subsets (a rank correlation across subsets), got {m}; "

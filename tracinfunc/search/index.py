@@ -10,15 +10,17 @@ On disk an index is a directory (by default beside a Zarr store: ``grads.zarr.fa
 
     grads.zarr.faiss/
       index.faiss     faiss.write_index output
-      meta.json       kind, nlist, m, normalize, the store's fingerprint, ...
+      meta.json       kind, nlist, m, normalize, the store's fingerprint, the SHA-256 of
+                      index.faiss and a checksum of itself (see tracinfunc.search.files)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,22 +34,20 @@ from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
     MissingDependencyError,
-    StoreExistsError,
-    StoreNotFoundError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.search.files import check_index_target, read_index_files, save_index_files
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
+from tracinfunc.search.settings import KINDS, build_settings, quiet_clustering
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.zarr.urls import is_url
 
 __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "store_fingerprint"]
 
-KINDS = ("ivf_flat", "ivf_pq")
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: meta.json holds checksums of itself and index.faiss
 # Rows added to FAISS per step: bounds the float32 copy next to the index (~32 MiB at k=512).
 _ADD_BYTES = 32 * 2**20
-# Training points per IVF list; FAISS warns below 39 and gains little above ~100.
-_TRAIN_PER_LIST = 64
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,35 @@ class SearchIndex:
     normalize: bool
     n_train: int
     path: Path | None = None
+    # Store objects already matched against ``fingerprint`` (reading every norm once each).
+    _verified: Any = field(default_factory=weakref.WeakSet, init=False, repr=False,
+                           compare=False)
+
+    def check_store(self, store: GradientStore) -> None:
+        """Raise unless ``store`` holds the rows this index was built from.
+
+        Compares :func:`store_fingerprint` (the metadata and every row norm), computed once
+        per store object, so a store rebuilt with other data under the same metadata is
+        refused, not searched with clusters of rows it no longer holds.
+
+        Raises:
+            IncompatibleGradientsError: the store's fingerprint differs from the index's.
+        """
+        try:
+            if store in self._verified:
+                return
+        except TypeError:  # a user's store without weak references: checked every time
+            pass
+        ours = store_fingerprint(store)
+        if ours != self.fingerprint:
+            raise IncompatibleGradientsError(
+                f"{current_caller('top_k')}: the index was built for a store with fingerprint "
+                f"{self.fingerprint} but this store's is {ours} (same metadata, other rows: "
+                "was the store rebuilt?); rebuild the index with "
+                "tif.build_index(store, overwrite=True)."
+            )
+        with contextlib.suppress(TypeError):
+            self._verified.add(store)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able description written to ``meta.json``."""
@@ -111,13 +140,17 @@ def build_index(
         store: Projected training gradients, ``[n_ckpt, n_train, k]``.
         kind: ``"ivf_flat"`` (exact vectors in clusters) or ``"ivf_pq"`` (product-quantised
             codes: ``m`` bytes per row; candidates then need the exact re-rank).
-        nlist: Number of clusters (default ``4 * sqrt(n_train)``, at most ``n_train``).
+        nlist: Number of clusters (default ``4 * sqrt(n_train)``, fewer so that each has at
+            least 39 training rows, as FAISS advises; 1 for stores under 78 rows).
         m: PQ sub-quantisers for ``"ivf_pq"``; must divide ``n_ckpt * k`` (default: the
             largest divisor of it that is at most ``(n_ckpt * k) // 8``, up to 64).
         normalize: Index per-checkpoint unit-normalised rows, for ``top_k(normalize=True)``.
-        path: Directory to save to. Default: beside a Zarr store (``<store>.faiss``); in
-            memory only for stores without a ``path``.
-        overwrite: Replace an index already at ``path``.
+        path: Directory to save to (local). Default: beside a local Zarr store
+            (``<store>.faiss``); in memory only for stores without a ``path``. Never the
+            store's directory or a path inside a store or another index.
+        overwrite: Replace an index already at ``path`` (only a directory that holds an
+            index). The new one is written beside it and swapped in by renames, so a
+            failure leaves the old index as it was.
         train_size: Rows sampled to train the clustering (default ``64 * nlist``, at most
             ``n_train``; more for ``"ivf_pq"`` when its codebooks need it).
         seed: Seed of the training sample and of FAISS's k-means.
@@ -128,13 +161,17 @@ def build_index(
 
     Raises:
         MissingDependencyError: faiss is not installed.
-        InvalidArgumentError: an unknown kind, or nlist/m/train_size out of range.
-        StoreExistsError: an index is already at ``path`` and ``overwrite`` is False.
+        InvalidArgumentError: an unknown kind, nlist/m/train_size out of range, ``path``
+            inside a store or an index (or a URL), or a URL store without a local ``path``.
+        StoreExistsError: an index is already at ``path`` and ``overwrite`` is False, or
+            something other than an index is there.
+        StoreWriteError: saving failed (disk full); an index already at ``path`` is kept.
     """
     faiss = import_faiss()
     meta = store.meta
     dim = meta.n_ckpt * meta.k
-    nlist, m, train_size = _check_build_args(meta, kind, nlist, m, train_size)
+    chosen = nlist is not None or train_size is not None
+    nlist, m, train_size = build_settings(meta, kind, nlist, m, train_size)
     target = _target_path(store, path, overwrite)
     quantizer = faiss.IndexFlatIP(dim)
     if kind == "ivf_flat":
@@ -142,6 +179,7 @@ def build_index(
     else:
         index = faiss.IndexIVFPQ(quantizer, dim, nlist, m, 8, faiss.METRIC_INNER_PRODUCT)
     index.cp.seed = seed
+    quiet_clustering(index, kind, nlist, train_size, chosen=chosen)
     sample = np.sort(np.random.default_rng(seed).choice(meta.n_train, train_size,
                                                         replace=False))
     index.train(_index_rows(store, torch.from_numpy(sample), normalize))
@@ -156,7 +194,7 @@ def build_index(
                         m if kind == "ivf_pq" else None, normalize, meta.n_train, target)
     if target is not None:
         _save(built, target, faiss)
-    return built
+    return _verified_for(built, store)
 
 
 @entry_point("load_index")
@@ -172,27 +210,25 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
 
     Raises:
         StoreNotFoundError: no index at ``path``.
+        CorruptStoreError: ``index.faiss`` or ``meta.json`` differ from the files saved
+            (damaged, edited, or another index's file), or the index predates checksums.
         IncompatibleGradientsError: the index was built from a store with another
             fingerprint (other rows, checkpoints, learning rates, projection or size).
     """
     faiss = import_faiss()
     path = Path(path)
-    if not (path / "meta.json").exists() or not (path / "index.faiss").exists():
-        raise StoreNotFoundError(
-            f"load_index: no index at {str(path)!r} (expected meta.json and index.faiss); "
-            "build one with tif.build_index(store, path=...)."
-        )
-    saved = json.loads((path / "meta.json").read_text())
-    ours = store_fingerprint(store)
-    if saved["fingerprint"] != ours:
-        raise IncompatibleGradientsError(
-            f"load_index: the index at {str(path)!r} was built for a store with fingerprint "
-            f"{saved['fingerprint']} but this store's is {ours}; rebuild it with "
-            "tif.build_index(store, overwrite=True) or pass the store it was built from."
-        )
-    return SearchIndex(faiss.read_index(str(path / "index.faiss")), saved["fingerprint"],
-                       saved["meta_fingerprint"], saved["kind"], int(saved["nlist"]),
-                       saved["m"], bool(saved["normalize"]), int(saved["n_train"]), path)
+    saved, faiss_index = read_index_files(path, store_fingerprint(store), faiss.read_index)
+    loaded = SearchIndex(faiss_index, saved["fingerprint"], saved["meta_fingerprint"],
+                         saved["kind"], int(saved["nlist"]), saved["m"],
+                         bool(saved["normalize"]), int(saved["n_train"]), path)
+    return _verified_for(loaded, store)
+
+
+def _verified_for(index: SearchIndex, store: GradientStore) -> SearchIndex:
+    """``index``, knowing that ``store`` (just fingerprinted) is the one it was built for."""
+    with contextlib.suppress(TypeError):
+        index._verified.add(store)
+    return index
 
 
 def store_fingerprint(store: GradientStore) -> str:
@@ -242,68 +278,28 @@ def _index_rows(store: GradientStore, indices: torch.Tensor, normalize: bool) ->
     return weighted_rows(rows, norms, meta.lrs, normalize=normalize, query=False).numpy()
 
 
-def _check_build_args(meta: StoreMeta, kind: str, nlist: int | None, m: int | None,
-                      train_size: int | None) -> tuple[int, int, int]:
-    if kind not in KINDS:
-        raise InvalidArgumentError(
-            f"build_index: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}."
-        )
-    n_train, dim = meta.n_train, meta.n_ckpt * meta.k
-    nlist = max(1, min(n_train, round(4 * n_train**0.5))) if nlist is None else nlist
-    _check_int("nlist", nlist, 1, n_train, "fewer clusters than rows")
-    m = _default_m(dim) if m is None else m
-    if kind == "ivf_pq":
-        _check_int("m", m, 1, dim, "a divisor of n_ckpt * k")
-        if dim % m:
-            raise InvalidArgumentError(
-                f"build_index: m must divide n_ckpt * k = {dim}, got m={m}; pick a divisor "
-                f"such as {_default_m(dim)}."
-            )
-    least = max(nlist, 256 if kind == "ivf_pq" else 1)  # PQ codebooks: 2**8 centroids
-    if least > n_train:
-        raise InvalidArgumentError(
-            f"build_index: kind='ivf_pq' trains 256 centroids per sub-quantiser and needs at "
-            f"least 256 rows, got n_train={n_train}; use kind='ivf_flat' for small stores."
-        )
-    default = min(n_train, max(_TRAIN_PER_LIST * nlist, least))
-    train_size = default if train_size is None else train_size
-    _check_int("train_size", train_size, least, n_train,
-               "at least nlist (and 256 for ivf_pq) rows")
-    return nlist, m, train_size
-
-
-def _check_int(name: str, value: object, low: int, high: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidArgumentError(
-            f"build_index: {name} must be an int in [{low}, {high}], got {value!r}; use "
-            f"{hint}, or leave it None for the default."
-        )
-
-
-def _default_m(dim: int) -> int:
-    return max(d for d in range(1, min(64, max(1, dim // 8)) + 1) if dim % d == 0)
-
-
 def _target_path(store: GradientStore, path: str | os.PathLike[str] | None,
                  overwrite: bool) -> Path | None:
+    store_path = getattr(store, "path", None)
     if path is None:
-        store_path = getattr(store, "path", None)
+        if isinstance(store_path, str):  # a URL: never "saved" silently nowhere
+            raise InvalidArgumentError(
+                f"build_index: the store is at {store_path!r}, and indexes are saved to local "
+                "directories only; pass path='grads.faiss' (a local directory) to save it."
+            )
         if not isinstance(store_path, Path):
             return None
         path = store_path.with_name(store_path.name + ".faiss")
-    target = Path(path)
-    if target.exists() and not overwrite:
-        raise StoreExistsError(
-            f"build_index: an index already exists at {str(target)!r}; pass overwrite=True "
-            "to replace it, or load it with tif.load_index(path, store)."
+    if is_url(os.fspath(path)):
+        raise InvalidArgumentError(
+            f"build_index: path={os.fspath(path)!r} is a URL, but indexes are saved to local "
+            "directories only; pass a local path (an index is read into memory whole anyway)."
         )
+    target = Path(path)
+    check_index_target(target, store_path, overwrite=overwrite)
     return target
 
 
 def _save(index: SearchIndex, target: Path, faiss: Any) -> None:
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
-    faiss.write_index(index.faiss_index, str(target / "index.faiss"))
-    # meta.json last: a directory without it is an interrupted save, never loaded.
-    (target / "meta.json").write_text(json.dumps(index.to_dict(), indent=1))
+    save_index_files(target, index.to_dict(),
+                     lambda file: faiss.write_index(index.faiss_index, file))

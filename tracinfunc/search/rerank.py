@@ -146,6 +146,7 @@ def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
             f"{index.meta_fingerprint} ({index.n_train} rows) but this store's is {ours} "
             f"({meta.n_train} rows); build the index from this store with tif.build_index."
         )
+    index.check_store(store)  # same metadata: the same rows too?
     if bool(normalize) != index.normalize:
         raise InvalidArgumentError(
             f"{current_caller()}: normalize={normalize} but the index was built with "

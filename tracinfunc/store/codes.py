@@ -49,11 +49,14 @@ def storage_of(dtype: Any) -> tuple[torch.dtype, str | None]:
     """
     if dtype is torch.int8 or (isinstance(dtype, str) and dtype in QUANTIZATIONS):
         return torch.float32, "int8" if dtype is torch.int8 else dtype
+    named = {str(d).removeprefix("torch."): d for d in FLOAT_DTYPES}  # "float32", as "int8"
+    dtype = named.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if isinstance(dtype, torch.dtype) and dtype in FLOAT_DTYPES:
         return dtype, None
     raise InvalidArgumentError(
         f"{current_caller()}: dtype must be a storage dtype: torch.float32, torch.float16, "
-        "torch.bfloat16, torch.float64, torch.int8 or 'int8' (int8 codes with a per-row "
+        "torch.bfloat16, torch.float64 (or their names, e.g. 'float16'), torch.int8 or 'int8' "
+        "(int8 codes with a per-row "
         f"scale) or 'sign' (1 bit per value with a per-row scale); got {dtype!r}. Pass e.g. "
         "dtype=torch.float16 or dtype='int8'."
     )

@@ -72,21 +72,39 @@ def default_rows(meta: StoreMeta, chunk_rows: int | None,
                  shard_rows: int | None) -> tuple[int, int]:
     """``(chunk_rows, shard_rows)``: ~4 MiB chunks; shards of ~256 MiB, smaller when
     ``n_ckpt`` shards would not fit :data:`WRITER_BUFFER_BYTES` together; unless given.
+    Given only one of them, the other is chosen to fit (shards a multiple of chunks; chunks
+    the largest divisor of the shards up to ~4 MiB).
 
     Sized by the rows as read (``meta.torch_dtype``): a quantised store has the row counts
     of a float32 store of the same ``k``, so a chunk dequantises into ~4 MiB and its codes
     are 4x (int8) or 32x (sign) smaller on disk."""
     row_bytes = meta.k * meta.torch_dtype.itemsize
     chunk = chunk_rows or max(1, CHUNK_BYTES // row_bytes)
+    if shard_rows and not chunk_rows and shard_rows > 0:  # only shards given: chunks divide them
+        chunk = _largest_divisor(shard_rows, chunk)
     shard_bytes = min(SHARD_BYTES, WRITER_BUFFER_BYTES // max(1, meta.n_ckpt))
     # At most 1024 chunks per shard: zarr writes the whole index (16 bytes a chunk) per shard.
     shard = shard_rows or chunk * min(1024, max(1, shard_bytes // (chunk * row_bytes)))
     if chunk < 1 or shard < chunk or shard % chunk:
         raise InvalidArgumentError(
             f"ZarrWriter: shard_rows must be a positive multiple of chunk_rows, got "
-            f"chunk_rows={chunk}, shard_rows={shard}."
+            f"chunk_rows={chunk}, shard_rows={shard}; pass e.g. shard_rows="
+            f"{chunk * max(1, shard // max(1, chunk))}, or give only one of them and the "
+            "other is chosen to fit."
         )
     return chunk, shard
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``at_most`` (>= 1)."""
+    best, d = 1, 1
+    while d * d <= n:
+        if n % d == 0:
+            for divisor in (d, n // d):
+                if best < divisor <= at_most:
+                    best = divisor
+        d += 1
+    return best
 
 
 def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,

@@ -1,0 +1,88 @@
+"""Every benchmark's ``--quick`` mode runs to the end, so no benchmark rots unnoticed.
+
+Each script in ``benchmarks/`` (helpers starting with ``_`` aside) runs as a user would run
+it, in a subprocess with this checkout on ``PYTHONPATH``, in a scratch directory. A script
+whose optional dependency is missing is skipped, saying which; the figures are not checked
+(they depend on the machine), only that the run finishes and prints its table. The quality
+benchmark's table and JSON are also checked, as its numbers are deterministic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+# What each script needs beyond the core and dev installs (modules of this interpreter).
+NEEDS = {"search.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
+         "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
+         "quality.py": ["sklearn", "matplotlib"]}
+# Arguments beyond --quick ({tmp}: the scratch directory).
+EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"]}
+# Text a script prints when it ran to the end (beyond some output at all).
+PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |"}
+
+
+def _skip_reason(script: str) -> str | None:
+    if script == "run_all.py":
+        return "run_all.py only runs the other scripts, each of which runs here"
+    missing = [m for m in NEEDS.get(script, []) if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{script} needs {', '.join(missing)}, not installed (pip install -e '.[bench]')"
+    if script == "vs_dattri.py":
+        python = os.environ.get("DATTRI_PYTHON", str(ROOT / ".venv-dattri" / "bin" / "python"))
+        if not Path(python).exists():
+            return f"vs_dattri.py needs dattri's own venv at {python} (make bench-setup)"
+    return None
+
+
+def run_quick(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    extra = [arg.format(tmp=tmp_path) for arg in EXTRA.get(script, [])]
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick", *extra], cwd=tmp_path,
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_quick_mode_runs_to_the_end(script, tmp_path):
+    if (reason := _skip_reason(script)) is not None:
+        pytest.skip(reason)
+    done = run_quick(script, tmp_path)
+    assert done.returncode == 0, f"{script} --quick failed:\n{done.stderr[-3000:]}"
+    assert done.stdout.strip() and PRINTS.get(script, "") in done.stdout, done.stdout[-2000:]
+    if script == "quality.py":
+        check_quality_results(done.stdout, tmp_path)
+
+
+def check_quality_results(stdout: str, out: Path) -> None:
+    """benchmarks/quality.py --quick: its table and JSON say what the docs report."""
+    (result,) = json.loads((out / "quality.json").read_text())
+    names = {row["name"] for row in result["rows"]}
+    for kind in ("identity", "rademacher", "sjlt", "kronecker"):
+        assert any(row["kind"] == kind for row in result["rows"])
+    assert {"exact-last", "exact-all-cos", "kronecker-64-last-cos"} <= names
+    for row in result["rows"]:
+        assert -1 <= row["low"] <= row["lds"] <= row["high"] <= 1
+        # exact float32 rows are the reference of their own (checkpoints, normalize) group
+        assert (row["score_error"] == 0) == (row["kind"] == "identity" and not row["storage"])
+    # storage rows beside their float32 rows, in the JSON and a second table
+    storage = {row["name"]: row for row in result["rows"] if row["storage"]}
+    assert {"exact-int8-all", "rademacher-64-sign-all", "exact-bfloat16-all"} <= set(storage)
+    assert "| exact-int8-all | int8 |" in stdout
+    int8, sign = storage["exact-int8-all"], storage["exact-sign-all"]
+    assert int8["vs_float32"]["score_error"] < 0.02 < sign["vs_float32"]["score_error"]
+    assert int8["flip_auc"] == int8["vs_float32"]["flip_auc"]  # from the exact stored norms
+    k = (int8["vs_float32"]["row_bytes"] - 4) // 4  # float32: 4 bytes a value, plus the norm
+    assert int8["row_bytes"] == k + 4 + 4  # int8: a byte a value, the scale and the norm
+    assert (out / "quality.png").stat().st_size > 0
+    assert len(list(out.glob("retrain-logreg-*.zarr"))) == 2  # kept, so a rerun resumes

@@ -1,0 +1,236 @@
+"""Index directories on disk: where one may go, saving beside and swapping in, checked reads.
+
+An index directory holds exactly two files::
+
+    grads.zarr.faiss/
+      index.faiss     faiss.write_index output
+      meta.json       the SearchIndex description, the store's fingerprint, the size and
+                      SHA-256 of index.faiss, and a SHA-256 of all of that ("checksum")
+
+A save writes a new directory beside the target and swaps it in with two renames, so a
+failure (a full disk) leaves the previous index as it was. ``overwrite`` replaces only a
+directory that holds an index; stores, and paths inside a store or an index, are never
+written to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tracinfunc._validate import current_caller
+from tracinfunc.errors import (
+    CorruptStoreError,
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    StoreExistsError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
+from tracinfunc.store.zarr.integrity import sync_files
+
+__all__ = ["INDEX_FILE", "META_FILE", "check_index_target", "enclosing_store_or_index",
+           "is_index_directory", "read_index_files", "save_index_files"]
+
+INDEX_FILE, META_FILE = "index.faiss", "meta.json"
+_CHECKSUM = "checksum"
+_HASH_BLOCK = 16 * 2**20
+
+
+def is_index_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``build_index`` (and nothing else)."""
+    try:
+        names = {entry.name for entry in path.iterdir()}
+        saved = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (names <= {INDEX_FILE, META_FILE} and isinstance(saved, dict)
+            and {"format_version", "fingerprint", "kind"} <= set(saved))
+
+
+def _is_store_directory(path: Path) -> bool:
+    try:
+        attrs = json.loads((path / "zarr.json").read_text()).get("attributes", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(attrs, dict) and "tracinfunc" in attrs
+
+
+def enclosing_store_or_index(path: str | os.PathLike[str]) -> tuple[str, Path] | None:
+    """The gradient store or search index that ``path`` is, or lies inside, if any.
+
+    Returns:
+        ``("store" or "index", its directory)``, or ``None``.
+    """
+    resolved = Path(path).resolve()
+    for candidate in (resolved, *resolved.parents):
+        if _is_store_directory(candidate):
+            return "store", candidate
+        if is_index_directory(candidate):
+            return "index", candidate
+    return None
+
+
+def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> None:
+    """Raise unless an index may be saved at ``target`` (before any work is done).
+
+    Args:
+        target: The index directory to write.
+        store_path: The indexed store's ``path`` (a local directory, a URL, or ``None``).
+        overwrite: Whether an index already at ``target`` may be replaced.
+    """
+    caller = current_caller("build_index")
+    inside = enclosing_store_or_index(target)
+    if isinstance(store_path, Path) and _overlaps(target, store_path):
+        inside = ("store", store_path)
+    if inside is not None and inside != ("index", target.resolve()):
+        kind, where = inside
+        raise InvalidArgumentError(
+            f"{caller}: path={str(target)!r} is or lies inside the {kind} at {str(where)!r}; "
+            f"writing there would damage that {kind}. Save the index beside it, e.g. "
+            f"path={str(where) + '.faiss'!r}."
+        )
+    if not target.exists():
+        return
+    if not overwrite:
+        raise StoreExistsError(
+            f"{caller}: an index already exists at {str(target)!r}; pass overwrite=True "
+            "to replace it, or load it with tif.load_index(path, store)."
+        )
+    if not is_index_directory(target):
+        raise StoreExistsError(
+            f"{caller}: {str(target)!r} exists and is not a search index (expected a directory "
+            f"holding only {INDEX_FILE} and {META_FILE}), so overwrite=True will not delete "
+            "it; choose another path."
+        )
+
+
+def _overlaps(target: Path, store_path: Path) -> bool:
+    target, store_path = target.resolve(), store_path.resolve()
+    return target == store_path or store_path in target.parents or target in store_path.parents
+
+
+def save_index_files(target: Path, description: dict[str, Any], write_index) -> None:
+    """Write ``index.faiss`` (``write_index(file_path)``) and ``meta.json`` beside ``target``,
+    then swap them in: the previous index at ``target`` is let go only once both are on disk.
+
+    Raises:
+        StoreWriteError: writing failed (disk full, I/O error); ``target`` is unchanged.
+    """
+    caller = current_caller("build_index")
+    existed = target.exists()
+    scratch = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        fresh = scratch / target.name
+        fresh.mkdir()
+        write_index(str(fresh / INDEX_FILE))
+        size, digest = _file_digest(fresh / INDEX_FILE)
+        body = {**description, "files": {INDEX_FILE: [size, digest]}}
+        (fresh / META_FILE).write_text(json.dumps({**body, _CHECKSUM: _checksum(body)},
+                                                  indent=1))
+        sync_files([fresh / INDEX_FILE, fresh / META_FILE, fresh])
+        _swap(fresh, target, scratch / "replaced")
+        sync_files([target.parent])
+    except (OSError, RuntimeError) as error:  # faiss reports write errors as RuntimeError
+        raise StoreWriteError(
+            f"{caller}: saving the index to {str(target)!r} failed "
+            f"({getattr(error, 'strerror', None) or error}); "
+            f"{'the previous index there is unchanged; ' if existed else ''}free space or "
+            "choose another path and build it again."
+        ) from error
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _swap(fresh: Path, target: Path, aside: Path) -> None:
+    if not target.exists():
+        os.rename(fresh, target)
+        return
+    os.rename(target, aside)
+    try:
+        os.rename(fresh, target)
+    except OSError:
+        os.rename(aside, target)  # put the previous index back before reporting
+        raise
+
+
+def read_index_files(path: Path, fingerprint: str, read_index) -> tuple[dict[str, Any], Any]:
+    """``(meta.json, the FAISS index)`` of the index at ``path``, every file checked.
+
+    Args:
+        path: The index directory.
+        fingerprint: The store's fingerprint, which the index must have been built for.
+        read_index: ``faiss.read_index``.
+
+    Raises:
+        StoreNotFoundError: no index at ``path``.
+        CorruptStoreError: a file was edited, damaged, swapped or is missing, or the index
+            was saved without checksums (before format 2).
+        IncompatibleGradientsError: the index was built for another store.
+    """
+    caller, shown = current_caller("load_index"), repr(str(path))
+    if not (path / META_FILE).is_file() or not (path / INDEX_FILE).is_file():
+        raise StoreNotFoundError(
+            f"{caller}: no index at {shown} (expected {META_FILE} and {INDEX_FILE}); build "
+            "one with tif.build_index(store, path=...)."
+        )
+    saved = _checked_meta(path)
+    if saved["fingerprint"] != fingerprint:
+        raise IncompatibleGradientsError(
+            f"{caller}: the index at {shown} was built for a store with fingerprint "
+            f"{saved['fingerprint']} but this store's is {fingerprint}; rebuild it with "
+            "tif.build_index(store, overwrite=True) or pass the store it was built from."
+        )
+    if list(_file_digest(path / INDEX_FILE)) != list(saved["files"][INDEX_FILE]):
+        raise CorruptStoreError(
+            f"{caller}: {INDEX_FILE} in {shown} is not the file saved with its {META_FILE} "
+            "(its size or SHA-256 differs: damaged, or another index's file put there); "
+            "rebuild it with tif.build_index(store, overwrite=True)."
+        )
+    return saved, read_index(str(path / INDEX_FILE))
+
+
+def _checked_meta(path: Path) -> dict[str, Any]:
+    shown = repr(str(path / META_FILE))
+    try:
+        saved = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CorruptStoreError(
+            f"{current_caller()}: {shown} is not readable JSON ({error}); rebuild the index with "
+            "tif.build_index(store, overwrite=True)."
+        ) from error
+    if not isinstance(saved, dict) or _CHECKSUM not in saved or "files" not in saved:
+        raise CorruptStoreError(
+            f"{current_caller()}: {shown} has no checksums (an index saved by tracinfunc before "
+            "index format 2, or an edited file), so a damaged or swapped index could not be told "
+            "apart; rebuild it with tif.build_index(store, overwrite=True)."
+        )
+    body = {key: value for key, value in saved.items() if key != _CHECKSUM}
+    files = body.get("files")
+    if (saved[_CHECKSUM] != _checksum(body) or not isinstance(files, dict)
+            or INDEX_FILE not in files):
+        raise CorruptStoreError(
+            f"{current_caller()}: {shown} does not match its checksum: it was edited or damaged "
+            "after the index was saved; rebuild it with tif.build_index(store, overwrite=True)."
+        )
+    return saved
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while block := file.read(_HASH_BLOCK):
+            digest.update(block)
+    return path.stat().st_size, digest.hexdigest()

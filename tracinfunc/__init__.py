@@ -113,7 +113,6 @@ __all__ = [
     "generation_batch",
     "indexed_top_k",
     "last_layers",
-    "less_scores",
     "load_curvature",
     "load_index",
     "load_recorded_checkpoints",

@@ -35,7 +35,8 @@ def check_output_path(path: Path, *, overwrite: bool) -> None:
     inside = enclosing_store_or_index(path)
     if inside is not None:
         raise OutputPathError(
-            f"{current_caller()}: output {str(path)!r} is or lies inside the {inside[0]} at "
+            f"{current_caller()}: output {str(path)!r} is or lies inside the "
+            f"{'gradient store' if inside[0] == 'store' else 'search index'} at "
             f"{str(inside[1])!r}; results never go there (they would replace its files). "
             "Choose an output path outside it."
         )

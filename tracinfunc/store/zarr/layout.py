@@ -269,8 +269,9 @@ def read_meta(group: zarr.Group, path: Path, *, allow_unsealed: bool = False) ->
         )
     # Stores on object storage carry a checksum of their metadata only (no file manifest);
     # zarr's crc32c checks every chunk there. The seal is checked whenever it is there, whatever
-    # the version says, so an edited version cannot switch it off.
-    if meta.complete and INTEGRITY_KEY in data:
+    # the version or `complete` says (only finishing writes one), so an edited field cannot
+    # switch it off.
+    if INTEGRITY_KEY in data:
         check_digest(data, path)
     elif meta.complete:
         _unsealed(where, allow_unsealed)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -26,14 +27,22 @@ NEEDS = {"search.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"]}
 # Arguments beyond --quick ({tmp}: the scratch directory).
-EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"]}
+EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"],
+         "curvature.py": ["--model", "logreg", "--out", "{tmp}"]}
 # Text a script prints when it ran to the end (beyond some output at all).
-PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |"}
+PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
+          "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS"}
+# Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
+IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
 
 
 def _skip_reason(script: str) -> str | None:
     if script == "run_all.py":
         return "run_all.py only runs the other scripts, each of which runs here"
+    if script in IN_PROCESS:
+        return f"{script} --quick runs in process in {IN_PROCESS[script]}"
+    if script == "gpu.py" and torch.cuda.is_available():
+        return "with CUDA gpu.py measures (minutes); run it by hand"
     missing = [m for m in NEEDS.get(script, []) if importlib.util.find_spec(m) is None]
     if missing:
         return f"{script} needs {', '.join(missing)}, not installed (pip install -e '.[bench]')"
@@ -62,6 +71,19 @@ def test_quick_mode_runs_to_the_end(script, tmp_path):
     assert done.stdout.strip() and PRINTS.get(script, "") in done.stdout, done.stdout[-2000:]
     if script == "quality.py":
         check_quality_results(done.stdout, tmp_path)
+    if script == "curvature.py":
+        check_curvature_results(done.stdout, tmp_path)
+    if script == "gpu.py":  # no CUDA here: the CPU checks, and the GPU parts said skipped
+        assert "skipped (needs CUDA)" in done.stdout and "FAIL" not in done.stdout
+
+
+def check_curvature_results(stdout: str, out: Path) -> None:
+    """benchmarks/curvature.py --quick: every kind beside TracIn, in its JSON and picture."""
+    (saved,) = json.loads((out / "curvature.json").read_text())
+    kinds = {row["kind"] for row in saved["rows"]}
+    assert kinds == {"tracin", "dense", "kfac", "ekfac", "projected"}
+    assert all(-1 <= row["lds"] <= 1 for row in saved["rows"])
+    assert (out / "curvature.png").exists()
 
 
 def check_quality_results(stdout: str, out: Path) -> None:

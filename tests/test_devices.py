@@ -184,21 +184,6 @@ def test_full_float32_restores_on_error(tf32_on):
     assert torch.get_float32_matmul_precision() == "medium"
 
 
-def test_gpu_benchmark_quick_runs_its_cpu_checks_without_cuda():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if torch.cuda.is_available():
-        pytest.skip("with CUDA the benchmark measures (minutes); run it by hand")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "skipped (needs CUDA)" in result.stdout
-    assert "verdict: PASS" in result.stdout and "FAIL" not in result.stdout
-
-
 def test_a_row_range_of_an_in_memory_store_streams_views_without_a_copy(stores, monkeypatch):
     # Issue 23 item 13: rows= on an in-memory (or pinned) store read through buffers (a copy
     # per piece, and on a GPU a pinned staging copy) instead of lending views.

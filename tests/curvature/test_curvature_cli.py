@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,14 +44,3 @@ def test_score_with_a_saved_curvature_matches_the_api(tmp_path, kind):
                                                 projection=projection, progress=False), 3)
     assert not np.allclose(plain.numpy(), values.numpy())
 
-
-def test_curvature_benchmark_quick_mode_writes_its_table(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "curvature.py"), "--quick", "--model",
-         "logreg", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    (saved,) = json.loads((tmp_path / "curvature.json").read_text())
-    kinds = {row["kind"] for row in saved["rows"]}
-    assert kinds == {"tracin", "dense", "kfac", "ekfac", "projected"}
-    assert all(-1 <= row["lds"] <= 1 for row in saved["rows"])
-    assert "| dense-exact |" in result.stdout and (tmp_path / "curvature.png").exists()

@@ -127,6 +127,12 @@ def fill_store(
         NonFiniteGradientError: a row is NaN/inf (names the checkpoint and examples).
     """
     resume_at = writer.rows_written  # > 0 when resuming, or at a part's first row
+    # The rows this writer stored before (a part's start, or 0, up to the resume point); only
+    # writers that can read rows back are checked. The batches holding the first and the last
+    # of them are recomputed and compared: an example inserted or dropped anywhere before the
+    # resume point shifts every row after it.
+    own = writer.first_row if isinstance(writer, SupportsReadBack) else resume_at
+    proofs = {own, resume_at - 1} if resume_at > own else set()
     seen = 0
     stop = float("inf") if stop is None else stop
     checked = check_first is None
@@ -138,13 +144,7 @@ def fill_store(
             seen += size
             first = seen - size
             computed = None
-            # Stored before by the build being resumed: same data? The first batch, and the
-            # last stored one (an example inserted or dropped anywhere before the resume point
-            # shifts every row after it). Only writers that can read rows back; a part of a
-            # sharded build starts later.
-            own = writer.first_row if isinstance(writer, SupportsReadBack) else resume_at
-            if (resume_at > own and size and seen > own
-                    and (first <= own or first < resume_at <= seen)):
+            if any(first <= row < seen for row in proofs):  # stored before: same data?
                 computed = rows_of(batch)
                 lo = max(first, own)  # this writer's rows only: a part's start, or 0
                 check_same_data(writer, computed[:, lo - first : resume_at - first], meta,

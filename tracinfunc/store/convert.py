@@ -120,7 +120,7 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
             "Pass overwrite=True to replace a store there, or choose another path."
         )
     writer = ZarrWriter(path, meta, **options)
-    if writer.rows_written:
+    if writer.rows_written:  # another process started a build there since the check above
         raise InvalidArgumentError(
             f"save_store: {str(path)!r} holds an incomplete store; save_store writes new "
             "stores only. Delete it or choose another path."

@@ -102,9 +102,13 @@ def test_another_stores_index_file_swapped_in_is_refused(tmp_path):
     shutil.copyfile(theirs.path / "index.faiss", ours.path / "index.faiss")
     with pytest.raises(tif.errors.CorruptStoreError, match="index.faiss .* is not the file saved"):
         tif.load_index(ours.path, store)
-    # Both files of the other index: the store's fingerprint tells them apart.
+    # Its meta.json too, but not its norms: the checksums still tell.
     shutil.copyfile(theirs.path / "meta.json", ours.path / "meta.json")
-    with pytest.raises(tif.errors.IncompatibleGradientsError, match="built for a store with"):
+    with pytest.raises(tif.errors.CorruptStoreError, match="norms.npy .* is not the file saved"):
+        tif.load_index(ours.path, store)
+    # Every file of the other index: the store's row norms tell them apart.
+    shutil.copyfile(theirs.path / "norms.npy", ours.path / "norms.npy")
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="other rows"):
         tif.load_index(ours.path, store)
 
 

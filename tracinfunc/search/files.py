@@ -1,11 +1,12 @@
 """Index directories on disk: where one may go, saving beside and swapping in, checked reads.
 
-An index directory holds exactly two files::
+An index directory holds these files and nothing else::
 
     grads.zarr.faiss/
       index.faiss     faiss.write_index output
-      meta.json       the SearchIndex description, the store's fingerprint, the size and
-                      SHA-256 of index.faiss, and a SHA-256 of all of that ("checksum")
+      norms.npy       the indexed rows' norms [n_ckpt, n_train] float32 (from format 3)
+      meta.json       the SearchIndex description, the store's fingerprints, the size and
+                      SHA-256 of each other file, and a SHA-256 of all of that ("checksum")
 
 A save writes a new directory beside the target and swaps it in with two renames, so a
 failure (a full disk) leaves the previous index as it was. ``overwrite`` replaces only a
@@ -23,10 +24,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
-    IncompatibleGradientsError,
     InvalidArgumentError,
     StoreExistsError,
     StoreNotFoundError,
@@ -34,10 +36,10 @@ from tracinfunc.errors import (
 )
 from tracinfunc.store.zarr.integrity import sync_files
 
-__all__ = ["INDEX_FILE", "META_FILE", "check_index_target", "enclosing_store_or_index",
-           "is_index_directory", "read_index_files", "save_index_files"]
+__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "check_index_target",
+           "enclosing_store_or_index", "is_index_directory", "read_index_files", "save_index_files"]
 
-INDEX_FILE, META_FILE = "index.faiss", "meta.json"
+INDEX_FILE, META_FILE, NORMS_FILE = "index.faiss", "meta.json", "norms.npy"
 _CHECKSUM = "checksum"
 _HASH_BLOCK = 16 * 2**20
 
@@ -49,7 +51,7 @@ def is_index_directory(path: Path) -> bool:
         saved = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (names <= {INDEX_FILE, META_FILE} and isinstance(saved, dict)
+    return (names <= {INDEX_FILE, META_FILE, NORMS_FILE} and isinstance(saved, dict)
             and {"format_version", "fingerprint", "kind"} <= set(saved))
 
 
@@ -115,9 +117,11 @@ def _overlaps(target: Path, store_path: Path) -> bool:
     return target == store_path or store_path in target.parents or target in store_path.parents
 
 
-def save_index_files(target: Path, description: dict[str, Any], write_index) -> None:
-    """Write ``index.faiss`` (``write_index(file_path)``) and ``meta.json`` beside ``target``,
-    then swap them in: the previous index at ``target`` is let go only once both are on disk.
+def save_index_files(target: Path, description: dict[str, Any], write_index,
+                     norms: np.ndarray) -> None:
+    """Write ``index.faiss`` (``write_index(file_path)``), ``norms.npy`` (``norms``
+    ``[n_ckpt, n_train]``) and ``meta.json`` beside ``target``, then swap them in: the
+    previous index at ``target`` is let go only once all are on disk.
 
     Raises:
         StoreWriteError: writing failed (disk full, I/O error); ``target`` is unchanged.
@@ -131,11 +135,13 @@ def save_index_files(target: Path, description: dict[str, Any], write_index) -> 
         fresh = scratch / target.name
         fresh.mkdir()
         write_index(str(fresh / INDEX_FILE))
-        size, digest = _file_digest(fresh / INDEX_FILE)
-        body = {**description, "files": {INDEX_FILE: [size, digest]}}
+        np.save(fresh / NORMS_FILE, np.ascontiguousarray(norms, dtype=np.float32),
+                allow_pickle=False)
+        files = {name: list(_file_digest(fresh / name)) for name in (INDEX_FILE, NORMS_FILE)}
+        body = {**description, "files": files}
         (fresh / META_FILE).write_text(json.dumps({**body, _CHECKSUM: _checksum(body)},
                                                   indent=1))
-        sync_files([fresh / INDEX_FILE, fresh / META_FILE, fresh])
+        sync_files([fresh / INDEX_FILE, fresh / NORMS_FILE, fresh / META_FILE, fresh])
         _swap(fresh, target, scratch / "replaced")
         sync_files([target.parent])
     except (OSError, RuntimeError) as error:  # faiss reports write errors as RuntimeError
@@ -162,19 +168,22 @@ def _swap(fresh: Path, target: Path, aside: Path) -> None:
         raise
 
 
-def read_index_files(path: Path, fingerprint: str, read_index) -> tuple[dict[str, Any], Any]:
-    """``(meta.json, the FAISS index)`` of the index at ``path``, every file checked.
+def read_index_files(path: Path, read_index) -> tuple[dict[str, Any], Any, np.ndarray | None]:
+    """``(meta.json, the FAISS index, the norms [n_ckpt, n_train])`` of the index at
+    ``path``, every file checked against the checksums in ``meta.json``.
 
     Args:
         path: The index directory.
-        fingerprint: The store's fingerprint, which the index must have been built for.
         read_index: ``faiss.read_index``.
+
+    Returns:
+        The norms are ``None`` for an index saved before format 3 (bound by its exact
+        fingerprint instead).
 
     Raises:
         StoreNotFoundError: no index at ``path``.
         CorruptStoreError: a file was edited, damaged, swapped or is missing, or the index
             was saved without checksums (before format 2).
-        IncompatibleGradientsError: the index was built for another store.
     """
     caller, shown = current_caller("load_index"), repr(str(path))
     if not (path / META_FILE).is_file() or not (path / INDEX_FILE).is_file():
@@ -183,19 +192,18 @@ def read_index_files(path: Path, fingerprint: str, read_index) -> tuple[dict[str
             "one with tif.build_index(store, path=...)."
         )
     saved = _checked_meta(path)
-    if saved["fingerprint"] != fingerprint:
-        raise IncompatibleGradientsError(
-            f"{caller}: the index at {shown} was built for a store with fingerprint "
-            f"{saved['fingerprint']} but this store's is {fingerprint}; rebuild it with "
-            "tif.build_index(store, overwrite=True) or pass the store it was built from."
-        )
-    if list(_file_digest(path / INDEX_FILE)) != list(saved["files"][INDEX_FILE]):
-        raise CorruptStoreError(
-            f"{caller}: {INDEX_FILE} in {shown} is not the file saved with its {META_FILE} "
-            "(its size or SHA-256 differs: damaged, or another index's file put there); "
-            "rebuild it with tif.build_index(store, overwrite=True)."
-        )
-    return saved, read_index(str(path / INDEX_FILE))
+    for name in saved["files"]:
+        if not (path / name).is_file() or (list(_file_digest(path / name))
+                                            != list(saved["files"][name])):
+            raise CorruptStoreError(
+                f"{caller}: {name} in {shown} is not the file saved with its {META_FILE} "
+                "(missing, or its size or SHA-256 differs: damaged, or another index's file "
+                "put there); rebuild it with tif.build_index(store, overwrite=True)."
+            )
+    norms = None
+    if NORMS_FILE in saved["files"]:
+        norms = np.load(path / NORMS_FILE, allow_pickle=False)
+    return saved, read_index(str(path / INDEX_FILE)), norms
 
 
 def _checked_meta(path: Path) -> dict[str, Any]:
@@ -215,8 +223,9 @@ def _checked_meta(path: Path) -> dict[str, Any]:
         )
     body = {key: value for key, value in saved.items() if key != _CHECKSUM}
     files = body.get("files")
+    needed = {INDEX_FILE} | ({NORMS_FILE} if body.get("format_version", 0) >= 3 else set())
     if (saved[_CHECKSUM] != _checksum(body) or not isinstance(files, dict)
-            or INDEX_FILE not in files):
+            or not needed <= set(files) or not set(files) <= {INDEX_FILE, NORMS_FILE}):
         raise CorruptStoreError(
             f"{current_caller()}: {shown} does not match its checksum: it was edited or damaged "
             "after the index was saved; rebuild it with tif.build_index(store, overwrite=True)."

@@ -10,15 +10,14 @@ On disk an index is a directory (by default beside a Zarr store: ``grads.zarr.fa
 
     grads.zarr.faiss/
       index.faiss     faiss.write_index output
-      meta.json       kind, nlist, m, normalize, the store's fingerprint, the SHA-256 of
-                      index.faiss and a checksum of itself (see tracinfunc.search.files)
+      norms.npy       every row's norm [n_ckpt, n_train], which binds the index to its rows
+      meta.json       kind, nlist, m, normalize, the store's fingerprints, the SHA-256 of
+                      the other two files and a checksum of itself (tracinfunc.search.files)
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -36,16 +35,21 @@ from tracinfunc.errors import (
     MissingDependencyError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.search.binding import (
+    meta_fingerprint,
+    norms_mismatch,
+    store_fingerprint,
+    store_norms,
+)
 from tracinfunc.search.files import check_index_target, read_index_files, save_index_files
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
 from tracinfunc.search.settings import KINDS, build_settings, quiet_clustering
-from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.zarr.urls import is_url
 
 __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "store_fingerprint"]
 
-INDEX_FORMAT_VERSION = 2  # 2: meta.json holds checksums of itself and index.faiss
+INDEX_FORMAT_VERSION = 3  # 2: meta.json holds checksums of itself and index.faiss; 3: norms.npy
 # Rows added to FAISS per step: bounds the float32 copy next to the index (~32 MiB at k=512).
 _ADD_BYTES = 32 * 2**20
 
@@ -56,14 +60,18 @@ class SearchIndex:
 
     Attributes:
         faiss_index: The ``faiss.IndexIVF`` (inner product) over ``[n_train, n_ckpt * k]``.
-        fingerprint: :func:`store_fingerprint` of the store it was built from.
-        meta_fingerprint: The metadata part of it (cheap to recheck on every query).
+        fingerprint: :func:`store_fingerprint` of the store it was built from (recorded;
+            the exact bits, so not what binds the index: see ``norms``).
+        meta_fingerprint: The metadata part of it, compared exactly (and on every query).
         kind: ``"ivf_flat"`` or ``"ivf_pq"``.
         nlist: Number of inverted lists (clusters).
         m: PQ sub-quantisers (``None`` for ``"ivf_flat"``).
         normalize: Whether rows were unit-normalised per checkpoint (cosine TracIn).
         n_train: Rows indexed.
         path: Directory it was saved to or loaded from; ``None`` when in memory only.
+        norms: ``[n_ckpt, n_train]`` float32 row norms of the store it was built from, which
+            a store must match to float32 rounding (``None``: an index saved before format 3,
+            bound by the exact ``fingerprint``).
     """
 
     faiss_index: Any = field(repr=False, compare=False)
@@ -75,32 +83,48 @@ class SearchIndex:
     normalize: bool
     n_train: int
     path: Path | None = None
-    # Store objects already matched against ``fingerprint`` (reading every norm once each).
+    norms: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # Store objects already matched against ``norms`` (reading every norm once each).
     _verified: Any = field(default_factory=weakref.WeakSet, init=False, repr=False,
                            compare=False)
 
     def check_store(self, store: GradientStore) -> None:
         """Raise unless ``store`` holds the rows this index was built from.
 
-        Compares :func:`store_fingerprint` (the metadata and every row norm), computed once
-        per store object, so a store rebuilt with other data under the same metadata is
-        refused, not searched with clusters of rows it no longer holds.
+        Compares the metadata exactly and every row norm to float32 rounding, once per store
+        object: a store rebuilt with other data under the same metadata is refused, not
+        searched with clusters of rows it no longer holds, while the same store rebuilt with
+        another thread count or device (rows equal to rounding) is accepted.
 
         Raises:
-            IncompatibleGradientsError: the store's fingerprint differs from the index's.
+            IncompatibleGradientsError: the store holds other rows than the index's.
         """
         try:
             if store in self._verified:
                 return
         except TypeError:  # a user's store without weak references: checked every time
             pass
-        ours = store_fingerprint(store)
-        if ours != self.fingerprint:
+        caller = current_caller("top_k")
+        fix = "rebuild the index with tif.build_index(store, overwrite=True)."
+        ours = meta_fingerprint(store.meta)
+        if ours != self.meta_fingerprint:
             raise IncompatibleGradientsError(
-                f"{current_caller('top_k')}: the index was built for a store with fingerprint "
-                f"{self.fingerprint} but this store's is {ours} (same metadata, other rows: "
-                "was the store rebuilt?); rebuild the index with "
-                "tif.build_index(store, overwrite=True)."
+                f"{caller}: the index was built for a store with metadata fingerprint "
+                f"{self.meta_fingerprint} but this store's is {ours} (other projection, "
+                f"checkpoints, size or dtype); pass the store it was built from, or {fix}"
+            )
+        if self.norms is None:  # saved before format 3: only the exact fingerprint is known
+            exact = store_fingerprint(store)
+            if exact != self.fingerprint:
+                raise IncompatibleGradientsError(
+                    f"{caller}: the index was built for a store with fingerprint "
+                    f"{self.fingerprint} but this store's is {exact} (same metadata, other "
+                    f"rows: was the store rebuilt?); {fix}"
+                )
+        elif (problem := norms_mismatch(self.norms, store_norms(store))) is not None:
+            raise IncompatibleGradientsError(
+                f"{caller}: the index was built from other rows than this store holds (same "
+                f"metadata; {problem}): was the store rebuilt with other data? {fix}"
             )
         with contextlib.suppress(TypeError):
             self._verified.add(store)
@@ -190,8 +214,9 @@ def build_index(
         index.add(_index_rows(store, torch.arange(start, stop), normalize))
         bar.update(stop - start)
     bar.close()
+    norms = store_norms(store)
     built = SearchIndex(index, store_fingerprint(store), meta_fingerprint(meta), kind, nlist,
-                        m if kind == "ivf_pq" else None, normalize, meta.n_train, target)
+                        m if kind == "ivf_pq" else None, normalize, meta.n_train, target, norms)
     if target is not None:
         _save(built, target, faiss)
     return _verified_for(built, store)
@@ -212,48 +237,25 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
         StoreNotFoundError: no index at ``path``.
         CorruptStoreError: ``index.faiss`` or ``meta.json`` differ from the files saved
             (damaged, edited, or another index's file), or the index predates checksums.
-        IncompatibleGradientsError: the index was built from a store with another
-            fingerprint (other rows, checkpoints, learning rates, projection or size).
+        IncompatibleGradientsError: the index was built from another store: other metadata
+            (checkpoints, learning rates, projection, size), or row norms that differ beyond
+            float32 rounding (other data).
     """
     faiss = import_faiss()
     path = Path(path)
-    saved, faiss_index = read_index_files(path, store_fingerprint(store), faiss.read_index)
+    saved, faiss_index, norms = read_index_files(path, faiss.read_index)
     loaded = SearchIndex(faiss_index, saved["fingerprint"], saved["meta_fingerprint"],
                          saved["kind"], int(saved["nlist"]), saved["m"],
-                         bool(saved["normalize"]), int(saved["n_train"]), path)
-    return _verified_for(loaded, store)
+                         bool(saved["normalize"]), int(saved["n_train"]), path, norms)
+    loaded.check_store(store)
+    return loaded
 
 
 def _verified_for(index: SearchIndex, store: GradientStore) -> SearchIndex:
-    """``index``, knowing that ``store`` (just fingerprinted) is the one it was built for."""
+    """``index``, knowing that ``store`` (just read) is the one it was built for."""
     with contextlib.suppress(TypeError):
         index._verified.add(store)
     return index
-
-
-def store_fingerprint(store: GradientStore) -> str:
-    """sha256 of the store's metadata and its row norms: changes when any row set changes.
-
-    The metadata covers projection, layout, checkpoints (names, lrs, parameter
-    fingerprints), n_train, k, dtype and quantisation; the norms (``4 * n_ckpt * n_train``
-    bytes, read once) tell apart stores made from different data with the same metadata.
-    """
-    meta = store.meta
-    digest = hashlib.sha256(meta_fingerprint(meta).encode())
-    for ckpt in range(meta.n_ckpt):
-        norms = store.read_norms(ckpt, 0, meta.n_train).to(torch.float32).contiguous()
-        digest.update(norms.numpy().tobytes())
-    return digest.hexdigest()
-
-
-def meta_fingerprint(meta: StoreMeta) -> str:
-    """sha256 of the metadata that decides what an index's rows are (no norms read)."""
-    data = meta.to_dict()
-    described = {key: data[key] for key in ("projection", "checkpoints", "layout", "n_train",
-                                            "k", "dtype", "dataset_fingerprint")}
-    if meta.quantization is not None:  # absent for float stores: their fingerprints stay
-        described["quantization"] = meta.quantization
-    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
 def import_faiss() -> Any:
@@ -302,4 +304,4 @@ def _target_path(store: GradientStore, path: str | os.PathLike[str] | None,
 
 def _save(index: SearchIndex, target: Path, faiss: Any) -> None:
     save_index_files(target, index.to_dict(),
-                     lambda file: faiss.write_index(index.faiss_index, file))
+                     lambda file: faiss.write_index(index.faiss_index, file), index.norms)

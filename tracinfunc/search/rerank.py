@@ -8,7 +8,8 @@ from torch import Tensor
 from tracinfunc._queries import compute_dtype, query_matrix
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
-from tracinfunc.search.index import SearchIndex, import_faiss, meta_fingerprint
+from tracinfunc.search.binding import meta_fingerprint
+from tracinfunc.search.index import SearchIndex, import_faiss
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
 from tracinfunc.store.protocols import GradientStore
 

@@ -88,6 +88,8 @@ def check_curvature_results(stdout: str, out: Path) -> None:
     (saved,) = json.loads((out / "curvature.json").read_text())
     kinds = {row["kind"] for row in saved["rows"]}
     assert kinds == {"tracin", "dense", "kfac", "ekfac", "projected"}
+    configs = {row["config"] for row in saved["rows"]}  # the last checkpoint beside all
+    assert {"tracin-exact-last", "dense-exact-last", "ekfac-exact-last"} <= configs
     assert all(-1 <= row["lds"] <= 1 for row in saved["rows"])
     assert (out / "curvature.png").exists()
 

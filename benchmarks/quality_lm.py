@@ -364,6 +364,8 @@ def save_plot(result: dict, path: Path) -> None:
     for row in flat:
         style = "-" if row["checkpoints"] == "all" else "--"
         color = "black" if row["kind"] == "tracin" else "firebrick"
+        if row["kind"] != "tracin":  # a peer (last checkpoint): one style per damping
+            style = ":" if row["config"].endswith("1e-8") else "-."
         ax.axhline(row["lds"], color=color, linestyle=style, linewidth=1,
                    alpha=1.0 if row["config"] in ("tracin-all", "tracin-last") else 0.5,
                    label=row["config"])

@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 DATTRI_VENV ?= .venv-dattri
 BERGSON_VENV ?= .venv-bergson
+KRONFLUENCE_VENV ?= .venv-kronfluence
 BIN := $(VENV)/bin
 
 .PHONY: quickstart test lint docs install clean bench bench-setup
@@ -42,9 +43,16 @@ bench-setup: install
 		peft accelerate datasets numpy safetensors simple-parsing jaxtyping torchopt ml_dtypes \
 		natsort psutil tqdm pyarrow scipy pyyaml petname jinja2 huggingface-hub
 	$(BERGSON_VENV)/bin/python -m pip install -q -c constraints-cpu.txt --no-deps bergson==2.5.1
+	# kronfluence (quality_lm.py's peer) likewise asks for torchvision, never imported by it, whose
+	# build for this torch breaks imports: without dependencies, then the ones it imports.
+	test -x $(KRONFLUENCE_VENV)/bin/python || $(PYTHON) -m venv $(KRONFLUENCE_VENV)
+	$(KRONFLUENCE_VENV)/bin/python -m pip install -q -c constraints-cpu.txt torch transformers \
+		accelerate einops einconv opt-einsum safetensors tqdm
+	$(KRONFLUENCE_VENV)/bin/python -m pip install -q -c constraints-cpu.txt --no-deps \
+		kronfluence==1.0.1
 
 bench: bench-setup
 	DATTRI_PYTHON=$(DATTRI_VENV)/bin/python $(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(DATTRI_VENV) $(BERGSON_VENV) build *.egg-info
+	rm -rf $(VENV) $(DATTRI_VENV) $(BERGSON_VENV) $(KRONFLUENCE_VENV) build *.egg-info

@@ -4,9 +4,11 @@ The harness of ``benchmarks/quality.py`` (its data split, SGD training with a ch
 ``every`` epochs, retrained half-subsets, correct-class margins), scored four ways over the same
 training stores: plain TracIn; and with each checkpoint's test gradients preconditioned by
 ``(H_c + lambda_c I)^-1`` from ``dense``, ``kfac``, ``ekfac`` (full space, exact store) and
-``projected`` / ``kfac`` through a projection at each ``k``. ``lambda_c = scale x`` the
+``projected`` / ``kfac`` through a projection at each ``k`` (256, 1024, 4096; 4096 is above
+``p`` for both models, where the projection is an embedding). ``lambda_c = scale x`` the
 checkpoint's mean eigenvalue, swept over ``SCALES``; the curvature is fitted once per kind
 (the exact Fisher: every class weighted by its probability) and only ``lambda`` changes.
+The ``-last`` rows score and fit the last checkpoint only (the full-space kinds, exact store).
 
     python benchmarks/curvature.py --quick          # seconds; tests/ runs it
     python benchmarks/curvature.py                  # 1000 train / 300 test, 60 subsets
@@ -36,7 +38,7 @@ from tracinfunc.curvature import classification_sampler, fit_curvature
 
 SCALES = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 QUICK_SCALES = (1.0, 10.0)
-FULL = quality.Sizes(1000, 300, 60, 24, 4, (256, 1024), 0)
+FULL = quality.Sizes(1000, 300, 60, 24, 4, (256, 1024, 4096), 0)
 QUICK = quality.Sizes(100, 20, 6, 3, 1, (64,), 0)
 
 
@@ -67,22 +69,25 @@ def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path) -> dict:
         return train, test
 
     exact = tif.Projection(kind="identity")
-    train, test = stores(exact)
-    measure("tracin-exact", "tracin", None, None, tif.score(train, test), 0.0)
     full_space = ["dense", "kfac", "ekfac"]
     if sum(p.numel() for p in ckpts[0].params.values()) > 5000:
         full_space.remove("dense")
-    for kind in full_space:
-        start = time.perf_counter()
-        fitted = fit_curvature(loss, ckpts, (x, y), kind=kind, sampler=sampler, damping=tif
-                               .curvature.Damping(1.0))
-        seconds = time.perf_counter() - start
-        for scale in scales:
-            curvature = _with_scale(fitted, 1.0, scale)
-            queries = tif.preconditioned_test_grads(loss, ckpts, (x_test, y_test), curvature,
-                                                    projection=exact)
-            measure(f"{kind}-exact", kind, None, scale,
-                    tif.score(train, queries, curvature=curvature), seconds)
+    # every checkpoint, and the last only (the "-last" rows): the same fits at one checkpoint
+    for suffix, chosen in (("", ckpts), ("-last", ckpts[-1:])):
+        train = tif.build_store(loss, chosen, (x, y), projection=exact, progress=False)
+        test = tif.build_store(loss, chosen, (x_test, y_test), projection=exact, progress=False)
+        measure(f"tracin-exact{suffix}", "tracin", None, None, tif.score(train, test), 0.0)
+        for kind in full_space:
+            start = time.perf_counter()
+            fitted = fit_curvature(loss, chosen, (x, y), kind=kind, sampler=sampler,
+                                   damping=tif.curvature.Damping(1.0))
+            seconds = time.perf_counter() - start
+            for scale in scales:
+                curvature = _with_scale(fitted, 1.0, scale)
+                queries = tif.preconditioned_test_grads(loss, chosen, (x_test, y_test),
+                                                        curvature, projection=exact)
+                measure(f"{kind}-exact{suffix}", kind, None, scale,
+                        tif.score(train, queries, curvature=curvature), seconds)
     for k in sizes.ks:
         for projection, kind in ((tif.Projection(dim=k, seed=0), "projected"),
                                  (tif.Projection(dim=k, kind="kronecker", seed=0), "kfac")):

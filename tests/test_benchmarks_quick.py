@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,13 +26,16 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswit
 # What each script needs beyond the core and dev installs (modules of this interpreter).
 NEEDS = {"search.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
-         "quality.py": ["sklearn", "matplotlib"]}
+         "quality.py": ["sklearn", "matplotlib"],
+         "quality_lm.py": ["transformers", "matplotlib"]}
 # Arguments beyond --quick ({tmp}: the scratch directory).
 EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"],
-         "curvature.py": ["--model", "logreg", "--out", "{tmp}"]}
+         "curvature.py": ["--model", "logreg", "--out", "{tmp}"],
+         "quality_lm.py": ["--out", "{tmp}"]}
 # Text a script prints when it ran to the end (beyond some output at all).
 PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
-          "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS"}
+          "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
+          "quality_lm.py": "| tracin-all | tracin | all |"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
 IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
 
@@ -73,6 +77,8 @@ def test_quick_mode_runs_to_the_end(script, tmp_path):
         check_quality_results(done.stdout, tmp_path)
     if script == "curvature.py":
         check_curvature_results(done.stdout, tmp_path)
+    if script == "quality_lm.py":
+        check_quality_lm_results(done.stdout, tmp_path)
     if script == "gpu.py":  # no CUDA here: the CPU checks, and the GPU parts said skipped
         assert "skipped (needs CUDA)" in done.stdout and "FAIL" not in done.stdout
 
@@ -82,8 +88,37 @@ def check_curvature_results(stdout: str, out: Path) -> None:
     (saved,) = json.loads((out / "curvature.json").read_text())
     kinds = {row["kind"] for row in saved["rows"]}
     assert kinds == {"tracin", "dense", "kfac", "ekfac", "projected"}
+    configs = {row["config"] for row in saved["rows"]}  # the last checkpoint beside all
+    assert {"tracin-exact-last", "dense-exact-last", "ekfac-exact-last"} <= configs
     assert all(-1 <= row["lds"] <= 1 for row in saved["rows"])
     assert (out / "curvature.png").exists()
+
+
+def check_quality_lm_results(stdout: str, out: Path) -> None:
+    """benchmarks/quality_lm.py --quick: TracIn and every curvature kind, all and last
+    checkpoints, finite LDS, each peer run or said why not, the picture written."""
+    saved = json.loads((out / "quality_lm.json").read_text())
+    rows = saved["rows"]
+    for checkpoints in ("all", "last"):
+        kinds = {row["kind"] for row in rows if row["checkpoints"] == checkpoints}
+        assert {"tracin", "dense", "kfac", "ekfac", "projected"} <= kinds, kinds
+        # one default-damping row per kind, and the sweep around it
+        for kind in ("dense", "kfac", "ekfac", "projected"):
+            mine = [r for r in rows if r["kind"] == kind and r["checkpoints"] == checkpoints]
+            assert sum(r["default"] for r in mine) == 1 and len(mine) >= 2
+    assert all(math.isfinite(row["lds"]) and -1 <= row["lds"] <= 1 for row in rows)
+    peers = {peer["name"]: peer for peer in saved["peers"]}
+    assert set(peers) == {"kronfluence", "bergson"}
+    for name, peer in peers.items():
+        assert peer["status"] in ("ran", "unavailable", "not run"), peer  # never "failed"
+        ran = [r for r in rows if r["kind"] == f"{name}-ekfac"]
+        assert bool(ran) == (peer["status"] == "ran")
+        assert f"peer {name}" in stdout
+    from tracinfunc.curvature import DEFAULT_SCALES
+
+    scale = DEFAULT_SCALES["ekfac"]
+    assert f"| ekfac-all | ekfac | all | p | {scale:g}x mean eig (default) |" in stdout
+    assert (out / "quality_lm.png").stat().st_size > 0
 
 
 def check_quality_results(stdout: str, out: Path) -> None:

@@ -1,0 +1,111 @@
+"""kronfluence's EK-FAC influence for quality_lm.py, in kronfluence's own environment.
+
+Run by ``quality_lm.py`` with ``.venv-kronfluence/bin/python`` (``make bench-setup``);
+imports neither tracinfunc nor the benchmark. Reads the payload the parent saved (the Llama
+config, the trained weights of the checkpoint to explain, the train and test batches), rebuilds
+the same model, fits kronfluence's EK-FAC factors on the training sequences (true Fisher: next
+tokens sampled from the model) and computes pairwise scores ``[n_test, n_train]`` of the test
+sequences' loss for each ``damping_factor`` asked. The loss is the benchmark's: each sequence's
+mean next-token cross-entropy over its non-padding targets (summed over a batch, as kronfluence
+wants). Saves ``{damping name: scores}`` with torch.save and prints ``RESULT {json}``.
+
+    python _kronfluence_child.py PAYLOAD.pt OUT.pt WORKDIR
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+import transformers
+from kronfluence.analyzer import Analyzer, prepare_model
+from kronfluence.arguments import FactorArguments, ScoreArguments
+from kronfluence.task import Task
+from torch.utils.data import Dataset
+
+
+class Sequences(Dataset):
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return len(self.batch["input_ids"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {key: value[i] for key, value in self.batch.items()}
+
+
+def sequence_losses(model, batch, *, sample: bool) -> torch.Tensor:
+    """Mean next-token cross-entropy per sequence, ``[b]`` (padding targets not counted)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits[:, :-1]  # [b, T - 1, V]
+    scored = batch["attention_mask"][:, 1:] == 1
+    if sample:  # labels drawn from the model: the true Fisher
+        with torch.no_grad():
+            probs = logits.detach().float().softmax(-1)
+            targets = torch.multinomial(probs.flatten(0, 1), 1).view(scored.shape)
+    else:
+        targets = batch["input_ids"][:, 1:]
+    targets = targets.masked_fill(~scored, -100)
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                reduction="none").view(scored.shape)
+    return per_token.sum(1) / scored.sum(1).clamp_min(1)
+
+
+class LanguageModelTask(Task):
+    def compute_train_loss(self, batch, model, sample: bool = False) -> torch.Tensor:
+        return sequence_losses(model, batch, sample=sample).sum()
+
+    def compute_measurement(self, batch, model) -> torch.Tensor:
+        return sequence_losses(model, batch, sample=False).sum()
+
+    def get_attention_mask(self, batch):
+        return batch["attention_mask"]
+
+
+def main() -> None:
+    payload_path, out_path, workdir = sys.argv[1:4]
+    payload = torch.load(payload_path, weights_only=False)
+    torch.set_num_threads(payload.get("threads", 1))
+    torch.manual_seed(0)  # the label draws
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    config = transformers.LlamaConfig(**payload["config"])
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model.load_state_dict(payload["state_dict"])
+    model.eval()
+    task = LanguageModelTask()
+    model = prepare_model(model, task)
+    analyzer = Analyzer("quality_lm", model, task, cpu=True, disable_tqdm=True,
+                        output_dir=workdir)
+    train, test = Sequences(payload["train"]), Sequences(payload["test"])
+    start = time.perf_counter()
+    analyzer.fit_all_factors("ekfac", dataset=train, per_device_batch_size=payload["batch"],
+                             factor_args=FactorArguments(strategy="ekfac",
+                                                         use_empirical_fisher=False),
+                             overwrite_output_dir=True)
+    fit_s = time.perf_counter() - start
+    scores, seconds = {}, {}
+    for name, damping in payload["dampings"].items():
+        start = time.perf_counter()
+        analyzer.compute_pairwise_scores(
+            f"scores-{name}", "ekfac", query_dataset=test, train_dataset=train,
+            per_device_query_batch_size=payload["batch"],
+            per_device_train_batch_size=payload["batch"],
+            score_args=ScoreArguments(damping_factor=damping), overwrite_output_dir=True)
+        scores[name] = analyzer.load_pairwise_scores(f"scores-{name}")["all_modules"].double()
+        seconds[name] = time.perf_counter() - start
+    torch.save(scores, out_path)
+    import kronfluence
+
+    print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": fit_s,
+                                  "score_s": seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

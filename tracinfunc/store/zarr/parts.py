@@ -42,7 +42,7 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store.codes import to_stored
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import check_block
-from tracinfunc.store.zarr.integrity import seal, seal_metadata, sync_files
+from tracinfunc.store.zarr.integrity import seal, sync_files
 from tracinfunc.store.zarr.layout import (
     ATTRS_KEY,
     buffer_rows,
@@ -57,6 +57,7 @@ from tracinfunc.store.zarr.layout import (
     write_pending,
 )
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
+from tracinfunc.store.zarr.object_integrity import seal_objects
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
 from tracinfunc.store.zarr.urls import Location, exists, is_url, location, remove
 
@@ -425,9 +426,9 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
         finished = meta.replace(complete=True).to_dict()
         where = location(path)
         # Sealed like a one-process build (files fsync'ed, manifest, metadata checksum), so
-        # tampering is caught the same way; object storage has no files to seal.
-        group.attrs[ATTRS_KEY] = seal_metadata(finished) if is_url(where) else seal(where,
-                                                                                     finished)
+        # tampering is caught the same way (on object storage: a manifest of its objects).
+        group.attrs[ATTRS_KEY] = (seal_objects(group.store, where, finished) if is_url(where)
+                                  else seal(where, finished))
     return ZarrStore(path)
 
 

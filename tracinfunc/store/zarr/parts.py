@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import (
+    IncompatibleGradientsError,
     IncompleteStoreError,
     InvalidArgumentError,
     ReadOnlyStoreError,
@@ -151,6 +153,8 @@ class PartWriter:
         self._part = self._group.require_group(f"parts/{self.index}")
         state = self._part.attrs.get(PART_KEY) or {}
         self._committed = int(state.get("rows_written", self.start))
+        # How it was built and what it saw (``build/inputs.py``), kept across resumes.
+        self._notes = {key: state[key] for key in ("build", "inputs") if key in state}
         self._pending, self._pending_scales, self._pending_norms = pending_buffers(
             meta, self._shard_rows)
         self._filled = 0
@@ -220,9 +224,34 @@ class PartWriter:
         self._committed, self._filled = self._committed + n, 0
         self._record(complete=False)
 
+    def record_build(self, build: dict) -> None:
+        """Record how this part is built (options not in the store's metadata); commit
+        requires every part's record to be equal.
+
+        Raises:
+            IncompatibleGradientsError: this part was started with another record (a resume
+                with other options).
+        """
+        earlier = self._notes.get("build")
+        if earlier is not None and earlier != build:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: part {self.index} of {str(self._path)!r} was started "
+                f"{_difference(build, earlier)}; resume it with the options of the interrupted "
+                "run (or remove its progress, parts/<index>, to start it over)."
+            )
+        self._notes["build"] = build
+        self._record(complete=False)
+
+    def record_inputs(self, *, before: str, through: str) -> None:
+        """Record fingerprints of the examples before the part's rows and through them
+        (``build/inputs.py``); commit chains each part's ``before`` to the previous part's
+        ``through``."""
+        self._notes["inputs"] = {"before": before, "through": through}
+
     def _record(self, *, complete: bool) -> None:
         self._part.attrs[PART_KEY] = {"start": self.start, "stop": self.stop,
-                                      "rows_written": self._committed, "complete": complete}
+                                      "rows_written": self._committed, "complete": complete,
+                                      **self._notes}
 
 
 def balanced_rows(meta: StoreMeta, count: int, chunk_rows: int | None,
@@ -423,6 +452,7 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
                 f"complete; rerun them (e.g. 'tracinfunc build --shard {missing[0]}/"
                 f"{len(states)} ...', same arguments) and commit again."
             )
+        check_parts_agree(path, states)
         finished = meta.replace(complete=True).to_dict()
         where = location(path)
         # Sealed like a one-process build (files fsync'ed, manifest, metadata checksum), so
@@ -430,6 +460,51 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
         group.attrs[ATTRS_KEY] = (seal_objects(group.store, where, finished) if is_url(where)
                                   else seal(where, finished))
     return ZarrStore(path)
+
+
+def check_parts_agree(path: object, states: list[dict]) -> None:
+    """Raise unless the parts were built alike and from the same data, as far as their
+    markers record it (``build/inputs.py`` says what is and is not covered).
+
+    Raises:
+        IncompatibleGradientsError: names the part(s), the difference and the fix.
+    """
+    count = len(states)
+    built = [(i, s["build"]) for i, s in enumerate(states) if s.get("build") is not None]
+    for i, build in built[1:]:
+        j, first = built[0]
+        if build != first:
+            raise IncompatibleGradientsError(
+                f"commit_store: part {i} of {count} of {str(path)!r} was built "
+                f"{_difference(build, first)} (part {j}); its rows cannot be sealed with "
+                f"the others'. Remove {_progress(path, i)} (its progress) and run part {i} "
+                "again with the options of the other parts, then commit again."
+            )
+    chained = [(i, s) for i, s in enumerate(states) if s.get("inputs") and s["stop"] > s["start"]]
+    for (i, earlier), (j, later) in itertools.pairwise(chained):
+        if later["start"] == earlier["stop"] and (
+                later["inputs"]["before"] != earlier["inputs"]["through"]):
+            raise IncompatibleGradientsError(
+                f"commit_store: parts {i} and {j} of {count} of {str(path)!r} saw different data: "
+                f"the examples before row {later['start']} that part {j} iterated are not "
+                f"those part {i} (and the parts before it) wrote. One of them was built from "
+                "other data, or in another order; remove that part's progress "
+                f"({_progress(path, i)} or {_progress(path, j)}) and run it again over the "
+                "same data as the others, then commit again."
+            )
+
+
+def _difference(build: dict, other: dict) -> str:
+    """``"with mixed_precision 'bfloat16' but ... with None"`` for the first differing key."""
+    for key in sorted(set(build) | set(other)):
+        if build.get(key) != other.get(key):
+            what = "store metadata (digest)" if key == "metadata" else key
+            return f"with {what} {build.get(key)!r} but the other parts with {other.get(key)!r}"
+    return "alike"
+
+
+def _progress(path: object, index: int) -> str:
+    return repr(f"{str(path).rstrip('/')}/parts/{index}")
 
 
 def _group(path: str | os.PathLike[str]) -> zarr.Group:

@@ -13,7 +13,7 @@ import zarr
 
 import tracinfunc as tif
 from tests.build.test_shards_build import PROJ, SHARD_ROWS, batches, build_whole, files_of
-from tracinfunc.store.zarr import parts
+from tracinfunc.store.zarr import part_layout as parts
 
 
 @pytest.fixture(autouse=True)

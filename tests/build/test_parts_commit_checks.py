@@ -88,3 +88,21 @@ def test_a_part_resumed_with_other_options_is_refused_at_once(mlp_setup32, tmp_p
         _part(mlp_setup32, path, 1, 2,
               options=tif.GradientOptions(mixed_precision=torch.float16))
     assert _part(mlp_setup32, path, 1, 2).complete
+
+
+def test_cli_commit_names_a_part_built_with_mixed_precision(tmp_path):
+    from tests.cli.test_cli import SPEC, cli_here
+
+    args = ("--spec", f"{SPEC}:make", "--out", "grads.zarr", "--projection", "rademacher:32:7",
+            "--quiet")
+    assert cli_here("build", *args, "--shard", "0/2", cwd=tmp_path).returncode == 0
+    assert cli_here("build", *args, "--shard", "1/2", "--mixed-precision", "bf16",
+                    cwd=tmp_path).returncode == 0
+    commit = cli_here("commit", "grads.zarr", cwd=tmp_path)
+    assert commit.returncode == 1
+    assert "part 1 of 2" in commit.stderr and "mixed_precision 'bfloat16'" in commit.stderr
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.txt").write_text("x")
+    mine = ("--spec", f"{SPEC}:make", "--out", "mine", "--projection", "rademacher:32:7")
+    refused = cli_here("build", *mine, "--quiet", "--shard", "0/2", cwd=tmp_path)
+    assert refused.returncode == 1 and "'a.txt'" in refused.stderr, refused.stderr

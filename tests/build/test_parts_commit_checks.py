@@ -106,3 +106,18 @@ def test_cli_commit_names_a_part_built_with_mixed_precision(tmp_path):
     mine = ("--spec", f"{SPEC}:make", "--out", "mine", "--projection", "rademacher:32:7")
     refused = cli_here("build", *mine, "--quiet", "--shard", "0/2", cwd=tmp_path)
     assert refused.returncode == 1 and "'a.txt'" in refused.stderr, refused.stderr
+
+
+def test_a_finished_part_run_again_over_other_data_is_refused(mlp_setup32, tmp_path):
+    """Example 8 replaced: the batches that prove the stored rows ([0, 6) and [12, 18)) do
+    not hold it, the part's fingerprint does."""
+    _, _, (x, y), _ = mlp_setup32
+    path = tmp_path / "g.zarr"
+    _part(mlp_setup32, path, 0, 2)  # rows [0, 16)
+    recorded = read_parts(path)[0]
+    x2 = x.clone()
+    x2[8] = x[30]
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="written from other data"):
+        _part(mlp_setup32, path, 0, 2, data=batches(x2, y))
+    assert read_parts(path)[0] == recorded
+    assert _part(mlp_setup32, path, 0, 2).complete  # the same data: nothing to do

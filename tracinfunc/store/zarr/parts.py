@@ -148,7 +148,8 @@ class PartWriter:
             meta, self._shard_rows)
         self._filled = 0
         self._finished = False
-        self._record(complete=bool(state.get("complete", False)))
+        self._complete = bool(state.get("complete", False))  # as found (a rerun keeps it)
+        self._record(complete=self._complete)
 
     @property
     def first_row(self) -> int:
@@ -211,6 +212,7 @@ class PartWriter:
                         for f in chunk_files(a, self._committed, self._committed + n)])
         # Only now: a crash before redoes the shard.
         self._committed, self._filled = self._committed + n, 0
+        self._complete = False
         self._record(complete=False)
 
     def record_build(self, build: dict) -> None:
@@ -229,13 +231,27 @@ class PartWriter:
                 "run (or remove its progress, parts/<index>, to start it over)."
             )
         self._notes["build"] = build
-        self._record(complete=False)
+        self._record(complete=self._complete)
 
     def record_inputs(self, *, before: str, through: str) -> None:
         """Record fingerprints of the examples before the part's rows and through them
         (``build/inputs.py``); commit chains each part's ``before`` to the previous part's
-        ``through``."""
-        self._notes["inputs"] = {"before": before, "through": through}
+        ``through``.
+
+        Raises:
+            IncompatibleGradientsError: the part recorded other fingerprints when it was
+                written (a finished part run again over other data).
+        """
+        inputs = {"before": before, "through": through}
+        earlier = self._notes.get("inputs")
+        if earlier is not None and earlier != inputs:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: part {self.index} of {str(self._path)!r} was written "
+                "from other data: the examples it iterated now (through its last row "
+                f"{self.stop}) are not those it recorded. Run it with the data of the other "
+                "parts (or remove its progress, parts/<index>, to build it again)."
+            )
+        self._notes["inputs"] = inputs
 
     def _record(self, *, complete: bool) -> None:
         self._part.attrs[PART_KEY] = {"start": self.start, "stop": self.stop,

@@ -6,12 +6,14 @@ The rows are split into ``count`` parts **aligned to the Zarr shards**: two writ
 touch one shard file (zarr writes a shard whole, so concurrent writers to one shard lose
 rows). Each part keeps its own progress in its own group, ``parts/<index>/zarr.json``, so
 parts resume independently after a crash; the root metadata stays ``complete=False`` until
-:func:`commit_store` finds every part complete::
+:func:`commit_store` finds every part complete and the parts agree (same build options,
+the same data as far as their input fingerprints chain, ``build/inputs.py``)::
 
     grads.zarr/
       zarr.json            attributes: "tracinfunc" (StoreMeta, n_train = the final size)
                                        "tracinfunc_parts" ({"count": n})
-      parts/<i>/zarr.json  attributes: "tracinfunc_part" ({start, stop, rows_written, complete})
+      parts/<i>/zarr.json  attributes: "tracinfunc_part" ({start, stop, rows_written, complete,
+                                        build, inputs}: see ``build/inputs.py``)
       rows/<c>/ norms/<c>/ as in a one-process store: the committed store is bit-identical
 """
 

@@ -107,3 +107,13 @@ def test_a_one_process_build_in_progress_is_never_taken_for_a_half_made_layout(
     with pytest.raises(tif.errors.StoreExistsError, match="one-process build"):
         _part(mlp_setup32, path, 0)
     assert tif.store.read_store_meta(path).n_train == stored
+
+
+def test_a_zarr_group_without_attributes_is_never_taken_for_a_half_made_layout(mlp_setup32,
+                                                                                tmp_path):
+    path = tmp_path / "g.zarr"
+    group = zarr.open_group(path, mode="w")
+    group.create_array("mine", shape=(3,), dtype="float32")[:] = 1.0
+    with pytest.raises(tif.errors.StoreExistsError, match=r"not a tracinfunc store.*'mine'"):
+        _part(mlp_setup32, path, 0)
+    assert zarr.open_group(path, mode="r")["mine"][:].tolist() == [1.0, 1.0, 1.0]

@@ -112,6 +112,12 @@ def _existing(path: Location, meta: StoreMeta, count: int) -> zarr.Group | None:
         )
     parts = attrs.get(PARTS_KEY)
     if parts is None:
+        if existing is None and not _layout_only(group):  # someone's zarr group: keep it
+            raise StoreExistsError(
+                f"build_store: {str(path)!r} exists and is not a tracinfunc store (a zarr group "
+                f"holding {sorted(group.keys())[:5]}); choose another path (nothing there was "
+                "changed)."
+            )
         _half_made(path, existing)
         return None
     if parts.get("count") != count:
@@ -150,6 +156,17 @@ def _half_made(path: Location, existing: dict | None) -> None:
     finally:
         if held is not None:
             held.release()
+
+
+def _layout_only(group: zarr.Group) -> bool:
+    """Whether ``group`` holds nothing but (part of) a store's layout: groups ``rows``,
+    ``norms``, ``scales`` of arrays named by checkpoint numbers."""
+    for name, member in group.members():
+        if name not in ("rows", "norms", "scales") or not isinstance(member, zarr.Group):
+            return False
+        if not all(key.isdigit() for key, _ in member.members()):
+            return False
+    return True
 
 
 def _listing(path: Location) -> str:

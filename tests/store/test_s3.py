@@ -359,3 +359,19 @@ def test_a_store_sealed_without_an_object_manifest_needs_the_opt_in(mlp_setup32,
         tif.open_store(url)
     opened = tif.open_store(url, allow_unsealed=True)
     assert torch.equal(all_rows(opened), all_rows(built))
+
+
+def test_a_sharded_build_on_s3_names_a_stale_creation_lock(mlp_setup32, bucket, s3_server,
+                                                           monkeypatch):
+    """Issue 25 item 14 on object storage: a creator killed while making the layout leaves its
+    lock object; the next part names it (after the wait, here made zero) instead of blaming
+    the path."""
+    from tracinfunc.store.zarr import part_layout
+
+    monkeypatch.setattr(part_layout, "_CREATE_WAIT_S", 0.0)
+    s3_server.put_object(Bucket=bucket, Key=".grads.zarr.create.lock", Body=b"{}")
+    loss, ckpts, (x, y), _ = mlp_setup32
+    with pytest.raises(tif.errors.StoreLockedError, match=r"grads.zarr.create.lock"):
+        tif.build_store(loss, ckpts, batches(x, y), projection=PROJ,
+                        store=tiny(f"s3://{bucket}/grads.zarr", tif.store.PartWriter),
+                        shard=(0, 2))

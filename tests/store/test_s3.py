@@ -273,3 +273,105 @@ def test_a_quantised_store_on_s3_reads_like_a_local_one(mlp_setup32, tmp_path, b
     s3_server.delete_object(Bucket=bucket, Key=f"{dtype}.zarr/scales/0/c/1")  # rows [8, 16)
     with pytest.raises(tif.errors.CorruptStoreError, match=r"'epoch-0'.*missing"):
         tif.open_store(url).read_rows(0, 10, 12)
+
+
+def _swap(s3_server, bucket, first, second):
+    bodies = [s3_server.get_object(Bucket=bucket, Key=key)["Body"].read()
+              for key in (first, second)]
+    assert bodies[0] != bodies[1]
+    for key, body in zip((second, first), bodies, strict=True):
+        s3_server.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def _scores(url, loss, ckpts, test):
+    test_grads = tif.build_store(loss, ckpts, test, projection=PROJ)
+    return tif.score(tif.open_store(url), test_grads)
+
+
+def test_edited_array_metadata_on_s3_is_refused(mlp_setup32, bucket, s3_server):
+    """Issue 25 item 8: 'rows/0/zarr.json' edited to big-endian gave NaN scores on S3 (the
+    local seal refuses it): array metadata objects are checked against the sealed manifest."""
+    loss, ckpts, (x, y), test = mlp_setup32
+    url = f"s3://{bucket}/grads.zarr"
+    tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, store=tiny(url))
+    key = "grads.zarr/rows/0/zarr.json"
+    document = json.loads(s3_server.get_object(Bucket=bucket, Key=key)["Body"].read())
+    inner = document["codecs"][0]["configuration"]["codecs"]
+    assert inner[0]["name"] == "bytes"
+    inner[0]["configuration"] = {"endian": "big"}
+    s3_server.put_object(Bucket=bucket, Key=key, Body=json.dumps(document).encode())
+    with pytest.raises(tif.errors.CorruptStoreError,
+                       match=r"rows/0/zarr.json' differs from the object the store was sealed"):
+        _scores(url, loss, ckpts, test)
+
+
+@pytest.mark.parametrize("kind", ["rows", "norms"])
+def test_swapped_shard_objects_on_s3_are_refused(mlp_setup32, bucket, s3_server, read_path,
+                                                 kind):
+    """Issue 25 item 8: swapping the shard objects c/0/0 and c/1/0 changed scores on S3 (the
+    local seal refuses it): each object's size and tail are bound to its key by the seal."""
+    loss, ckpts, (x, y), test = mlp_setup32
+    url = f"s3://{bucket}/grads.zarr"
+    tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, store=tiny(url))
+    before = _scores(url, loss, ckpts, test)
+    name = {"rows": "rows/0/c/{}/0", "norms": "norms/0/c/{}"}[kind]
+    _swap(s3_server, bucket, *(f"grads.zarr/{name.format(i)}" for i in (0, 1)))
+    store = tif.open_store(url)
+    read = {"rows": store.read_rows, "norms": store.read_norms}[kind]
+    read(0, 16, 40)  # the shards not swapped still read
+    with pytest.raises(tif.errors.CorruptStoreError,
+                       match=rf"{name.format(0)}' is not the object sealed at this position"):
+        read(0, 0, 8)
+    with pytest.raises(tif.errors.CorruptStoreError, match="sealed at this position"):
+        tif.verify_store(tif.open_store(url))
+    _swap(s3_server, bucket, *(f"grads.zarr/{name.format(i)}" for i in (0, 1)))  # put back
+    assert torch.equal(_scores(url, loss, ckpts, test), before)
+
+
+def test_a_sharded_store_on_s3_is_sealed_with_its_objects(mlp_setup32, bucket, s3_server):
+    loss, ckpts, (x, y), _ = mlp_setup32
+    url = f"s3://{bucket}/grads.zarr"
+    for index in (0, 1):
+        tif.build_store(loss, ckpts, batches(x, y), projection=PROJ,
+                        store=tiny(url, tif.store.PartWriter), shard=(index, 2))
+    files = tif.store.commit_store(url)._group.attrs["tracinfunc"]["integrity"]["files"]
+    assert "rows/0/c/0/0" in files and "rows/0/zarr.json" in files
+    _swap(s3_server, bucket, "grads.zarr/rows/1/c/0/0", "grads.zarr/rows/1/c/2/0")
+    with pytest.raises(tif.errors.CorruptStoreError, match="sealed at this position"):
+        tif.open_store(url).read_rows(1, 0, 40)
+
+
+def test_a_store_sealed_without_an_object_manifest_needs_the_opt_in(mlp_setup32, bucket,
+                                                                    s3_server):
+    """Stores written to S3 before manifests carry a metadata checksum only: their placement
+    cannot be checked, so they open only with allow_unsealed=True (and a warning-free read)."""
+    from tracinfunc.store.zarr.integrity import digest
+
+    loss, ckpts, (x, y), _ = mlp_setup32
+    url = f"s3://{bucket}/grads.zarr"
+    built = tif.build_store(loss, ckpts, batches(x, y), projection=PROJ, store=tiny(url))
+    key = "grads.zarr/zarr.json"
+    document = json.loads(s3_server.get_object(Bucket=bucket, Key=key)["Body"].read())
+    meta = document["attributes"]["tracinfunc"]
+    meta["integrity"] = {"algorithm": "sha256", "digest": digest(meta, {}), "files": {}}
+    s3_server.put_object(Bucket=bucket, Key=key, Body=json.dumps(document).encode())
+    with pytest.raises(tif.errors.CorruptStoreError, match="allow_unsealed=True"):
+        tif.open_store(url)
+    opened = tif.open_store(url, allow_unsealed=True)
+    assert torch.equal(all_rows(opened), all_rows(built))
+
+
+def test_a_sharded_build_on_s3_names_a_stale_creation_lock(mlp_setup32, bucket, s3_server,
+                                                           monkeypatch):
+    """Issue 25 item 14 on object storage: a creator killed while making the layout leaves its
+    lock object; the next part names it (after the wait, here made zero) instead of blaming
+    the path."""
+    from tracinfunc.store.zarr import part_layout
+
+    monkeypatch.setattr(part_layout, "_CREATE_WAIT_S", 0.0)
+    s3_server.put_object(Bucket=bucket, Key=".grads.zarr.create.lock", Body=b"{}")
+    loss, ckpts, (x, y), _ = mlp_setup32
+    with pytest.raises(tif.errors.StoreLockedError, match=r"grads.zarr.create.lock"):
+        tif.build_store(loss, ckpts, batches(x, y), projection=PROJ,
+                        store=tiny(f"s3://{bucket}/grads.zarr", tif.store.PartWriter),
+                        shard=(0, 2))

@@ -22,6 +22,7 @@ from tracinfunc.batches import (
     rebatch,
     sized,
 )
+from tracinfunc.build.inputs import build_record, fingerprinted
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.distributed import (
@@ -46,7 +47,7 @@ from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.writer import StoreTarget, make_part_writer, make_writer, writes_to_disk
-from tracinfunc.store.zarr.parts import StorePart
+from tracinfunc.store.zarr.parts import PartWriter, StorePart
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["build_store"]
@@ -198,8 +199,12 @@ def build_store(
         return torch.stack([grads_fn(params, batch)
                             for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
+    pairs = ((batch_size_of(batch), batch) for batch in batches)
+    if isinstance(writer, PartWriter):  # what commit compares the parts by
+        writer.record_build(build_record(meta, mixed_precision=options.mixed_precision))
+        pairs = fingerprinted(pairs, writer)
     result = fill_store(
-        writer, ((batch_size_of(batch), batch) for batch in batches), rows_of, meta=meta,
+        writer, pairs, rows_of, meta=meta,
         check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
                                               on_device(batch)),
         progress=progress, total=known_size(data), stop=stop)

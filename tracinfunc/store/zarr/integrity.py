@@ -95,14 +95,6 @@ def seal(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return {**meta, INTEGRITY_KEY: block}
 
 
-def seal_metadata(meta: dict[str, Any]) -> dict[str, Any]:
-    """``meta`` with a checksum of itself only (no file manifest): for stores on object
-    storage, whose objects zarr's crc32c already checks, so that edited learning rates,
-    projection or checkpoint order are still caught."""
-    return {**meta, INTEGRITY_KEY: {"algorithm": "sha256", "digest": digest(meta, {}),
-                                    "files": {}}}
-
-
 def check_digest(meta: dict[str, Any], path: Path) -> None:
     """Raise unless the finished store's metadata matches the checksum it was sealed with."""
     where = f"{str(path).rstrip('/')}/{_ROOT_JSON}" if isinstance(path, str) else str(

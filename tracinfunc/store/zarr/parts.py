@@ -6,20 +6,22 @@ The rows are split into ``count`` parts **aligned to the Zarr shards**: two writ
 touch one shard file (zarr writes a shard whole, so concurrent writers to one shard lose
 rows). Each part keeps its own progress in its own group, ``parts/<index>/zarr.json``, so
 parts resume independently after a crash; the root metadata stays ``complete=False`` until
-:func:`commit_store` finds every part complete::
+:func:`commit_store` finds every part complete and the parts agree (same build options,
+the same data as far as their input fingerprints chain, ``build/inputs.py``)::
 
     grads.zarr/
       zarr.json            attributes: "tracinfunc" (StoreMeta, n_train = the final size)
                                        "tracinfunc_parts" ({"count": n})
-      parts/<i>/zarr.json  attributes: "tracinfunc_part" ({start, stop, rows_written, complete})
+      parts/<i>/zarr.json  attributes: "tracinfunc_part" ({start, stop, rows_written, complete,
+                                        build, inputs}: see ``build/inputs.py``)
       rows/<c>/ norms/<c>/ as in a one-process store: the committed store is bit-identical
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-import time
 from pathlib import Path
 
 import zarr
@@ -27,24 +29,21 @@ from torch import Tensor
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import (
+    IncompatibleGradientsError,
     IncompleteStoreError,
     InvalidArgumentError,
     ReadOnlyStoreError,
-    StoreExistsError,
     StoreNotFoundError,
 )
 from tracinfunc.interop import as_tensor
 from tracinfunc.store.codes import to_stored
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import check_block
-from tracinfunc.store.zarr.integrity import seal, seal_metadata, sync_files
+from tracinfunc.store.zarr.integrity import seal, sync_files
 from tracinfunc.store.zarr.layout import (
     ATTRS_KEY,
     buffer_rows,
-    check_resumable,
     chunk_files,
-    create_layout,
-    default_rows,
     pending_buffers,
     read_meta,
     writable_arrays,
@@ -52,15 +51,15 @@ from tracinfunc.store.zarr.layout import (
     write_pending,
 )
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
+from tracinfunc.store.zarr.object_integrity import seal_objects
+from tracinfunc.store.zarr.part_layout import PARTS_KEY, open_or_create
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
-from tracinfunc.store.zarr.urls import Location, is_url, location
+from tracinfunc.store.zarr.urls import is_url, location
 
 __all__ = ["PARTS_KEY", "PartWriter", "StorePart", "check_shard", "commit_store",
            "part_rows", "read_parts"]
 
-PARTS_KEY = "tracinfunc_parts"
 PART_KEY = "tracinfunc_part"
-_CREATE_WAIT_S = 120.0  # how long a part waits for another process to finish creating
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +133,7 @@ class PartWriter:
         # the same part is refused (other parts write beside it freely).
         lock_path = f"{self._path}.part{self.index}"
         self._lock = RemoteLock(lock_path) if is_url(self._path) else WriterLock(Path(lock_path))
-        self._group = _open_or_create(self._path, meta, self.count, chunk_rows=chunk_rows,
+        self._group = open_or_create(self._path, meta, self.count, chunk_rows=chunk_rows,
                                       shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path)
         self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
@@ -145,11 +144,14 @@ class PartWriter:
         self._part = self._group.require_group(f"parts/{self.index}")
         state = self._part.attrs.get(PART_KEY) or {}
         self._committed = int(state.get("rows_written", self.start))
+        # How it was built and what it saw (``build/inputs.py``), kept across resumes.
+        self._notes = {key: state[key] for key in ("build", "inputs") if key in state}
         self._pending, self._pending_scales, self._pending_norms = pending_buffers(
             meta, self._shard_rows)
         self._filled = 0
         self._finished = False
-        self._record(complete=bool(state.get("complete", False)))
+        self._complete = bool(state.get("complete", False))  # as found (a rerun keeps it)
+        self._record(complete=self._complete)
 
     @property
     def first_row(self) -> int:
@@ -212,81 +214,51 @@ class PartWriter:
                         for f in chunk_files(a, self._committed, self._committed + n)])
         # Only now: a crash before redoes the shard.
         self._committed, self._filled = self._committed + n, 0
+        self._complete = False
         self._record(complete=False)
+
+    def record_build(self, build: dict) -> None:
+        """Record how this part is built (options not in the store's metadata); commit
+        requires every part's record to be equal.
+
+        Raises:
+            IncompatibleGradientsError: this part was started with another record (a resume
+                with other options).
+        """
+        earlier = self._notes.get("build")
+        if earlier is not None and earlier != build:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: part {self.index} of {str(self._path)!r} was started "
+                f"{_difference(build, earlier)}; resume it with the options of the interrupted "
+                "run (or remove its progress, parts/<index>, to start it over)."
+            )
+        self._notes["build"] = build
+        self._record(complete=self._complete)
+
+    def record_inputs(self, *, before: str, through: str) -> None:
+        """Record fingerprints of the examples before the part's rows and through them
+        (``build/inputs.py``); commit chains each part's ``before`` to the previous part's
+        ``through``.
+
+        Raises:
+            IncompatibleGradientsError: the part recorded other fingerprints when it was
+                written (a finished part run again over other data).
+        """
+        inputs = {"before": before, "through": through}
+        earlier = self._notes.get("inputs")
+        if earlier is not None and earlier != inputs:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: part {self.index} of {str(self._path)!r} was written "
+                "from other data: the examples it iterated now (through its last row "
+                f"{self.stop}) are not those it recorded. Run it with the data of the other "
+                "parts (or remove its progress, parts/<index>, to build it again)."
+            )
+        self._notes["inputs"] = inputs
 
     def _record(self, *, complete: bool) -> None:
         self._part.attrs[PART_KEY] = {"start": self.start, "stop": self.stop,
-                                      "rows_written": self._committed, "complete": complete}
-
-
-def balanced_rows(meta: StoreMeta, count: int, chunk_rows: int | None,
-                  shard_rows: int | None) -> tuple[int, int]:
-    """``(chunk_rows, shard_rows)`` of a store built in ``count`` parts: the defaults, made
-    small enough that there are about four shards per part, so the parts (whole shards each)
-    share the work evenly even for stores that would be one shard. Given values are kept."""
-    chunk, shard = default_rows(meta, chunk_rows, shard_rows)
-    if shard_rows is not None:
-        return chunk, shard
-    target = max(1, -(-meta.n_train // (4 * count)))  # rows per shard for ~4 shards a part
-    if chunk_rows is None:
-        chunk = min(chunk, target)
-    shard = min(shard, chunk * max(1, -(-target // chunk)))
-    return chunk, shard
-
-
-def _open_or_create(path: Location, meta: StoreMeta, count: int, **layout) -> zarr.Group:
-    """The sharded store's group: created at full size by the first part, else waited for."""
-    layout["chunk_rows"], layout["shard_rows"] = balanced_rows(
-        meta, count, layout.get("chunk_rows"), layout.get("shard_rows"))
-    try:
-        group = create_layout(path, meta, **layout)
-    except Exception:  # another part created it (or is creating it): wait for its marker
-        return _wait_for_parts(path, meta, count)
-    arrays = [*writable_arrays(group, "rows", meta.n_ckpt),
-              *writable_arrays(group, "norms", meta.n_ckpt), *writable_scales(group, meta)]
-    for array in arrays:
-        array.resize((meta.n_train, *array.shape[1:]))
-    group.attrs[ATTRS_KEY] = meta.replace(complete=False).to_dict()
-    group.attrs[PARTS_KEY] = {"count": count}  # last: marks the layout ready for other parts
-    return group
-
-
-def _wait_for_parts(path: Location, meta: StoreMeta, count: int) -> zarr.Group:
-    deadline = time.monotonic() + _CREATE_WAIT_S
-    while True:
-        try:
-            group = zarr.open_group(path, mode="r+")
-            parts = group.attrs.get(PARTS_KEY)
-            existing = group.attrs.get(ATTRS_KEY)
-        except Exception:
-            parts = existing = None
-        if existing is not None and existing.get("complete"):
-            raise StoreExistsError(
-                f"build_store: a finished store already exists at {str(path)!r}; stores are "
-                "immutable. Open it with tif.open_store(path) or choose another path."
-            )
-        if parts is not None:
-            break
-        if time.monotonic() > deadline:
-            raise StoreExistsError(
-                f"build_store: {str(path)!r} exists but is not a sharded store being built "
-                f"(no {PARTS_KEY!r} marker after {_CREATE_WAIT_S:.0f} s); sharded builds need "
-                "a new path, or the path of an interrupted sharded build."
-            )
-        time.sleep(0.05)
-    if parts.get("count") != count:
-        raise StoreExistsError(
-            f"build_store: the store at {str(path)!r} is split into {parts.get('count')} parts, "
-            f"this call asks for part of {count}; use the same count (or another path)."
-        )
-    check_resumable(StoreMeta.from_dict(existing), meta, path)
-    if StoreMeta.from_dict(existing).n_train != meta.n_train:
-        raise StoreExistsError(
-            f"build_store: the store at {str(path)!r} is sized for "
-            f"{StoreMeta.from_dict(existing).n_train} rows but this call has {meta.n_train} "
-            "examples; every part must see the same data."
-        )
-    return group
+                                      "rows_written": self._committed, "complete": complete,
+                                      **self._notes}
 
 
 @entry_point("read_parts")
@@ -325,13 +297,59 @@ def commit_store(path: str | os.PathLike[str]) -> ZarrStore:
                 f"complete; rerun them (e.g. 'tracinfunc build --shard {missing[0]}/"
                 f"{len(states)} ...', same arguments) and commit again."
             )
+        check_parts_agree(path, states)
         finished = meta.replace(complete=True).to_dict()
         where = location(path)
         # Sealed like a one-process build (files fsync'ed, manifest, metadata checksum), so
-        # tampering is caught the same way; object storage has no files to seal.
-        group.attrs[ATTRS_KEY] = seal_metadata(finished) if is_url(where) else seal(where,
-                                                                                     finished)
+        # tampering is caught the same way (on object storage: a manifest of its objects).
+        group.attrs[ATTRS_KEY] = (seal_objects(group.store, where, finished) if is_url(where)
+                                  else seal(where, finished))
     return ZarrStore(path)
+
+
+def check_parts_agree(path: object, states: list[dict]) -> None:
+    """Raise unless the parts were built alike and from the same data, as far as their
+    markers record it (``build/inputs.py`` says what is and is not covered).
+
+    Raises:
+        IncompatibleGradientsError: names the part(s), the difference and the fix.
+    """
+    count = len(states)
+    built = [(i, s["build"]) for i, s in enumerate(states) if s.get("build") is not None]
+    for i, build in built[1:]:
+        j, first = built[0]
+        if build != first:
+            raise IncompatibleGradientsError(
+                f"commit_store: part {i} of {count} of {str(path)!r} was built "
+                f"{_difference(build, first)} (part {j}); its rows cannot be sealed with "
+                f"the others'. Remove {_progress(path, i)} (its progress) and run part {i} "
+                "again with the options of the other parts, then commit again."
+            )
+    chained = [(i, s) for i, s in enumerate(states) if s.get("inputs") and s["stop"] > s["start"]]
+    for (i, earlier), (j, later) in itertools.pairwise(chained):
+        if later["start"] == earlier["stop"] and (
+                later["inputs"]["before"] != earlier["inputs"]["through"]):
+            raise IncompatibleGradientsError(
+                f"commit_store: parts {i} and {j} of {count} of {str(path)!r} saw different data: "
+                f"the examples before row {later['start']} that part {j} iterated are not "
+                f"those part {i} (and the parts before it) wrote. One of them was built from "
+                "other data, or in another order; remove that part's progress "
+                f"({_progress(path, i)} or {_progress(path, j)}) and run it again over the "
+                "same data as the others, then commit again."
+            )
+
+
+def _difference(build: dict, other: dict) -> str:
+    """``"with mixed_precision 'bfloat16' but ... with None"`` for the first differing key."""
+    for key in sorted(set(build) | set(other)):
+        if build.get(key) != other.get(key):
+            what = "store metadata (digest)" if key == "metadata" else key
+            return f"with {what} {build.get(key)!r} but the other parts with {other.get(key)!r}"
+    return "alike"
+
+
+def _progress(path: object, index: int) -> str:
+    return repr(f"{str(path).rstrip('/')}/parts/{index}")
 
 
 def _group(path: str | os.PathLike[str]) -> zarr.Group:

@@ -38,10 +38,13 @@ class RemoteShardReader:
         store: The array's ``zarr.abc.store.Store``.
         path: The array's path inside the store (``rows/0``).
         layout: Where its rows are (:meth:`RawLayout.of`).
+        guard: Checks an object's size and tail as sealed, on its first read
+            (:class:`~tracinfunc.store.zarr.object_integrity.ObjectGuard`).
     """
 
-    def __init__(self, store, path: str, layout: RawLayout) -> None:
+    def __init__(self, store, path: str, layout: RawLayout, *, guard=None) -> None:
         self._store, self._path, self._layout = store, path, layout
+        self._guard = guard
         self._indices: dict[int, np.ndarray] = {}
 
     @property
@@ -93,6 +96,8 @@ class RemoteShardReader:
         async def load(shard: int) -> None:
             key = f"{self._path}/{self._layout.chunk_key(shard)}"
             async with limit:
+                if self._guard is not None:  # the object sealed at this position?
+                    await self._guard.acheck(key)
                 raw = await self._store.get(key, default_buffer_prototype(),
                                             SuffixByteRequest(self._layout.index_bytes))
             if raw is None:

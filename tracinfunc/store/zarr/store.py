@@ -60,10 +60,11 @@ from tracinfunc.store.zarr.layout import (
     sealed_files,
 )
 from tracinfunc.store.zarr.local_reads import ShardReader
+from tracinfunc.store.zarr.object_integrity import ObjectGuard
 from tracinfunc.store.zarr.object_reads import object_store_for_reads
 from tracinfunc.store.zarr.raw_layout import RawLayout
 from tracinfunc.store.zarr.remote_reads import RemoteShardReader
-from tracinfunc.store.zarr.urls import exists, is_url, location, missing_chunk_keys
+from tracinfunc.store.zarr.urls import chunk_keys, exists, is_url, location
 
 __all__ = ["ZarrStore"]
 
@@ -102,11 +103,10 @@ class ZarrStore(StoreProperties):
                 "written): the build that wrote it was interrupted. Resume it by calling "
                 "build_store again with the same arguments and store=path, or delete it."
             )
-        # Array metadata as sealed before zarr parses it; shard files on their first read.
-        # Object storage has no local files to guard: objects carry zarr's own checksums.
-        guard = None if is_url(path) else FileGuard(path, sealed_files(group))
-        if guard is not None:
-            guard.check_metadata_files()
+        # Array metadata as sealed before zarr parses it; shard files (or objects) on their
+        # first read.
+        guard = _guard(path, group, meta, allow_unsealed)
+        guard.check_metadata_files()
         rows, norms = _arrays(group, "rows", meta, path), _arrays(group, "norms", meta, path)
         scales = _arrays(group, "scales", meta, path) if meta.quantization else []
         expected = [(a, (meta.n_train, code_width(meta)), rows_dtype(meta)) for a in rows]
@@ -199,10 +199,7 @@ class ZarrStore(StoreProperties):
             if reader is not None and target.is_contiguous():
                 reader.read_into(start, stop, _bytes_of(target))
             else:
-                if self._guard is not None:
-                    _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
-                else:  # object storage: no local files to check, but objects must exist
-                    self._require_chunk_files(self._rows[ckpt], start, stop)
+                _check_chunk_files(self._guard, self._rows[ckpt], start, stop)
                 target.copy_(_from_numpy(self._rows[ckpt][start:stop], target.dtype))
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt("read_rows", ckpt, start, stop, error) from error
@@ -218,19 +215,11 @@ class ZarrStore(StoreProperties):
         """Values ``[stop - start]`` of a one-value-per-row array (norms, scales), checked."""
         self._check_identity()
         try:
-            if self._guard is not None:
-                _check_chunk_files(self._guard, arrays[ckpt], start, stop)
-            else:
-                self._require_chunk_files(arrays[ckpt], start, stop)
+            _check_chunk_files(self._guard, arrays[ckpt], start, stop)
             values = arrays[ckpt][start:stop]
         except (CorruptStoreError, ValueError, OSError) as error:
             raise self._corrupt(method, ckpt, start, stop, error) from error
         return torch.from_numpy(np.ascontiguousarray(values))
-
-    def _require_chunk_files(self, array: zarr.Array, start: int, stop: int) -> None:
-        missing = missing_chunk_keys(array, start, stop)  # object storage (no FileGuard)
-        if missing:
-            raise CorruptStoreError(f"chunk files {missing[:3]} of {array.path} are missing")
 
     def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
                  error: Exception) -> CorruptStoreError:
@@ -242,7 +231,27 @@ class ZarrStore(StoreProperties):
         )
 
 
-def _readers(path: Path | str, rows: list[zarr.Array], guard: FileGuard | None) -> list:
+def _guard(path: Path | str, group: zarr.Group, meta: StoreMeta,
+           allow_unsealed: bool) -> FileGuard | ObjectGuard:
+    """What checks the store's files (or objects) against its sealed manifest."""
+    files = sealed_files(group)
+    if not is_url(path):
+        return FileGuard(path, files)
+    if files == {} and meta.n_ckpt:  # sealed before stores on object storage had manifests
+        if not allow_unsealed:
+            raise CorruptStoreError(
+                f"ZarrStore: {str(path)!r} was sealed without a manifest of its objects (by "
+                "tracinfunc before 0.2, or the manifest was removed), so the placement of its "
+                "shard objects and its array metadata cannot be checked. If you trust it, open "
+                "it with tif.open_store(path, allow_unsealed=True) and re-save it with "
+                "tif.save_store to seal it; otherwise rebuild it."
+            )
+        files = None
+    return ObjectGuard(group.store, path, files)
+
+
+def _readers(path: Path | str, rows: list[zarr.Array],
+             guard: FileGuard | ObjectGuard) -> list:
     """One raw reader per checkpoint's rows (``None`` where zarr must decode them)."""
     byte_store = object_store_for_reads(path) if is_url(path) else None
     return [shard_reader(array, guard=guard, byte_store=byte_store) for array in rows]
@@ -260,10 +269,17 @@ def shard_reader(array, *, guard=None, byte_store=None):
         return None
     if isinstance(array.store, LocalStore):
         return ShardReader(Path(array.store.root) / array.path, layout, guard=guard)
-    return RemoteShardReader(byte_store or array.store, array.path, layout)
+    return RemoteShardReader(byte_store or array.store, array.path, layout, guard=guard)
 
 
-def _check_chunk_files(guard: FileGuard, array: zarr.Array, start: int, stop: int) -> None:
+def _check_chunk_files(guard: FileGuard | ObjectGuard, array: zarr.Array, start: int,
+                       stop: int) -> None:
+    """Check the files (or objects) rows ``[start, stop)`` of ``array`` are read from, before
+    zarr reads them (zarr reads a missing one as zeros)."""
+    if isinstance(guard, ObjectGuard):
+        for key in chunk_keys(array, start, stop):
+            guard.check(key)
+        return
     for path in chunk_files(array, start, stop):
         guard.check(path)
 

@@ -5,21 +5,18 @@ and endpoint from the usual environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACC
 ``AWS_ENDPOINT_URL``, ``~/.aws``). Reads of a row range fetch its chunks concurrently (zarr's
 async loop, ``zarr.config`` ``async.concurrency`` requests in flight), each checked against
 its crc32c. This module holds the few operations that differ from a local directory:
-existence, deletion and the check for missing chunk objects.
+existence, deletion and the keys of chunk objects.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from pathlib import Path
 
-from zarr.core.sync import sync
-
 from tracinfunc.errors import MissingDependencyError
 
-__all__ = ["Location", "exists", "is_url", "location", "missing_chunk_keys", "remove"]
+__all__ = ["Location", "chunk_keys", "exists", "is_url", "location", "remove"]
 
 Location = Path | str  # a local directory, or an fsspec URL kept as text
 
@@ -63,19 +60,12 @@ def remove(where: Location) -> None:
     fs.rm(root, recursive=True)
 
 
-def missing_chunk_keys(array, start: int, stop: int) -> list[str]:
-    """Keys of the shard objects rows ``[start, stop)`` of ``array`` need but are absent.
-
-    zarr reads an absent object as zeros; every tracinfunc writer writes each chunk, so one
-    missing is damage. Asked of the array's own store (any zarr store, local or remote).
-    """
+def chunk_keys(array, start: int, stop: int) -> list[str]:
+    """Keys (relative to the store's root) of the shard objects rows ``[start, stop)`` of
+    ``array`` are read from."""
     if stop <= start:
         return []
     rows_per_file = (array.shards or array.chunks)[0]
     tail = (0,) * (array.ndim - 1)
-    keys = [array.metadata.encode_chunk_key((i, *tail))
+    return [f"{array.path}/{array.metadata.encode_chunk_key((i, *tail))}"
             for i in range(start // rows_per_file, (stop - 1) // rows_per_file + 1)]
-    async def exist() -> list[bool]:  # all at once: one round trip, not one per shard
-        return await asyncio.gather(*(array.store.exists(f"{array.path}/{key}") for key in keys))
-
-    return [key for key, present in zip(keys, sync(exist()), strict=True) if not present]

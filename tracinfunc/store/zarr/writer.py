@@ -24,7 +24,7 @@ from tracinfunc.interop import as_tensor
 from tracinfunc.store.codes import check_codes, to_stored
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import check_block
-from tracinfunc.store.zarr.integrity import seal, seal_metadata, sync_files
+from tracinfunc.store.zarr.integrity import seal, sync_files
 from tracinfunc.store.zarr.layout import (
     ATTRS_KEY,
     buffer_rows,
@@ -40,6 +40,7 @@ from tracinfunc.store.zarr.layout import (
     write_pending,
 )
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
+from tracinfunc.store.zarr.object_integrity import seal_objects
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
 from tracinfunc.store.zarr.urls import exists, is_url, location, remove
 
@@ -178,8 +179,9 @@ class ZarrWriter:
         # marks it complete: a reader sees an incomplete store or a sealed one, nothing else.
         finished = self._meta.replace(n_train=self._committed, complete=True).to_dict()
         with write_errors(self._path, rows_stored=self._committed):
-            if is_url(self._path):  # object storage: no files to manifest or fsync
-                self._group.attrs[ATTRS_KEY] = seal_metadata(finished)
+            if is_url(self._path):  # object storage: a manifest of objects, nothing to fsync
+                self._group.attrs[ATTRS_KEY] = seal_objects(self._group.store, self._path,
+                                                            finished)
             else:
                 self._group.attrs[ATTRS_KEY] = seal(self._path, finished)
                 sync_files([self._path / "zarr.json", self._path])

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from tracinfunc.curvature import kfac
 from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.projection.spec import Layout, Projection
@@ -109,6 +110,27 @@ class Curvature:
                     h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
             self._cache["digest"] = h.hexdigest()
         return self._cache["digest"]
+
+    def mean_eigenvalues(self) -> tuple[float, ...]:
+        """Per checkpoint, the mean eigenvalue of the undamped estimate (``tr(H_c) / dim``):
+        what a :class:`~tracinfunc.curvature.Damping` multiplies."""
+        if self.kind in ("dense", "projected"):
+            return tuple(float(e["matrix"].trace()) / e["matrix"].shape[0]
+                         for e in self.estimates)
+        mean = kfac.kfac_mean_eigenvalue if self.kind == "kfac" else kfac.ekfac_mean_eigenvalue
+        return tuple(mean(e, list(self.layers)) for e in self.estimates)
+
+    def with_damping(self, damping: Damping | float) -> Curvature:
+        """The same estimates with another damping (a new value; this one is unchanged).
+
+        Args:
+            damping: A :class:`~tracinfunc.curvature.Damping` (relative to each checkpoint's
+                mean eigenvalue) or a float (one ``lambda`` for every checkpoint).
+        """
+        damping = check_damping(damping)
+        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues())
+        rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
+        return replace(self, damping=values, info={**self.info, "damping": rule})
 
     def precondition(self, ckpt: int, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(H_c + lambda_c I)^-1 g`` for per-example gradients ``{name: [b, *shape]}``.

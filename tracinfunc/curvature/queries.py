@@ -141,7 +141,8 @@ def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projectio
             loss, projection, options=GradientOptions(select=list(names), chunk_size=chunk_size)
         )
         return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
-    if curvature.kind == "kfac" and projection.kind == "kronecker":
+    if curvature.kind == "kfac" and projection.kind == "kronecker" and all(
+            layer.rule != "embedding" for layer in curvature.layers):  # ids, not features
         return _factored_kfac(loss, curvature, ckpt, names, projection)
     psg = per_sample_grads(loss, options=GradientOptions(select=list(names), chunk_size=chunk_size))
     precondition = GradientPreconditioner(curvature, ckpt, projection, chunk_size)
@@ -186,7 +187,7 @@ def _kronecker_block(layer: KfacLayer, delta: Tensor, x: Tensor, projection: Pro
     """``(left @ P_r)^T (right @ P_c)`` flattened, ``[b, k]`` (unscaled)."""
     p_rows, p_cols = kronecker_factors(projection, layer.weight, shape, device=x.device,
                                        dtype=torch.float64)
-    left, right = (delta, x) if layer.rule == "linear" else (x, delta)
+    left, right = (delta, x) if layer.rule in ("linear", "conv2d") else (x, delta)
     block = torch.einsum("btr,btc->brc", left @ p_rows, right @ p_cols)  # [b, k_r, k_c]
     return block.reshape(block.shape[0], -1)
 

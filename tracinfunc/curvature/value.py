@@ -163,7 +163,7 @@ class Curvature:
         if self.kind == "dense":
             flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
             return {n: v.to(dtype) for n, v in unflatten(flat, self.layout).items()}
-        out = {}
+        out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
             if self.kind == "kfac":
@@ -171,7 +171,7 @@ class Curvature:
             else:
                 matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
                                                  self.damping[ckpt])
-            out.update(split_layer(matrix, layer))
+            out.update(split_layer(matrix, layer, shapes[layer.weight]))
         return {name: value.to(dtype) for name, value in out.items()}
 
     def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:

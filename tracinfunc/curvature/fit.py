@@ -76,8 +76,8 @@ def fit_curvature(
             list or a DataLoader, not a generator.
         kind: ``"projected"`` (``[k, k]`` in ``projection``'s space: any model, any
             projection kind), ``"kfac"``/``"ekfac"`` (per-layer Kronecker factors of
-            ``nn.Linear`` and HF ``Conv1D`` layers), or ``"dense"`` (the exact ``[p, p]``
-            matrix, for small models: the reference).
+            ``nn.Linear``, HF ``Conv1D``, ``nn.Conv2d`` and ``nn.Embedding`` layers), or
+            ``"dense"`` (the exact ``[p, p]`` matrix, for small models: the reference).
         projection: The store's projection (``store.projection``); needed by
             ``"projected"``, ignored by the others (their queries are preconditioned before
             any projection).
@@ -254,8 +254,8 @@ def _check_kind(kind: object) -> str:
     if kind not in KINDS:
         raise InvalidArgumentError(
             f"{current_caller()}: kind must be one of {list(KINDS)}, got {kind!r}; "
-            "'projected' works for any model and projection, 'kfac' for Linear/Conv1D "
-            "layers, 'dense' for small models."
+            "'projected' works for any model and projection, 'kfac' for Linear, Conv1D, "
+            "Conv2d and Embedding layers, 'dense' for small models."
         )
     return kind
 

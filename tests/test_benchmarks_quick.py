@@ -83,6 +83,9 @@ def check_curvature_results(stdout: str, out: Path) -> None:
     kinds = {row["kind"] for row in saved["rows"]}
     assert kinds == {"tracin", "dense", "kfac", "ekfac", "projected"}
     assert all(-1 <= row["lds"] <= 1 for row in saved["rows"])
+    # choose_damping's held-out pick, one per curvature, among the swept multiples
+    assert {c["kind"] for c in saved["choices"]} == kinds - {"tracin"}
+    assert all(c["heldout"] in {row["scale"] for row in saved["rows"]} for c in saved["choices"])
     assert (out / "curvature.png").exists()
 
 

@@ -14,7 +14,10 @@ The ``-last`` rows score and fit the last checkpoint only (the full-space kinds,
     python benchmarks/curvature.py                  # 1000 train / 300 test, 60 subsets
 
 Prints a markdown table per model, writes ``--out``/curvature.json and curvature.png (LDS
-against the damping scale, one line per kind).
+against the damping scale, one line per kind). For every curvature it also runs
+``choose_damping`` (held-out loss change of the damped Newton step, no retraining) on a
+validation split of the digits left over by the train/test split, and prints the multiple it
+picks beside the LDS-best one and the default, each with its LDS.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ import quality
 
 import tracinfunc as tif
 import tracinfunc.evaluate as ev
-from tracinfunc.curvature import classification_sampler, fit_curvature
+from tracinfunc.curvature import (
+    DEFAULT_SCALES,
+    choose_damping,
+    classification_sampler,
+    fit_curvature,
+)
 
 SCALES = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 QUICK_SCALES = (1.0, 10.0)
@@ -48,14 +56,35 @@ def _with_scale(curvature, base_scale: float, scale: float):
     return dataclasses.replace(curvature, damping=damping)
 
 
+def validation_split(sizes: quality.Sizes, x_train: torch.Tensor, n_val: int):
+    """Digits outside ``quality.load_digits``'s train and test rows (its permutation, redrawn
+    and checked against its train rows), for the held-out damping choice."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    digits = sk_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x[order[:sizes.n_train]], x_train), "quality.load_digits changed"
+    rest = order[sizes.n_train + sizes.n_test:][:n_val]
+    return x[rest], torch.tensor(digits.target)[rest]
+
+
 def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path) -> dict:
     make = quality.MODELS[name]
     (x, y), (x_test, y_test), _, _ = quality.load_digits(sizes)
+    validation = validation_split(sizes, x, sizes.n_test)
     _, ckpts = quality.train(make, x, y, seed=0, epochs=sizes.epochs, every=sizes.every)
     truth = quality.retrain(make, (x, y), (x_test, y_test), sizes, out, name, seed=0)
     loss = tif.loss_from_module(make().eval(), F.cross_entropy)
     sampler = classification_sampler(exact=True)
-    rows = []
+    rows, choices = [], []
+
+    def choose(label, kind, fitted):
+        start = time.perf_counter()
+        choice = choose_damping(fitted, loss, ckpts, (x, y), validation, scales=scales)
+        choices.append({"config": label, "kind": kind, "heldout": choice.scale,
+                        "default": DEFAULT_SCALES[kind], "loss_change": list(choice.values),
+                        "choose_s": time.perf_counter() - start})
 
     def measure(label, kind, k, scale, scores, seconds):
         result = ev.lds(scores, truth.subsets, truth.outputs, n_bootstrap=0)
@@ -88,6 +117,8 @@ def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path) -> dict:
                                                         curvature, projection=exact)
                 measure(f"{kind}-exact{suffix}", kind, None, scale,
                         tif.score(train, queries, curvature=curvature), seconds)
+            if not suffix:  # the held-out choice, for the all-checkpoint fits
+                choose(f"{kind}-exact", kind, fitted)
     for k in sizes.ks:
         for projection, kind in ((tif.Projection(dim=k, seed=0), "projected"),
                                  (tif.Projection(dim=k, kind="kronecker", seed=0), "kfac")):
@@ -104,7 +135,8 @@ def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path) -> dict:
                     loss, ckpts, (x_test, y_test), curvature, projection=projection)
                 measure(f"{kind}-{projection.kind}-{k}", kind, k, scale,
                         tif.score(train_k, queries, curvature=curvature), seconds)
-    return {"model": name, "rows": rows}
+            choose(f"{kind}-{projection.kind}-{k}", kind, fitted)
+    return {"model": name, "rows": rows, "choices": choices}
 
 
 def print_table(result: dict, scales) -> None:
@@ -122,6 +154,23 @@ def print_table(result: dict, scales) -> None:
         fit = next(iter(cells.values()))["fit_s"]
         print(f"| {config} | " + " | ".join(f"{cells[s]['lds']:.3f}" for s in scales)
               + f" | {fit:.1f} |")
+
+
+def print_choices(result: dict) -> None:
+    """Per curvature: the LDS-best multiple, the default and the held-out choice, with LDS."""
+    print(f"\n### {result['model']}: damping chosen (multiple of the mean eigenvalue, LDS)\n")
+    print("| config | LDS-best | default | held-out (no retraining) | choose (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for choice in result["choices"]:
+        curve = {row["scale"]: row["lds"] for row in result["rows"]
+                 if row["config"] == choice["config"]}
+        best = max(curve, key=curve.get)
+
+        def cell(scale, curve=curve):
+            return f"{scale:g}x ({curve[scale]:.3f})" if scale in curve else f"{scale:g}x (-)"
+
+        print(f"| {choice['config']} | {cell(best)} | {cell(choice['default'])} | "
+              f"{cell(choice['heldout'])} | {choice['choose_s']:.1f} |")
 
 
 def save_plot(results: list[dict], scales, path: Path) -> None:
@@ -166,6 +215,7 @@ def main() -> None:
                for name in args.model or quality.MODELS]
     for result in results:
         print_table(result, scales)
+        print_choices(result)
     (args.out / "curvature.json").write_text(json.dumps(results, indent=1))
     save_plot(results, scales, args.out / "curvature.png")
     print(f"\nwrote {args.out / 'curvature.png'} and curvature.json in "

@@ -319,6 +319,7 @@ def score_chunks(
     chunk_rows: int | None = None,
     out: Tensor | None = None,
     progress: ProgressArg = None,
+    curvature: Curvature | None = None,
 ) -> Iterator[tuple[int, Tensor]]:
     """Stream TracIn scores chunk by chunk: the loop under :func:`score` and :func:`top_k`.
 
@@ -337,6 +338,7 @@ def score_chunks(
         out: Optional ``[n_test, n_train]`` tensor (float32, float64 for float64 gradients,
             on ``device``); blocks are then written into it (``block`` is a view of
             ``out[:, start:start + rows]``) instead of being allocated per chunk.
+        curvature: As in :func:`score`: the blocks are curvature-aware scores.
 
     Yields:
         ``(start, block)`` with ``block`` ``[n_test, rows]`` the scores of training rows
@@ -344,6 +346,7 @@ def score_chunks(
         ``block`` is new for every chunk.
     """
     test_grads = tensor_if_array(test_grads)
+    test_grads = precondition_test_grads(store, test_grads, curvature)
     meta = store.meta
     device = _resolve_device(device, test_grads)
     test, test_norms = query_matrix(meta, test_grads, device=device)

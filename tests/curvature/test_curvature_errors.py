@@ -197,8 +197,8 @@ def test_causal_lm_sampler_keeps_ignored_positions():
 
 
 def test_causal_lm_curvature_end_to_end():
-    """The default sampler of causal_lm_loss; K-FAC names the embedding it cannot cover and
-    fits the head alone when selected."""
+    """The default sampler of causal_lm_loss; K-FAC covers the embedding (diagonal A over
+    token ids at every position) and the head, or the head alone when selected."""
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -215,9 +215,8 @@ def test_causal_lm_curvature_end_to_end():
     ids = torch.randint(0, 7, (6, 5))
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     projection = tif.Projection(dim=8, seed=0)
-    with pytest.raises(InvalidArgumentError, match=r"'emb.weight' \(Embedding\)"):
-        fit_curvature(loss, ckpts, data, kind="kfac")
-    for kind, select in (("projected", None), ("kfac", ["head.*"])):
+    for kind, select in (("projected", None), ("kfac", ["head.*"]), ("kfac", None),
+                         ("ekfac", None)):
         curvature = fit_curvature(loss, ckpts, data, kind=kind, projection=projection,
                                   select=select)
         store = tif.build_store(

@@ -192,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
         "self-influence", parents=[common], help="self-influence of every training row"
     )
     self_influence.add_argument("store", type=location)
+    self_influence.add_argument("--curvature", type=Path, metavar="PATH",
+                                help="curvature-aware self-influence with a 'projected' "
+                                     "curvature saved by save_curvature")
     self_influence.add_argument("--output", required=True, type=Path)
     self_influence.add_argument("--overwrite", action="store_true")
     self_influence.set_defaults(run=_self_influence)
@@ -487,7 +490,9 @@ def _test_gradients(args: argparse.Namespace, store: GradientStore,
 def _self_influence(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite)
     store = open_store(str(args.store))
-    write_results(args.output, {"self_influence": self_influence(store)}, columns="vector")
+    curvature = None if args.curvature is None else load_curvature(args.curvature)
+    write_results(args.output, {"self_influence": self_influence(store, curvature=curvature)},
+                  columns="vector")
     print(f"wrote {args.output}")
     return 0
 

@@ -3,12 +3,15 @@
 :func:`fit_curvature` fits a damped Gauss-Newton (true Fisher) estimate per checkpoint
 (``"dense"``, ``"projected"``, ``"kfac"``, ``"ekfac"``); ``score``, ``top_k`` and
 ``self_influence`` take it as ``curvature=``, and :func:`preconditioned_test_grads` makes the
-test gradients of the full-space kinds. See ``docs/curvature.md``.
+test gradients of the full-space kinds. :func:`choose_damping` picks the damping by held-out
+loss change (:func:`tracinfunc.evaluate.choose_damping_by_lds` by LDS). See
+``docs/curvature.md``.
 """
 
 from tracinfunc.curvature.capture import SUPPORTED, KfacLayer
 from tracinfunc.curvature.damping import DEFAULT_SCALES, Damping
 from tracinfunc.curvature.fit import MAX_DENSE_PARAMS, fit_curvature
+from tracinfunc.curvature.heldout import CANDIDATE_SCALES, DampingChoice, choose_damping
 from tracinfunc.curvature.persist import load_curvature, save_curvature
 from tracinfunc.curvature.queries import (
     curvature_self_influence,
@@ -24,15 +27,18 @@ from tracinfunc.curvature.samplers import (
 from tracinfunc.curvature.value import KINDS, Curvature
 
 __all__ = [
+    "CANDIDATE_SCALES",
     "DEFAULT_SCALES",
     "KINDS",
     "MAX_DENSE_PARAMS",
     "SUPPORTED",
     "Curvature",
     "Damping",
+    "DampingChoice",
     "KfacLayer",
     "Sampler",
     "causal_lm_sampler",
+    "choose_damping",
     "classification_sampler",
     "curvature_self_influence",
     "default_sampler",

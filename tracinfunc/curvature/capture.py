@@ -8,17 +8,25 @@ copy, so the two evolve apart): a global forward hook records the calls of layer
 is one of the parameters, and ``grad`` of the loss with respect to zero "taps" added to their
 outputs gives ``delta``. Weights and biases stay constants; nothing else may be selected.
 
-Supported layers (exact types): ``nn.Linear`` and Hugging Face ``Conv1D`` (GPT-2), each called
-once per example. Anything else holding a selected parameter is refused by name.
+Supported layers (exact types), each called once per example: ``nn.Linear``, Hugging Face
+``Conv1D`` (GPT-2), ``nn.Conv2d`` (KFC, Grosse & Martens 2016: ``x`` is the unfolded input
+patches ``[L, C_in kh kw]`` of ``F.unfold`` and ``delta`` the output gradient at each of the
+``L`` output positions, so the layer is a Linear applied at ``L`` positions; ``groups=1`` and
+zero padding) and ``nn.Embedding`` (``x`` is the token id: a one-hot input, so ``E[x x^T]`` is
+diagonal, the token frequencies; no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, and
+positions holding ``padding_idx`` carry no gradient). Anything else holding a selected
+parameter is refused by name.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, vmap
 from torch.nn.modules.module import register_module_forward_hook
@@ -30,7 +38,7 @@ from tracinfunc.types import Batch, Example, LossFn, Params
 
 __all__ = ["SUPPORTED", "KfacLayer", "find_layers", "layer_io"]
 
-SUPPORTED = ("nn.Linear", "transformers Conv1D")
+SUPPORTED = ("nn.Linear", "transformers Conv1D", "nn.Conv2d", "nn.Embedding")
 
 
 @dataclass(frozen=True)
@@ -40,9 +48,11 @@ class KfacLayer:
     Attributes:
         weight: The weight's parameter name.
         bias: The bias's parameter name, or ``None`` (no bias, or not selected).
-        rule: ``"linear"`` (weight ``[d_out, d_in]``) or ``"conv1d"`` (weight ``[d_in, d_out]``).
-        d_out: Output features.
-        d_in: Input features (without the bias column).
+        rule: ``"linear"`` (weight ``[d_out, d_in]``), ``"conv1d"`` (weight ``[d_in, d_out]``),
+            ``"conv2d"`` (weight ``[d_out, C_in, kh, kw]``, ``d_in = C_in kh kw``) or
+            ``"embedding"`` (weight ``[d_in, d_out]``: ``d_in`` tokens, ``A`` diagonal).
+        d_out: Output features (channels, embedding size).
+        d_in: Input features (without the bias column; patch size; vocabulary size).
     """
 
     weight: str
@@ -66,7 +76,61 @@ def _rule(module: nn.Module) -> str | None:
         return "linear"
     if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):
         return "conv1d"
+    if kind is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros" \
+            and (not isinstance(module.padding, str) or module.padding == "valid"):
+        return "conv2d"
+    if kind is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq \
+            and not module.sparse:
+        return "embedding"
     return None
+
+
+def _refusal(module: nn.Module) -> str:
+    """Why a module is not covered (its type, and the option when the type is supported)."""
+    name = type(module).__name__
+    if type(module) is nn.Conv2d:
+        return (f"{name} with groups={module.groups}, padding={module.padding!r}, "
+                f"padding_mode={module.padding_mode!r}: K-FAC covers groups=1 with zero "
+                "padding")
+    if type(module) is nn.Embedding:
+        return (f"{name} with max_norm/scale_grad_by_freq/sparse: K-FAC covers plain "
+                "lookups")
+    return name
+
+
+def _sizes(rule: str, shape: torch.Size) -> tuple[int, int]:
+    """``(d_out, d_in)`` of a weight of ``shape`` under ``rule``."""
+    if rule in ("linear", "conv2d"):
+        return int(shape[0]), int(math.prod(shape[1:]))
+    return int(shape[1]), int(shape[0])  # conv1d, embedding: [d_in, d_out]
+
+
+def _reader(module: nn.Module, layer: KfacLayer) -> Callable[[Tensor, Tensor], tuple]:
+    """``(input, output gradient) -> (x [T, d_in] (ids [T] for embeddings), delta [T, d_out])``
+    for one example's call of ``module``."""
+    if layer.rule == "conv2d":
+        padding = 0 if module.padding == "valid" else module.padding
+
+        def patches(x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+            x = x.reshape(-1, *x.shape[-3:])  # [n, C_in, H, W]
+            unfolded = F.unfold(x, module.kernel_size, dilation=module.dilation,
+                                padding=padding, stride=module.stride)  # [n, d_in, L]
+            delta = delta.reshape(-1, layer.d_out, delta.shape[-2] * delta.shape[-1])
+            return (unfolded.transpose(1, 2).reshape(-1, layer.d_in),
+                    delta.transpose(1, 2).reshape(-1, layer.d_out))
+
+        return patches
+    if layer.rule == "embedding":
+        pad = module.padding_idx
+
+        def tokens(ids: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+            ids, delta = ids.reshape(-1), delta.reshape(-1, layer.d_out)
+            if pad is not None:  # no gradient flows to the padding row
+                delta = delta * (ids != pad).to(delta.dtype)[:, None]
+            return ids, delta
+
+        return tokens
+    return lambda x, delta: (x.reshape(-1, layer.d_in), delta.reshape(-1, layer.d_out))
 
 
 @contextmanager
@@ -114,16 +178,15 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
     for index, module, _, _, bias_id in seen:
         weight, rule = names[index], _rule(module)
         if rule is None:
-            unsupported.append(f"{weight!r} ({type(module).__name__})")
+            unsupported.append(f"{weight!r} ({_refusal(module)})")
             covered |= {weight, bias_names.get(bias_id)} - {None}
             continue
         if weight in covered:
             repeated.append(weight)
             continue
         bias = bias_names.get(bias_id)
-        shape = params[weight].shape
-        d_out, d_in = (shape[0], shape[1]) if rule == "linear" else (shape[1], shape[0])
-        layers.append(KfacLayer(weight, bias, rule, int(d_out), int(d_in)))
+        d_out, d_in = _sizes(rule, params[weight].shape)
+        layers.append(KfacLayer(weight, bias, rule, d_out, d_in))
         covered |= {weight, bias} - {None}
     rest = [name for name in names if name not in covered]
     if unsupported or repeated or rest:
@@ -136,7 +199,7 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
             problems.append(f"not the weight or bias of a layer: {rest[:6]}")
         raise InvalidArgumentError(
             f"{current_caller()}: kind='kfac'/'ekfac' covers the weights and biases of "
-            f"{' and '.join(SUPPORTED)} layers called once per example, but some selected "
+            f"{', '.join(SUPPORTED)} layers called once per example, but some selected "
             f"parameters are {'; '.join(problems)}. Select only supported layers "
             "(select=[...]), or use kind='projected' (any model) or 'dense' (small models)."
         )
@@ -145,7 +208,9 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
 
 def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Example
              ) -> Callable[[Batch], list[tuple[Tensor, Tensor]]]:
-    """``fn(batch) -> [(x [b, T, d_in], delta [b, T, d_out]) per layer]`` at ``params``.
+    """``fn(batch) -> [(x [b, T, d_in], delta [b, T, d_out]) per layer]`` at ``params``
+    (for an embedding ``x`` is the token ids ``[b, T]``; for a Conv2d ``T`` is the output
+    positions and ``x`` the input patches).
 
     ``example`` (no batch dimension) fixes the layers' output shapes; every example of a
     batch must call the layers alike (sequences padded to one length).
@@ -154,6 +219,7 @@ def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Exa
     with torch.no_grad(), _hooked(ids, None) as seen:
         loss(params, example)
     shapes = [(output.shape, output.dtype) for _, _, _, output, _ in seen]
+    readers = [_reader(module, layers[index]) for index, module, *_ in seen]
     order = [index for index, *_ in seen]
     if order != list(range(len(layers))):
         raise InvalidArgumentError(
@@ -171,8 +237,7 @@ def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Exa
             return value, [x for _, _, x, _, _ in calls]
 
         deltas, inputs = grad(inner, has_aux=True)(taps)
-        return [(x.reshape(-1, layer.d_in), delta.reshape(-1, layer.d_out))
-                for layer, x, delta in zip(layers, inputs, deltas, strict=True)]
+        return [read(x, delta) for read, x, delta in zip(readers, inputs, deltas, strict=True)]
 
     def batched(batch: Batch) -> list[tuple[Tensor, Tensor]]:
         return vmap(one)(batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -22,12 +23,18 @@ from tracinfunc.batches import iter_batches, rebatch
 from tracinfunc.build.loop import checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature import kfac
+from tracinfunc.curvature.blocks import Block, block_index, layer_blocks
 from tracinfunc.curvature.capture import find_layers, first_example, layer_io
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import Sampler, default_sampler
 from tracinfunc.curvature.value import KINDS, Curvature
-from tracinfunc.errors import EmptyDataError, InvalidArgumentError, MemoryBudgetError
+from tracinfunc.errors import (
+    EmptyDataError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    MemoryBudgetError,
+)
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions
 from tracinfunc.grads.selection import Selection, selected_names
@@ -57,6 +64,7 @@ def fit_curvature(
     batch_size: int | None = None,
     chunk_size: int | None = None,
     seed: int = 0,
+    block_diagonal: bool = False,
 ) -> Curvature:
     """Fit a damped Gauss-Newton (true Fisher) estimate at every checkpoint.
 
@@ -68,8 +76,8 @@ def fit_curvature(
             list or a DataLoader, not a generator.
         kind: ``"projected"`` (``[k, k]`` in ``projection``'s space: any model, any
             projection kind), ``"kfac"``/``"ekfac"`` (per-layer Kronecker factors of
-            ``nn.Linear`` and HF ``Conv1D`` layers), or ``"dense"`` (the exact ``[p, p]``
-            matrix, for small models: the reference).
+            ``nn.Linear``, HF ``Conv1D``, ``nn.Conv2d`` and ``nn.Embedding`` layers), or
+            ``"dense"`` (the exact ``[p, p]`` matrix, for small models: the reference).
         projection: The store's projection (``store.projection``); needed by
             ``"projected"``, ignored by the others (their queries are preconditioned before
             any projection).
@@ -85,6 +93,10 @@ def fit_curvature(
         batch_size: Regroup ``data`` into batches of this many inputs.
         chunk_size: Examples differentiated at once inside vmap.
         seed: Seeds the label draws (results are a function of the arguments).
+        block_diagonal: ``"projected"`` only: keep each layer's block of the ``k x k`` Fisher
+            and invert the blocks alone (``sum_l k_l^2`` numbers instead of ``k^2``); needs a
+            projection where each layer owns its outputs (``kind="identity"``; see
+            :mod:`tracinfunc.curvature.blocks`).
 
     Returns:
         A :class:`~tracinfunc.Curvature` bound to these checkpoints, the layout and (for
@@ -92,7 +104,8 @@ def fit_curvature(
 
     Raises:
         InvalidArgumentError: unknown kind, missing projection, parameters K-FAC does not
-            cover (named), or no sampler for the loss.
+            cover (named), no sampler for the loss, or ``block_diagonal`` with another kind
+            or a projection that mixes layers.
         MemoryBudgetError: ``"dense"`` for more than ``MAX_DENSE_PARAMS`` parameters.
         EmptyDataError: ``data`` holds no examples.
     """
@@ -107,6 +120,7 @@ def fit_curvature(
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     if kind == "dense":
         _check_dense_size(layout)
+    blocks = _blocks(block_diagonal, kind, layout, projection)
     metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr, c.fingerprint)
                   for i, c in enumerate(checkpoints))
 
@@ -115,7 +129,7 @@ def fit_curvature(
 
     estimates, dampings, layers, seen = [], [], (), 0
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
-        fit_one = _FITTERS[kind]
+        fit_one = partial(_fit_projected, blocks=blocks) if blocks else _FITTERS[kind]
         estimate, mean, n, layers = fit_one(
             loss_at(loss, ckpt), dict(ckpt.params), names, batches, sampler,
             torch.Generator().manual_seed(seed + position), chunk_size,
@@ -126,25 +140,35 @@ def fit_curvature(
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
     return Curvature(kind, metas, layout, projection if kind == "projected" else None,
-                     tuple(dampings), tuple(estimates), tuple(layers), info)
+                     tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
 
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,
-                sampler: Sampler, loss: LossFn, generator: torch.Generator
-                ) -> tuple[dict[str, Tensor], float, int]:
-    """``E[g g^T]`` of rows ``grads_fn(params, labelled batch) -> [b', dim]``."""
-    total, seen = None, 0.0
+                sampler: Sampler, loss: LossFn, generator: torch.Generator,
+                blocks: tuple[Block, ...] = ()) -> tuple[dict[str, Tensor], float, int]:
+    """``E[g g^T]`` of rows ``grads_fn(params, labelled batch) -> [b', dim]``: the whole
+    ``"matrix"``, or with ``blocks`` each block's ``"block:<i>"`` ``[k_l, k_l]`` only."""
+    total: dict[str, Tensor] | None = None
+    seen = 0.0
     for batch in batches():
         labelled, weights = sampler(loss, params, batch, generator)
         rows = grads_fn(params, labelled).double()  # [b', dim]
-        part = (rows * weights.to(rows)[:, None]).T @ rows
-        total = part.cpu() if total is None else total + part.cpu()
+        weighted = rows * weights.to(rows)[:, None]
+        if blocks:
+            index = [block_index(block, rows.device) for block in blocks]
+            part = {f"block:{i}": (weighted[:, at].T @ rows[:, at]).cpu()
+                    for i, at in enumerate(index)}
+        else:
+            part = {"matrix": (weighted.T @ rows).cpu()}
+        total = part if total is None else {key: total[key] + part[key] for key in part}
         seen += float(weights.sum())
     if total is None:
         raise EmptyDataError(f"{current_caller()}: data holds no examples; pass training "
                              "batches (or a sample of them).")
-    matrix = total / seen
-    return {"matrix": matrix}, float(matrix.trace()) / matrix.shape[0], round(seen)
+    estimate = {key: value / seen for key, value in total.items()}
+    dim = sum(value.shape[0] for value in estimate.values())
+    mean = sum(float(value.trace()) for value in estimate.values()) / dim
+    return estimate, mean, round(seen)
 
 
 def _fit_dense(loss, params, names, batches, sampler, generator, chunk_size, projection):
@@ -157,11 +181,12 @@ def _fit_dense(loss, params, names, batches, sampler, generator, chunk_size, pro
     return (*_fit_matrix(rows, params, batches, sampler, loss, generator), ())
 
 
-def _fit_projected(loss, params, names, batches, sampler, generator, chunk_size, projection):
+def _fit_projected(loss, params, names, batches, sampler, generator, chunk_size, projection,
+                   *, blocks: tuple[Block, ...] = ()):
     fn = projected_grads(
         loss, projection, options=GradientOptions(select=list(names), chunk_size=chunk_size)
     )
-    return (*_fit_matrix(fn, params, batches, sampler, loss, generator), ())
+    return (*_fit_matrix(fn, params, batches, sampler, loss, generator, blocks), ())
 
 
 def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, projection,
@@ -229,10 +254,27 @@ def _check_kind(kind: object) -> str:
     if kind not in KINDS:
         raise InvalidArgumentError(
             f"{current_caller()}: kind must be one of {list(KINDS)}, got {kind!r}; "
-            "'projected' works for any model and projection, 'kfac' for Linear/Conv1D "
-            "layers, 'dense' for small models."
+            "'projected' works for any model and projection, 'kfac' for Linear, Conv1D, "
+            "Conv2d and Embedding layers, 'dense' for small models."
         )
     return kind
+
+
+def _blocks(block_diagonal: object, kind: str, layout, projection) -> tuple[Block, ...]:
+    """The per-layer blocks ``block_diagonal=True`` asks for, or ``()``."""
+    if not isinstance(block_diagonal, bool):
+        raise InvalidTypeError(
+            f"{current_caller()}: block_diagonal must be True or False, got {block_diagonal!r}."
+        )
+    if not block_diagonal:
+        return ()
+    if kind != "projected":
+        raise InvalidArgumentError(
+            f"{current_caller()}: block_diagonal=True applies to kind='projected' (per-layer "
+            f"blocks of the k x k Fisher), got kind={kind!r}; 'kfac' and 'ekfac' are "
+            "block-diagonal per layer already."
+        )
+    return layer_blocks(layout, projection)
 
 
 def _check_sampler(sampler: object) -> Sampler:

@@ -2,8 +2,9 @@
 
 Flat rows follow the canonical layout (parameters sorted by name, each flattened as stored), the
 order of the ``identity`` projection and of ``tests/reference.py``. A K-FAC layer's matrix is
-``[d_out, d_a]``: the weight as ``[d_out, d_in]`` (a ``Conv1D`` weight is stored transposed)
-and the bias as the last column.
+``[d_out, d_a]``: the weight as ``[d_out, d_in]`` (``Conv1D`` and ``Embedding`` weights are
+stored transposed, a ``Conv2d`` weight flattened past its first dimension) and the bias as the
+last column.
 """
 
 from __future__ import annotations
@@ -37,17 +38,21 @@ def unflatten(flat: Tensor, layout: Layout) -> dict[str, Tensor]:
 def layer_matrix(grads: dict[str, Tensor], layer: KfacLayer) -> Tensor:
     """``[b, d_out, d_a]`` from the layer's weight (and bias) gradients."""
     weight = grads[layer.weight]
-    if layer.rule == "conv1d":
+    if layer.rule in ("conv1d", "embedding"):  # stored [d_in, d_out]
         weight = weight.transpose(1, 2)
+    elif layer.rule == "conv2d":  # [b, C_out, C_in, kh, kw] -> [b, d_out, C_in kh kw]
+        weight = weight.reshape(weight.shape[0], layer.d_out, layer.d_in)
     if layer.bias is None:
         return weight
     return torch.cat([weight, grads[layer.bias][:, :, None]], dim=2)
 
 
-def split_layer(matrix: Tensor, layer: KfacLayer) -> dict[str, Tensor]:
-    """Inverse of :func:`layer_matrix`: ``{weight: [b, *stored], bias: [b, d_out]}``."""
+def split_layer(matrix: Tensor, layer: KfacLayer, shape: tuple[int, ...]) -> dict[str, Tensor]:
+    """Inverse of :func:`layer_matrix`: ``{weight: [b, *shape], bias: [b, d_out]}``."""
     weight = matrix[:, :, :layer.d_in]
-    out = {layer.weight: weight.transpose(1, 2) if layer.rule == "conv1d" else weight}
+    if layer.rule in ("conv1d", "embedding"):
+        weight = weight.transpose(1, 2)
+    out = {layer.weight: weight.reshape(matrix.shape[0], *shape)}
     if layer.bias is not None:
         out[layer.bias] = matrix[:, :, layer.d_in]
     return out

@@ -8,6 +8,10 @@ plus a bias column), K-FAC approximates the layer's block of the Fisher by ``A (
 (tr S / d_out)`` (Martens & Grosse, 2015), which keeps the Kronecker form: a query is
 preconditioned as ``(delta S'^-1)^T (x A'^-1)``, so a Kronecker projection stays factored.
 
+An ``nn.Embedding`` is a Linear layer on one-hot inputs: its ``A`` is diagonal (the weighted
+token frequencies), stored as a vector ``[d_in]`` and inverted elementwise, and its eigenbasis
+is the identity (never stored); ``x`` arrives as token ids.
+
 EK-FAC (George et al., 2018) keeps K-FAC's eigenbases ``A = Q_A L_A Q_A^T``,
 ``S = Q_S L_S Q_S^T`` but refits the eigenvalues, ``E[(Q_S^T G Q_A)^2]`` (a second pass), and
 damps them exactly: ``G -> Q_S [(Q_S^T G Q_A) / (L + lambda)] Q_A^T``.
@@ -43,9 +47,15 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
         weights: ``[b]``, each input's weights summing to 1.
     """
     for layer, (x, delta) in zip(layers, io, strict=True):
-        xa, d = augmented(x, layer), delta.double()
-        w = weights.to(xa.device, torch.float64)[:, None, None]
-        a = torch.einsum("bti,btj->ij", xa * (w / xa.shape[1]), xa)  # [d_a, d_a]
+        d = delta.double()
+        w = weights.to(d.device, torch.float64)[:, None, None]
+        if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
+            share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
+            a = torch.zeros(layer.d_in, dtype=torch.float64, device=d.device).index_add_(
+                0, x.reshape(-1), share.reshape(-1))  # [d_in]
+        else:
+            xa = augmented(x, layer)
+            a = torch.einsum("bti,btj->ij", xa * (w / xa.shape[1]), xa)  # [d_a, d_a]
         s = torch.einsum("bti,btj->ij", d * w, d)  # [d_out, d_out]
         for key, value in ((f"{layer.weight}:A", a), (f"{layer.weight}:S", s)):
             sums[key] = sums[key] + value.cpu() if key in sums else value.cpu()
@@ -55,7 +65,7 @@ def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str
     """``{weight:QA, weight:QS}`` eigenvectors of each layer's factors."""
     out = {}
     for layer in layers:
-        for side in ("A", "S"):
+        for side in ("A", "S") if layer.rule != "embedding" else ("S",):  # diagonal A: I
             _, vectors = torch.linalg.eigh(estimate[f"{layer.weight}:{side}"])
             out[f"{layer.weight}:Q{side}"] = vectors
     return out
@@ -66,10 +76,15 @@ def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tenso
                            bases: dict[str, Tensor]) -> None:
     """Add one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into ``sums``."""
     for layer, (x, delta) in zip(layers, io, strict=True):
-        q_a = bases[f"{layer.weight}:QA"].to(x.device)
         q_s = bases[f"{layer.weight}:QS"].to(x.device)
-        xq, dq = augmented(x, layer) @ q_a, delta.double() @ q_s  # [b, T, d_a], [b, T, d_out]
-        rotated = torch.einsum("bto,bti->boi", dq, xq)  # [b, d_out, d_a]
+        dq = delta.double() @ q_s  # [b, T, d_out]
+        if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
+            index = x[..., None].expand(dq.shape)  # [b, T, d_out]
+            rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
+                                  device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
+        else:
+            xq = augmented(x, layer) @ bases[f"{layer.weight}:QA"].to(x.device)  # [b, T, d_a]
+            rotated = torch.einsum("bto,bti->boi", dq, xq)  # [b, d_out, d_a]
         w = weights.to(x.device, torch.float64)[:, None, None]
         value = (rotated.square() * w).sum(0).cpu()
         key = f"{layer.weight}:eigen"
@@ -78,7 +93,7 @@ def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tenso
 
 def kfac_mean_eigenvalue(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> float:
     """Mean eigenvalue of the block-diagonal ``A (x) S``: ``sum tr A tr S / sum d_a d_out``."""
-    trace = sum(float(estimate[f"{layer.weight}:A"].trace() * estimate[f"{layer.weight}:S"].trace())
+    trace = sum(_trace(estimate[f"{layer.weight}:A"]) * _trace(estimate[f"{layer.weight}:S"])
                 for layer in layers)
     return trace / sum(layer.d_a * layer.d_out for layer in layers)
 
@@ -92,25 +107,34 @@ def factor_inverses(estimate: dict[str, Tensor], layer: KfacLayer, damping: floa
                     ) -> tuple[Tensor, Tensor]:
     """``((S + lambda_S I)^-1 [d_out, d_out], (A + lambda_A I)^-1 [d_a, d_a])``, float64."""
     a, s = estimate[f"{layer.weight}:A"], estimate[f"{layer.weight}:S"]
-    mean_a, mean_s = float(a.trace()) / a.shape[0], float(s.trace()) / s.shape[0]
+    mean_a, mean_s = _trace(a) / a.shape[0], _trace(s) / s.shape[0]
     pi = math.sqrt(mean_a / mean_s) if mean_a > 0 and mean_s > 0 else 1.0
     root = math.sqrt(damping)
-    eye_a = torch.eye(a.shape[0], dtype=a.dtype)
     eye_s = torch.eye(s.shape[0], dtype=s.dtype)
-    return (torch.linalg.inv(s + (root / pi) * eye_s), torch.linalg.inv(a + (root * pi) * eye_a))
+    s_inv = torch.linalg.inv(s + (root / pi) * eye_s)
+    if a.dim() == 1:  # an embedding's diagonal A: [d_in], inverted elementwise
+        return s_inv, 1 / (a + root * pi)
+    return s_inv, torch.linalg.inv(a + (root * pi) * torch.eye(a.shape[0], dtype=a.dtype))
 
 
 def precondition_kfac(matrix: Tensor, inverses: tuple[Tensor, Tensor]) -> Tensor:
-    """``S'^-1 G A'^-1`` for ``G [b, d_out, d_a]``."""
+    """``S'^-1 G A'^-1`` for ``G [b, d_out, d_a]`` (``A'^-1`` a vector ``[d_a]`` if diagonal)."""
     s_inv, a_inv = (m.to(matrix.device) for m in inverses)
-    return s_inv @ matrix @ a_inv
+    return s_inv @ matrix * a_inv if a_inv.dim() == 1 else s_inv @ matrix @ a_inv
 
 
 def precondition_ekfac(matrix: Tensor, estimate: dict[str, Tensor], layer: KfacLayer,
                        damping: float) -> Tensor:
     """``Q_S [(Q_S^T G Q_A) / (eigen + lambda)] Q_A^T`` for ``G [b, d_out, d_a]``."""
-    q_a = estimate[f"{layer.weight}:QA"].to(matrix.device)
     q_s = estimate[f"{layer.weight}:QS"].to(matrix.device)
     eigen = estimate[f"{layer.weight}:eigen"].to(matrix.device)
+    if layer.rule == "embedding":  # Q_A = I
+        return q_s @ ((q_s.T @ matrix) / (eigen + damping))
+    q_a = estimate[f"{layer.weight}:QA"].to(matrix.device)
     rotated = q_s.T @ matrix @ q_a
     return q_s @ (rotated / (eigen + damping)) @ q_a.T
+
+
+def _trace(factor: Tensor) -> float:
+    """Trace of a factor stored as a matrix, or as its diagonal (a vector)."""
+    return float(factor.sum() if factor.dim() == 1 else factor.trace())

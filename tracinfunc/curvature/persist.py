@@ -35,7 +35,10 @@ from tracinfunc.store.zarr.integrity import FileGuard, check_digest, seal
 __all__ = ["ATTRIBUTE", "load_curvature", "save_curvature"]
 
 ATTRIBUTE = "tracinfunc_curvature"
-FORMAT = 1
+# 1: the first format; 2: adds per-layer "blocks" (block-diagonal "projected"). A curvature
+# without blocks is still written as format 1, so every version reads it; a format newer than
+# this reader's is refused with the fix (readers before format 2 fail on its missing "matrix").
+FORMAT = 2
 
 
 @entry_point("save_curvature")
@@ -62,8 +65,8 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
             key = f"{c}/{i}"
             group.create_array(key, data=value, chunks=value.shape or None)
             tensors[key] = [name, list(value.shape), "float64", _hash(value)]
-    meta = {**curvature.metadata(), "format": FORMAT, "digest": curvature.digest,
-            "tensors": tensors}
+    meta = {**curvature.metadata(), "format": FORMAT if curvature.blocks else 1,
+            "digest": curvature.digest, "tensors": tensors}
     group.attrs[ATTRIBUTE] = seal(root, meta)
     return root
 
@@ -88,6 +91,12 @@ def load_curvature(path: str | PathLike) -> Curvature:
         raise CorruptStoreError(
             f"load_curvature: {str(root)!r} is a Zarr group without a curvature's metadata "
             f"('{ATTRIBUTE}'); pass the path given to save_curvature."
+        )
+    if not isinstance(meta.get("format"), int) or meta["format"] > FORMAT:
+        raise CorruptStoreError(
+            f"load_curvature: {str(root)!r} holds a curvature in format "
+            f"{meta.get('format')!r}, but this version of tracinfunc reads formats 1 to "
+            f"{FORMAT}; upgrade tracinfunc, or fit the curvature again with this version."
         )
     check_digest(meta, root)
     guard = FileGuard(root, meta["integrity"]["files"])
@@ -124,6 +133,7 @@ def _curvature(meta: dict, estimates: list[dict]) -> Curvature:
         estimates=tuple(estimates),
         layers=tuple(KfacLayer(*layer) for layer in meta["layers"]),
         info=meta["info"],
+        blocks=tuple(meta.get("blocks", ())),
     )
 
 

@@ -41,8 +41,8 @@ from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["MARK", "curvature_self_influence", "precondition_test_grads",
-           "preconditioned_test_grads"]
+__all__ = ["MARK", "GradientPreconditioner", "curvature_self_influence", "marked_store",
+           "precondition_test_grads", "preconditioned_test_grads"]
 
 MARK = "curvature"  # StoreMeta.extra key: {"kind", "digest"} of the curvature applied
 
@@ -96,10 +96,41 @@ def preconditioned_test_grads(
         if not parts:
             raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
         per_ckpt.append(torch.cat(parts))
-    rows = torch.stack(per_ckpt).cpu()  # [n_ckpt, n_test, k]
+    return marked_store(meta, per_ckpt, curvature)
+
+
+def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature
+                 ) -> MemoryStore:
+    """Preconditioned rows (``[n_test, k]`` per checkpoint) as a store marked with the
+    curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends)."""
+    rows = torch.stack(list(per_ckpt)).cpu()  # [n_ckpt, n_test, k]
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
                         extra={MARK: {"kind": curvature.kind, "digest": curvature.digest}})
     return MemoryStore(meta, rows, rows.norm(dim=-1))
+
+
+class GradientPreconditioner:
+    """``grads {name: [b, *shape]} -> [b, k]``: ``P (H_c + l I)^-1 g`` at checkpoint ``ckpt``
+    for the full-space kinds (``"dense"``, ``"kfac"``, ``"ekfac"``), gradients named and
+    shaped as the curvature's layout, from any frontend.
+
+    The projector is made once per dtype and device (its blocks generated once, not per batch).
+    """
+
+    def __init__(self, curvature: Curvature, ckpt: int, projection: Projection,
+                 chunk_size: int | None = None) -> None:
+        self.curvature, self.ckpt, self.projection = curvature, ckpt, projection
+        self.chunk_size = chunk_size
+        self._projectors: dict = {}
+
+    def __call__(self, grads: dict[str, Tensor]) -> Tensor:
+        grads = self.curvature.precondition(self.ckpt, grads)
+        first = next(iter(grads.values()))
+        key = (first.dtype, first.device)
+        if key not in self._projectors:
+            self._projectors[key] = make_projector(self.projection, self.curvature.layout,
+                                                   device=first.device, dtype=first.dtype)
+        return vmap(self._projectors[key], chunk_size=self.chunk_size)(grads)
 
 
 def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projection,
@@ -110,21 +141,12 @@ def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projectio
             loss, projection, options=GradientOptions(select=list(names), chunk_size=chunk_size)
         )
         return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
-    if curvature.kind == "kfac" and projection.kind == "kronecker":
+    if curvature.kind == "kfac" and projection.kind == "kronecker" and all(
+            layer.rule != "embedding" for layer in curvature.layers):  # ids, not features
         return _factored_kfac(loss, curvature, ckpt, names, projection)
     psg = per_sample_grads(loss, options=GradientOptions(select=list(names), chunk_size=chunk_size))
-    projectors = {}  # one per dtype and device: blocks generated once, not per batch
-
-    def rows(params: Params, batch: Batch) -> Tensor:
-        grads = curvature.precondition(ckpt, psg(params, batch))
-        first = next(iter(grads.values()))
-        key = (first.dtype, first.device)
-        if key not in projectors:
-            projectors[key] = make_projector(projection, curvature.layout, device=first.device,
-                                             dtype=first.dtype)
-        return vmap(projectors[key], chunk_size=chunk_size)(grads)
-
-    return rows
+    precondition = GradientPreconditioner(curvature, ckpt, projection, chunk_size)
+    return lambda params, batch: precondition(psg(params, batch))
 
 
 def _factored_kfac(loss, curvature: Curvature, ckpt: int, names, projection: Projection):
@@ -165,7 +187,7 @@ def _kronecker_block(layer: KfacLayer, delta: Tensor, x: Tensor, projection: Pro
     """``(left @ P_r)^T (right @ P_c)`` flattened, ``[b, k]`` (unscaled)."""
     p_rows, p_cols = kronecker_factors(projection, layer.weight, shape, device=x.device,
                                        dtype=torch.float64)
-    left, right = (delta, x) if layer.rule == "linear" else (x, delta)
+    left, right = (delta, x) if layer.rule in ("linear", "conv2d") else (x, delta)
     block = torch.einsum("btr,btc->brc", left @ p_rows, right @ p_cols)  # [b, k_r, k_c]
     return block.reshape(block.shape[0], -1)
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from tracinfunc.curvature import kfac
+from tracinfunc.curvature.blocks import Block, block_index
 from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.projection.spec import Layout, Projection
@@ -46,6 +48,9 @@ class Curvature:
         estimates: Per checkpoint, named float64 tensors (read-only mappings).
         layers: The layers K-FAC covers (``"kfac"``/``"ekfac"``; empty otherwise).
         info: How it was fitted (examples, sampler, damping rule), JSON types.
+        blocks: ``"projected"`` with ``block_diagonal=True`` only: the per-layer blocks
+            (:mod:`tracinfunc.curvature.blocks`); the estimates are then one
+            ``"block:<i>"`` matrix ``[k_l, k_l]`` per block instead of ``"matrix"`` ``[k, k]``.
     """
 
     kind: str
@@ -56,6 +61,7 @@ class Curvature:
     estimates: tuple[Mapping[str, Tensor], ...]
     layers: tuple[KfacLayer, ...] = ()
     info: Mapping[str, Any] = field(default_factory=dict)
+    blocks: tuple[Block, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -68,6 +74,13 @@ class Curvature:
                 f"{len(self.checkpoints)} checkpoints, {len(self.damping)} dampings and "
                 f"{len(self.estimates)} estimates."
             )
+        if self.blocks and self.kind != "projected":
+            raise InvalidArgumentError(
+                f"Curvature: per-layer blocks belong to kind='projected', got {self.kind!r}."
+            )
+        blocks = tuple((str(layer), tuple((int(a), int(b)) for a, b in spans))
+                       for layer, spans in self.blocks)  # JSON lists -> hashable tuples
+        object.__setattr__(self, "blocks", blocks)
         frozen = tuple(MappingProxyType(dict(e)) for e in self.estimates)
         object.__setattr__(self, "estimates", frozen)
         object.__setattr__(self, "info", MappingProxyType(dict(self.info)))
@@ -81,11 +94,15 @@ class Curvature:
     def dim(self) -> int:
         """Size of the space it acts on: ``k`` (projected) or ``p``."""
         if self.kind == "projected":
-            return int(self.estimates[0]["matrix"].shape[0])
+            return int(sum(b - a for _, spans in self.blocks for a, b in spans)
+                       or self.estimates[0]["matrix"].shape[0])
         return sum(math.prod(shape) for _, shape in self.layout)
 
     def metadata(self) -> dict[str, Any]:
-        """Everything but the tensors, as JSON types."""
+        """Everything but the tensors, as JSON types (``"blocks"`` only when there are some,
+        so a curvature without them has the metadata and digest it had before blocks)."""
+        blocks = {"blocks": [[layer, [list(span) for span in spans]]
+                             for layer, spans in self.blocks]} if self.blocks else {}
         return {
             "kind": self.kind,
             "checkpoints": [{"name": c.name, "lr": c.lr, "fingerprint": c.fingerprint}
@@ -95,6 +112,7 @@ class Curvature:
             "damping": list(self.damping),
             "layers": [layer.to_list() for layer in self.layers],
             "info": dict(self.info),
+            **blocks,
         }
 
     @property
@@ -110,6 +128,30 @@ class Curvature:
             self._cache["digest"] = h.hexdigest()
         return self._cache["digest"]
 
+    def mean_eigenvalues(self) -> tuple[float, ...]:
+        """Per checkpoint, the mean eigenvalue of the undamped estimate (``tr(H_c) / dim``):
+        what a :class:`~tracinfunc.curvature.Damping` multiplies."""
+        if self.blocks:
+            return tuple(sum(float(e[f"block:{i}"].trace()) for i in range(len(self.blocks)))
+                         / self.dim for e in self.estimates)
+        if self.kind in ("dense", "projected"):
+            return tuple(float(e["matrix"].trace()) / e["matrix"].shape[0]
+                         for e in self.estimates)
+        mean = kfac.kfac_mean_eigenvalue if self.kind == "kfac" else kfac.ekfac_mean_eigenvalue
+        return tuple(mean(e, list(self.layers)) for e in self.estimates)
+
+    def with_damping(self, damping: Damping | float) -> Curvature:
+        """The same estimates with another damping (a new value; this one is unchanged).
+
+        Args:
+            damping: A :class:`~tracinfunc.curvature.Damping` (relative to each checkpoint's
+                mean eigenvalue) or a float (one ``lambda`` for every checkpoint).
+        """
+        damping = check_damping(damping)
+        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues())
+        rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
+        return replace(self, damping=values, info={**self.info, "damping": rule})
+
     def precondition(self, ckpt: int, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(H_c + lambda_c I)^-1 g`` for per-example gradients ``{name: [b, *shape]}``.
 
@@ -121,7 +163,7 @@ class Curvature:
         if self.kind == "dense":
             flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
             return {n: v.to(dtype) for n, v in unflatten(flat, self.layout).items()}
-        out = {}
+        out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
             if self.kind == "kfac":
@@ -129,7 +171,7 @@ class Curvature:
             else:
                 matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
                                                  self.damping[ckpt])
-            out.update(split_layer(matrix, layer))
+            out.update(split_layer(matrix, layer, shapes[layer.weight]))
         return {name: value.to(dtype) for name, value in out.items()}
 
     def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:
@@ -140,11 +182,25 @@ class Curvature:
         float64 product, which matters when ``k`` approaches ``n_train``).
         """
         dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        if self.blocks:
+            return self._precondition_blocks(ckpt, rows, dtype)
         key = ("inverse", ckpt, dtype, rows.device)
         if key not in self._cache:
             self._cache[key] = self._inverse(ckpt).to(rows.device, dtype)
         # [b, k] @ [k, k]; symmetric, so row @ inv = (inv @ row)^T
         return (rows.to(dtype) @ self._cache[key]).to(rows.dtype)
+
+    def _precondition_blocks(self, ckpt: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Each block's coordinates ``[b, k_l]`` times that block's damped inverse."""
+        out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+        for i, block in enumerate(self.blocks):
+            key = ("block-inverse", ckpt, i, dtype, rows.device)
+            if key not in self._cache:
+                self._cache[key] = (block_index(block, rows.device),
+                                    self._inverse(ckpt, f"block:{i}").to(rows.device, dtype))
+            index, inverse = self._cache[key]
+            out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
+        return out.to(rows.dtype)
 
     def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
         """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
@@ -154,10 +210,10 @@ class Curvature:
                                                     self.damping[ckpt])
         return self._cache[key]
 
-    def _inverse(self, ckpt: int) -> Tensor:
-        key = ("inverse", ckpt)
+    def _inverse(self, ckpt: int, name: str = "matrix") -> Tensor:
+        key = ("inverse", ckpt, name)
         if key not in self._cache:
-            matrix = self.estimates[ckpt]["matrix"]
+            matrix = self.estimates[ckpt][name]
             eye = torch.eye(matrix.shape[0], dtype=matrix.dtype)
             self._cache[key] = torch.linalg.inv(matrix + self.damping[ckpt] * eye)
         return self._cache[key]

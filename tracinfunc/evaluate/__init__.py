@@ -4,8 +4,10 @@
 - :func:`retrain_subsets`: a resumable retraining harness that produces its ground truth.
 - :func:`mislabel_curve`: flipped labels found against data inspected, and its AUC.
 - :func:`evaluate_lds_from_files`: LDS of saved scores against a saved run (for the CLI).
+- :func:`choose_damping_by_lds`: a curvature's damping chosen by LDS, with the curve.
 """
 
+from tracinfunc.evaluate.damping import choose_damping_by_lds
 from tracinfunc.evaluate.files import evaluate_lds_from_files
 from tracinfunc.evaluate.harness import RetrainResult, draw_subsets, load_retrain, retrain_subsets
 from tracinfunc.evaluate.lds import LDSResult, lds, spearman
@@ -15,6 +17,7 @@ __all__ = [
     "LDSResult",
     "MislabelCurve",
     "RetrainResult",
+    "choose_damping_by_lds",
     "draw_subsets",
     "evaluate_lds_from_files",
     "lds",

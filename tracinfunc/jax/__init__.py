@@ -22,6 +22,7 @@ except ImportError as _error:  # pragma: no cover - exercised only without jax i
     ) from _error
 
 from tracinfunc.jax.build import Checkpoint, build_store, iter_batches
+from tracinfunc.jax.curvature import preconditioned_test_grads
 from tracinfunc.jax.grads import as_jax_tree, per_sample_grads, projected_grads
 from tracinfunc.jax.layout import LeafMap, ParamMapping, path_name
 from tracinfunc.jax.projection import (
@@ -44,6 +45,7 @@ __all__ = [
     "make_projector",
     "path_name",
     "per_sample_grads",
+    "preconditioned_test_grads",
     "projected_grads",
     "rademacher_block",
     "sjlt_block",

@@ -7,6 +7,8 @@ from torch import Tensor
 
 from tracinfunc._queries import compute_dtype, query_matrix
 from tracinfunc._validate import current_caller, entry_point
+from tracinfunc.curvature.queries import precondition_test_grads
+from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.search.binding import meta_fingerprint
 from tracinfunc.search.index import SearchIndex, import_faiss
@@ -30,6 +32,7 @@ def indexed_top_k(
     candidates: int | None = None,
     largest: bool = True,
     normalize: bool = False,
+    curvature: Curvature | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Approximate top-k: candidates from a FAISS ``index``, re-ranked exactly from the store.
 
@@ -51,6 +54,9 @@ def indexed_top_k(
             searches every cluster, which makes the result exact for ``"ivf_flat"``).
         candidates: Rows fetched per test example and re-ranked (default
             ``max(2 * k, 16)``, ``max(10 * k, 100)`` for ``"ivf_pq"``; at most ``n_train``).
+        curvature: As in :func:`tracinfunc.score`: the index is searched with the
+            preconditioned queries and the candidates re-ranked by curvature-aware scores
+            (the index of the store serves both, as the store does).
 
     Returns:
         ``(values, indices)``, both ``[n_test, k]``, best first, on the CPU; values in
@@ -64,6 +70,7 @@ def indexed_top_k(
     faiss = import_faiss()
     meta = store.meta
     nprobe, candidates = _check_args(store, index, k, nprobe, candidates, normalize)
+    test_grads = precondition_test_grads(store, test_grads, curvature)
     # Errors name top_k, the entry point. FAISS searches and the re-rank run on the CPU:
     # test gradients may arrive on a GPU.
     test, test_norms = query_matrix(meta, test_grads, device=torch.device("cpu"))

@@ -31,6 +31,7 @@ EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["-
          "curvature.py": ["--model", "logreg", "--out", "{tmp}"]}
 # Text a script prints when it ran to the end (beyond some output at all).
 PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
+          "search.py": "nlist // 16",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
 IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
@@ -73,6 +74,8 @@ def test_quick_mode_runs_to_the_end(script, tmp_path):
         check_quality_results(done.stdout, tmp_path)
     if script == "curvature.py":
         check_curvature_results(done.stdout, tmp_path)
+    if script == "search.py" and importlib.util.find_spec("transformers") is not None:
+        assert "LM cosine          ivf_pq" in done.stdout  # the real gradient store ran
     if script == "gpu.py":  # no CUDA here: the CPU checks, and the GPU parts said skipped
         assert "skipped (needs CUDA)" in done.stdout and "FAIL" not in done.stdout
 

@@ -18,7 +18,7 @@ similar examples cluster), then measures on the same queries:
 
     python benchmarks/search.py            # 1M x 512 float16 (1 GB store), ~10 min on 2 cores
     python benchmarks/search.py --quick    # 5k x 64, seconds (tests/ runs it)
-    python benchmarks/search.py --rows 100000 --nlist 256 --lm-rows 8000   # a mid-size run
+    python benchmarks/search.py --rows 100000 --nlist 256 --lm-rows 4000   # a mid-size run
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ FULL = {"rows": 1_000_000, "k": 512, "clusters": 2000, "queries": 200, "nlist": 
 QUICK = {"rows": 5_000, "k": 64, "clusters": 50, "queries": 20, "nlist": 32,
          "nprobes": [2, 4, 32], "m": 8}
 # The real gradient store: rows (training lines), held-out queries, GPT-2 shape, training steps.
-LM_FULL = {"rows": 8000, "queries": 200, "layers": 2, "width": 64, "steps": 300, "k": 512}
+LM_FULL = {"rows": 6000, "queries": 200, "layers": 2, "width": 64, "steps": 300, "k": 512}
 LM_QUICK = {"rows": 300, "queries": 10, "layers": 1, "width": 16, "steps": 5, "k": 32}
 LM_MODULES = ["json", "collections", "functools", "itertools", "pathlib", "string", "textwrap",
               "heapq", "bisect", "random", "statistics", "fractions", "decimal", "shutil",

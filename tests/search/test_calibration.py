@@ -130,6 +130,21 @@ def test_an_index_without_calibration_loads_with_the_fixed_default(tmp_path):
     assert loaded.calibration is None and loaded.nprobe == NLIST // 16
 
 
+def test_an_index_saved_before_calibration_loads_with_the_fixed_default(tmp_path):
+    # format 2 meta.json: no "calibration" key (written as format 2 wrote it, checksummed)
+    from tracinfunc.search.files import _checksum
+
+    store = tif.save_store(_store(), tmp_path / "grads.zarr", chunk_rows=64)
+    index = tif.build_index(store, nlist=NLIST)
+    saved = json.loads((index.path / "meta.json").read_text())
+    body = {key: value for key, value in saved.items() if key not in ("checksum", "calibration")}
+    body["format_version"] = 2
+    (index.path / "meta.json").write_text(json.dumps({**body, "checksum": _checksum(body)}))
+    loaded = tif.load_index(index.path, store)
+    assert loaded.calibration is None and loaded.nprobe == NLIST // 16
+    assert loaded.candidates(10) == 20
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, -0.1, True, "0.9"])
 def test_target_recall_out_of_range_is_refused(bad):
     with pytest.raises(tif.errors.InvalidArgumentError, match="target_recall must be"):

@@ -420,9 +420,9 @@ def check_preconditioners(
             f"checkpoint ({len(params)}), got {[type(p).__name__ for p in preconditioners]}; e.g. "
             "load_recorded_preconditioners(directory, model)."
         )
-    factored = any(is_factored(tuple(params[0][name].shape)) for name in selected
-                   if name in params[0])
-    kinds = sorted({recorded_kind(p, factored) for p in preconditioners})
+    has_matrix = any(is_factored(tuple(params[0][name].shape)) for name in selected
+                     if name in params[0])
+    kinds = sorted({recorded_kind(p, has_matrix) for p in preconditioners})
     if len(kinds) > 1:
         raise InvalidArgumentError(
             f"{current_caller()}: preconditioners mix kinds {kinds}; the store records one kind, "

@@ -97,19 +97,22 @@ def markov_chain(vocab: int):
     return chain / chain.sum(dim=1, keepdim=True)
 
 
-def train(model, config, cfg: dict) -> None:
-    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``)."""
+def train(model, config, cfg: dict) -> tuple[float, float]:
+    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``); the
+    next-token loss of the first and of the last batch."""
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = token_batches(config, cfg["trained"], 8, cfg["tokens"], seed=11, markov=True)
     model.train()
+    losses = []
     for batch in batches:
         optimizer.zero_grad()
-        floor_step(model, batch)
+        losses.append(floor_step(model, batch))
         optimizer.step()
     model.eval()
     model.zero_grad(set_to_none=True)
+    return losses[0], losses[-1]
 
 
 def matched_names(model) -> list[str]:
@@ -132,12 +135,14 @@ def adam_state(model, batches):
     return tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
 
 
-def floor_step(model, batch) -> None:
+def floor_step(model, batch) -> float:
     import torch.nn.functional as F
 
     ids = batch["input_ids"]
     logits = model(input_ids=ids).logits
-    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return float(loss)
 
 
 def method_fn(model, method: str, precondition: str | None, names, state, k: int):
@@ -166,8 +171,7 @@ def run_config(cfg: dict) -> dict:
     """One configuration in this process: timings, peak RSS, agreement."""
     model, config = build(cfg["model"], cfg["quick"])
     markov = bool(cfg.get("trained"))
-    if markov:
-        train(model, config, cfg)
+    losses = train(model, config, cfg) if markov else None
     batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1, markov=markov)
     names = matched_names(model) if cfg["params"] == "matched" else None
     state = adam_state(model, batches) if cfg["precondition"] else None
@@ -189,6 +193,8 @@ def run_config(cfg: dict) -> dict:
     model.zero_grad(set_to_none=True)
     result = {"tool_s": statistics.median(tool), "floor_s": statistics.median(floor),
               "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"]}
+    if losses is not None:
+        result["train_loss"] = losses  # first and last training batch
     if cfg["agreement"]:
         result.update(agreement(model, config, fn, cfg, names, state, params))
     return result
@@ -326,7 +332,8 @@ def print_row(row: dict, flush: bool = False) -> None:
     agree = (f"r {row['r']:.3f}  top-10 {row['top10']:.2f}" if "r" in row else "")
     if "r_factored_vs_exact" in row:
         agree += f"  (factored vs exact Adam, unprojected: r {row['r_factored_vs_exact']:.3f})"
-    model = row["model"] + (f" trained {row['trained']}" if row.get("trained") else "")
+    model = row["model"] + (f" trained {row['trained']} (loss {row['train_loss'][0]:.2f} -> "
+                            f"{row['train_loss'][1]:.2f})" if row.get("trained") else "")
     print(f"{model:<6} {row['params']:<8} {label:<28} "
           f"x floor {row['tool_s'] / row['floor_s']:5.2f}  "
           f"tokens/s {row['tokens'] / row['tool_s']:8.0f}  RSS {row['rss_mib']:6.0f} MiB  "

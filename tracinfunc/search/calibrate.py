@@ -93,24 +93,20 @@ class Calibration:
                 "target": self.target, "at": self.at, "queries": self.queries}
 
     @classmethod
-    def from_dict(cls, data: Any, nlist: int) -> Calibration:
-        """Inverse of :meth:`to_dict`, strict (the dict comes from a file).
-
-        Raises:
-            ValueError: a field is missing or out of range.
-        """
+    def from_dict(cls, data: Any, nlist: int) -> Calibration | None:
+        """Inverse of :meth:`to_dict`, strict (the dict comes from a file): ``None`` when a
+        field is missing or out of range (the caller says where)."""
         if not isinstance(data, dict) or set(data) != {"nprobe", "rerank", "recall", "target",
                                                         "at", "queries"}:
-            raise ValueError(f"calibration must hold nprobe, rerank, recall, target, at and "
-                             f"queries, got {data!r}")
+            return None
         ints = {name: data[name] for name in ("nprobe", "rerank", "at", "queries")}
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints.values()) \
                 or ints["nprobe"] > nlist:
-            raise ValueError(f"calibration values out of range (nlist={nlist}): {data!r}")
+            return None
         reals = (data["recall"], data["target"])
         if any(isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1
                for v in reals):
-            raise ValueError(f"calibration recall and target must lie in [0, 1]: {data!r}")
+            return None
         return cls(ints["nprobe"], ints["rerank"], float(data["recall"]), float(data["target"]),
                    ints["at"], ints["queries"])
 

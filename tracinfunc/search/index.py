@@ -276,14 +276,14 @@ def _saved_calibration(saved: dict[str, Any], nlist: int, path: Path) -> Calibra
     data = saved.get("calibration")
     if data is None:
         return None
-    try:
-        return Calibration.from_dict(data, nlist)
-    except ValueError as error:  # the checksum matched: written so, never by build_index
+    calibration = Calibration.from_dict(data, nlist)
+    if calibration is None:  # the checksum matched: written so, never by build_index
         raise CorruptStoreError(
             f"{current_caller()}: {str(path / 'meta.json')!r} holds calibration values no "
-            f"build_index writes ({error}); rebuild the index with "
+            f"build_index writes ({data!r}, nlist={nlist}); rebuild the index with "
             "tif.build_index(store, overwrite=True)."
-        ) from error
+        )
+    return calibration
 
 
 def _verified_for(index: SearchIndex, store: GradientStore) -> SearchIndex:

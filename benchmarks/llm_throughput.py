@@ -17,11 +17,16 @@ default) and ``all``. Methods:
   GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.
 
 On the small model each method's scores are compared with exact TracIn (dense per-example
-gradients, exact diagonal Adam where preconditioned): Pearson r and top-10 overlap.
+gradients, exact diagonal Adam where preconditioned): Pearson r and top-10 overlap. With
+``--trained STEPS`` the model is first trained (AdamW, lr 1e-3, batches of 8) on sequences of
+a seeded sparse Markov chain over the vocabulary (each token has 8 likely successors), and
+every batch, timed or compared, is drawn from that chain: agreement on a trained model, not
+only at random initialisation.
 
     python benchmarks/llm_throughput.py                  # 4 layers x 128, ~5 minutes
     python benchmarks/llm_throughput.py --models small gpt2
     python benchmarks/llm_throughput.py --quick          # seconds, in process (a test runs it)
+    python benchmarks/llm_throughput.py --trained 300 --methods kronecker sjlt   # trained
 """
 
 from __future__ import annotations
@@ -60,12 +65,54 @@ def build(size: str, quick: bool):
     return model.eval(), config
 
 
-def token_batches(config, n: int, batch: int, tokens: int, seed: int):
+def token_batches(config, n: int, batch: int, tokens: int, seed: int, markov: bool = False):
+    """``n`` batches ``{"input_ids": [batch, tokens]}``: uniform random tokens, or (``markov``)
+    walks of :func:`markov_chain`."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, config.vocab_size, (batch, tokens), generator=g)}
-            for _ in range(n)]
+    if not markov:
+        return [{"input_ids": torch.randint(0, config.vocab_size, (batch, tokens), generator=g)}
+                for _ in range(n)]
+    chain = markov_chain(config.vocab_size)
+    out = []
+    for _ in range(n):
+        ids = torch.empty(batch, tokens, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, config.vocab_size, (batch,), generator=g)
+        for t in range(1, tokens):
+            ids[:, t] = torch.multinomial(chain[ids[:, t - 1]], 1, generator=g).squeeze(1)
+        out.append({"input_ids": ids})
+    return out
+
+
+def markov_chain(vocab: int):
+    """``[vocab, vocab]`` transition probabilities: 8 successors per token (seeded), with
+    geometric weights, plus a little mass everywhere."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    chain = torch.full((vocab, vocab), 1e-3 / vocab)
+    successors = torch.stack([torch.randperm(vocab, generator=g)[:8] for _ in range(vocab)])
+    chain.scatter_(1, successors, (0.5 ** torch.arange(8.0)).expand(vocab, 8).contiguous())
+    return chain / chain.sum(dim=1, keepdim=True)
+
+
+def train(model, config, cfg: dict) -> tuple[float, float]:
+    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``); the
+    next-token loss of the first and of the last batch."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = token_batches(config, cfg["trained"], 8, cfg["tokens"], seed=11, markov=True)
+    model.train()
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        losses.append(floor_step(model, batch))
+        optimizer.step()
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    return losses[0], losses[-1]
 
 
 def matched_names(model) -> list[str]:
@@ -88,12 +135,14 @@ def adam_state(model, batches):
     return tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
 
 
-def floor_step(model, batch) -> None:
+def floor_step(model, batch) -> float:
     import torch.nn.functional as F
 
     ids = batch["input_ids"]
     logits = model(input_ids=ids).logits
-    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return float(loss)
 
 
 def method_fn(model, method: str, precondition: str | None, names, state, k: int):
@@ -121,7 +170,9 @@ def cpu_seconds(fn) -> float:
 def run_config(cfg: dict) -> dict:
     """One configuration in this process: timings, peak RSS, agreement."""
     model, config = build(cfg["model"], cfg["quick"])
-    batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1)
+    markov = bool(cfg.get("trained"))
+    losses = train(model, config, cfg) if markov else None
+    batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1, markov=markov)
     names = matched_names(model) if cfg["params"] == "matched" else None
     state = adam_state(model, batches) if cfg["precondition"] else None
     params = {name: value.detach() for name, value in model.named_parameters()}  # no copy
@@ -142,6 +193,8 @@ def run_config(cfg: dict) -> dict:
     model.zero_grad(set_to_none=True)
     result = {"tool_s": statistics.median(tool), "floor_s": statistics.median(floor),
               "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"]}
+    if losses is not None:
+        result["train_loss"] = losses  # first and last training batch
     if cfg["agreement"]:
         result.update(agreement(model, config, fn, cfg, names, state, params))
     return result
@@ -154,8 +207,9 @@ def agreement(model, config, fn, cfg, names, state, params) -> dict:
     import tracinfunc as tif
 
     n_train, n_test = (16, 4) if cfg["quick"] else (64, 16)
-    train = token_batches(config, 1, n_train, cfg["tokens"], seed=2)[0]
-    test = token_batches(config, 1, n_test, cfg["tokens"], seed=3)[0]
+    markov = bool(cfg.get("trained"))
+    train = token_batches(config, 1, n_train, cfg["tokens"], seed=2, markov=markov)[0]
+    test = token_batches(config, 1, n_test, cfg["tokens"], seed=3, markov=markov)[0]
     loss = tif.causal_lm_loss(model)
     dense = tif.per_sample_grads(loss, options=tif.GradientOptions(select=names, chunk_size=8))
     g_train, g_test = dense(params, train), dense(params, test)
@@ -230,6 +284,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--methods", nargs="+", help="only these, e.g. kronecker bergson "
                         "'kronecker+adam factored' (default: all)")
     parser.add_argument("--params", nargs="+", default=["matched", "all"])
+    parser.add_argument("--trained", type=int, default=0, metavar="STEPS",
+                        help="train the model this many steps on Markov-chain text first")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -238,6 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     if args.quick:  # a tiny model, in this process, two configurations: a smoke test
         args.models, args.batch, args.tokens, args.k, args.repeats = ["small"], 4, 16, 64, 1
+        args.trained = 2  # the training path runs too (two steps)
     rows = []
     for cfg in configurations(args):
         rows.append({**cfg, **(run_config(cfg) if args.quick else spawn(cfg))})
@@ -254,6 +311,7 @@ def configurations(args) -> list[dict]:
     return [{"model": size, "params": params, "method": method,
              "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
              "k": args.k, "repeats": args.repeats, "quick": args.quick,
+             "trained": args.trained,
              "agreement": size == "small", "p": 16 if size == "small" else 9}
             for size in args.models for params in args.params[:1 if args.quick else None]
             for method, precondition in methods]
@@ -274,7 +332,9 @@ def print_row(row: dict, flush: bool = False) -> None:
     agree = (f"r {row['r']:.3f}  top-10 {row['top10']:.2f}" if "r" in row else "")
     if "r_factored_vs_exact" in row:
         agree += f"  (factored vs exact Adam, unprojected: r {row['r_factored_vs_exact']:.3f})"
-    print(f"{row['model']:<6} {row['params']:<8} {label:<28} "
+    model = row["model"] + (f" trained {row['trained']} (loss {row['train_loss'][0]:.2f} -> "
+                            f"{row['train_loss'][1]:.2f})" if row.get("trained") else "")
+    print(f"{model:<6} {row['params']:<8} {label:<28} "
           f"x floor {row['tool_s'] / row['floor_s']:5.2f}  "
           f"tokens/s {row['tokens'] / row['tool_s']:8.0f}  RSS {row['rss_mib']:6.0f} MiB  "
           f"bytes/example {4 * row['k']}  {agree}", flush=flush)

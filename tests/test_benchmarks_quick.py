@@ -34,6 +34,7 @@ EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["-
          "quality_lm.py": ["--out", "{tmp}"]}
 # Text a script prints when it ran to the end (beyond some output at all).
 PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
+          "search.py": "nlist // 16",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
           "quality_lm.py": "| tracin-all | tracin | all |"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
@@ -79,6 +80,8 @@ def test_quick_mode_runs_to_the_end(script, tmp_path):
         check_curvature_results(done.stdout, tmp_path)
     if script == "quality_lm.py":
         check_quality_lm_results(done.stdout, tmp_path)
+    if script == "search.py" and importlib.util.find_spec("transformers") is not None:
+        assert "LM cosine          ivf_pq" in done.stdout  # the real gradient store ran
     if script == "gpu.py":  # no CUDA here: the CPU checks, and the GPU parts said skipped
         assert "skipped (needs CUDA)" in done.stdout and "FAIL" not in done.stdout
 

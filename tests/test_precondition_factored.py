@@ -121,3 +121,69 @@ def test_a_factored_preconditioner_keeps_kronecker_off_the_generic_path(monkeypa
     tif.projected_grads(loss, spec, precondition=exact.as_factored())(params, batch)
     with pytest.raises(AssertionError, match="materialised"):
         tif.projected_grads(loss, spec, precondition=exact)(params, batch)
+
+
+# ---- issue 22: the store records the factored form, so it is told apart from the exact one ----
+
+def _stores(tmp_path, first, second):
+    model, optimizer = trained()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    checkpoint = tif.Checkpoint.from_module(model, lr=0.1, name="a")
+    exact = tif.Preconditioner.from_optimizer(optimizer, model)
+    forms = {"exact": exact, "factored": exact.as_factored()}
+    projection = tif.Projection(dim=8, seed=1, kind="kronecker")
+    build = lambda form, path=None: tif.build_store(  # noqa: E731
+        loss, [checkpoint], make_data(6, seed=1), projection=projection,
+        preconditioners=[forms[form]], store=None if path is None else str(path))
+    return build, build(first, tmp_path / "a.zarr"), second
+
+
+def test_a_factored_adam_store_records_its_form_through_zarr(tmp_path):
+    build, factored, _ = _stores(tmp_path, "factored", None)
+    assert factored.meta.preconditioner == "adam-factored"
+    assert tif.open_store(tmp_path / "a.zarr").meta.preconditioner == "adam-factored"
+    assert build("exact").meta.preconditioner == "adam"
+    from tracinfunc.store.meta import describe_preconditioner
+
+    assert describe_preconditioner("adam-factored") == (
+        "'adam-factored' (Adam, second moment in factored (Adafactor) form on matrices)")
+
+
+def test_resuming_an_exact_adam_store_with_the_factored_form_is_refused_naming_both(tmp_path):
+    build, exact, _ = _stores(tmp_path, "exact", None)
+    assert exact.meta.preconditioner == "adam"
+    with pytest.raises(tif.errors.TracInFuncError,
+                       match="its preconditioner is 'adam' but this call asks for "
+                             "'adam-factored'"):
+        build("factored", tmp_path / "a.zarr")
+
+
+def test_a_factored_test_side_is_refused_naming_the_form(tmp_path):
+    build, exact, _ = _stores(tmp_path, "exact", None)
+    with pytest.raises(tif.errors.IncompatibleGradientsError,
+                       match=r"test gradients were preconditioned \('adam-factored'\) and the "
+                             r"store's training gradients were preconditioned \('adam' \(Adam, "
+                             "exact diagonal"):
+        tif.score(exact, build("factored"))
+
+
+def test_mixing_exact_and_factored_across_checkpoints_is_refused():
+    model, optimizer = trained()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    exact = tif.Preconditioner.from_optimizer(optimizer, model)
+    checkpoints = [tif.Checkpoint.from_module(model, lr=0.1, name=n) for n in "ab"]
+    with pytest.raises(tif.errors.InvalidArgumentError,
+                       match=r"mix kinds \['adam', 'adam-factored'\].*as_factored"):
+        tif.build_store(loss, checkpoints, make_data(4), projection=tif.Projection(dim=4),
+                        preconditioners=[exact, exact.as_factored()])
+
+
+def test_the_factored_form_of_vectors_only_is_the_exact_one():
+    model, optimizer = trained()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    biases = [name for name, p in model.named_parameters() if p.dim() == 1]
+    factored = tif.Preconditioner.from_optimizer(optimizer, model).as_factored()
+    store = tif.build_store(loss, [tif.Checkpoint.from_module(model, lr=0.1)], make_data(4),
+                            projection=tif.Projection(dim=4), preconditioners=[factored],
+                            options=tif.GradientOptions(select=biases))
+    assert store.meta.preconditioner == "adam"  # vectors keep the exact diagonal

@@ -42,7 +42,7 @@ from tracinfunc.precondition_factored import (
 )
 
 __all__ = ["KINDS", "AdamState", "Preconditioner", "check_preconditioners", "optimizer_param_names",
-           "trainer_param_names"]
+           "recorded_kind", "trainer_param_names"]
 
 KINDS = ("adam", "trackstar")
 
@@ -384,12 +384,21 @@ def _few(names: Mapping[str, Any] | Sequence[str]) -> str:
     return str(shown[:6])[:-1] + (f", … ({len(shown)} in all)]" if len(shown) > 6 else "]")
 
 
+def recorded_kind(precondition: Preconditioner, has_matrix: bool) -> str:
+    """What a store records for ``precondition``: its kind, ``"-factored"`` added when its
+    second moment is in Adafactor form (``factored=True``) and a differentiated parameter is a
+    matrix (vectors keep the exact diagonal, so the form changes nothing without one)."""
+    return f"{precondition.kind}-factored" if precondition.factored and has_matrix \
+        else precondition.kind
+
+
 def check_preconditioners(
     preconditioners: Sequence[Preconditioner] | None,
     params: Sequence[Mapping[str, Tensor]],
     selected: Sequence[str],
 ) -> str | None:
-    """Check one preconditioner per checkpoint, all of one kind; return that kind or None.
+    """Check one preconditioner per checkpoint, all of one kind; return what the store
+    records (:func:`recorded_kind`: ``"adam"``, ``"adam-factored"``, ...) or None.
 
     Args:
         preconditioners: ``n_ckpt`` preconditioners, or ``None`` (plain gradients).
@@ -411,11 +420,14 @@ def check_preconditioners(
             f"checkpoint ({len(params)}), got {[type(p).__name__ for p in preconditioners]}; e.g. "
             "load_recorded_preconditioners(directory, model)."
         )
-    kinds = sorted({p.kind for p in preconditioners})
+    has_matrix = any(is_factored(tuple(params[0][name].shape)) for name in selected
+                     if name in params[0])
+    kinds = sorted({recorded_kind(p, has_matrix) for p in preconditioners})
     if len(kinds) > 1:
         raise InvalidArgumentError(
             f"{current_caller()}: preconditioners mix kinds {kinds}; the store records one kind, "
-            "so use one kind for every checkpoint."
+            "so use one kind (and one form: all factored, via as_factored(), or none) for "
+            "every checkpoint."
         )
     for position, (precondition, values) in enumerate(zip(preconditioners, params,
                                                            strict=True)):

@@ -11,8 +11,10 @@ On disk an index is a directory (by default beside a Zarr store: ``grads.zarr.fa
     grads.zarr.faiss/
       index.faiss     faiss.write_index output
       norms.npy       every row's norm [n_ckpt, n_train], which binds the index to its rows
-      meta.json       kind, nlist, m, normalize, the store's fingerprints, the SHA-256 of
-                      the other two files and a checksum of itself (tracinfunc.search.files)
+      meta.json       kind, nlist, m, normalize, the calibrated query defaults (nprobe,
+                      candidates per result, the recall measured), the store's fingerprints,
+                      the SHA-256 of the other two files and a checksum of itself (see
+                      tracinfunc.search.files)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc._version import __version__
 from tracinfunc.errors import (
+    CorruptStoreError,
     IncompatibleGradientsError,
     InvalidArgumentError,
     MissingDependencyError,
@@ -41,15 +44,25 @@ from tracinfunc.search.binding import (
     store_fingerprint,
     store_norms,
 )
+from tracinfunc.search.calibrate import (
+    DEFAULT_TARGET,
+    Calibration,
+    calibrate,
+    check_target,
+    default_candidates,
+    default_rerank,
+)
 from tracinfunc.search.files import check_index_target, read_index_files, save_index_files
-from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
+from tracinfunc.search.rows import index_rows
 from tracinfunc.search.settings import KINDS, build_settings, quiet_clustering
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.zarr.urls import is_url
 
 __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "store_fingerprint"]
 
-INDEX_FORMAT_VERSION = 3  # 2: meta.json holds checksums of itself and index.faiss; 3: norms.npy
+# 2: meta.json holds checksums of itself and index.faiss; 3: norms.npy (the rows' norms,
+# which bind the index to its store) and the calibrated query defaults
+INDEX_FORMAT_VERSION = 3
 # Rows added to FAISS per step: bounds the float32 copy next to the index (~32 MiB at k=512).
 _ADD_BYTES = 32 * 2**20
 
@@ -69,6 +82,9 @@ class SearchIndex:
         normalize: Whether rows were unit-normalised per checkpoint (cosine TracIn).
         n_train: Rows indexed.
         path: Directory it was saved to or loaded from; ``None`` when in memory only.
+        calibration: The query defaults measured on the store's rows when it was built
+            (``None``: built with ``target_recall=None``, or saved before format 3; then
+            ``nprobe = max(1, nlist // 16)``).
         norms: ``[n_ckpt, n_train]`` float32 row norms of the store it was built from, which
             a store must match to float32 rounding (``None``: an index saved before format 3,
             bound by the exact ``fingerprint``).
@@ -83,6 +99,7 @@ class SearchIndex:
     normalize: bool
     n_train: int
     path: Path | None = None
+    calibration: Calibration | None = None
     norms: np.ndarray | None = field(default=None, repr=False, compare=False)
     # Store objects already matched against ``norms`` (reading every norm once each).
     _verified: Any = field(default_factory=weakref.WeakSet, init=False, repr=False,
@@ -129,6 +146,22 @@ class SearchIndex:
         with contextlib.suppress(TypeError):
             self._verified.add(store)
 
+    @property
+    def nprobe(self) -> int:
+        """Clusters ``indexed_top_k`` searches unless told: the calibrated value, else
+        ``max(1, nlist // 16)``."""
+        if self.calibration is not None:
+            return self.calibration.nprobe
+        return max(1, self.nlist // 16)
+
+    def candidates(self, k: int) -> int:
+        """Rows ``indexed_top_k`` re-ranks per test example for ``k`` results unless told:
+        ``rerank * k`` (calibrated; else 2, or 10 for ``"ivf_pq"``), at least 16 (100 for
+        ``"ivf_pq"``), at most ``n_train``."""
+        rerank = (default_rerank(self.kind) if self.calibration is None
+                  else self.calibration.rerank)
+        return default_candidates(self.kind, rerank, k, self.n_train)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able description written to ``meta.json``."""
         return {
@@ -136,6 +169,7 @@ class SearchIndex:
             "fingerprint": self.fingerprint, "meta_fingerprint": self.meta_fingerprint,
             "kind": self.kind, "nlist": self.nlist, "m": self.m,
             "normalize": self.normalize, "n_train": self.n_train,
+            "calibration": None if self.calibration is None else self.calibration.to_dict(),
         }
 
 
@@ -151,6 +185,7 @@ def build_index(
     overwrite: bool = False,
     train_size: int | None = None,
     seed: int = 0,
+    target_recall: float | None = DEFAULT_TARGET,
     progress: ProgressArg = None,
 ) -> SearchIndex:
     """Build an approximate-search index whose inner product equals the TracIn score.
@@ -177,7 +212,14 @@ def build_index(
             failure leaves the old index as it was.
         train_size: Rows sampled to train the clustering (default ``64 * nlist``, at most
             ``n_train``; more for ``"ivf_pq"`` when its codebooks need it).
-        seed: Seed of the training sample and of FAISS's k-means.
+        seed: Seed of the training sample, of FAISS's k-means and of the calibration sample.
+        target_recall: recall@10 the default query settings should reach. After the rows
+            are added, 256 rows of the store (seeded) are searched as queries, each left out
+            of its own results, against the exact scan: the smallest ``nprobe`` (then, if
+            ``nprobe = nlist`` is not enough, more candidates re-ranked) reaching it becomes
+            ``indexed_top_k``'s default, recorded with the recall measured in
+            ``SearchIndex.calibration`` and ``meta.json``. A ``UserWarning`` says so when
+            no setting reaches it. ``None``: no calibration (``nprobe = nlist // 16``).
         progress: Progress bar over the rows added (as in :func:`tracinfunc.score`).
 
     Returns:
@@ -185,8 +227,9 @@ def build_index(
 
     Raises:
         MissingDependencyError: faiss is not installed.
-        InvalidArgumentError: an unknown kind, nlist/m/train_size out of range, ``path``
-            inside a store or an index (or a URL), or a URL store without a local ``path``.
+        InvalidArgumentError: an unknown kind, nlist/m/train_size/target_recall out of
+            range, ``path`` inside a store or an index (or a URL), or a URL store without a
+            local ``path``.
         StoreExistsError: an index is already at ``path`` and ``overwrite`` is False, or
             something other than an index is there.
         StoreWriteError: saving failed (disk full); an index already at ``path`` is kept.
@@ -196,7 +239,8 @@ def build_index(
     dim = meta.n_ckpt * meta.k
     chosen = nlist is not None or train_size is not None
     nlist, m, train_size = build_settings(meta, kind, nlist, m, train_size)
-    target = _target_path(store, path, overwrite)
+    target = None if target_recall is None else check_target(target_recall)
+    saved_to = _target_path(store, path, overwrite)
     quantizer = faiss.IndexFlatIP(dim)
     if kind == "ivf_flat":
         index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
@@ -206,19 +250,21 @@ def build_index(
     quiet_clustering(index, kind, nlist, train_size, chosen=chosen)
     sample = np.sort(np.random.default_rng(seed).choice(meta.n_train, train_size,
                                                         replace=False))
-    index.train(_index_rows(store, torch.from_numpy(sample), normalize))
+    index.train(index_rows(store, torch.from_numpy(sample), normalize))
     step = max(1, _ADD_BYTES // (4 * dim))
     bar = progress_bar(progress, total=meta.n_train, desc="build_index", unit="row")
     for start in range(0, meta.n_train, step):
         stop = min(start + step, meta.n_train)
-        index.add(_index_rows(store, torch.arange(start, stop), normalize))
+        index.add(index_rows(store, torch.arange(start, stop), normalize))
         bar.update(stop - start)
     bar.close()
-    norms = store_norms(store)
+    calibration = None if target is None else calibrate(
+        index, store, kind=kind, nlist=nlist, normalize=normalize, target=target, seed=seed)
     built = SearchIndex(index, store_fingerprint(store), meta_fingerprint(meta), kind, nlist,
-                        m if kind == "ivf_pq" else None, normalize, meta.n_train, target, norms)
-    if target is not None:
-        _save(built, target, faiss)
+                        m if kind == "ivf_pq" else None, normalize, meta.n_train, saved_to,
+                        calibration, store_norms(store))
+    if saved_to is not None:
+        _save(built, saved_to, faiss)
     return _verified_for(built, store)
 
 
@@ -244,11 +290,28 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
     faiss = import_faiss()
     path = Path(path)
     saved, faiss_index, norms = read_index_files(path, faiss.read_index)
+    nlist = int(saved["nlist"])
     loaded = SearchIndex(faiss_index, saved["fingerprint"], saved["meta_fingerprint"],
-                         saved["kind"], int(saved["nlist"]), saved["m"],
-                         bool(saved["normalize"]), int(saved["n_train"]), path, norms)
+                         saved["kind"], nlist, saved["m"], bool(saved["normalize"]),
+                         int(saved["n_train"]), path, _saved_calibration(saved, nlist, path),
+                         norms)
     loaded.check_store(store)
     return loaded
+
+
+def _saved_calibration(saved: dict[str, Any], nlist: int, path: Path) -> Calibration | None:
+    """The calibration in ``meta.json`` (absent before format 3: ``None``)."""
+    data = saved.get("calibration")
+    if data is None:
+        return None
+    calibration = Calibration.from_dict(data, nlist)
+    if calibration is None:  # the checksum matched: written so, never by build_index
+        raise CorruptStoreError(
+            f"{current_caller()}: {str(path / 'meta.json')!r} holds calibration values no "
+            f"build_index writes ({data!r}, nlist={nlist}); rebuild the index with "
+            "tif.build_index(store, overwrite=True)."
+        )
+    return calibration
 
 
 def _verified_for(index: SearchIndex, store: GradientStore) -> SearchIndex:
@@ -268,16 +331,6 @@ def import_faiss() -> Any:
             "it with `pip install 'tracinfunc[search]'` (or `pip install faiss-cpu`)."
         ) from error
     return faiss
-
-
-def _index_rows(store: GradientStore, indices: torch.Tensor, normalize: bool) -> np.ndarray:
-    """``[len(indices), n_ckpt * k]`` float32 rows as FAISS stores them."""
-    meta = store.meta
-    rows = torch.stack([read_rows_at(store, c, indices) for c in range(meta.n_ckpt)])
-    norms = None
-    if normalize:  # [n_ckpt, n]: the store's norms, as score divides by
-        norms = torch.stack([norms_at(store, c, indices) for c in range(meta.n_ckpt)])
-    return weighted_rows(rows, norms, meta.lrs, normalize=normalize, query=False).numpy()
 
 
 def _target_path(store: GradientStore, path: str | os.PathLike[str] | None,

@@ -50,9 +50,12 @@ def indexed_top_k(
         normalize: As in :func:`tracinfunc.top_k`.
         index: Built by :func:`~tracinfunc.build_index` from this store, with the same
             ``normalize``.
-        nprobe: Clusters searched per test example (default ``max(1, nlist // 16)``; ``nlist``
-            searches every cluster, which makes the result exact for ``"ivf_flat"``).
+        nprobe: Clusters searched per test example (default ``index.nprobe``: the value
+            ``build_index`` calibrated to its ``target_recall`` of recall@10 on the store's
+            rows, else ``max(1, nlist // 16)``; ``nlist`` searches every cluster, which makes
+            the result exact for ``"ivf_flat"``). An explicit value always wins.
         candidates: Rows fetched per test example and re-ranked (default
+            ``index.candidates(k)``: ``rerank * k`` with the calibrated ``rerank``, else
             ``max(2 * k, 16)``, ``max(10 * k, 100)`` for ``"ivf_pq"``; at most ``n_train``).
         curvature: As in :func:`tracinfunc.score`: the index is searched with the
             preconditioned queries and the candidates re-ranked by curvature-aware scores
@@ -165,13 +168,10 @@ def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
         raise InvalidArgumentError(
             f"{current_caller()}: k must be an int in [1, n_train={meta.n_train}], got {k!r}."
         )
-    nprobe = max(1, index.nlist // 16) if nprobe is None else nprobe
+    nprobe = index.nprobe if nprobe is None else nprobe
     _check_range("nprobe", nprobe, 1, index.nlist, "nlist searches every cluster")
     if candidates is None:
-        # IVF-flat ranks by (float32) exact scores, so a small margin suffices; PQ codes
-        # rank coarsely and need many more rows re-ranked.
-        least = max(10 * k, 100) if index.kind == "ivf_pq" else max(2 * k, 16)
-        candidates = min(meta.n_train, least)
+        candidates = index.candidates(k)
     _check_range("candidates", candidates, k, meta.n_train, "more candidates raise recall")
     return nprobe, candidates
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["norms_at", "read_rows_at", "row_groups", "weighted_rows"]
+__all__ = ["index_rows", "norms_at", "read_rows_at", "row_groups", "weighted_rows"]
 
 
 def read_rows_at(store: GradientStore, ckpt: int, indices: Tensor) -> Tensor:
@@ -92,3 +93,21 @@ def weighted_rows(rows: Tensor, norms: Tensor | None, lrs: Sequence[float], *,
                                     torch.zeros_like(norms))[..., None]
     weighted = rows.to(dtype) * scale  # [n_ckpt, n, k]
     return weighted.permute(1, 0, 2).reshape(rows.shape[1], -1).contiguous()
+
+
+def index_rows(store: GradientStore, indices: Tensor, normalize: bool, *,
+               query: bool = False) -> np.ndarray:
+    """``[len(indices), n_ckpt * k]`` float32 rows as a FAISS index holds them (``query``:
+    weighted as queries are, for store rows searched as test examples).
+
+    Args:
+        store: The store, ``[n_ckpt, n_train, k]``.
+        indices: Sorted unique rows, int64 ``[n]``.
+        normalize: Unit-normalise each checkpoint's rows by the store's norms first.
+    """
+    meta = store.meta
+    rows = torch.stack([read_rows_at(store, c, indices) for c in range(meta.n_ckpt)])
+    norms = None
+    if normalize:  # [n_ckpt, n]: the store's norms, as score divides by
+        norms = torch.stack([norms_at(store, c, indices) for c in range(meta.n_ckpt)])
+    return weighted_rows(rows, norms, meta.lrs, normalize=normalize, query=query).numpy()

@@ -24,6 +24,7 @@ __all__ = [
     "StoreMeta",
     "check_compatible",
     "check_lr",
+    "describe_preconditioner",
     "dtype_name",
     "layout_differences",
     "norm_dtype",
@@ -99,8 +100,11 @@ class StoreMeta:
         format_version: On-disk/metadata format version.
         dataset_fingerprint: Optional user-supplied identifier of the data rows.
         preconditioner: Kind of optimizer preconditioning of the rows (``"adam"``,
-            ``"trackstar"``), or ``None`` for plain gradients (stores written before the
-            field existed read as ``None``).
+            ``"trackstar"``: the exact diagonal second moment; ``"adam-factored"``,
+            ``"trackstar-factored"``: matrices' second moment in Adafactor's row/column form,
+            ``Preconditioner.as_factored()``), or ``None`` for plain gradients (stores
+            written before the field existed read as ``None``; stores built with a factored
+            preconditioner before the form was recorded read as the plain kind).
         quantization: How rows are stored when quantised: ``"int8"`` (codes with a per-row
             scale) or ``"sign"`` (1 bit per value with a per-row scale), read back as
             ``dtype`` float32; ``None`` (the default, and stores written before the field
@@ -298,9 +302,21 @@ def layout_differences(ours: Layout, theirs: Layout) -> str:
     return "; ".join(problems)
 
 
+def describe_preconditioner(kind: str | None) -> str:
+    """``kind`` in words: ``"'adam-factored' (Adam, second moment in factored form)"``."""
+    if kind is None:
+        return "none (plain gradients)"
+    base, _, form = kind.partition("-")
+    what = {"adam": "Adam", "trackstar": "TrackStar"}.get(base, base)
+    detail = ("second moment in factored (Adafactor) form on matrices" if form == "factored"
+              else "exact diagonal second moment")
+    return f"{kind!r} ({what}, {detail})"
+
+
 def _describe_preconditioner(meta: StoreMeta) -> str:
     kind = meta.preconditioner
-    return "are plain" if kind is None else f"were preconditioned ({kind!r})"
+    return ("are plain" if kind is None
+            else f"were preconditioned ({describe_preconditioner(kind)})")
 
 
 def _describe_layout(layout: Layout) -> str:

@@ -121,3 +121,22 @@ def test_scores_from_an_exactly_pinned_store_equal_the_memory_store(fake, mlp_se
     assert fake.requested  # the pinned build went through the registration
     torch.testing.assert_close(tif.score(pinned_store, test_store, chunk_rows=7),
                                tif.score(memory, test_store, chunk_rows=7), rtol=0, atol=0)
+
+
+def test_a_failed_registration_falls_back_to_torchs_pinned_memory_and_says_so(monkeypatch):
+    class Refusing:
+        def register(self, address, nbytes):
+            raise RuntimeError("cudaErrorMemoryAllocation")
+
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):  # no CUDA here: record the request only
+        asked.append(pin_memory)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(pinned, "host_pinning", Refusing)
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.warns(RuntimeWarning, match="cudaErrorMemoryAllocation"):
+        tensor = pinned.pinned_store_empty((3, 5), torch.float32)
+    assert tensor.shape == (3, 5) and asked[-1] is True

@@ -69,6 +69,8 @@ def copy_out_for(writer: StoreWriter, meta: StoreMeta, rows: Tensor, *,
     backend = copy_backend(rows.device)
     if backend is None or not isinstance(writer, _CODES if meta.quantization else _COPYING):
         return None
+    if getattr(writer, "_rerun", None) is not None:  # a finished Zarr store given more data:
+        return None  # its append says so (append_codes would only say "finished")
     return CopyOut(writer, meta, backend, first_row=first_row, depth=depth)
 
 

@@ -244,7 +244,11 @@ def pinned_store_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     offset = -block.ctypes.data % PAGE
     region = block[offset : offset + size]  # page-aligned: no page shared with other memory
     address = region.ctypes.data
-    pinning.register(address, size)
+    try:
+        pinning.register(address, size)
+    except Exception as error:  # e.g. a driver that cannot register this much: still pinned
+        _warn_not_registered(f"{type(error).__name__}: {error}")
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
     # Called as the block is freed (when the last tensor viewing it is), before its memory
     # goes back to the system; not at interpreter exit, when CUDA may be gone.
     weakref.finalize(block, pinning.unregister, address).atexit = False
@@ -274,6 +278,16 @@ def _warn_not_pinned() -> None:
     warnings.warn(
         "PinnedStore: CUDA is not available, so rows are kept in ordinary (pageable) memory; "
         "pinning only speeds up copies to a GPU.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_not_registered(reason: str) -> None:
+    warnings.warn(
+        f"PinnedStore: registering the store's memory with cudaHostRegister failed ({reason}); "
+        "it is pinned through torch's caching host allocator instead, which rounds the size "
+        "up to a power of two.",
         RuntimeWarning,
         stacklevel=3,
     )

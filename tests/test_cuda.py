@@ -10,6 +10,8 @@ tests/build/test_copy_out.py and tests/test_precision_norms.py.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,8 +204,8 @@ def test_a_pinned_store_pins_its_own_size_and_gives_it_back():
     # Item 12: the caching host allocator pinned a 20.5 GB store as 32 GB and kept it.
     n, k = int(20.5 * 2**20) // (4 * 256), 256  # 20.5 MiB of float32 rows
     rows = torch.randn(1, n, k)
-    cached = getattr(torch.cuda, "host_memory_stats", None)
-    reserved = (lambda: cached().get("reserved_bytes.all.current", 0)) if cached else None
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # the caching host allocator's
+    reserved = (lambda: stats()["allocated_bytes.current"]) if stats else None
     before = reserved() if reserved else 0
     store = tif.to_pinned(_identity_store(rows))
     assert store.pinned and store.view_rows(0, 0, 1).is_pinned()
@@ -213,8 +215,6 @@ def test_a_pinned_store_pins_its_own_size_and_gives_it_back():
     torch.testing.assert_close(tif.score(store, test, chunk_rows=4096).cpu(),
                                tif.score(store, test.cpu(), device="cpu"), rtol=1e-5, atol=1e-4)
     del store
-    import gc
-
     gc.collect()  # unregistered and freed: pinning the same memory again works
     assert tif.to_pinned(_identity_store(rows)).pinned
 

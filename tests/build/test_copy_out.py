@@ -64,7 +64,7 @@ def test_pipelined_rows_equal_the_serial_build_bit_for_bit(mlp_setup32, tmp_path
     pipelined = _build(mlp_setup32, store, dtype, tmp_path, "pipelined")
     assert len(made) == 1
     parts = 4 if dtype in ("int8", "sign") else 3  # stored (+ scales), norms, finite flags
-    assert made[0].copied_out == 5 * parts  # every batch went out through the pipeline
+    assert made[0].copied_out == 4 * parts  # every batch after the first (written serially)
     hosts = {key for key, slot in made[0].slots.items() if slot.host}
     assert len(hosts) == 2 * parts  # depth 2: two sets of host buffers, reused
     for got, expected in zip(_stored(pipelined), _stored(serial), strict=True):
@@ -77,6 +77,8 @@ def _check_writer_reads(monkeypatch, made):
             real = getattr(cls, name)
 
             def checked(self, *tensors, real=real):
+                if threading.current_thread().name != "tracinfunc-writer":
+                    return real(self, *tensors)  # the first batch, written serially
                 with made[-1].host_reading(*tensors):
                     return real(self, *tensors)
 
@@ -112,9 +114,10 @@ def test_at_most_depth_batches_are_in_flight(mlp_setup32, monkeypatch):
         counts["put"] += 1
 
     def append(self, rows, norms):
-        assert gate.wait(timeout=60), "the compute thread never waited for a slot"
+        if threading.current_thread().name == "tracinfunc-writer":  # not the serial first
+            assert gate.wait(timeout=60), "the compute thread never waited for a slot"
+            counts["written"] += 1
         real_append(self, rows, norms)
-        counts["written"] += 1
 
     def on_full():
         at_full.append(counts["put"] - counts["written"])
@@ -125,7 +128,7 @@ def test_at_most_depth_batches_are_in_flight(mlp_setup32, monkeypatch):
     monkeypatch.setattr(copy_out_module.CopyOut, "on_full", staticmethod(on_full))
     loss, ckpts, train, _ = mlp_setup32
     tif.build_store(loss, ckpts, train, projection=PROJ, batch_size=BATCH, progress=False)
-    assert at_full[0] == 2 and counts == {"put": 5, "written": 5}
+    assert at_full[0] == 2 and counts == {"put": 4, "written": 4}
 
 
 def test_a_writer_error_surfaces_and_nothing_is_written_after_it(mlp_setup32, monkeypatch):

@@ -2,7 +2,9 @@
 
 Serially, each batch's rows are checked (a host sync), copied to the host (a blocking copy)
 and written (disk, or a copy into the store) on the thread that computes the next batch, so
-the GPU idles during I/O (issue 23, item 14). :class:`CopyOut` instead, for each batch:
+the GPU idles during I/O (issue 23, item 14). :class:`CopyOut` instead, for each batch
+after the first (which the loop writes serially, so that a writer's own refusals read as
+they always did):
 
 1. on the compute stream, queues what the writer needs: the rows in their stored form
    (cast to the storage dtype, or quantised to codes and scales as the serial path does on
@@ -60,17 +62,17 @@ _DONE = object()
 
 def copy_out_for(writer: StoreWriter, meta: StoreMeta, rows: Tensor, *,
                  first_row: int, depth: int = 2) -> CopyOut | None:
-    """The pipeline for a build whose rows come out like ``rows``, or ``None`` (serial):
-    rows on the CPU (nothing to copy out), or a writer this module does not know (it may
-    keep the tensors it is given, or lack ``append_codes``).
+    """The pipeline for the rest of a build whose first rows came out like ``rows`` (and
+    were written serially: a writer's own refusals, such as a finished Zarr store given more
+    data, surface as they are), or ``None`` (serial): rows on the CPU (nothing to copy
+    out), or a writer this module does not know (it may keep the tensors it is given, or
+    lack ``append_codes``).
 
     The backend is looked up through the module (``copy_backend``), so a test can fake it.
     """
     backend = copy_backend(rows.device)
     if backend is None or not isinstance(writer, _CODES if meta.quantization else _COPYING):
         return None
-    if getattr(writer, "_rerun", None) is not None:  # a finished Zarr store given more data:
-        return None  # its append says so (append_codes would only say "finished")
     return CopyOut(writer, meta, backend, first_row=first_row, depth=depth)
 
 

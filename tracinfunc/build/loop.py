@@ -168,14 +168,15 @@ def fill_store(
                 # in a one-process build, and cut: the rows are bit-identical.
                 computed = rows_of(batch) if computed is None else computed
                 rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
-                if not decided:  # the first rows written say where rows come out
-                    pipeline = copy_out_for(writer, meta, rows, first_row=writer.rows_written)
-                    decided = True
                 if pipeline is not None:
                     pipeline.put(rows)
                 else:
                     check_finite(rows, meta, first_row=writer.rows_written)
                     writer.append(rows, row_norms(rows))
+                if not decided:  # the first rows go serially (a writer's refusals surface as
+                    # they are); where they came out decides the rest
+                    pipeline = copy_out_for(writer, meta, rows, first_row=writer.rows_written)
+                    decided = True
                 bar.update(rows.shape[1])
     except BaseException:
         if pipeline is not None:  # write what was handed off: nothing computed is lost

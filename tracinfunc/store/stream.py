@@ -32,7 +32,12 @@ from torch import Tensor
 from tracinfunc.store.codes import code_dtype, code_width, dequantize
 from tracinfunc.store.device_copy import CopyBackend, CudaBackend, Rows, copy_through_ring
 from tracinfunc.store.memory.pinned import pinned_empty
-from tracinfunc.store.protocols import GradientStore, SupportsQuantizedRows, SupportsRowViews
+from tracinfunc.store.protocols import (
+    GradientStore,
+    SupportsCodeViews,
+    SupportsQuantizedRows,
+    SupportsRowViews,
+)
 
 __all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
 
@@ -98,9 +103,9 @@ def _dequantized_on_device(store: GradientStore, pieces: Sequence[Piece], device
     """
     meta = store.meta
     pin = backend is not None and backend.pins_host
-    view = getattr(store, "view_codes", None)
-    if view is not None and (not pin or _is_pinned(view(0, 0, 0)[0])):
-        host = _views(view, pieces)
+    if isinstance(store, SupportsCodeViews) and (not pin or
+                                                 _is_pinned(store.view_codes(0, 0, 0)[0])):
+        host = _views(store.view_codes, pieces)
     elif pin:  # read on a background thread into page-locked buffers, reused
         shapes = [((max_rows, code_width(meta)), code_dtype(meta)), ((max_rows,), torch.float32)]
         buffers = _buffers(shapes, pin=True, depth=depth)

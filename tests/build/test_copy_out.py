@@ -134,16 +134,18 @@ def test_at_most_depth_batches_are_in_flight(mlp_setup32, monkeypatch):
 def test_a_writer_error_surfaces_and_nothing_is_written_after_it(mlp_setup32, monkeypatch):
     made: list[FakeBackend] = []
     _pipelined(monkeypatch, made)
-    calls = []
+    calls, gate = [], threading.Event()
     real_append = MemoryWriter.append
 
     def append(self, rows, norms):
         calls.append(rows.shape[1])
-        if len(calls) == 3:
+        if len(calls) == 3:  # fails once the compute thread waits with batches queued
+            assert gate.wait(timeout=60), "the compute thread never waited for a slot"
             raise OSError("disk full")
         real_append(self, rows, norms)
 
     monkeypatch.setattr(MemoryWriter, "append", append)
+    monkeypatch.setattr(copy_out_module.CopyOut, "on_full", staticmethod(gate.set))
     writers = []
     loss, ckpts, train, _ = mlp_setup32
     with pytest.raises(OSError, match="disk full"):

@@ -97,7 +97,8 @@ class CopyOut:
         for index in range(self.depth):
             self._free.put(index)
         self._ready: queue.Queue[object] = queue.Queue()
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the writer's, until raised here
+        self._failed = False  # set for good at the writer's first error: nothing written after
         self._thread = threading.Thread(target=contextvars.copy_context().run,
                                         args=(self._write_all,), name="tracinfunc-writer",
                                         daemon=True)
@@ -187,10 +188,11 @@ class CopyOut:
             try:
                 self.backend.synchronize(copied)  # also after an error: the slot is reused
                 del parts, item  # the device rows may be freed now that they are copied
-                if self._error is None:
+                if not self._failed:
                     self._write(hosts, first_row)
             except BaseException as error:  # raised on the compute thread
-                self._error = self._error or error
+                if not self._failed:
+                    self._failed, self._error = True, error
             finally:
                 del hosts
                 self._free.put(index)  # always: the compute thread never waits in vain

@@ -6,6 +6,11 @@
   the same pinned copy bandwidth;
 * **projected gradients** (``kronecker``, ``sjlt``): examples/s of ``projected_grads``
   against one batched forward + backward of the same batch (the cost of training on it);
+* **issue 23 items 12-14**: bytes a PinnedStore pins against the bytes it holds (the caching
+  host allocator rounded a 20.5 GB store to 32 GB); quantised stores (int8 pinned, int8
+  Zarr) scored from codes dequantised on the device, their ``score`` time against the float32
+  PinnedStore's; a GPU ``build_store`` with its copy-out and writes overlapped against the
+  serial loop (same rows, bit for bit);
 * **dattri PR #257 configuration** (784 -> 10 logistic regression, 10k train / 2k test,
   batch 100, 2 checkpoints, k=512) end to end, gradients to the score matrix:
   ``build_store`` + ``score`` against the naive torch.func reference (``vmap(grad)``, a dense
@@ -143,6 +148,102 @@ def measure_stores(tif, pinned, store, path: Path, test, nbytes: int) -> None:
           f"{cold_rate / bandwidth:.2f}x")
 
 
+def bench_pinned_bytes(tif, n: int, k: int) -> None:
+    """Bytes pinned for a PinnedStore against the bytes of its rows (item 12): counted at
+    the registration (``cudaHostRegister`` with CUDA, a counter without)."""
+    from tracinfunc.store.memory import pinned as pinned_module
+
+    real, requested = pinned_module.host_pinning, []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def register(self, address, nbytes):
+            requested.append(nbytes)
+            if self.inner is not None:
+                self.inner.register(address, nbytes)
+
+        def unregister(self, address):
+            if self.inner is not None:
+                self.inner.unregister(address)
+
+    pinned_module.host_pinning = lambda: Counting(real())
+    try:
+        store = fill(tif.store.PinnedWriter(random_meta(tif, n, k), n_train=n), n, k)
+    finally:
+        pinned_module.host_pinning = real
+    needed = n * k * 4
+    ratio = sum(requested) / needed
+    print(f"pinned memory: {needed / 2**20:.1f} MiB of rows, {sum(requested) / 2**20:.1f} MiB "
+          f"pinned ({ratio:.4f}x; the caching allocator: "
+          f"{2 ** (needed - 1).bit_length() / needed:.2f}x)")
+    ok = ratio <= 1 + 2 * pinned_module.PAGE / needed and store.meta.n_train == n
+    print(f"  {'PASS' if ok else 'FAIL'} PinnedStore pins its own size")
+    if not ok:
+        FAILURES.append("PinnedStore pins its own size")
+
+
+def bench_quantised(tif, n: int, k: int, *, measure: bool) -> None:
+    """int8 stores scored from codes sent to the device (item 13), checked against the CPU
+    path; with CUDA, their ``score`` time against the float32 PinnedStore's."""
+    device = "cuda" if measure else "cpu"
+    meta = random_meta(tif, n, k)
+    test = torch.randn(1, 64, k, generator=torch.Generator().manual_seed(1)).to(device)
+    pinned = fill(tif.store.PinnedWriter(meta, n_train=n), n, k)
+    quantised = tif.to_pinned(pinned, dtype="int8")
+    print(f"quantised stores: {n} x {k} int8 codes, 64 test rows, on {device}")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        zarr = tif.save_store(quantised, Path(tmp) / "q.zarr")
+        expected = tif.score(quantised, test.cpu(), device="cpu")
+        for name, store in (("QuantizedPinnedStore", quantised), ("int8 ZarrStore", zarr)):
+            check(f"{name} score on {device} vs CPU", tif.score(store, test, device=device),
+                  expected, 1e-5)
+        if measure:
+            base = cuda_time(lambda: tif.score(pinned, test, device="cuda"))
+            for name, store in (("QuantizedPinnedStore", quantised), ("int8 ZarrStore", zarr)):
+                took = cuda_time(lambda store=store: tif.score(store, test, device="cuda"))
+                print(f"  {name:<24} score {took * 1e3:8.1f} ms   {base / took:.2f}x the "
+                      "float32 PinnedStore's speed")
+
+
+def bench_build_overlap(tif, n: int) -> None:
+    """A GPU build_store with the copy-out pipeline against the serial loop (item 14)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from tracinfunc.build import copy_out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ckpts = [tif.Checkpoint.from_module(model)]
+    data = (torch.randn(n, 512), torch.randint(0, 10, (n,)))
+    projection = tif.Projection(dim=4096, seed=0)
+    print(f"build_store on cuda: MLP 512-512-10, {n} examples, k=4096, Zarr store")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        runs = iter(range(10**6))
+
+        def build():
+            return tif.build_store(loss, ckpts, data, projection=projection, device="cuda",
+                                   batch_size=256, store=Path(tmp) / f"{next(runs)}.zarr",
+                                   progress=False)
+
+        overlapped = build()
+        took = cuda_time(build, repeat=2)
+        real = copy_out.copy_backend
+        copy_out.copy_backend = lambda device: None  # the serial loop
+        try:
+            serial = build()
+            serial_took = cuda_time(build, repeat=2)
+        finally:
+            copy_out.copy_backend = real
+        print(f"  overlapped {n / took:10.0f} ex/s   serial {n / serial_took:10.0f} ex/s   "
+              f"{serial_took / took:.2f}x")
+        check("overlapped build rows vs the serial build", overlapped.read_rows(0, 0, n),
+              serial.read_rows(0, 0, n), 0.0)
+
+
 def bench_projected(tif, batch: int) -> None:
     import torch.nn.functional as F
     from torch import nn
@@ -255,10 +356,14 @@ def main() -> int:
               "CPU checks (streamed stores against in-memory ones).")
     n = 1_000_000 if not args.quick else (200_000 if cuda else 20_000)
     bench_stores(tif, n, 1024 if cuda else 256, measure=cuda)
+    bench_pinned_bytes(tif, int(20.5 * 2**20) // 1024, 256)  # 20.5 MiB of rows
+    bench_quantised(tif, n, 1024 if cuda else 256, measure=cuda)
     if cuda:
+        bench_build_overlap(tif, 50_000 if not args.quick else 8_192)
         bench_projected(tif, 1024 if not args.quick else 256)
         bench_dattri(tif, 10_000, 2_000)
     else:
+        print("build_store copy-out overlap: skipped (needs CUDA)")
         print("projected gradients: skipped (needs CUDA)")
         print("dattri PR #257 configuration: skipped (needs CUDA)")
     verdict = f"FAIL: {', '.join(FAILURES)}" if FAILURES else "PASS: every check"

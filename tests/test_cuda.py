@@ -2,12 +2,15 @@
 before it (float32, not only float64; test tensors, not only stores; norm layers; TF32 on; a
 CPU model with ``device="cuda"``; bounded device memory). Skipped without CUDA; their CPU
 twins (stand-in devices, a fake stream backend) are in tests/test_devices*.py,
-tests/test_device_copy.py and tests/test_precision_norms.py.
+tests/store/test_device_copy.py, tests/store/test_pinned_memory.py,
+tests/build/test_copy_out.py and tests/test_precision_norms.py.
 
     pytest -m cuda tests/     # the GPU verdict, with benchmarks/gpu.py --quick
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -195,6 +198,80 @@ def test_score_refuses_a_matrix_larger_than_the_gpu():
     store = _identity_store(torch.ones(1, n_train, 1))
     with pytest.raises(tif.errors.MemoryBudgetError, match="top_k"):
         tif.score(store, torch.ones(1, n_test, 1, device="cuda"))
+
+
+def test_a_pinned_store_pins_its_own_size_and_gives_it_back():
+    # Item 12: the caching host allocator pinned a 20.5 GB store as 32 GB and kept it.
+    n, k = int(20.5 * 2**20) // (4 * 256), 256  # 20.5 MiB of float32 rows
+    rows = torch.randn(1, n, k)
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # the caching host allocator's
+    reserved = (lambda: stats()["allocated_bytes.current"]) if stats else None
+    before = reserved() if reserved else 0
+    store = tif.to_pinned(_identity_store(rows))
+    assert store.pinned and store.view_rows(0, 0, 1).is_pinned()
+    if reserved:  # nothing taken from the caching host allocator (it rounds to 32 MiB)
+        assert reserved() - before < 2**20
+    test = torch.randn(1, 8, k, device="cuda")
+    torch.testing.assert_close(tif.score(store, test, chunk_rows=4096).cpu(),
+                               tif.score(store, test.cpu(), device="cpu"), rtol=1e-5, atol=1e-4)
+    del store
+    gc.collect()  # unregistered and freed: pinning the same memory again works
+    assert tif.to_pinned(_identity_store(rows)).pinned
+
+
+@pytest.mark.parametrize("dtype", ["int8", "sign"])
+@pytest.mark.parametrize("kind", ["pinned", "zarr"])
+def test_quantised_stores_dequantise_on_the_gpu(setup32, tmp_path, kind, dtype):
+    # Item 13: codes pinned but float32 rows sent; Zarr codes dequantised on the CPU.
+    loss, ckpts, train, test = setup32
+    store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=dtype, store="pinned",
+                            progress=False)
+    if kind == "zarr":
+        store = tif.save_store(store, tmp_path / "q.zarr")
+    test_store = tif.build_store(loss, ckpts, test, projection=PROJ, progress=False)
+    expected = tif.score(store, test_store, device="cpu")
+    got = tif.score(store, test_store, device="cuda", chunk_rows=64)
+    assert got.device.type == "cuda" and _relative(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("target", ["memory", "pinned", "zarr"])
+def test_a_gpu_build_overlapping_its_writes_stores_the_serial_rows(setup32, tmp_path, dtype,
+                                                                   target):
+    # Item 14: the copy-out pipeline gives the rows a serial GPU build gives, bit for bit.
+    from tracinfunc.build import copy_out
+
+    loss, ckpts, train, _ = setup32
+
+    def build(name):
+        store = tmp_path / f"{name}.zarr" if target == "zarr" else target
+        return tif.build_store(loss, ckpts, train, projection=PROJ, dtype=dtype, store=store,
+                               device="cuda", batch_size=32, progress=False)
+
+    overlapped = build("overlapped")
+    real = copy_out.copy_backend
+    copy_out.copy_backend = lambda device: None  # the serial loop
+    try:
+        serial = build("serial")
+    finally:
+        copy_out.copy_backend = real
+    n = serial.meta.n_train
+    for c in range(serial.meta.n_ckpt):
+        assert torch.equal(overlapped.read_rows(c, 0, n), serial.read_rows(c, 0, n))
+        assert torch.equal(overlapped.read_norms(c, 0, n), serial.read_norms(c, 0, n))
+
+
+def test_recorded_checkpoints_follow_a_gpu_model(tmp_path):
+    # Item 4: load_recorded_checkpoints mapped everything to the CPU.
+    model = make_mlp(dtype=torch.float32).cuda()
+    optimizer = torch.optim.SGD(model[-1].parameters(), lr=0.1)
+    recorder = tif.training.CheckpointRecorder(tmp_path, model, optimizer, every=1)
+    x, y = make_data(8, dtype=torch.float32)
+    F.cross_entropy(model(x.cuda()), y.cuda()).backward()
+    optimizer.step()
+    recorder.step()
+    (ckpt,) = tif.load_recorded_checkpoints(tmp_path, model)
+    assert {v.device.type for v in ckpt.params.values()} == {"cuda"}
 
 
 @two_gpus

@@ -132,3 +132,38 @@ def test_cli_build_takes_a_device(monkeypatch, tmp_path):
     code, stderr = _run("build", "--spec", f"{SPEC}:make", "--out", str(tmp_path / "h.zarr"),
                         "--device", "gpu7")
     assert code == 2 and "expected a torch device" in stderr
+
+
+@pytest.mark.parametrize("how", ["device=", "the model's device"])
+def test_load_recorded_checkpoints_puts_every_tensor_on_the_target_device(tmp_path, monkeypatch,
+                                                                         how):
+    # Issue 23 item 4: recorded checkpoints were loaded with map_location="cpu" and the
+    # frozen parameters taken from the model as they were, so a GPU model got CPU
+    # checkpoints (saved and frozen tensors alike).
+    model = _batchnorm_model()
+    trained = model[-1]  # the rest is frozen: referenced in the manifest, taken from model
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+    recorder = tif.training.CheckpointRecorder(tmp_path, model, optimizer, every=1)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    recorder.step()
+    recording = importlib.import_module("tracinfunc._recording")
+    seen = []
+
+    def from_state_dict(state, module, *, lr, name):
+        seen.append({key: value.device for key, value in state.items()})
+        raise _Stop
+
+    monkeypatch.setattr(recording.Checkpoint, "from_state_dict", from_state_dict)
+    if how == "device=":
+        load = lambda: tif.load_recorded_checkpoints(tmp_path, model, device=META)  # noqa: E731
+    else:
+        training = importlib.import_module("tracinfunc.training")
+        monkeypatch.setattr(training, "module_device", lambda module: META)  # "its GPU"
+        load = lambda: tif.load_recorded_checkpoints(tmp_path, model)  # noqa: E731
+    with pytest.raises(_Stop):
+        load()
+    frozen = {name for name, _ in model.named_parameters() if not name.startswith("3.")}
+    assert frozen <= set(seen[0]) and {"3.weight", "3.bias"} <= set(seen[0])
+    assert set(seen[0].values()) == {META}

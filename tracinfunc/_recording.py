@@ -95,13 +95,14 @@ class FrozenReference:
 
 
 def load_checkpoint(directory: Path, entry: dict[str, Any], frozen: dict[str, list[str]],
-                    model: nn.Module, checked: set[str]) -> Checkpoint:
-    """One manifest entry as a whole :class:`Checkpoint` of ``model``'s trainable parameters.
+                    model: nn.Module, checked: set[str], *, device: torch.device) -> Checkpoint:
+    """One manifest entry as a whole :class:`Checkpoint` of ``model``'s trainable parameters,
+    every tensor on ``device``.
 
     Parameters the file lacks come from ``model`` when the manifest references them as
     frozen and ``model`` holds the recorded values (checked once per fingerprint).
     """
-    state = torch.load(directory / entry["weights"], map_location="cpu", weights_only=True)
+    state = torch.load(directory / entry["weights"], map_location=device, weights_only=True)
     named = dict(model.named_parameters())
     missing = [n for n, p in named.items() if p.requires_grad and n not in state]
     if missing:
@@ -124,5 +125,5 @@ def load_checkpoint(directory: Path, entry: dict[str, Any], frozen: dict[str, li
                     "every parameter that changes)."
                 )
             checked.add(fingerprint)
-        state = {**state, **{n: named[n].detach() for n in missing}}
+        state = {**state, **{n: named[n].detach().to(device) for n in missing}}
     return Checkpoint.from_state_dict(state, model, lr=entry["lr"], name=entry["name"])

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracinfunc._devices import module_device
 from tracinfunc._recording import (
     FrozenReference,
     StepLrs,
@@ -248,7 +249,8 @@ def trainer_callback(directory: str | PathLike, *, every: int | None = None,
 
 
 @entry_point("load_recorded_checkpoints")
-def load_recorded_checkpoints(directory: str | PathLike, model: nn.Module) -> list[Checkpoint]:
+def load_recorded_checkpoints(directory: str | PathLike, model: nn.Module, *,
+                              device: torch.device | str | None = None) -> list[Checkpoint]:
     """The recorded checkpoints, by step, each weighted by the lr recorded with it.
 
     Args:
@@ -257,13 +259,16 @@ def load_recorded_checkpoints(directory: str | PathLike, model: nn.Module) -> li
         model: The trained model, or one of the same architecture holding the same frozen
             parameters (a peft model on the same base): parameters that were not saved
             come from it, after checking they equal the recorded ones.
+        device: Where every tensor of the checkpoints goes (default: ``model``'s device, so
+            a GPU model gets GPU checkpoints, whatever device they were recorded from).
 
     Returns:
         ``n_ckpt`` :class:`~tracinfunc.Checkpoint` s named ``checkpoint-<step>``.
     """
     directory = Path(directory)
+    device = module_device(model) if device is None else torch.device(device)
     frozen, checked = _read_full_manifest(directory).get("frozen", {}), set()
-    return [load_checkpoint(directory, entry, frozen, model, checked)
+    return [load_checkpoint(directory, entry, frozen, model, checked, device=device)
             for entry in _entries(directory)]
 
 

@@ -162,3 +162,80 @@ def test_quantised_stores_send_codes_and_dequantise_on_the_device(mlp_setup32, m
     codes = torch.int8 if dtype == "int8" else torch.uint8
     assert sorted(map(str, set(allocated))) == sorted(map(str, {codes, torch.float32}))
     assert allocated.count(codes) == 3  # depth buffers of codes, depth of scales
+
+
+def _counting_backend(fakes, sources, *, pins_host=False):
+    def make(device):
+        fake = FakeBackend()
+        fake.pins_host = pins_host
+        real_copy = fake.copy
+
+        def copy(target, source, stream):
+            sources.append(source)
+            real_copy(target, source, stream)
+
+        fake.copy = copy
+        fakes.append(fake)
+        return fake
+
+    return make
+
+
+@pytest.mark.parametrize("pins_host", [False, True])
+@pytest.mark.parametrize("kind", ["pinned", "zarr"])
+@pytest.mark.parametrize("dtype", ["int8", "sign"])
+def test_quantised_stores_copy_code_bytes_not_float32_bytes(mlp_setup32, tmp_path, monkeypatch,
+                                                            kind, dtype, pins_host):
+    # Issue 23 item 13: a QuantizedPinnedStore's codes were cloned into pageable memory
+    # (read_codes) and a quantised Zarr store was dequantised on the CPU, float32 rows (4-32x
+    # the bytes) crossing to the device.
+    loss, ckpts, train, test = mlp_setup32
+    projection = tif.Projection(dim=20, seed=0)
+    store = tif.build_store(loss, ckpts, train, projection=projection, dtype=dtype,
+                            store="pinned", progress=False)
+    if kind == "zarr":
+        store = tif.save_store(store, tmp_path / "q.zarr")
+    test_store = tif.build_store(loss, ckpts, test, projection=projection, progress=False)
+    expected = tif.score(store, test_store, chunk_rows=7, device="cpu")
+    fakes, sources, pinned_buffers = [], [], []
+    monkeypatch.setattr(stream_module, "copy_backend",
+                        _counting_backend(fakes, sources, pins_host=pins_host))
+    monkeypatch.setattr(stream_module, "_is_pinned", lambda tensor: True)  # "page-locked"
+    real_pinned_empty = stream_module.pinned_empty
+    monkeypatch.setattr(stream_module, "pinned_empty", lambda shape, dtype: pinned_buffers.append(
+        (shape, dtype)) or real_pinned_empty(shape, dtype))
+    got = tif.score(store, test_store, chunk_rows=7)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    meta = store.meta
+    width = meta.k if dtype == "int8" else -(-meta.k // 8)
+    code_bytes = meta.n_ckpt * meta.n_train * (width + 4)  # codes and a float32 scale per row
+    assert sum(source.nbytes for source in sources) == code_bytes
+    assert code_bytes * 3 < meta.n_ckpt * meta.n_train * meta.k * 4  # the float32 bytes
+    codes_storage = store._codes.untyped_storage().data_ptr() if kind == "pinned" else None
+    if kind == "pinned":  # straight from the store's own (pinned) memory: no staging copy
+        assert {source.untyped_storage().data_ptr() for source in sources[::2]} == {codes_storage}
+        assert pinned_buffers == []
+    elif pins_host:  # Zarr: read into a reused ring of page-locked host buffers
+        assert len(pinned_buffers) == 2 * 3  # codes and scales, depth 3
+        assert len({source.untyped_storage().data_ptr() for source in sources}) == 2 * 3
+
+
+def test_quantised_zarr_rows_are_dequantised_on_a_plain_device(mlp_setup32, tmp_path,
+                                                               monkeypatch):
+    # mps, xpu, ... (no asynchronous backend): the codes travel, and dequantise there.
+    loss, ckpts, train, _ = mlp_setup32
+    store = tif.build_store(loss, ckpts, train, projection=tif.Projection(dim=20, seed=0),
+                            dtype="int8", store=tmp_path / "q.zarr", progress=False)
+    seen = []
+    real = stream_module.dequantize
+
+    def spy(codes, scales, quantization, k, **kwargs):
+        seen.append((codes.device, codes.dtype, scales.device))
+        return real(codes, scales, quantization, k, **kwargs)
+
+    monkeypatch.setattr(stream_module, "dequantize", spy)
+    meta_device = torch.device("meta")
+    pieces = [(c, s, min(s + 16, 40)) for s in range(0, 40, 16) for c in range(3)]
+    rows = list(stream_module.stream_rows(store, pieces, device=meta_device, max_rows=16))
+    assert {(r.device, r.dtype, r.shape[1]) for _, r in rows} == {(meta_device, torch.float32, 20)}
+    assert set(seen) == {(meta_device, torch.int8, meta_device)} and len(seen) == len(pieces)

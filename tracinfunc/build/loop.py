@@ -8,7 +8,10 @@ batch becomes rows; what a build promises lives here, once:
   whole, as in the first build, and its stored head dropped, so the result is bit-identical;
 - **checks**: the first computed batch is checked (the frontend's loss check) before any real
   work; every row must be finite, or the error names the checkpoint and the rows;
-- **empty data** and **resuming with less data** than was stored are clear errors.
+- **empty data** and **resuming with less data** than was stored are clear errors;
+- **overlap** (``overlap=True``, torch's ``build_store``): rows that come out on a GPU are
+  checked, copied out and written on a writer thread while the next batch is computed
+  (:mod:`tracinfunc.build.copy_out`), with the same rows and errors as the serial loop.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from torch import Tensor
 from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc._version import __version__
+from tracinfunc.build.copy_out import CopyOut, check_finite_flags, copy_out_for
 from tracinfunc.build.resume import SupportsReadBack, check_same_data
 from tracinfunc.errors import (
     EmptyDataError,
     InvalidArgumentError,
     InvalidTypeError,
-    NonFiniteGradientError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
@@ -105,6 +108,7 @@ def fill_store(
     progress: ProgressArg = None,
     total: int | None = None,
     stop: int | None = None,
+    overlap: bool = False,
 ) -> GradientStore | StorePart:
     """Append the rows of every batch to ``writer`` and seal it.
 
@@ -117,6 +121,9 @@ def fill_store(
         progress, total: The progress bar over examples (``total`` when known).
         stop: Write no row at or past ``stop`` and stop iterating there: a part of a sharded
             build (its writer's ``rows_written`` starts at the part's first row).
+        overlap: Where rows come out on an accelerator, check, copy out and write batch i on
+            a writer thread while batch i+1 is computed (:mod:`tracinfunc.build.copy_out`);
+            the rows stored are the same, bit for bit.
 
     Returns:
         ``writer.finish()``: the read-only store ``[n_ckpt, n_train, k]`` (for a part
@@ -136,31 +143,47 @@ def fill_store(
     seen = 0
     stop = float("inf") if stop is None else stop
     checked = check_first is None
-    with progress_bar(progress, total=total, desc=current_caller(), unit="ex") as bar:
-        bar.update(resume_at)
-        for size, batch in batches:
-            if seen >= stop:  # past this part: later batches are other parts' work
-                break
-            seen += size
-            first = seen - size
-            computed = None
-            if any(first <= row < seen for row in proofs):  # stored before: same data?
-                computed = rows_of(batch)
-                lo = max(first, own)  # this writer's rows only: a part's start, or 0
-                check_same_data(writer, computed[:, lo - first : resume_at - first], meta,
-                                start=lo)
-            if size == 0 or seen <= resume_at:  # stored before the interruption: skip
-                continue
-            if not checked:
-                check_first(batch)
-                checked = True
-            # A batch straddling the resume point or the part's end is computed whole, as in
-            # a one-process build, and cut: the rows are bit-identical.
-            computed = rows_of(batch) if computed is None else computed
-            rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
-            check_finite(rows, meta, first_row=writer.rows_written)
-            writer.append(rows, row_norms(rows))
-            bar.update(rows.shape[1])
+    pipeline: CopyOut | None = None
+    decided = not overlap
+    try:
+        with progress_bar(progress, total=total, desc=current_caller(), unit="ex") as bar:
+            bar.update(resume_at)
+            for size, batch in batches:
+                if seen >= stop:  # past this part: later batches are other parts' work
+                    break
+                seen += size
+                first = seen - size
+                computed = None
+                if any(first <= row < seen for row in proofs):  # stored before: same data?
+                    computed = rows_of(batch)
+                    lo = max(first, own)  # this writer's rows only: a part's start, or 0
+                    check_same_data(writer, computed[:, lo - first : resume_at - first], meta,
+                                    start=lo)
+                if size == 0 or seen <= resume_at:  # stored before the interruption: skip
+                    continue
+                if not checked:
+                    check_first(batch)
+                    checked = True
+                # A batch straddling the resume point or the part's end is computed whole, as
+                # in a one-process build, and cut: the rows are bit-identical.
+                computed = rows_of(batch) if computed is None else computed
+                rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
+                if pipeline is not None:
+                    pipeline.put(rows)
+                else:
+                    check_finite(rows, meta, first_row=writer.rows_written)
+                    writer.append(rows, row_norms(rows))
+                if not decided:  # the first rows go serially (a writer's refusals surface as
+                    # they are); where they came out decides the rest
+                    pipeline = copy_out_for(writer, meta, rows, first_row=writer.rows_written)
+                    decided = True
+                bar.update(rows.shape[1])
+    except BaseException:
+        if pipeline is not None:  # write what was handed off: nothing computed is lost
+            pipeline.drain()
+        raise
+    if pipeline is not None:
+        pipeline.close()
     if stop != float("inf") and seen < stop:
         raise EmptyDataError(
             f"{current_caller()}: this part needs rows up to {stop} but data has only {seen}; "
@@ -182,14 +205,4 @@ def fill_store(
 
 def check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:
     """Raise :class:`NonFiniteGradientError` naming the checkpoint and rows of any NaN/inf."""
-    finite = torch.isfinite(rows).all(dim=-1)  # [n_ckpt, b]
-    if bool(finite.all()):
-        return
-    ckpt, row = (~finite).nonzero()[0].tolist()
-    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
-    raise NonFiniteGradientError(
-        f"{current_caller()}: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients "
-        f"for examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
-        "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
-        "weights."
-    )
+    check_finite_flags(torch.isfinite(rows).all(dim=-1), meta, first_row=first_row)

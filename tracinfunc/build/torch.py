@@ -207,7 +207,7 @@ def build_store(
         writer, pairs, rows_of, meta=meta,
         check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
                                               on_device(batch)),
-        progress=progress, total=known_size(data), stop=stop)
+        progress=progress, total=known_size(data), stop=stop, overlap=True)
     return commit_after_barrier(result.path) if distributed else result
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "GradientStore",
     "StoreWriter",
     "SupportsChunkAlignment",
+    "SupportsCodeViews",
     "SupportsQuantizedRows",
     "SupportsRowViews",
     "aligned_rows",
@@ -91,6 +92,18 @@ class SupportsQuantizedRows(Protocol):
         """Codes ``[stop - start, width]`` (int8, or uint8 packed signs) and per-row scales
         ``[stop - start]`` float32 of rows ``[start, stop)`` of checkpoint ``ckpt``, as
         tensors the caller owns."""
+        ...
+
+
+@runtime_checkable
+class SupportsCodeViews(Protocol):
+    """Optional ability: a quantised store in memory lends its codes and scales as views,
+    which streaming sends to a device without a staging copy."""
+
+    def view_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Codes ``[stop - start, width]`` and scales ``[stop - start]`` of rows
+        ``[start, stop)`` of checkpoint ``ckpt``, as views of the store's memory; the caller
+        must not write to them."""
         ...
 
 

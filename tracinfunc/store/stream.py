@@ -12,12 +12,16 @@ the rows on the target device, in the storage dtype:
   reused only after the compute that read it (:mod:`tracinfunc.store.device_copy`); a host
   buffer goes back to the reader only once its copy has finished.
 * On any other device (mps, xpu, ...): a plain ``.to(device)`` per piece.
+* Quantised stores, to any device but the CPU: their codes and scales travel (views of an
+  in-memory store's own memory, pinned for a QuantizedPinnedStore; read by the background
+  thread from Zarr) and are dequantised on the device.
 
 A yielded tensor is valid until the next one is requested.
 """
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -25,16 +29,20 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from tracinfunc.store.codes import dequantize
-from tracinfunc.store.device_copy import CopyBackend, CudaBackend, copy_through_ring
+from tracinfunc.store.codes import code_dtype, code_width, dequantize
+from tracinfunc.store.device_copy import CopyBackend, CudaBackend, Rows, copy_through_ring
 from tracinfunc.store.memory.pinned import pinned_empty
-from tracinfunc.store.memory.quantized import QuantizedMemoryStore
-from tracinfunc.store.protocols import GradientStore, SupportsRowViews
+from tracinfunc.store.protocols import (
+    GradientStore,
+    SupportsCodeViews,
+    SupportsQuantizedRows,
+    SupportsRowViews,
+)
 
 __all__ = ["ComputeThreads", "Piece", "compute_threads", "stream_rows"]
 
 Piece = tuple[int, int, int]  # (ckpt, start, stop)
-_HostPieces = Iterator[tuple[Piece, Tensor, Callable[[], None]]]
+_HostPieces = Iterator[tuple[Piece, Rows, Callable[[], None]]]
 _DONE = object()
 
 
@@ -47,22 +55,27 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
         pieces: What to read, in order.
         device: Where the rows are needed: the CPU, CUDA (asynchronous copies through a ring
             of device buffers, :mod:`tracinfunc.store.device_copy`) or any other device
-            (mps, xpu, ...: a plain copy per piece).
+            (mps, xpu, ...: a plain copy per piece). A quantised store's codes and scales
+            travel to an accelerator (1/4 or 1/32 of the float32 bytes) and are dequantised
+            there.
         max_rows: The largest ``stop - start`` among ``pieces`` (sizes the buffers).
         depth: Buffers in each ring. Default: 2 on the CPU (one read while one is
             multiplied), 3 with asynchronous copies (one more is in flight to the device).
     """
     backend = copy_backend(device)
     depth = depth or (2 if backend is None else 3)
-    if backend is not None and isinstance(store, QuantizedMemoryStore):
-        yield from _dequantized_on_device(store, pieces, backend, depth=depth,
+    if (backend is not None or device.type != "cpu") and _sends_codes(store):
+        yield from _dequantized_on_device(store, pieces, device, backend, depth=depth,
                                           max_rows=max_rows)
         return
     pin = backend is not None and backend.pins_host
     if isinstance(store, SupportsRowViews) and (not pin or _is_pinned(store.view_rows(0, 0, 0))):
         host = _views(store.view_rows, pieces)
     else:
-        host = _prefetch(store, pieces, max_rows=max_rows, pin=pin, depth=depth)
+        meta = store.meta
+        buffers = _buffers([((max_rows, meta.k), meta.torch_dtype)], pin=pin, depth=depth)
+        host = _prefetch(lambda piece, index: store.read_rows(*piece, out=buffers[index][0]),
+                         pieces, depth=depth)
     try:
         if backend is not None:
             yield from copy_through_ring(host, backend, depth=depth, max_rows=max_rows)
@@ -74,18 +87,50 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
         host.close()  # an early exit stops the reader thread now, not at garbage collection
 
 
-def _dequantized_on_device(store: QuantizedMemoryStore, pieces: Sequence[Piece],
-                           backend: CopyBackend, *, depth: int, max_rows: int
+def _sends_codes(store: GradientStore) -> bool:
+    return store.meta.quantization is not None and isinstance(store, SupportsQuantizedRows)
+
+
+def _dequantized_on_device(store: GradientStore, pieces: Sequence[Piece], device: torch.device,
+                           backend: CopyBackend | None, *, depth: int, max_rows: int
                            ) -> Iterator[tuple[Piece, Tensor]]:
-    """Send an in-memory quantised store's codes and scales (1/4 or 1/32 of the float32
-    bytes) and dequantise on the device, into float32 rows allocated in the compute
-    stream's order. (A quantised Zarr store is still read and dequantised by the background
-    reader, which overlaps its disk reads with compute.)"""
+    """Send a quantised store's codes and scales (1/4 or 1/32 of the float32 bytes) and
+    dequantise on the device, into float32 rows allocated in the compute stream's order.
+
+    In-memory stores lend views of their codes (a QuantizedPinnedStore's are pinned: sent
+    straight from its memory); others (Zarr) are read on a background thread into a ring
+    of ``depth`` host buffers, page-locked for asynchronous copies.
+    """
     meta = store.meta
-    host = ((piece, store.read_codes(*piece), _nothing) for piece in pieces)
-    for piece, (codes, scales) in copy_through_ring(host, backend, depth=depth,
-                                                    max_rows=max_rows):
-        yield piece, dequantize(codes, scales, meta.quantization, meta.k)
+    pin = backend is not None and backend.pins_host
+    if isinstance(store, SupportsCodeViews) and (not pin or
+                                                 _is_pinned(store.view_codes(0, 0, 0)[0])):
+        host = _views(store.view_codes, pieces)
+    elif pin:  # read on a background thread into page-locked buffers, reused
+        shapes = [((max_rows, code_width(meta)), code_dtype(meta)), ((max_rows,), torch.float32)]
+        buffers = _buffers(shapes, pin=True, depth=depth)
+
+        def read(piece: Piece, index: int) -> tuple[Tensor, Tensor]:
+            codes, scales = store.read_codes(*piece)
+            targets = buffers[index]
+            n = codes.shape[0]
+            return targets[0][:n].copy_(codes), targets[1][:n].copy_(scales)
+
+        host = _prefetch(read, pieces, depth=depth)
+    else:  # fresh tensors per piece: nothing to reuse
+        host = _prefetch(lambda piece, index: store.read_codes(*piece), pieces, depth=depth)
+    try:
+        if backend is not None:
+            sent = copy_through_ring(host, backend, depth=depth, max_rows=max_rows)
+            for piece, (codes, scales) in sent:
+                yield piece, dequantize(codes, scales, meta.quantization, meta.k)
+            return
+        for piece, (codes, scales), release in host:  # mps, xpu, ...: plain copies
+            codes, scales = codes.to(device), scales.to(device)
+            release()
+            yield piece, dequantize(codes, scales, meta.quantization, meta.k)
+    finally:
+        host.close()
 
 
 def copy_backend(device: torch.device) -> CopyBackend | None:
@@ -97,7 +142,7 @@ def _is_pinned(tensor: Tensor) -> bool:
     return torch.cuda.is_available() and tensor.is_pinned()
 
 
-def _views(view: Callable[[int, int, int], Tensor], pieces: Sequence[Piece]) -> _HostPieces:
+def _views(view: Callable[[int, int, int], Rows], pieces: Sequence[Piece]) -> _HostPieces:
     for piece in pieces:
         yield piece, view(*piece), _nothing
 
@@ -106,13 +151,17 @@ def _nothing() -> None:
     return None
 
 
-def _prefetch(store: GradientStore, pieces: Sequence[Piece], *, max_rows: int, pin: bool,
+def _buffers(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], *, pin: bool,
+             depth: int) -> list[tuple[Tensor, ...]]:
+    """``depth`` sets of host buffers, one per ``(shape, dtype)``; page-locked if ``pin``."""
+    empty = pinned_empty if pin else (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    return [tuple(empty(shape, dtype) for shape, dtype in shapes) for _ in range(depth)]
+
+
+def _prefetch(read: Callable[[Piece, int], Rows], pieces: Sequence[Piece], *,
               depth: int) -> _HostPieces:
-    """Read pieces on a background thread into ``depth`` reusable buffers."""
-    meta = store.meta
-    shape = (max_rows, meta.k)
-    buffers = [pinned_empty(shape, meta.torch_dtype) if pin else
-               torch.empty(shape, dtype=meta.torch_dtype) for _ in range(depth)]
+    """Read pieces on a background thread, ``read(piece, index)`` filling buffer set
+    ``index`` of ``depth``; each is reused once the consumer releases it."""
     free: queue.Queue[int] = queue.Queue()
     ready: queue.Queue[object] = queue.Queue()
     stop = threading.Event()
@@ -125,12 +174,13 @@ def _prefetch(store: GradientStore, pieces: Sequence[Piece], *, max_rows: int, p
                 index = free.get()
                 if stop.is_set():
                     return
-                ready.put((piece, store.read_rows(*piece, out=buffers[index]), index))
+                ready.put((piece, read(piece, index), index))
             ready.put(_DONE)
         except BaseException as error:  # handed to the consumer, raised there
             ready.put(error)
 
-    thread = threading.Thread(target=read_all, name="tracinfunc-prefetch", daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(read_all,),
+                              name="tracinfunc-prefetch", daemon=True)
     thread.start()
     try:
         while (item := ready.get()) is not _DONE:

@@ -4,13 +4,26 @@ Page-locked (pinned) memory can be copied to the GPU asynchronously (``non_block
 full PCIe/NVLink bandwidth, so ``score`` streams a PinnedStore straight from its own memory
 with no staging copy. Without CUDA there is nothing to pin for: the store falls back to
 ordinary memory and says so once per process.
+
+A store's memory is pinned at its exact size (issue 23, item 12): ``torch.empty(...,
+pin_memory=True)`` goes through torch's caching host allocator, which rounds every block up
+to a power of two and keeps freed blocks pinned, so a 20.5 GB store pinned 32 GB and kept
+them. :func:`pinned_store_empty` instead makes one ordinary allocation, page-aligned, of
+the bytes needed rounded up to a whole page, and registers it with ``cudaHostRegister``;
+it is unregistered and returned to the system when the last tensor viewing it is freed.
+How memory is registered is a :class:`HostPinning` looked up through :func:`host_pinning`,
+so a CPU test can count the bytes requested.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 import warnings
+import weakref
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,7 +36,10 @@ from tracinfunc.store.memory.quantized import QuantizedMemoryStore
 from tracinfunc.store.meta import StoreMeta, norm_dtype
 from tracinfunc.store.protocols import check_block
 
-__all__ = ["PinnedStore", "PinnedWriter", "QuantizedPinnedStore", "pinned_empty"]
+__all__ = ["CudaHostPinning", "HostPinning", "PinnedStore", "PinnedWriter",
+           "QuantizedPinnedStore", "host_pinning", "pinned_empty", "pinned_store_empty"]
+
+PAGE = mmap.PAGESIZE
 
 
 class PinnedStore(MemoryStore):
@@ -91,10 +107,10 @@ class PinnedWriter:
         """The store's tensors: rows as stored (codes for quantised stores), pinned."""
         meta = self._meta
         shape = (meta.n_ckpt, n_train, code_width(meta))
-        self._rows = pinned_empty(shape, code_dtype(meta))
+        self._rows = pinned_store_empty(shape, code_dtype(meta))
         # Per-row scales of quantised rows (none for float rows).
-        self._scales = pinned_empty((meta.n_ckpt, n_train if meta.quantization else 0),
-                                    torch.float32)
+        self._scales = pinned_store_empty((meta.n_ckpt, n_train if meta.quantization else 0),
+                                          torch.float32)
         self._norms = torch.empty(meta.n_ckpt, n_train, dtype=norm_dtype(meta))
 
     @property
@@ -167,20 +183,93 @@ class PinnedWriter:
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """``torch.empty`` in page-locked memory when CUDA is available, else ordinary memory."""
+    """``torch.empty`` in page-locked memory when CUDA is available, else ordinary memory.
+
+    Through torch's caching host allocator (sizes rounded up to powers of two, blocks kept
+    for reuse): for small buffers that are reused, such as the streaming ring's. A store's
+    memory is allocated with :func:`pinned_store_empty`.
+    """
     if torch.cuda.is_available():
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     _warn_not_pinned()
     return torch.empty(shape, dtype=dtype)
 
 
+class HostPinning(Protocol):
+    """How host memory is page-locked: registered in place, and unregistered before it is
+    freed."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Page-lock ``nbytes`` bytes at ``address`` (page-aligned, a whole number of pages)."""
+
+    def unregister(self, address: int) -> None:
+        """Undo :meth:`register` of the block at ``address``."""
+
+
+class CudaHostPinning:
+    """:class:`HostPinning` through ``cudaHostRegister`` (portable: pinned for every GPU)."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable
+
+    def register(self, address: int, nbytes: int) -> None:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes,
+                                                                     self.PORTABLE))
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)  # nothing to do if it fails
+
+
+def host_pinning() -> HostPinning | None:
+    """The pinning of this process: CUDA's when available, else ``None`` (nothing to pin
+    for). Looked up through the module, so a test can count what is registered."""
+    return CudaHostPinning() if torch.cuda.is_available() else None
+
+
+def pinned_store_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An uninitialised tensor ``shape`` of ``dtype`` in page-locked memory of its own size.
+
+    The bytes pinned are ``prod(shape) * itemsize`` rounded up to a whole page, never to a
+    power of two (see the module docstring); ordinary memory without CUDA (with a warning,
+    once per process) and for an empty tensor.
+    """
+    pinning = host_pinning()
+    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    if pinning is None:
+        _warn_not_pinned()
+        return torch.empty(shape, dtype=dtype)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    size = -(-nbytes // PAGE) * PAGE
+    block = np.empty(size + PAGE, dtype=np.uint8)  # ordinary memory, exactly this size
+    offset = -block.ctypes.data % PAGE
+    region = block[offset : offset + size]  # page-aligned: no page shared with other memory
+    address = region.ctypes.data
+    try:
+        pinning.register(address, size)
+    except Exception as error:  # e.g. a driver that cannot register this much: still pinned
+        _warn_not_registered(f"{type(error).__name__}: {error}")
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    # Called as the block is freed (when the last tensor viewing it is), before its memory
+    # goes back to the system; not at interpreter exit, when CUDA may be gone.
+    weakref.finalize(block, pinning.unregister, address).atexit = False
+    return torch.from_numpy(region)[:nbytes].view(dtype).view(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
 def _pinned_copy(tensor: Tensor) -> Tensor:
     if tensor.is_pinned():
         return tensor
-    if torch.cuda.is_available():
-        return tensor.pin_memory()
-    _warn_not_pinned()
-    return tensor
+    if host_pinning() is None:
+        _warn_not_pinned()
+        return tensor
+    pinned = pinned_store_empty(tuple(tensor.shape), tensor.dtype)
+    return pinned.copy_(tensor)
 
 
 @functools.cache
@@ -189,6 +278,16 @@ def _warn_not_pinned() -> None:
     warnings.warn(
         "PinnedStore: CUDA is not available, so rows are kept in ordinary (pageable) memory; "
         "pinning only speeds up copies to a GPU.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_not_registered(reason: str) -> None:
+    warnings.warn(
+        f"PinnedStore: registering the store's memory with cudaHostRegister failed ({reason}); "
+        "it is pinned through torch's caching host allocator instead, which rounds the size "
+        "up to a power of two.",
         RuntimeWarning,
         stacklevel=3,
     )

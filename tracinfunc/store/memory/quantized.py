@@ -100,3 +100,11 @@ class QuantizedMemoryStore(StoreProperties):
         """Stored codes ``[stop - start, width]`` and scales ``[stop - start]`` (copies)."""
         check_row_range(self._meta, ckpt, start, stop)
         return self._codes[ckpt, start:stop].clone(), self._scales[ckpt, start:stop].clone()
+
+    @entry_point("{cls}.view_codes")
+    def view_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Codes ``[stop - start, width]`` and scales ``[stop - start]`` as views of the
+        store's memory (page-locked for a QuantizedPinnedStore): what streaming sends to a
+        device without a staging copy; never write to them."""
+        check_row_range(self._meta, ckpt, start, stop)
+        return self._codes[ckpt, start:stop], self._scales[ckpt, start:stop]

@@ -53,15 +53,20 @@ def store_norms(store: GradientStore) -> np.ndarray:
                                                                                   np.float32)
 
 
-def store_fingerprint(store: GradientStore) -> str:
+def store_fingerprint(store: GradientStore, norms: np.ndarray | None = None) -> str:
     """sha256 of the store's metadata and the bits of its row norms.
 
     An exact identity: it changes when any row set changes, and also when the same store is
     rebuilt with another thread count or device (float32 rounding). Indexes therefore do not
     compare it; they compare the norms within rounding (:func:`norms_mismatch`).
+
+    Args:
+        store: The store.
+        norms: Its :func:`store_norms` when already read (not read again).
     """
+    norms = store_norms(store) if norms is None else norms
     digest = hashlib.sha256(meta_fingerprint(store.meta).encode())
-    digest.update(np.ascontiguousarray(store_norms(store)).tobytes())
+    digest.update(np.ascontiguousarray(norms).tobytes())
     return digest.hexdigest()
 
 

@@ -260,9 +260,10 @@ def build_index(
     bar.close()
     calibration = None if target is None else calibrate(
         index, store, kind=kind, nlist=nlist, normalize=normalize, target=target, seed=seed)
-    built = SearchIndex(index, store_fingerprint(store), meta_fingerprint(meta), kind, nlist,
-                        m if kind == "ivf_pq" else None, normalize, meta.n_train, saved_to,
-                        calibration, store_norms(store))
+    norms = store_norms(store)  # read once: the binding, and the exact fingerprint from it
+    built = SearchIndex(index, store_fingerprint(store, norms), meta_fingerprint(meta), kind,
+                        nlist, m if kind == "ivf_pq" else None, normalize, meta.n_train,
+                        saved_to, calibration, norms)
     if saved_to is not None:
         _save(built, saved_to, faiss)
     return _verified_for(built, store)

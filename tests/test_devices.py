@@ -13,9 +13,9 @@ from torch.overrides import TorchFunctionMode
 
 import tracinfunc as tif
 from tracinfunc import _devices
-from tracinfunc.store.stream import stream_rows
+from tracinfunc.query.stream import stream_rows
 
-score_module = importlib.import_module("tracinfunc.score")  # tif.score is the function
+score_module = importlib.import_module("tracinfunc.query.score")  # tif.score is the function
 META = torch.device("meta")
 
 
@@ -187,9 +187,9 @@ def test_full_float32_restores_on_error(tf32_on):
 def test_a_row_range_of_an_in_memory_store_streams_views_without_a_copy(stores, monkeypatch):
     # Issue 23 item 13: rows= on an in-memory (or pinned) store read through buffers (a copy
     # per piece, and on a GPU a pinned staging copy) instead of lending views.
-    from tracinfunc.store import stream as stream_module
+    from tracinfunc.query.rows import row_range
+    from tracinfunc.query import stream as stream_module
     from tracinfunc.store.protocols import SupportsRowViews
-    from tracinfunc.store.rowrange import row_range
 
     store, test_store = stores
     part = row_range(store, (8, 30))

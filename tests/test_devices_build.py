@@ -102,7 +102,7 @@ def test_adapter_checkpoint_puts_parameters_on_the_models_device(monkeypatch):
     assert tif.adapter_checkpoint(saved, model).params["weight"].device.type == "cpu"
     with pytest.raises(tif.errors.InvalidArgumentError, match="meta device"):
         tif.adapter_checkpoint(saved, model, device=META)  # moved there, then refused
-    adapters = importlib.import_module("tracinfunc.adapters")
+    adapters = importlib.import_module("tracinfunc.lm.adapters")
     monkeypatch.setattr(adapters, "module_device", lambda module: META)  # "the model's GPU"
     with pytest.raises(tif.errors.InvalidArgumentError, match="meta device"):
         tif.adapter_checkpoint(saved, model)
@@ -148,7 +148,7 @@ def test_load_recorded_checkpoints_puts_every_tensor_on_the_target_device(tmp_pa
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
     recorder.step()
-    recording = importlib.import_module("tracinfunc._recording")
+    recording = importlib.import_module("tracinfunc.training.manifest")
     seen = []
 
     def from_state_dict(state, module, *, lr, name):

@@ -139,12 +139,12 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_the_reader_sees_imports_inside_functions(tmp_path):
-    source = "def f():\n    from tracinfunc.score import score\n    import faiss\n"
+    source = "def f():\n    from tracinfunc.query.score import score\n    import faiss\n"
     (tmp_path / "m.py").write_text(source)
-    modules = {"tracinfunc.score": Path("score.py"), "tracinfunc.m": tmp_path / "m.py"}
+    modules = {"tracinfunc.query.score": Path("score.py"), "tracinfunc.m": tmp_path / "m.py"}
     found, inside = _imports(tmp_path / "m.py", "tracinfunc.m", modules)
-    assert found == {"tracinfunc.score"}
-    assert inside == [(2, "tracinfunc.score"), (3, "faiss")]
+    assert found == {"tracinfunc.query.score"}
+    assert inside == [(2, "tracinfunc.query.score"), (3, "faiss")]
 
 
 def test_the_store_protocols_import_no_implementation():

@@ -10,7 +10,7 @@ import tracinfunc as tif
 from tests.conftest import make_data, make_mlp
 from tests.lm_helpers import explicit_kronecker
 from tests.reference import loop_grads
-from tracinfunc.precondition_factored import adafactor_inverse_root
+from tracinfunc.precondition.factored import adafactor_inverse_root
 
 BETAS, EPS = (0.8, 0.95), 1e-6
 

@@ -86,7 +86,7 @@ def test_large_query_sets_are_split_into_blocks_with_the_same_result(mlp_setup32
         scans.append(args[1].meta.n_train if hasattr(args[1], "meta") else args[1].shape[1])
         return real(*args, **kwargs)
 
-    module = sys.modules["tracinfunc.score"]  # tif.score is the function
+    module = sys.modules["tracinfunc.query.score"]  # tif.score is the function
     monkeypatch.setattr(module, "_MAX_QUERY_BLOCK", 2)
     monkeypatch.setattr(module, "score_chunks", counting)
     blocked = tif.top_k(store, test, k=4, normalize=True, rows=(3, store.meta.n_train))

@@ -46,9 +46,7 @@ from tracinfunc import (
 from tracinfunc import (
     training as training,
 )
-from tracinfunc._deprecations import warn_deprecated
 from tracinfunc._version import __version__
-from tracinfunc.adapters import adapter_checkpoint
 from tracinfunc.build.torch import build_store
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.curvature import (
@@ -58,7 +56,6 @@ from tracinfunc.curvature import (
     preconditioned_test_grads,
     save_curvature,
 )
-from tracinfunc.data_selection import select_training_data
 from tracinfunc.errors import TracInFuncError
 from tracinfunc.grads import (
     GradientOptions,
@@ -68,13 +65,16 @@ from tracinfunc.grads import (
     projected_grads,
     select_params,
 )
-from tracinfunc.lm import causal_lm_loss, completion_labels, sequence_classification_loss
-from tracinfunc.lm_data import completion_batch, completion_collator, generation_batch
+from tracinfunc.lm.adapters import adapter_checkpoint
+from tracinfunc.lm.data import completion_batch, completion_collator, generation_batch
+from tracinfunc.lm.losses import causal_lm_loss, completion_labels, sequence_classification_loss
 from tracinfunc.loss import loss_from_model, loss_from_module
-from tracinfunc.precondition import Preconditioner
+from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection
-from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.query.score import score, score_chunks, self_influence, top_k
 from tracinfunc.search import SearchIndex, build_index, indexed_top_k, load_index
+from tracinfunc.select.less import select_training_data
+from tracinfunc.select.top_examples import TopExamples
 from tracinfunc.store import (
     GradientStore,
     open_store,
@@ -84,8 +84,7 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
-from tracinfunc.top_examples import TopExamples
-from tracinfunc.training import (
+from tracinfunc.training.recorder import (
     load_recorded_checkpoints,
     load_recorded_preconditioners,
     trainer_callback,
@@ -139,35 +138,3 @@ __all__ = [
     "trainer_callback",
     "verify_store",
 ]
-
-# Names that moved from the top level to their subpackage in 0.2: still importable from
-# here, with a DeprecationWarning naming the new place, until the removal version.
-_MOVED = {
-    **{name: "errors" for name in errors.__all__ if name != "TracInFuncError"},
-    **{name: "store" for name in (
-        "CheckpointMeta", "MemoryStore", "MemoryWriter", "PartWriter", "PinnedStore",
-        "PinnedWriter", "QuantizedMemoryStore", "QuantizedPinnedStore", "StoreMeta",
-        "StorePart", "StoreWriter", "SupportsChunkAlignment", "SupportsQuantizedRows",
-        "SupportsRowViews", "ZarrStore", "ZarrWriter", "commit_store", "read_store_meta")},
-    **{name: "grads" for name in (
-        "Stage", "Stages", "autocast_supported", "chunk_size_for_budget",
-        "factorized_weights")},
-    **{name: "projection" for name in ("canonical_layout", "make_projector")},
-    **{name: "distributed" for name in ("gather_top_k", "merge_top_k")},
-    **{name: "precondition" for name in (
-        "AdamState", "optimizer_param_names", "trainer_param_names")},
-    **{name: "checkpoint" for name in ("loss_at", "params_fingerprint")},
-    "CheckpointRecorder": "training",
-    "ModuleLoss": "loss",
-    "Spec": "cli",
-    "iter_batches": "batches",
-    "store_fingerprint": "search",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        where = _MOVED[name]
-        warn_deprecated(f"tracinfunc.{name}", f"tracinfunc.{where}.{name}")
-        return getattr(globals()[where], name)
-    raise AttributeError(f"module 'tracinfunc' has no attribute {name!r}")

@@ -10,7 +10,7 @@ result (ties broken by the lower row index, as one scan breaks them), and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -24,7 +24,7 @@ import torch
 import torch._dynamo  # loaded for its side effect above, before any process group
 from torch import Tensor
 
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.query.merge import merge_top_k
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.zarr.parts import commit_store
 from tracinfunc.store.zarr.paths import open_store
@@ -84,37 +84,6 @@ def commit_after_barrier(path: str | os.PathLike[str]) -> GradientStore:
         commit_store(path)
     torch.distributed.barrier()  # nobody opens the store before rank 0 sealed it
     return open_store(path)
-
-
-def merge_top_k(parts: Sequence[tuple[Tensor, Tensor]], k: int, *, largest: bool = True
-                ) -> tuple[Tensor, Tensor]:
-    """Merge partial ``top_k`` results into the top-k of their union.
-
-    Args:
-        parts: ``(values, indices)`` pairs, each ``[n_test, k_i]``, indices being rows of the
-            whole store (as ``top_k(..., rows=...)`` returns them).
-        k: Results kept per test example.
-        largest: As in ``top_k``.
-
-    Returns:
-        ``(values, indices)`` ``[n_test, min(k, sum k_i)]`` sorted best first; equal values
-        are ordered by row index, so the merge equals one scan of the whole store.
-    """
-    if not parts:
-        raise InvalidArgumentError("merge_top_k: parts is empty; pass at least one "
-                                   "(values, indices) pair from top_k.")
-    values = torch.cat([v for v, _ in parts], dim=1)  # [n_test, sum k_i]
-    indices = torch.cat([i.to(torch.long) for _, i in parts], dim=1)
-    if values.shape != indices.shape:
-        raise InvalidArgumentError(
-            f"merge_top_k: values {list(values.shape)} and indices {list(indices.shape)} "
-            "differ in shape; pass the (values, indices) pairs top_k returned."
-        )
-    # Two stable sorts: by row, then by value; equal values keep the row order.
-    by_row = indices.argsort(dim=1, stable=True)
-    values, indices = values.gather(1, by_row), indices.gather(1, by_row)
-    by_value = values.argsort(dim=1, descending=largest, stable=True)[:, :k]
-    return values.gather(1, by_value), indices.gather(1, by_value)
 
 
 def gather_top_k(values: Tensor, indices: Tensor, k: int, *, largest: bool = True

@@ -194,7 +194,7 @@ def loss_from_model(
     The example (no batch dimension) gets a leading batch dimension of 1 on every leaf and is
     passed to ``model`` as it expects: a dict as keyword arguments, a tuple or list as
     positional arguments, a tensor as the one argument. Ready-made losses for language models
-    are in :mod:`tracinfunc.lm` (:func:`~tracinfunc.causal_lm_loss`,
+    are in :mod:`tracinfunc.lm.losses` (:func:`~tracinfunc.causal_lm_loss`,
     :func:`~tracinfunc.sequence_classification_loss`).
 
     Args:

@@ -31,7 +31,7 @@ import torch
 
 from tracinfunc.errors import InvalidTypeError
 from tracinfunc.projection.spec import Projection
-from tracinfunc.score import score, score_chunks, self_influence, top_k
+from tracinfunc.query.score import score, score_chunks, self_influence, top_k
 from tracinfunc.store.codes import dequantize, quantize
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.memory.quantized import QuantizedMemoryStore

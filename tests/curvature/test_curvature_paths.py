@@ -1,5 +1,5 @@
 """Every way to score a store takes ``curvature=`` and gives ``score(..., curvature=)``'s result:
-``score_chunks``, ``indexed_top_k`` (and the deprecated ``top_k(index=)``), the CLI's
+``score_chunks``, ``indexed_top_k``, the CLI's
 ``self-influence --curvature`` (issue 26). The reference is the float64 ``score`` path, itself
 checked against explicit solves in ``test_curvature.py``.
 """
@@ -71,10 +71,6 @@ def test_indexed_top_k_with_curvature_equals_exact_top_k(setup, kind, largest):
                                                   curvature=curvatures[kind])
     torch.testing.assert_close(values, expected_values)
     assert torch.equal(indices, expected_indices)
-    with pytest.warns(DeprecationWarning):
-        old_values, _ = tif.top_k(store, tests[kind], 4, index=index, nprobe=1, candidates=50,
-                                  largest=largest, curvature=curvatures[kind])
-    torch.testing.assert_close(old_values, expected_values)
 
 
 def test_indexed_top_k_refuses_a_curvature_of_another_store(setup):

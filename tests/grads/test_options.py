@@ -22,25 +22,15 @@ def setup():
     return loss, make_checkpoints(model), make_data(12)
 
 
-def test_deprecated_keywords_warn_with_the_removal_version_and_equal_the_options(setup):
+def test_the_0_1_keywords_are_gone_in_0_2(setup):
+    """0.2.0 removed the deprecated bare keywords: they are refused by Python, not forwarded."""
     loss, ckpts, data = setup
-    options = tif.GradientOptions(chunk_size=5, select=["2.weight", "2.bias"])
-    whole = tif.build_store(loss, ckpts, data, projection=PROJ, options=options)
-    with pytest.warns(DeprecationWarning, match=r"build_store\(chunk_size=\.\.\., select="
-                      r"\.\.\.\) is deprecated and will be removed in tracinfunc 0\.3\.0"):
-        keywords = tif.build_store(loss, ckpts, data, projection=PROJ, chunk_size=5,
-                                   select=["2.weight", "2.bias"])
-    assert whole.meta == keywords.meta
-    assert torch.equal(whole.read_rows(1, 0, 12), keywords.read_rows(1, 0, 12))
-    params = dict(ckpts[0].params)
-    with pytest.warns(DeprecationWarning, match=r"options=tif\.GradientOptions"):
-        old = tif.projected_grads(loss, PROJ, chunk_size=5, select=["2.weight", "2.bias"])
-    torch.testing.assert_close(tif.projected_grads(loss, PROJ, options=options)(params, data),
-                               old(params, data))
-    with pytest.warns(DeprecationWarning, match=r"^per_sample_grads\(chunk_size=\.\.\.\)"):
+    with pytest.raises(TypeError, match="chunk_size"):
+        tif.build_store(loss, ckpts, data, projection=PROJ, chunk_size=5)
+    with pytest.raises(TypeError, match="select"):
+        tif.projected_grads(loss, PROJ, select=["2.weight"])
+    with pytest.raises(TypeError, match="chunk_size"):
         tif.per_sample_grads(loss, chunk_size=5)
-    grads = tif.per_sample_grads(loss, options=options)(params, data)
-    assert sorted(grads) == ["2.bias", "2.weight"]
 
 
 def test_the_options_spelling_warns_nothing(setup, recwarn):
@@ -73,17 +63,11 @@ def test_bad_options_are_refused_when_made(field, value, message):
         tif.GradientOptions(**{field: value})
 
 
-def test_options_and_a_keyword_together_are_refused(setup):
-    loss, ckpts, data = setup
-    options = tif.GradientOptions(chunk_size=5)
-    with pytest.raises(tif.errors.InvalidArgumentError,
-                       match=r"build_store: got options= and also chunk_size=; put it into"):
-        tif.build_store(loss, ckpts, data, projection=PROJ, options=options, chunk_size=3)
+def test_options_of_the_wrong_type_are_refused(setup):
+    loss, _, _ = setup
     with pytest.raises(tif.errors.InvalidTypeError, match="projected_grads: options must be a "
                                                    "tracinfunc.GradientOptions, got dict"):
         tif.projected_grads(loss, PROJ, options={"chunk_size": 5})
-    # A keyword left at its default is no conflict.
-    tif.per_sample_grads(loss, options=options, chunk_size=None, offload=False)
 
 
 def test_a_bad_keyword_names_the_public_function(setup):

@@ -124,19 +124,11 @@ def test_top_k_index_argument_errors():
         tif.indexed_top_k(store, test, 3, index="grads.zarr.faiss")
 
 
-def test_top_k_with_an_index_is_a_deprecated_spelling_of_indexed_top_k():
+def test_top_k_has_no_index_mode_approximate_search_is_indexed_top_k():
     store = _store()
     index = tif.build_index(store, nlist=6)
-    test = _test_grads()
-    with pytest.warns(DeprecationWarning, match=r"removed in tracinfunc 0\.3\.0; use "
-                      r"tif\.indexed_top_k"):
-        old = tif.top_k(store, test, 3, index=index, nprobe=6)
-    new = tif.indexed_top_k(store, test, 3, index=index, nprobe=6)
-    assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
-    # The exact scan's options used to be silently ignored with an index: now refused.
-    with pytest.raises(tif.errors.InvalidArgumentError, match="chunk_rows, device apply to the "
-                       "exact scan only"), pytest.warns(DeprecationWarning):
-        tif.top_k(store, test, 3, index=index, device="cpu", chunk_rows=8)
+    with pytest.raises(TypeError, match="index"):
+        tif.top_k(store, _test_grads(), 3, index=index)
 
 
 def test_too_few_rows_in_the_searched_lists_says_raise_nprobe():

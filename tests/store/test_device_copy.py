@@ -15,10 +15,10 @@ import torch
 
 import tracinfunc as tif
 from tests.fake_device import FakeBackend
-from tracinfunc.store import stream as stream_module
+from tracinfunc.query import stream as stream_module
 from tracinfunc.store.device_copy import copy_through_ring
 
-score_module = importlib.import_module("tracinfunc.score")
+score_module = importlib.import_module("tracinfunc.query.score")
 
 
 def _host(fake: FakeBackend, pieces: int, *, rows: int = 5, k: int = 4, buffers: int = 2):

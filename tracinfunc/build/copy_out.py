@@ -42,12 +42,11 @@ from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import NonFiniteGradientError
 from tracinfunc.store.codes import to_stored
-from tracinfunc.store.device_copy import CopyBackend
+from tracinfunc.store.device_copy import CopyBackend, copy_backend
 from tracinfunc.store.memory.dense import MemoryWriter
 from tracinfunc.store.memory.pinned import PinnedWriter, pinned_empty
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import StoreWriter
-from tracinfunc.store.stream import copy_backend
 from tracinfunc.store.zarr.parts import PartWriter
 from tracinfunc.store.zarr.writer import ZarrWriter
 

@@ -37,11 +37,10 @@ from tracinfunc.errors import (
     TracInFuncError,
 )
 from tracinfunc.grads.options import GradientOptions, gradient_options
-from tracinfunc.grads.selection import Selection, selected_names
-from tracinfunc.grads.stages import Stages
+from tracinfunc.grads.selection import selected_names
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
-from tracinfunc.precondition import Preconditioner, check_preconditioners
+from tracinfunc.precondition.optimizer import Preconditioner, check_preconditioners
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
@@ -69,13 +68,6 @@ def build_store(
     progress: ProgressArg = None,
     preconditioners: Sequence[Preconditioner] | None = None,
     shard: tuple[int, int] | None = None,
-    chunk_size: int | None = None,
-    select: Selection | None = None,
-    mixed_precision: torch.dtype | None = None,
-    stages: Stages | None = None,
-    offload: bool = False,
-    memory_budget: int | None = None,
-    compile_projection: bool = False,
 ) -> GradientStore | StorePart:
     """Compute projected per-example gradients at every checkpoint and store them.
 
@@ -130,9 +122,6 @@ def build_store(
             returns the store. In-memory stores are built whole by every rank.
             With ``shard``, ``store`` may also be a callable ``(meta, shard) -> writer``,
             e.g. ``functools.partial(tif.store.PartWriter, path, shard_rows=4096)``.
-        chunk_size, select, mixed_precision, stages, offload, memory_budget,
-            compile_projection: Deprecated keywords (removed in 0.3.0; they warn): pass them
-            in ``options``.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.store.MemoryStore`,
@@ -152,10 +141,7 @@ def build_store(
     checkpoints = _check_checkpoints(checkpoints)
     check_ordered(data)
     check_projection(projection)
-    options = gradient_options(
-        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-        stages=stages, offload=offload, memory_budget=memory_budget,
-        compile_projection=compile_projection)
+    options = gradient_options(options)
     names = selected_names(checkpoints[0].params, options.select)
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = new_store_meta([(c.name, c.lr, c.fingerprint) for c in checkpoints], layout,

@@ -56,7 +56,7 @@ from tracinfunc.grads.options import GradientOptions
 from tracinfunc.grads.selection import last_layers
 from tracinfunc.grads.stages import Stages, model_stages
 from tracinfunc.projection.spec import Projection
-from tracinfunc.score import score, self_influence, top_k
+from tracinfunc.query.score import score, self_influence, top_k
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.zarr.parts import StorePart, check_shard, commit_store, read_parts

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.cli.spec import Spec, SpecError
-from tracinfunc.precondition import KINDS, Preconditioner
-from tracinfunc.training import load_recorded_checkpoints, load_recorded_preconditioners
+from tracinfunc.precondition.optimizer import KINDS, Preconditioner
+from tracinfunc.training.recorder import load_recorded_checkpoints, load_recorded_preconditioners
 
 __all__ = ["add_recorded_arguments", "recorded_checkpoints", "recorded_preconditioners"]
 

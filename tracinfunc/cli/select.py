@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from tracinfunc.cli.results import check_output_path, write_results
-from tracinfunc.data_selection import select_training_data
 from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.select.less import select_training_data
 
 __all__ = ["add_select_command"]
 

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from tracinfunc._queries import query_matrix
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc._version import __version__
 from tracinfunc.batches import iter_batches
@@ -36,6 +35,7 @@ from tracinfunc.grads.options import GradientOptions
 from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.projection import Projection, canonical_layout, kronecker_factors, make_projector
 from tracinfunc.projection.spec import check_projection
+from tracinfunc.query.prepared import query_matrix
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.protocols import GradientStore
@@ -71,7 +71,7 @@ def preconditioned_test_grads(
 
     Returns:
         A :class:`~tracinfunc.store.MemoryStore` ``[n_ckpt, n_test, k]`` to pass as ``test_grads``
-        (with or without ``curvature=``) to :func:`~tracinfunc.score` or ``top_k``.
+        (with or without ``curvature=``) to :func:`~tracinfunc.query.score` or ``top_k``.
 
     Raises:
         IncompatibleGradientsError: the curvature was fitted at other checkpoints, over

@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, LossFunctionError
-from tracinfunc.lm import IGNORE_INDEX, causal_lm_loss
+from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.types import Batch, LossFn, Params
 
@@ -160,7 +160,7 @@ def causal_lm_sampler(*, samples: int = 1) -> CausalLMSampler:
     return CausalLMSampler(samples)
 
 
-_CAUSAL_CRITERION = causal_lm_loss.__module__  # lm's criteria live in tracinfunc.lm
+_CAUSAL_CRITERION = causal_lm_loss.__module__  # lm's criteria live in tracinfunc.lm.losses
 
 
 def default_sampler(loss: LossFn) -> Sampler:

@@ -22,7 +22,7 @@ from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import InvalidTypeError
 from tracinfunc.evaluate.harness import RetrainResult
 from tracinfunc.evaluate.lds import lds
-from tracinfunc.score import score
+from tracinfunc.query.score import score
 from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["choose_damping_by_lds"]
@@ -48,7 +48,7 @@ def choose_damping_by_lds(
         curvature: Fitted for ``store`` (any kind); its damping is replaced per candidate.
         store: The training store ``[n_ckpt, n_train, k]`` the subsets index.
         test_grads: For ``"projected"``: the plain test gradients (a store or a tensor, as
-            :func:`~tracinfunc.score` takes them). For the full-space kinds, whose test
+            :func:`~tracinfunc.query.score` takes them). For the full-space kinds, whose test
             gradients depend on the damping: a function ``curvature -> test gradients``, e.g.
             ``lambda c: tif.preconditioned_test_grads(loss, ckpts, test, c,
             projection=store.projection)``.
@@ -56,7 +56,7 @@ def choose_damping_by_lds(
             the test examples of ``test_grads`` (``subsets [m, n_train]``, ``outputs
             [m, n_test]``).
         scales: Candidate multiples of each checkpoint's mean eigenvalue, positive.
-        normalize: Score with cosine TracIn, as :func:`~tracinfunc.score`.
+        normalize: Score with cosine TracIn, as :func:`~tracinfunc.query.score`.
         n_bootstrap: Bootstrap resamples of each candidate's LDS interval (0: none).
         device: Where to score.
 
@@ -67,7 +67,7 @@ def choose_damping_by_lds(
 
     Raises:
         IncompatibleGradientsError: the curvature or the test gradients belong to another
-            store (as :func:`~tracinfunc.score`).
+            store (as :func:`~tracinfunc.query.score`).
         InvalidArgumentError: bad candidates, or subsets/outputs that do not fit the scores
             (as :func:`~tracinfunc.evaluate.lds`).
     """

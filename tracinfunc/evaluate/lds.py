@@ -117,7 +117,7 @@ def lds(
     """Linear datamodeling score of attribution ``scores`` against retrained models.
 
     Args:
-        scores: Attribution scores ``[n_test, n_train]`` (e.g. :func:`tracinfunc.score`);
+        scores: Attribution scores ``[n_test, n_train]`` (e.g. :func:`tracinfunc.query.score`);
             larger means training on the example raises the measured output.
         subsets: Training subsets as masks ``[m, n_train]``, bool.
         outputs: The measurement of the model retrained on each subset, ``[m, n_test]``

@@ -51,8 +51,8 @@ from tracinfunc.grads.layer_rules import (
 )
 from tracinfunc.grads.selection import Selection, check_select, selected_names
 from tracinfunc.loss import ModuleLoss
-from tracinfunc.precondition import Preconditioner
-from tracinfunc.precondition_factored import preconditioned_sides
+from tracinfunc.precondition.factored import preconditioned_sides
+from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import (
     Projection,
     Projector,

@@ -8,12 +8,10 @@ functions also took until 0.2 still work, with a DeprecationWarning, until 0.3.0
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from tracinfunc._deprecations import warn_deprecated
 from tracinfunc._validate import check_bool, check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.grads.chunking import check_memory_budget, chunk_size_for_budget
@@ -98,36 +96,17 @@ class GradientOptions:
         return names, per_stage, chunk
 
 
-_DEFAULTS = {f.name: f.default for f in fields(GradientOptions)}
-
-
-def gradient_options(options: GradientOptions | None, **keywords: Any) -> GradientOptions:
-    """The options a public function was called with: ``options=`` whole, or, deprecated, its
-    keywords (``build_store(..., chunk_size=64)``), which warn and go in 0.3.0.
+def gradient_options(options: GradientOptions | None) -> GradientOptions:
+    """The options a public function was called with (``None``: the defaults).
 
     Raises:
         InvalidTypeError: ``options`` is not a GradientOptions.
-        InvalidArgumentError: ``options=`` together with a keyword set to a non-default value
-            (put it into the options instead).
     """
-    given = sorted(name for name, value in keywords.items() if value is not _DEFAULTS[name]
-                   and value != _DEFAULTS[name])
     if options is None:
-        if given:
-            spelled = ", ".join(f"{name}=..." for name in given)
-            warn_deprecated(f"{current_caller()}({spelled})",
-                            f"{current_caller()}(..., options=tif.GradientOptions({spelled}))",
-                            stacklevel=6)
-        return GradientOptions(**keywords)
+        return GradientOptions()
     if not isinstance(options, GradientOptions):
         raise InvalidTypeError(
             f"{current_caller()}: options must be a tracinfunc.GradientOptions, got "
             f"{type(options).__name__}; e.g. options=GradientOptions(chunk_size=64)."
-        )
-    if given:
-        raise InvalidArgumentError(
-            f"{current_caller()}: got options= and also {', '.join(given)}=; put "
-            f"{'them' if len(given) > 1 else 'it'} into the options, e.g. "
-            f"dataclasses.replace(options, {given[0]}=...)."
         )
     return options

@@ -37,10 +37,9 @@ from tracinfunc.errors import (
 from tracinfunc.grads.factorized import factorized_projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.precision import loss_scaled_grad, with_mixed_precision
-from tracinfunc.grads.selection import Selection
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
-from tracinfunc.precondition import Preconditioner
+from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.types import Batch, Example, LossFn, Params
@@ -54,12 +53,6 @@ def per_sample_grads(
     *,
     has_aux: bool = False,
     options: GradientOptions | None = None,
-    chunk_size: int | None = None,
-    select: Selection | None = None,
-    mixed_precision: torch.dtype | None = None,
-    stages: Stages | None = None,
-    offload: bool = False,
-    memory_budget: int | None = None,
 ) -> Callable[[Params, Batch], dict[str, Tensor]]:
     """Per-example gradients of ``loss`` with respect to ``params``: ``vmap(grad(loss))``.
 
@@ -75,8 +68,6 @@ def per_sample_grads(
             (stage by stage, recomputing each stage's forward; checked against ``loss`` on
             the first call) and ``memory_budget`` (chooses ``chunk_size``; the output, ``b``
             full gradients, is not bounded by it: use :func:`projected_grads` for that).
-        chunk_size, select, mixed_precision, stages, offload, memory_budget: Deprecated
-            keywords (removed in 0.3.0; they warn): pass them in ``options``.
 
     Returns:
         ``fn(params, batch) -> {name: [b, *shape]}`` for the selected parameters; with
@@ -86,9 +77,7 @@ def per_sample_grads(
         >>> psg = per_sample_grads(loss)
         >>> grads = psg(params, (x, y))   # {"fc.weight": [b, out, in], ...}
     """
-    options = gradient_options(
-        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-        stages=stages, offload=offload, memory_budget=memory_budget)
+    options = gradient_options(options)
     _check_has_aux(has_aux, options)
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -116,13 +105,6 @@ def projected_grads(
     has_aux: bool = False,
     options: GradientOptions | None = None,
     precondition: Preconditioner | None = None,
-    chunk_size: int | None = None,
-    select: Selection | None = None,
-    mixed_precision: torch.dtype | None = None,
-    stages: Stages | None = None,
-    offload: bool = False,
-    memory_budget: int | None = None,
-    compile_projection: bool = False,
 ) -> Callable[[Params, Batch], Tensor]:
     """Per-example gradients projected to ``k`` dimensions, the projection fused inside vmap.
 
@@ -143,9 +125,6 @@ def projected_grads(
             gradient); ``memory_budget`` counts the gradients and their temporaries;
             ``compile_projection`` generates dense blocks with ``torch.compile`` (same
             numbers, ~9x faster generation after a one-off compile).
-        chunk_size, select, mixed_precision, stages, offload, memory_budget,
-            compile_projection: Deprecated
-            keywords (removed in 0.3.0; they warn): pass them in ``options``.
         precondition: A :class:`~tracinfunc.Preconditioner` (optimizer-aware TracIn)
             applied to each example's gradient before the projection, for training
             gradients only. Exact (per-element) ones use the generic path (also for
@@ -162,10 +141,7 @@ def projected_grads(
         >>> fn = projected_grads(loss, Projection(dim=512), options=opts)
     """
     check_projection(projection)
-    options = gradient_options(
-        options, chunk_size=chunk_size, select=select, mixed_precision=mixed_precision,
-        stages=stages, offload=offload, memory_budget=memory_budget,
-        compile_projection=compile_projection)
+    options = gradient_options(options)
     _check_has_aux(has_aux, options)
     _check_precondition(precondition, options)
     if (projection.kind == "kronecker" and replace(options, select=None).plain()

@@ -62,7 +62,7 @@ def preconditioned_test_grads(
 
     Returns:
         A :class:`~tracinfunc.store.MemoryStore` ``[n_ckpt, n_test, k]`` (float32 for float32
-        parameters) to pass with ``curvature=`` to :func:`~tracinfunc.score`, ``top_k``,
+        parameters) to pass with ``curvature=`` to :func:`~tracinfunc.query.score`, ``top_k``,
         ``score_chunks`` or ``indexed_top_k``.
 
     Raises:

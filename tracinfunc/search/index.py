@@ -4,7 +4,7 @@ Row ``i`` of the index is ``concat_c(sqrt|lr_c| * train_c[i])`` and a query is
 ``concat_c(sign(lr_c) * sqrt|lr_c| * test_c)``, so ``<query, row_i>`` is
 ``sum_c lr_c * <test_c, train_c[i]>``: the TracIn score, negative learning rates included.
 With ``normalize=True`` every checkpoint's rows (and the query's) are unit-normalised first,
-exactly as :func:`tracinfunc.score` does for cosine TracIn.
+exactly as :func:`tracinfunc.query.score` does for cosine TracIn.
 
 On disk an index is a directory (by default beside a Zarr store: ``grads.zarr.faiss/``)::
 
@@ -220,7 +220,7 @@ def build_index(
             ``indexed_top_k``'s default, recorded with the recall measured in
             ``SearchIndex.calibration`` and ``meta.json``. A ``UserWarning`` says so when
             no setting reaches it. ``None``: no calibration (``nprobe = nlist // 16``).
-        progress: Progress bar over the rows added (as in :func:`tracinfunc.score`).
+        progress: Progress bar over the rows added (as in :func:`tracinfunc.query.score`).
 
     Returns:
         A :class:`SearchIndex`; pass it as ``top_k(store, test_grads, index=...)``.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc._queries import compute_dtype, query_matrix
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.queries import precondition_test_grads
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
+from tracinfunc.query.prepared import compute_dtype, query_matrix
 from tracinfunc.search.binding import meta_fingerprint
 from tracinfunc.search.index import SearchIndex, import_faiss
 from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
@@ -57,7 +57,7 @@ def indexed_top_k(
         candidates: Rows fetched per test example and re-ranked (default
             ``index.candidates(k)``: ``rerank * k`` with the calibrated ``rerank``, else
             ``max(2 * k, 16)``, ``max(10 * k, 100)`` for ``"ivf_pq"``; at most ``n_train``).
-        curvature: As in :func:`tracinfunc.score`: the index is searched with the
+        curvature: As in :func:`tracinfunc.query.score`: the index is searched with the
             preconditioned queries and the candidates re-ranked by curvature-aware scores
             (the index of the store serves both, as the store does).
 

@@ -1,6 +1,6 @@
 """Host-to-device copies through a ring of ``depth`` device buffers, over a small backend.
 
-The schedule that :func:`~tracinfunc.store.stream.stream_rows` runs on a GPU, written once
+The schedule that :func:`~tracinfunc.query.stream.stream_rows` runs on a GPU, written once
 against :class:`CopyBackend` (streams, events, buffers) so that a CPU test can drive it with a
 fake backend whose copies land only when their events complete
 (``tests/fake_device.py``). For piece ``i`` in ring slot ``s = i % depth``:
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CopyBackend", "CudaBackend", "copy_through_ring"]
+__all__ = ["CopyBackend", "CudaBackend", "copy_backend", "copy_through_ring"]
 
 Piece = tuple[int, int, int]  # (ckpt, start, stop)
 Rows = Tensor | tuple[Tensor, ...]  # rows, or parts with rows first (codes and scales)
@@ -138,3 +138,8 @@ def _release(backend: CopyBackend, pending: tuple[Callable[[], None], Any]) -> N
     release, copied = pending
     backend.synchronize(copied)
     release()
+
+
+def copy_backend(device: torch.device) -> CopyBackend | None:
+    """The asynchronous copy backend of ``device``: CUDA's, or ``None`` (plain copies)."""
+    return CudaBackend(device) if device.type == "cuda" else None

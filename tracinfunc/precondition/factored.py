@@ -47,7 +47,7 @@ def factored_terms(kind: str, state, like: Tensor) -> FactoredTerms:
 
     Args:
         kind: ``"adam"`` or ``"trackstar"``.
-        state: Its :class:`~tracinfunc.precondition.AdamState`.
+        state: Its :class:`~tracinfunc.precondition.optimizer.AdamState`.
         like: A tensor of the wanted device and dtype.
     """
     shape = state.exp_avg_sq.shape

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc.store.codes import code_dtype, code_width, dequantize
-from tracinfunc.store.device_copy import CopyBackend, CudaBackend, Rows, copy_through_ring
+from tracinfunc.store.device_copy import CopyBackend, Rows, copy_backend, copy_through_ring
 from tracinfunc.store.memory.pinned import pinned_empty
 from tracinfunc.store.protocols import (
     GradientStore,
@@ -131,11 +131,6 @@ def _dequantized_on_device(store: GradientStore, pieces: Sequence[Piece], device
             yield piece, dequantize(codes, scales, meta.quantization, meta.k)
     finally:
         host.close()
-
-
-def copy_backend(device: torch.device) -> CopyBackend | None:
-    """The asynchronous copy backend of ``device``: CUDA's, or ``None`` (plain copies)."""
-    return CudaBackend(device) if device.type == "cuda" else None
 
 
 def _is_pinned(tensor: Tensor) -> bool:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
-from tracinfunc.top_examples import TopExamples
+from tracinfunc.select.top_examples import TopExamples
 
 __all__ = ["DataSelection", "less_scores", "select_training_data"]
 

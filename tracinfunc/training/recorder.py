@@ -32,13 +32,6 @@ import torch
 from torch import nn
 
 from tracinfunc._devices import module_device
-from tracinfunc._recording import (
-    FrozenReference,
-    StepLrs,
-    load_checkpoint,
-    trained_names,
-    trained_state,
-)
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import (
@@ -46,7 +39,14 @@ from tracinfunc.errors import (
     InvalidTypeError,
     MissingDependencyError,
 )
-from tracinfunc.precondition import Preconditioner, optimizer_param_names
+from tracinfunc.precondition.optimizer import Preconditioner, optimizer_param_names
+from tracinfunc.training.manifest import (
+    FrozenReference,
+    StepLrs,
+    load_checkpoint,
+    trained_names,
+    trained_state,
+)
 
 __all__ = [
     "MANIFEST",

@@ -34,7 +34,7 @@ from tracinfunc.errors import (
     MissingParametersError,
     TracInFuncError,
 )
-from tracinfunc.precondition_factored import (
+from tracinfunc.precondition.factored import (
     FactoredTerms,
     apply_factored,
     factored_terms,
@@ -94,7 +94,7 @@ class Preconditioner:
     gradient factors, so with an exact preconditioner ``projected_grads`` materialises each
     example's gradient and projects it with the same Kronecker matrix (generic path). With
     ``factored=True`` (:meth:`as_factored`) matrix parameters use Adam's second moment in
-    Adafactor's row/column form (:mod:`tracinfunc.precondition_factored`), which keeps the
+    Adafactor's row/column form (:mod:`tracinfunc.precondition.factored`), which keeps the
     factorised path (vectors keep the exact diagonal); every path gives the same rows.
 
     Attributes:
@@ -153,7 +153,7 @@ class Preconditioner:
 
     def factored_terms(self, name: str, like: Tensor) -> FactoredTerms:
         """``(a [r], b [c], g_scale, offset)`` of matrix parameter ``name`` (see
-        :func:`~tracinfunc.precondition_factored.factored_terms`), cached per device/dtype."""
+        :func:`~tracinfunc.precondition.factored.factored_terms`), cached per device/dtype."""
         key = ("factored", name, like.device, like.dtype)
         if key not in self._moved:
             self._moved[key] = factored_terms(self.kind, self.state[name], like)

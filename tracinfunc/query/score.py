@@ -3,7 +3,7 @@
 Every reduction walks the store in row chunks; for each chunk it accumulates
 ``sum_c lr_c * test_c @ train_c.T`` over checkpoints in float32 (float64 for float64 stores)
 and hands the ``[n_test, rows]`` block to a reduction (write into the full matrix, merge a
-running top-k, ...). Rows are streamed by :func:`tracinfunc.store.stream.stream_rows`
+running top-k, ...). Rows are streamed by :func:`tracinfunc.query.stream.stream_rows`
 (background reads into reusable buffers, asynchronous copies to a GPU), so extra memory is a
 few chunks plus the output, never the store.
 """
@@ -15,30 +15,27 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from tracinfunc._deprecations import warn_deprecated
 from tracinfunc._devices import canonical_device, check_device_memory, full_float32
-from tracinfunc._queries import (
+from tracinfunc._validate import check_int, entry_point
+from tracinfunc.curvature.queries import curvature_self_influence, precondition_test_grads
+from tracinfunc.curvature.value import Curvature
+from tracinfunc.errors import (
+    InvalidArgumentError,
+)
+from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
+from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.query.merge import merge_top_k
+from tracinfunc.query.prepared import (
     check_not_empty,
     check_test_shape,
     check_test_type,
     compute_dtype,
     query_matrix,
 )
-from tracinfunc._validate import check_int, entry_point
-from tracinfunc.curvature.queries import curvature_self_influence, precondition_test_grads
-from tracinfunc.curvature.value import Curvature
-from tracinfunc.distributed import merge_top_k
-from tracinfunc.errors import (
-    InvalidArgumentError,
-)
-from tracinfunc.interop import resolve_output, tensor_if_array, to_framework
-from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.search.index import SearchIndex
-from tracinfunc.search.rerank import indexed_top_k
+from tracinfunc.query.rows import row_range
+from tracinfunc.query.stream import compute_threads, stream_rows
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore, SupportsRowViews, aligned_rows
-from tracinfunc.store.rowrange import row_range
-from tracinfunc.store.stream import compute_threads, stream_rows
 
 __all__ = ["score", "score_chunks", "self_influence", "top_k"]
 
@@ -144,9 +141,6 @@ def top_k(
     progress: ProgressArg = None,
     output: str | None = None,
     like: object = None,
-    index: SearchIndex | None = None,
-    nprobe: int | None = None,
-    candidates: int | None = None,
     rows: tuple[int, int] | None = None,
     curvature: Curvature | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -171,8 +165,6 @@ def top_k(
         rows: ``(start, stop)``: scan only training rows ``[start, stop)``; the partial
             results of workers merge exactly with :func:`tracinfunc.distributed.merge_top_k`
             (or :func:`tracinfunc.distributed.gather_top_k` under torchrun).
-        index, nprobe, candidates: Deprecated (removed in 0.3.0): an approximate search is
-            :func:`tracinfunc.indexed_top_k`. Given, they warn and forward to it.
         curvature: As in :func:`score`.
 
     Returns:
@@ -190,13 +182,6 @@ def top_k(
     n_train = store.meta.n_train
     check_int(k, "k", maximum=n_train, maximum_label="n_train",
               fix="for every training example use tif.score and sort")
-    if index is not None or nprobe is not None or candidates is not None:
-        values, indices = _deprecated_indexed_top_k(
-            store, test_grads, k, index=index, nprobe=nprobe, candidates=candidates,
-            largest=largest, normalize=normalize, exact_only={
-                "device": device, "chunk_rows": chunk_rows, "progress": progress,
-                "rows": rows})
-        return to_framework(values, framework), to_framework(indices, framework)
     options = {"largest": largest, "normalize": normalize, "device": device,
                "chunk_rows": chunk_rows, "progress": progress}
     n_test = _n_test(test_grads)
@@ -207,28 +192,6 @@ def top_k(
                               offset, **options) for lo in range(0, n_test, _MAX_QUERY_BLOCK)]
         values, indices = (torch.cat(list(column)) for column in zip(*parts, strict=True))
     return to_framework(values, framework), to_framework(indices, framework)
-
-
-def _deprecated_indexed_top_k(store: GradientStore, test_grads: GradientStore | Tensor, k: int,
-                              *, index: SearchIndex | None, exact_only: dict[str, object],
-                              **search: object) -> tuple[Tensor, Tensor]:
-    """``top_k(index=...)``, the old spelling of :func:`~tracinfunc.indexed_top_k`."""
-    warn_deprecated("top_k(index=..., nprobe=..., candidates=...)",
-                    "tif.indexed_top_k(store, test_grads, k, index=...)", stacklevel=5)
-    if index is None:
-        raise InvalidArgumentError(
-            "top_k: nprobe and candidates apply only to an approximate search; call "
-            "tif.indexed_top_k(store, test_grads, k, index=tif.build_index(store)), or drop "
-            "them for the exact scan."
-        )
-    ignored = sorted(name for name, value in exact_only.items() if value is not None)
-    if ignored:
-        raise InvalidArgumentError(
-            f"top_k: {', '.join(ignored)} apply to the exact scan only, not to a search "
-            "through an index (whose results are on the CPU, re-ranked from the store); drop "
-            "them, or drop index= for the exact scan."
-        )
-    return indexed_top_k(store, test_grads, k, index=index, **search)
 
 
 def _n_test(test_grads: object) -> int:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
-from tracinfunc.lm import completion_labels
+from tracinfunc.lm.losses import completion_labels
 
 __all__ = ["completion_batch", "completion_collator", "generation_batch"]
 

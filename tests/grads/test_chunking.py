@@ -66,7 +66,8 @@ def test_memory_budget_bounds_peak_memory():
         x = torch.randn(256, 1000)
         def loss(params, x):
             return (params["w"] @ x).tanh().sum()
-        fn = tif.projected_grads(loss, tif.Projection(dim=4, seed=0), memory_budget=128 * 2**20)
+        fn = tif.projected_grads(loss, tif.Projection(dim=4, seed=0),
+                            options=tif.GradientOptions(memory_budget=128 * 2**20))
         fn(w, x[:1])  # fixed costs: projection blocks, vmap set-up
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
         assert fn(w, x).shape == (256, 4)

@@ -75,9 +75,6 @@ def test_a_bad_keyword_names_the_public_function(setup):
     with pytest.raises(tif.errors.InvalidArgumentError,
                        match="^GradientOptions: chunk_size must"):
         tif.GradientOptions(chunk_size=0)
-    with pytest.raises(tif.errors.InvalidArgumentError, match="^build_store: chunk_size must"), \
-            pytest.warns(DeprecationWarning):
-        tif.build_store(loss, ckpts, data, projection=PROJ, chunk_size=0)
     with pytest.raises(tif.errors.ParameterSelectionError,
                        match="^projected_grads: select entries"):
         tif.projected_grads(loss, PROJ, options=tif.GradientOptions(select=["nope"]))(

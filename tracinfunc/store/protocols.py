@@ -7,6 +7,8 @@ separate ``Protocol``s (zarr ``storage/_protocols.py``) that code tests with ``i
 from __future__ import annotations
 
 import operator
+import os
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -36,9 +38,54 @@ __all__ = [
 ]
 
 
+# The function behind GradientStore.open. The Zarr backend registers it when it is imported;
+# importing this module imports the tracinfunc.store package first, which imports the backend,
+# so it is always set before anyone can call GradientStore.open.
+_OPENER: Callable[..., Any] | None = None
+
+
+def _set_opener(opener: Callable[..., Any]) -> None:
+    global _OPENER
+    _OPENER = opener
+
+
+class _OpenableProtocol(type(Protocol)):  # type: ignore[misc]
+    """The metaclass that gives ``GradientStore`` its ``open``: defined on the metaclass, the
+    opener is an attribute of the class object only. It is not a protocol member (those come
+    from the class body), so ``isinstance(store, GradientStore)`` still asks for ``meta``,
+    ``read_rows`` and ``read_norms`` alone, and stores never inherit an ``open`` method."""
+
+    def open(cls, path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> Any:
+        """Reopen a finished gradient store read-only: a local directory or a URL
+        (``s3://bucket/grads.zarr``), in any process.
+
+        Args:
+            path: Where ``build_store(..., store=path)``, ``save_store`` or ``tracinfunc
+                build --out`` wrote the store.
+            allow_unsealed: Open a finished store that has no seal (written before seals,
+                or with its seal removed), with a warning: its metadata and file placement
+                are then unchecked. Re-save it with :func:`~tracinfunc.save_store`.
+
+        Returns:
+            A read-only :class:`~tracinfunc.store.ZarrStore` ``[n_ckpt, n_train, k]``.
+
+        Raises:
+            StoreNotFoundError: no store at ``path``.
+            IncompleteStoreError: the build that wrote it was interrupted (resume it).
+            CorruptStoreError: the metadata or arrays do not describe a valid store.
+        """
+        if _OPENER is None:  # unreachable through any import of tracinfunc.store
+            raise RuntimeError("GradientStore.open: the Zarr backend did not register")
+        return _OPENER(path, allow_unsealed=allow_unsealed)
+
+
 @runtime_checkable
-class GradientStore(Protocol):
+class GradientStore(Protocol, metaclass=_OpenableProtocol):
     """Read-only projected training gradients, ``[n_ckpt, n_train, k]``, plus row norms.
+
+    ``GradientStore.open("grads.zarr")`` reopens a store written to disk or object storage
+    (see :meth:`_OpenableProtocol.open`); the store's metadata is checked on every query, so
+    a mismatched query fails loudly.
 
     The protocol is deliberately small: metadata and reading a row range of one checkpoint.
     Everything else (scoring, conversions) is a free function over it, so bringing your own

@@ -13,7 +13,7 @@ from tracinfunc._validate import current_caller
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.protocols import GradientStore, aligned_rows
+from tracinfunc.store.protocols import GradientStore, _set_opener, aligned_rows
 from tracinfunc.store.zarr.layout import open_group, read_meta
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.store import ZarrStore
@@ -42,6 +42,9 @@ def open_store(path: str | os.PathLike[str], *, allow_unsealed: bool = False) ->
         CorruptStoreError: the metadata or arrays do not describe a valid store.
     """
     return ZarrStore(path, allow_unsealed=allow_unsealed)
+
+
+_set_opener(open_store)  # GradientStore.open is this function (one implementation)
 
 
 def read_store_meta(path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> StoreMeta:

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import calling, current_caller
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -76,7 +76,8 @@ class _OpenableProtocol(type(Protocol)):  # type: ignore[misc]
         """
         if _OPENER is None:  # unreachable through any import of tracinfunc.store
             raise RuntimeError("GradientStore.open: the Zarr backend did not register")
-        return _OPENER(path, allow_unsealed=allow_unsealed)
+        with calling("GradientStore.open"):  # errors name the door the user used
+            return _OPENER(path, allow_unsealed=allow_unsealed)
 
 
 @runtime_checkable

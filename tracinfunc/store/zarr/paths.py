@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.meta import StoreMeta
@@ -24,6 +24,7 @@ __all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
 _VERIFY_BYTES = 64 * 2**20  # rows read at once by verify_store
 
 
+@entry_point("open_store")
 def open_store(path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> ZarrStore:
     """Reopen a finished Zarr gradient store read-only, in any process.
 

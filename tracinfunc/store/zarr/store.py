@@ -92,14 +92,14 @@ class ZarrStore(StoreProperties):
         path = location(path)  # a local directory, or an fsspec URL such as s3://b/grads.zarr
         if not exists(path, "zarr.json"):
             raise StoreNotFoundError(
-                f"ZarrStore: no zarr store at {str(path)!r}; write one with "
+                f"{current_caller()}: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
             )
         group = open_group(path, mode="r")
         meta = read_meta(group, path, allow_unsealed=allow_unsealed)
         if not meta.complete:
             raise IncompleteStoreError(
-                f"ZarrStore: the store at {str(path)!r} is incomplete ({meta.n_train} rows "
+                f"{current_caller()}: the store at {str(path)!r} is incomplete ({meta.n_train} rows "
                 "written): the build that wrote it was interrupted. Resume it by calling "
                 "build_store again with the same arguments and store=path, or delete it."
             )
@@ -115,7 +115,7 @@ class ZarrStore(StoreProperties):
         for array, shape, dtype in expected:
             if tuple(array.shape) != shape or array.dtype != dtype:
                 raise CorruptStoreError(
-                    f"ZarrStore: array {array.path} of {str(path)!r} is {array.shape} "
+                    f"{current_caller()}: array {array.path} of {str(path)!r} is {array.shape} "
                     f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
                     "damaged or was edited by hand."
                 )
@@ -240,7 +240,7 @@ def _guard(path: Path | str, group: zarr.Group, meta: StoreMeta,
     if files == {} and meta.n_ckpt:  # sealed before stores on object storage had manifests
         if not allow_unsealed:
             raise CorruptStoreError(
-                f"ZarrStore: {str(path)!r} was sealed without a manifest of its objects (by "
+                f"{current_caller()}: {str(path)!r} was sealed without a manifest of its objects (by "
                 "tracinfunc before 0.2, or the manifest was removed), so the placement of its "
                 "shard objects and its array metadata cannot be checked. If you trust it, open "
                 "it with tif.open_store(path, allow_unsealed=True) and re-save it with "
@@ -289,7 +289,7 @@ def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[z
         return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
     except (KeyError, ValueError, TypeError) as error:
         raise CorruptStoreError(
-            f"ZarrStore: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
+            f"{current_caller()}: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
             f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."
         ) from error
 

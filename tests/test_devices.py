@@ -187,8 +187,8 @@ def test_full_float32_restores_on_error(tf32_on):
 def test_a_row_range_of_an_in_memory_store_streams_views_without_a_copy(stores, monkeypatch):
     # Issue 23 item 13: rows= on an in-memory (or pinned) store read through buffers (a copy
     # per piece, and on a GPU a pinned staging copy) instead of lending views.
-    from tracinfunc.query.rows import row_range
     from tracinfunc.query import stream as stream_module
+    from tracinfunc.query.rows import row_range
     from tracinfunc.store.protocols import SupportsRowViews
 
     store, test_store = stores

@@ -80,10 +80,28 @@ def make_writer(target: StoreTarget, meta: StoreMeta) -> StoreWriter:
 
 def writes_to_disk(target: StoreTarget) -> bool:
     """Whether ``store=target`` writes a Zarr store on disk, so that torchrun ranks split it
-    into parts (in-memory stores, such as test gradients, are built whole by every rank)."""
-    if isinstance(target, functools.partial):
-        return target.func is PartWriter
-    return isinstance(target, str | os.PathLike) and target not in ("memory", "pinned")
+    into parts (in-memory stores, such as test gradients, are built whole by every rank).
+
+    Decided by what the target writes, not by how it is spelled: a path, or a
+    ``functools.partial`` (nested or not) of :class:`ZarrWriter` or :class:`PartWriter`. Any
+    other callable is the user's own writer factory, which every rank calls.
+    """
+    if isinstance(target, str | os.PathLike):
+        return target not in ("memory", "pinned")
+    return _zarr_partial(target) is not None
+
+
+def _zarr_partial(target: object) -> tuple[type, tuple, dict] | None:
+    """``(writer class, positional args, keywords)`` of a partial, however deeply nested, of
+    a Zarr writer class; ``None`` for anything else."""
+    args: tuple = ()
+    keywords: dict = {}
+    while isinstance(target, functools.partial):  # partial(partial(f, a), b) == f(a, b)
+        args, keywords = target.args + args, {**target.keywords, **keywords}
+        target = target.func
+    if isinstance(target, type) and issubclass(target, ZarrWriter | PartWriter):
+        return target, args, keywords
+    return None
 
 
 def make_part_writer(target: StoreTarget, meta: StoreMeta, shard: object) -> PartWriter:
@@ -98,6 +116,19 @@ def make_part_writer(target: StoreTarget, meta: StoreMeta, shard: object) -> Par
     shard = check_shard(shard)
     if isinstance(target, str | os.PathLike):
         return PartWriter(target, meta, shard)
+    decoded = _zarr_partial(target)
+    if decoded is not None and issubclass(decoded[0], ZarrWriter):
+        # A whole-store writer's options make the part writer: the same store, split.
+        _, args, keywords = decoded
+        if "path" in keywords:
+            args = (keywords.pop("path"), *args)
+        if keywords.pop("overwrite", False):
+            raise InvalidArgumentError(
+                f"{current_caller('build_store')}: a build split into parts (shard=, or "
+                "torchrun) cannot overwrite a store; remove the old one first with "
+                "tif.remove_store(path), then build."
+            )
+        return PartWriter(*args, meta, shard, **keywords)
     if callable(target) and not isinstance(target, type):
         return target(meta, shard)
     raise InvalidArgumentError(

@@ -207,7 +207,8 @@ def _check_inside(root: Path, name: object) -> None:
     parts = name.split("/") if isinstance(name, str) else [".."]
     if not all(_NAME.fullmatch(part) and part not in (".", "..") for part in parts):
         raise CorruptStoreError(
-            f"{current_caller()}: the metadata of {str(root)!r} lists the file {name!r}, which is not a "
+            f"{current_caller()}: "
+            f"the metadata of {str(root)!r} lists the file {name!r}, which is not a "
             "plain path inside the store (it would point outside); the metadata was edited. "
             "Rebuild the store or restore it from a copy."
         )

@@ -99,7 +99,8 @@ class ZarrStore(StoreProperties):
         meta = read_meta(group, path, allow_unsealed=allow_unsealed)
         if not meta.complete:
             raise IncompleteStoreError(
-                f"{current_caller()}: the store at {str(path)!r} is incomplete ({meta.n_train} rows "
+                f"{current_caller()}: "
+                f"the store at {str(path)!r} is incomplete ({meta.n_train} rows "
                 "written): the build that wrote it was interrupted. Resume it by calling "
                 "build_store again with the same arguments and store=path, or delete it."
             )
@@ -240,7 +241,8 @@ def _guard(path: Path | str, group: zarr.Group, meta: StoreMeta,
     if files == {} and meta.n_ckpt:  # sealed before stores on object storage had manifests
         if not allow_unsealed:
             raise CorruptStoreError(
-                f"{current_caller()}: {str(path)!r} was sealed without a manifest of its objects (by "
+                f"{current_caller()}: "
+                f"{str(path)!r} was sealed without a manifest of its objects (by "
                 "tracinfunc before 0.2, or the manifest was removed), so the placement of its "
                 "shard objects and its array metadata cannot be checked. If you trust it, open "
                 "it with tif.open_store(path, allow_unsealed=True) and re-save it with "
@@ -289,7 +291,8 @@ def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[z
         return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
     except (KeyError, ValueError, TypeError) as error:
         raise CorruptStoreError(
-            f"{current_caller()}: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
+            f"{current_caller()}: "
+            f"{str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
             f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."
         ) from error
 

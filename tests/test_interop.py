@@ -14,10 +14,14 @@ import torch
 import tracinfunc as tif
 from tracinfunc._validate import calling
 from tracinfunc.interop import (
-    aligned_empty,
+    _aligned_empty as aligned_empty,
+)
+from tracinfunc.interop import (
+    _is_aligned as is_aligned,
+)
+from tracinfunc.interop import (
     as_tensor,
     framework_of,
-    is_aligned,
     resolve_output,
     to_framework,
 )

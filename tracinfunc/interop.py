@@ -7,7 +7,7 @@ the copy for you:
 
 * JAX on the CPU imports only buffers aligned to 64 bytes: a tensor view that starts inside
   its storage (``t[1:]``) or a non-contiguous one is first copied into a fresh buffer from
-  :func:`aligned_empty`. Tensors from ``torch.empty`` and everything tracinfunc returns are
+  :func:`_aligned_empty`. Tensors from ``torch.empty`` and everything tracinfunc returns are
   already aligned, so they go across without a copy.
 * JAX cannot import page-locked ("pinned") torch memory (DLPack calls it ``kDLCUDAHost``):
   pinned tensors are copied to ordinary aligned memory first.
@@ -34,10 +34,8 @@ from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 __all__ = [
     "ALIGNMENT",
     "FRAMEWORKS",
-    "aligned_empty",
     "as_tensor",
     "framework_of",
-    "is_aligned",
     "resolve_output",
     "tensor_if_array",
     "to_framework",
@@ -156,7 +154,7 @@ def to_framework(tensor: Tensor, framework: str) -> Any:
     )
 
 
-def aligned_empty(
+def _aligned_empty(
     shape: Sequence[int], dtype: torch.dtype = torch.float32, *, alignment: int = ALIGNMENT
 ) -> Tensor:
     """An uninitialised contiguous CPU tensor whose first byte is ``alignment``-aligned.
@@ -173,7 +171,7 @@ def aligned_empty(
     return raw[offset : offset + numel * itemsize].view(dtype).view(shape)
 
 
-def is_aligned(tensor: Tensor, alignment: int = ALIGNMENT) -> bool:
+def _is_aligned(tensor: Tensor, alignment: int = ALIGNMENT) -> bool:
     """Whether ``tensor``'s first element sits on an ``alignment``-byte boundary."""
     return tensor.data_ptr() % alignment == 0
 
@@ -191,9 +189,9 @@ def _to_jax(tensor: Tensor) -> Any:
     if tensor.device.type != "cpu" and not _jax_has(jax, tensor.device.type):
         tensor = tensor.cpu()  # a CPU-only JAX cannot see this device
     if tensor.device.type == "cpu" and (
-        _is_pinned(tensor) or not tensor.is_contiguous() or not is_aligned(tensor)
+        _is_pinned(tensor) or not tensor.is_contiguous() or not _is_aligned(tensor)
     ):
-        tensor = aligned_empty(tensor.shape, tensor.dtype).copy_(tensor)
+        tensor = _aligned_empty(tensor.shape, tensor.dtype).copy_(tensor)
     with _exporting_from(tensor):
         return jax.dlpack.from_dlpack(tensor.contiguous())
 

@@ -12,7 +12,7 @@ import tracinfunc as tif
 from tests.conftest import make_checkpoints, make_convnet, make_data, make_mlp
 from tests.lm_helpers import explicit_kronecker as explicit_kronecker_of
 from tests.reference import loop_grads
-from tracinfunc.grads.factorized import factorizable_layers
+from tracinfunc.grads.layer_rules import layer_rule
 
 SPEC = tif.Projection(dim=12, seed=5, kind="kronecker")
 
@@ -228,3 +228,20 @@ def test_kronecker_with_memory_options_takes_the_generic_path_to_the_same_rows(t
     reopened = tif.open_store(str(tmp_path / "k.zarr"))
     assert reopened.projection == SPEC and torch.equal(reopened.read_rows(0, 0, 9),
                                                        store.read_rows(0, 0, 9))
+
+
+def factorizable_layers(module: nn.Module, params: Params) -> list[str]:
+    """(A test helper.) Names of the weights in ``params`` applied by a factorisable layer of ``module``.
+
+    A static look at the module tree (:func:`factorized_weights` runs the loss and is the
+    authority): exactly ``nn.Linear``, HF ``Conv1D``, ``nn.Conv2d`` (``groups=1``, numeric
+    zero padding) and ``nn.Embedding`` (no ``max_norm``), whose weight is in ``params``.
+    """
+    names = {id(value): name for name, value in module.named_parameters()}
+    found = set()
+    for _, sub in module.named_modules(remove_duplicate=False):
+        name = names.get(id(getattr(sub, "weight", None)))
+        if name in params and layer_rule(sub) is not None:
+            found.add(name)
+    return sorted(found)
+

@@ -62,7 +62,7 @@ from tracinfunc.projection import (
 )
 from tracinfunc.types import Batch, Example, LossFn, Params
 
-__all__ = ["factorizable_layers", "factorized_projected_grads", "factorized_weights"]
+__all__ = ["factorized_projected_grads", "factorized_weights"]
 
 
 class _Plan:
@@ -308,20 +308,3 @@ def factorized_weights(loss: LossFn, params: Params, example: Example, *,
         warnings.simplefilter("ignore")
         plan = _plan_for({}, selected_loss, any_kronecker, chosen, example)
     return sorted(plan.weights)
-
-
-def factorizable_layers(module: nn.Module, params: Params) -> list[str]:
-    """Names of the weights in ``params`` applied by a factorisable layer of ``module``.
-
-    A static look at the module tree (:func:`factorized_weights` runs the loss and is the
-    authority): exactly ``nn.Linear``, HF ``Conv1D``, ``nn.Conv2d`` (``groups=1``, numeric
-    zero padding) and ``nn.Embedding`` (no ``max_norm``), whose weight is in ``params``.
-    """
-    names = {id(value): name for name, value in module.named_parameters()}
-    found = set()
-    for _, sub in module.named_modules(remove_duplicate=False):
-        name = names.get(id(getattr(sub, "weight", None)))
-        if name in params and layer_rule(sub) is not None:
-            found.add(name)
-    return sorted(found)
-

@@ -1,7 +1,7 @@
 """Progress bars for the long loops (building a store, streaming a score), shown only when useful.
 
 ``progress=None`` (the default everywhere) means: on a terminal, and only once the loop has
-run for :data:`DELAY_S` seconds, so quick calls inside a user's own loop (one test triple
+run for 2 seconds, so quick calls inside a user's own loop (one test triple
 at a time) never flash a bar. ``True`` forces a bar, ``False`` silences it.
 """
 
@@ -13,10 +13,10 @@ from tqdm import tqdm
 
 from tracinfunc.errors import InvalidTypeError
 
-__all__ = ["DELAY_S", "ProgressArg", "progress_bar"]
+__all__ = ["ProgressArg", "progress_bar"]
 
 #: Seconds a loop must run before an automatic bar appears.
-DELAY_S = 2.0
+_DELAY_S = 2.0
 
 ProgressArg = bool | None
 
@@ -41,7 +41,7 @@ def progress_bar(progress: ProgressArg, *, total: int | None, desc: str, unit: s
     """A tqdm bar (or a silent stand-in) with ``update(n)`` and ``close()``.
 
     Args:
-        progress: ``None`` (terminal only, after :data:`DELAY_S` s), ``True`` or ``False``.
+        progress: ``None`` (terminal only, after 2 s), ``True`` or ``False``.
         total: Units the loop will process, when known.
         desc: Short label, e.g. ``"build_store"``.
         unit: What one unit is, e.g. ``"ex"`` or ``"row"``.
@@ -53,5 +53,5 @@ def progress_bar(progress: ProgressArg, *, total: int | None, desc: str, unit: s
     return tqdm(
         total=total, desc=desc, unit=unit, dynamic_ncols=True,
         disable=None if progress is None else False,  # None: tqdm disables on non-terminals
-        delay=DELAY_S if progress is None else 0.0,
+        delay=_DELAY_S if progress is None else 0.0,
     )

@@ -230,8 +230,9 @@ def test_kronecker_with_memory_options_takes_the_generic_path_to_the_same_rows(t
                                                        store.read_rows(0, 0, 9))
 
 
-def factorizable_layers(module: nn.Module, params: Params) -> list[str]:
-    """(A test helper.) Names of the weights in ``params`` applied by a factorisable layer of ``module``.
+def factorizable_layers(module: nn.Module, params: dict) -> list[str]:
+    """(A test helper.) Names of the weights in ``params`` applied by a factorisable layer
+    of ``module``.
 
     A static look at the module tree (:func:`factorized_weights` runs the loss and is the
     authority): exactly ``nn.Linear``, HF ``Conv1D``, ``nn.Conv2d`` (``groups=1``, numeric

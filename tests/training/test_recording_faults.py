@@ -286,3 +286,12 @@ def test_trainer_callback_refuses_a_used_directory_and_resumes(tmp_path):
 class _NoRecorder:
     def step(self):
         return None
+
+
+def test_errors_name_the_public_function(tmp_path):
+    model = _run(tmp_path, lr=0.5, steps=1)
+    with pytest.raises(RecordingExistsError, match="^CheckpointRecorder: "):
+        _run(tmp_path, lr=0.5, steps=1)
+    (tmp_path / "checkpoint-1.pt").write_bytes(b"x")
+    with pytest.raises(CorruptRecordingError, match="^load_recorded_checkpoints: "):
+        tif.load_recorded_checkpoints(tmp_path, model)

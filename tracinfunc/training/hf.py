@@ -6,7 +6,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import MissingDependencyError, RecordingExistsError
 from tracinfunc.training.contents import FrozenReference, StepLrs, current_lr, record_checkpoint
 from tracinfunc.training.manifest import Recording, check_options
@@ -14,6 +14,7 @@ from tracinfunc.training.manifest import Recording, check_options
 __all__ = ["trainer_callback"]
 
 
+@entry_point("trainer_callback")
 def trainer_callback(directory: str | PathLike, *, every: int | None = None,
                      save_optimizer_state: bool = True, select: Any = None,
                      resume: bool = False, overwrite: bool = False) -> Any:
@@ -67,11 +68,12 @@ def trainer_callback(directory: str | PathLike, *, every: int | None = None,
             last = recording.last_entry
             self.last_step = 0 if last is None else last["step"]
 
+        @entry_point("trainer_callback")
         def on_train_begin(self, args, state, control, **kwargs):
             if state.global_step < self.last_step:  # refused now, not at the first save
                 recording.close()
                 raise RecordingExistsError(
-                    f"{current_caller('trainer_callback')}: {str(directory)!r} holds "
+                    f"{current_caller()}: {str(directory)!r} holds "
                     f"checkpoints up to step {self.last_step} (checkpoint-{self.last_step}.pt) "
                     f"but the Trainer starts at step {state.global_step}; a recorded "
                     "checkpoint is never overwritten: resume the Trainer from step "
@@ -83,6 +85,7 @@ def trainer_callback(directory: str | PathLike, *, every: int | None = None,
             if optimizer is not None:  # the lr this step will use: the scheduler steps after
                 self.lrs.add(optimizer)
 
+        @entry_point("trainer_callback")
         def _record(self, state, model, optimizer, lr_scheduler) -> None:
             if state.global_step == self.last_step:
                 return

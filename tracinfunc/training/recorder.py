@@ -96,6 +96,7 @@ class CheckpointRecorder:
         >>> checkpoints = load_recorded_checkpoints("ckpts", model)
     """
 
+    @entry_point("CheckpointRecorder")
     def __init__(self, directory: str | PathLike, model: nn.Module,
                  optimizer: torch.optim.Optimizer, *, every: int = 1, scheduler: Any = None,
                  save_optimizer_state: bool = True, select: Any = None, resume: bool = False,
@@ -121,6 +122,7 @@ class CheckpointRecorder:
         # At the last recorded step, save() has nothing new to record.
         self._last = last if last is not None and last["step"] == self.steps else None
 
+    @entry_point("CheckpointRecorder.step")
     def step(self) -> dict[str, Any] | None:
         """Count one optimizer step; save when it is a multiple of ``every``.
 
@@ -130,6 +132,7 @@ class CheckpointRecorder:
         self.steps += 1
         return self.save() if self.steps % self.every == 0 else None
 
+    @entry_point("CheckpointRecorder.save")
     def save(self) -> dict[str, Any]:
         """Save a checkpoint now, named by the number of steps counted so far."""
         if self._last is not None and self._last["step"] == self.steps:
@@ -158,7 +161,7 @@ def _start_step(directory: Path, last: dict[str, Any] | None, start_step: int | 
         return 0 if last is None else int(last["step"])
     if last is not None and start_step < last["step"]:
         raise RecordingExistsError(
-            f"{current_caller('CheckpointRecorder')}: {str(directory)!r} already holds "
+            f"{current_caller()}: {str(directory)!r} already holds "
             f"checkpoints up to step {last['step']} ({last['weights']}), so counting from "
             f"start_step={start_step} would write over or before them; a recorded checkpoint is "
             f"never overwritten: resume training from step {last['step']} or later, pass "

@@ -148,7 +148,7 @@ def test_load_recorded_checkpoints_puts_every_tensor_on_the_target_device(tmp_pa
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
     recorder.step()
-    recording = importlib.import_module("tracinfunc.training.manifest")
+    recording = importlib.import_module("tracinfunc.training.contents")
     seen = []
 
     def from_state_dict(state, module, *, lr, name):
@@ -159,7 +159,7 @@ def test_load_recorded_checkpoints_puts_every_tensor_on_the_target_device(tmp_pa
     if how == "device=":
         load = lambda: tif.load_recorded_checkpoints(tmp_path, model, device=META)  # noqa: E731
     else:
-        training = importlib.import_module("tracinfunc.training")
+        training = importlib.import_module("tracinfunc.training.recorder")
         monkeypatch.setattr(training, "module_device", lambda module: META)  # "its GPU"
         load = lambda: tif.load_recorded_checkpoints(tmp_path, model)  # noqa: E731
     with pytest.raises(_Stop):

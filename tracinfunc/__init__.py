@@ -84,11 +84,8 @@ from tracinfunc.store import (
     to_pinned,
     verify_store,
 )
-from tracinfunc.training.recorder import (
-    load_recorded_checkpoints,
-    load_recorded_preconditioners,
-    trainer_callback,
-)
+from tracinfunc.training.hf import trainer_callback
+from tracinfunc.training.recorder import load_recorded_checkpoints, load_recorded_preconditioners
 
 __all__ = [
     "Checkpoint",

@@ -10,6 +10,7 @@ Messages name the function, what was expected, what was got and how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "CorruptRecordingError",
     "CorruptStoreError",
     "EmptyDataError",
     "IncompatibleGradientsError",
@@ -25,6 +26,7 @@ __all__ = [
     "OutputPathError",
     "ParameterSelectionError",
     "ReadOnlyStoreError",
+    "RecordingExistsError",
     "RowRangeError",
     "StageMismatchError",
     "StoreExistsError",
@@ -87,6 +89,14 @@ class IncompleteStoreError(TracInFuncError, RuntimeError):
 
 class CorruptStoreError(TracInFuncError, OSError):
     """Stored bytes fail their checksum or are missing: the store is damaged on disk."""
+
+
+class CorruptRecordingError(CorruptStoreError):
+    """A recorded checkpoint's file differs from its manifest entry (size, hash, order)."""
+
+
+class RecordingExistsError(TracInFuncError, FileExistsError):
+    """A recorder would mix runs or write over a recorded (or foreign) file in its directory."""
 
 
 class ParameterSelectionError(TracInFuncError, ValueError):

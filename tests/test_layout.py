@@ -180,3 +180,115 @@ def test_the_import_hook_is_gone():
 
     assert not [finder for finder in sys.meta_path
                 if type(finder).__module__.startswith("tracinfunc")]
+
+
+# --- The tree in docs/concepts/layout.md is the package's (issue 30) -------------------------
+
+LAYOUT_DOC = ROOT / "docs" / "concepts" / "layout.md"
+
+
+def documented_tree() -> dict[str, set[str]]:
+    """``{package path: module file names}`` as the layout page's tree block lists them.
+
+    ``""`` is the package root (its ``.py`` entries); ``"store/zarr"`` a nested package. A
+    package's modules are the ``*.py`` words on its line and the lines below it, up to the
+    next entry.
+    """
+    block = LAYOUT_DOC.read_text().split("```text\n", 1)[1].split("```", 1)[0]
+    tree: dict[str, set[str]] = {"": set()}
+    current = ""
+    for line in block.splitlines()[1:]:
+        if line.startswith("tests/") or not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        first = line.split()[0]
+        if indent == 2:
+            current = first.rstrip("/") if first.endswith("/") else ""
+            if first.endswith(".py"):
+                tree[""].add(first)
+                continue
+        elif indent == 4 and first.endswith("/"):
+            current = f"{current.split('/')[0]}/{first.rstrip('/')}"
+        tree.setdefault(current, set())
+        if current:
+            tree[current] |= {word for word in line.split()
+                              if word.endswith(".py") and "/" not in word}
+    return tree
+
+
+def actual_tree() -> dict[str, set[str]]:
+    tree: dict[str, set[str]] = {"": {p.name for p in PACKAGE.glob("*.py")}}
+    for init in PACKAGE.rglob("__init__.py"):
+        folder = init.parent
+        if folder != PACKAGE:
+            tree[str(folder.relative_to(PACKAGE))] = {
+                p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+    return tree
+
+
+def test_the_layout_page_lists_every_module_and_nothing_else():
+    """A new top-level module, package or module is refused until the page places it."""
+    documented, actual = documented_tree(), actual_tree()
+    assert sorted(documented) == sorted(actual), "packages differ from the layout page"
+    for package in sorted(actual):
+        missing, stale = actual[package] - documented[package], documented[package] - actual[package]
+        assert not missing and not stale, (
+            f"tracinfunc/{package}: add {sorted(missing)} to / remove {sorted(stale)} from the "
+            "tree in docs/concepts/layout.md")
+
+
+def test_the_layout_page_counts_the_everyday_names():
+    import tracinfunc
+
+    stated = int(LAYOUT_DOC.read_text().split("the everyday public API (", 1)[1].split()[0])
+    assert stated == len(tracinfunc.__all__)
+
+
+def test_dir_of_the_package_holds_the_everyday_names_and_the_rooms_only():
+    import tracinfunc
+
+    rooms = {name.removesuffix(".py") for name in documented_tree()[""]} | {
+        package for package in documented_tree() if package and "/" not in package}
+    public = {name for name in dir(tracinfunc) if not name.startswith("_")}
+    assert set(tracinfunc.__all__) <= public | {"__version__"}
+    assert public - set(tracinfunc.__all__) <= rooms, sorted(
+        public - set(tracinfunc.__all__) - rooms)
+
+
+def test_each_everyday_name_is_exported_from_one_subpackage():
+    """``tif.X`` is re-exported from exactly one room (its defining module's package)."""
+    import importlib
+
+    import tracinfunc
+
+    owners: dict[str, list[str]] = {}
+    for room in sorted(package for package in actual_tree() if package and "/" not in package):
+        module = importlib.import_module(f"tracinfunc.{room}")
+        for name in getattr(module, "__all__", ()):
+            # The same object (tracinfunc.jax.build_store is another function by design).
+            if name in tracinfunc.__all__ and getattr(module, name) is getattr(tracinfunc, name):
+                owners.setdefault(name, []).append(room)
+    assert {name: rooms for name, rooms in owners.items() if len(rooms) > 1} == {}
+
+
+def test_no_public_signature_has_more_than_14_parameters():
+    import inspect
+    import pkgutil
+
+    import tracinfunc
+
+    long = []
+    for info in pkgutil.walk_packages(tracinfunc.__path__, "tracinfunc."):
+        if info.name.startswith("tracinfunc.jax") or info.name.endswith("testing"):
+            try:
+                module = importlib.import_module(info.name)
+            except ImportError:  # an optional extra that is not installed
+                continue
+        else:
+            module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (inspect.isfunction(value) and not name.startswith("_")
+                    and value.__module__ == module.__name__
+                    and len(inspect.signature(value).parameters) > 14):
+                long.append(f"{info.name}.{name}")
+    assert long == []

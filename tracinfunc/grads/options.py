@@ -2,8 +2,7 @@
 
 ``per_sample_grads``, ``projected_grads`` and ``build_store`` take the same options, one way:
 one frozen value, built with keywords and validated once, so a configuration can be named,
-reused and passed whole (``build_store(..., options=opts)``). The seven keywords these
-functions also took until 0.2 still work, with a DeprecationWarning, until 0.3.0.
+reused and passed whole (``build_store(..., options=opts)``).
 """
 
 from __future__ import annotations

@@ -53,17 +53,17 @@ def main() -> None:
         store = tif.save_store(source, path, progress=False, shard_rows=8192, chunk_rows=1024)
         write = time.perf_counter() - start
         sealing = _best(lambda: seal(path, store.meta.to_dict()))
-        opening = _best(lambda: tif.open_store(path))
+        opening = _best(lambda: tif.GradientStore.open(path))
         buffer = torch.empty(args.rows, args.k)
         view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
 
         def checked() -> None:  # a fresh store: every shard's tail is checked again
-            fresh = tif.open_store(path)
+            fresh = tif.GradientStore.open(path)
             for c in range(args.ckpts):
                 fresh.read_rows(c, 0, args.rows, out=buffer)
 
         def unchecked() -> None:
-            fresh = tif.open_store(path)
+            fresh = tif.GradientStore.open(path)
             for c in range(args.ckpts):
                 ShardReader.for_array(fresh._rows[c]).read_into(0, args.rows, view)
 
@@ -72,7 +72,7 @@ def main() -> None:
     print(f"store {args.ckpts} x {args.rows} x {args.k} float32 = {size:.0f} MiB")
     print(f"save_store (write + fsync + seal) {write:.3f} s; seal alone {sealing:.4f} s "
           f"= {sealing / write:.1%} of the write")
-    print(f"open_store {opening * 1e3:.1f} ms")
+    print(f"GradientStore.open {opening * 1e3:.1f} ms")
     print(f"read all rows: checked {read_checked:.3f} s, unchecked {read_unchecked:.3f} s, "
           f"ratio {read_checked / read_unchecked:.3f}")
 

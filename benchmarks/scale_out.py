@@ -88,7 +88,7 @@ def bench_build(n: int, procs: int, tmp: Path) -> None:
     parts = run_children([[*base, "--threads", "1", "--out", str(tmp / "parts.zarr"),
                            "--shard", f"{i}/{procs}"] for i in range(procs)])
     store = tif.store.commit_store(tmp / "parts.zarr")
-    whole = tif.open_store(tmp / "one1.zarr")
+    whole = tif.GradientStore.open(tmp / "one1.zarr")
     same = all(torch.equal(store.read_rows(c, 0, n), whole.read_rows(c, 0, n))
                for c in range(store.meta.n_ckpt))
     print(f"build, {n} examples, MLP 256-512-512-10, sjlt k={PROJ.dim}, {cores} cores")
@@ -139,9 +139,9 @@ def bench_s3(rows: int, k: int, repeats: int) -> None:
                                      Range=f"bytes=0-{sizes[key] - 1}")["Body"].read()
             return len(body)
 
-        opened = tif.open_store("s3://bench/grads.zarr")  # metadata: not part of the pass
+        opened = tif.GradientStore.open("s3://bench/grads.zarr")  # metadata: not part of the pass
         with mock.patch("tracinfunc.store.zarr.store.object_store_for_reads", lambda url: None):
-            through_s3fs = tif.open_store("s3://bench/grads.zarr")  # as without obstore
+            through_s3fs = tif.GradientStore.open("s3://bench/grads.zarr")  # as without obstore
         for store in (opened, through_s3fs):  # shard indices are read once, then cached
             tif.score(store, test, device="cpu")
         times: dict[str, list[float]] = {"get": [], "obstore": [], "s3fs": []}

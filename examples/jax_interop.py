@@ -123,7 +123,7 @@ def main() -> None:
         # torch reopens it as any Zarr store (here in-process; see store_reuse.py for
         # another process): same format, metadata and checksums as a torch-written one.
         # Copied to memory only because the temporary directory goes away below.
-        jax_store = tif.to_memory(tif.open_store(path))
+        jax_store = tif.to_memory(tif.GradientStore.open(path))
     print(f"torch opened it: {jax_store}")
 
     # 3. torch: the same checkpoints in an nn.Sequential, test gradients made by torch.

@@ -59,7 +59,7 @@ def build(workdir: Path, *, quick: bool) -> None:
 def experiments(workdir: Path) -> None:
     """Process 2: reopen the store read-only and run two experiments on it."""
     t0 = time.perf_counter()
-    store = tif.open_store(str(workdir / "grads.zarr"))
+    store = tif.GradientStore.open(str(workdir / "grads.zarr"))
     print(f"[experiment process] reopened {store} in {1e3 * (time.perf_counter() - t0):.0f} ms")
     run = json.loads((workdir / "run.json").read_text())
     model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).eval()

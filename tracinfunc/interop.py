@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
@@ -31,9 +31,14 @@ from torch import Tensor
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
+if TYPE_CHECKING:  # annotations only: the frameworks stay optional
+    import cupy
+    import jax
+
 __all__ = [
     "ALIGNMENT",
     "FRAMEWORKS",
+    "Array",
     "aligned_empty",
     "as_tensor",
     "framework_of",
@@ -47,6 +52,10 @@ ALIGNMENT = 64
 """Bytes: the alignment XLA's CPU client needs to import a buffer without copying it."""
 
 FRAMEWORKS = ("torch", "numpy", "jax", "cupy")
+
+Array: TypeAlias = "Tensor | np.ndarray | jax.Array | cupy.ndarray"
+"""What a query returns: a ``torch.Tensor`` by default, the framework ``output=``/``like=``
+name otherwise (see :func:`to_framework`)."""
 
 
 def as_tensor(array: Any) -> Tensor:

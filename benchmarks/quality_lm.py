@@ -212,7 +212,7 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
             for scale in sorted({*sizes.scales, DEFAULT_SCALES[kind]}):
                 curvature = with_scale(fitted, scale)
                 queries = tif.preconditioned_test_grads(loss, chosen, test_set, curvature,
-                                                        projection=exact, select=select)
+                                                        projection=exact, options=options)
                 measure(f"{kind}-{which}", kind, which, None, scale,
                         tif.score(store, queries, curvature=curvature), fit_s,
                         default=scale == DEFAULT_SCALES[kind])

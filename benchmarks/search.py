@@ -102,7 +102,7 @@ def measure_index(store, test, exact_indices, exact_s, index, nprobes, *, label,
     lines = []
     for nprobe in nprobes:
         (_, idx), batch_s = timed(lambda n=nprobe: tif.indexed_top_k(
-            store, test, 10, index=index, nprobe=n, candidates=candidates), repeats=2)
+            store, test, 10, index=index, nprobe=n, n_candidates=candidates), repeats=2)
         wanted = candidates or index.candidates(10)
         _, faiss_s = timed(lambda n=nprobe, c=wanted: index.faiss_index.search(
             query, c, params=faiss.SearchParametersIVF(nprobe=n)))
@@ -110,7 +110,7 @@ def measure_index(store, test, exact_indices, exact_s, index, nprobes, *, label,
         _, single_s = timed(
             lambda n=nprobe, s=single: [
                 tif.indexed_top_k(
-                    store, s[:, i : i + 1], 10, index=index, nprobe=n, candidates=candidates
+                    store, s[:, i : i + 1], 10, index=index, nprobe=n, n_candidates=candidates
                 )
                 for i in range(s.shape[1])
             ]
@@ -134,14 +134,14 @@ def measure_defaults(store, test, exact_indices, index, *, label: str,
     (``nprobe = nlist // 16``, ``2k``/``10k`` candidates) and the index's calibrated ones."""
     n_q = exact_indices.shape[0]
     fixed = {"nprobe": max(1, index.nlist // 16),
-             "candidates": default_candidates(index.kind, default_rerank(index.kind), 10,
+             "n_candidates": default_candidates(index.kind, default_rerank(index.kind), 10,
                                               index.n_train)}
     cal = index.calibration
     lines = []
     for setting, kwargs in (("nlist // 16", fixed), ("calibrated", {})):
         line = {"store": label, "index": index.kind, "setting": setting, "nlist": index.nlist,
                 "nprobe": kwargs.get("nprobe", index.nprobe),
-                "candidates": kwargs.get("candidates", index.candidates(10))}
+                "candidates": kwargs.get("n_candidates", index.candidates(10))}
         try:
             (_, idx), batch_s = timed(lambda kw=kwargs: tif.indexed_top_k(
                 store, test, 10, index=index, normalize=normalize, **kw))

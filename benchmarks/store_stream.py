@@ -33,7 +33,7 @@ import torch
 import tracinfunc as tif
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta
 
-score_module = importlib.import_module("tracinfunc.query.score")
+score_module = importlib.import_module("tracinfunc.query.chunks")
 
 
 def make_store(n_rows: int, k: int, seed: int = 0) -> tif.store.MemoryStore:

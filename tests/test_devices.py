@@ -15,7 +15,8 @@ import tracinfunc as tif
 from tracinfunc import _devices
 from tracinfunc.query.stream import stream_rows
 
-score_module = importlib.import_module("tracinfunc.query.score")  # tif.score is the function
+score_module = importlib.import_module("tracinfunc.query.chunks")  # the streaming loop
+prepared_module = importlib.import_module("tracinfunc.query.prepared")
 META = torch.device("meta")
 
 
@@ -53,7 +54,7 @@ def test_score_keeps_queries_scales_and_rows_on_the_target_device(stores, monkey
     # Issue 23 item 1: the lr scale was a CPU tensor, so `test * scale` failed for CUDA test
     # gradients. The meta device stands in for the GPU the test gradients live on.
     store, test_store = stores
-    _queries_on(monkeypatch, score_module, META)
+    _queries_on(monkeypatch, prepared_module, META)
     seen = []
     real = score_module._accumulate
 
@@ -70,20 +71,19 @@ def test_score_keeps_queries_scales_and_rows_on_the_target_device(stores, monkey
 
 def test_top_k_runs_with_queries_on_the_target_device(stores, monkeypatch):
     store, test_store = stores
-    _queries_on(monkeypatch, score_module, META)
+    _queries_on(monkeypatch, prepared_module, META)
     values, indices = tif.top_k(store, _test_tensor(test_store), k=3, device=META)
     assert values.device == META and indices.shape == (7, 3)
 
 
 def test_indexed_top_k_brings_device_queries_to_the_cpu(stores, monkeypatch):
     pytest.importorskip("faiss")
-    from tracinfunc.search import rerank
 
     store, test_store = stores
     test = _test_tensor(test_store)
     index = tif.build_index(store, nlist=2)
     expected = tif.indexed_top_k(store, test, k=3, index=index, nprobe=2)
-    _queries_on(monkeypatch, rerank, META)  # test gradients on "the GPU"
+    _queries_on(monkeypatch, prepared_module, META)  # test gradients on "the GPU"
     got = tif.indexed_top_k(store, test, k=3, index=index, nprobe=2)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 

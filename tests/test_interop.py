@@ -150,7 +150,8 @@ def test_score_results_reach_jax_without_a_copy(mlp_setup32, monkeypatch):
         made.append(tensor)
         return original(tensor, framework)
 
-    monkeypatch.setattr(sys.modules["tracinfunc.query.score"], "to_framework", spy)
+    for name in ("tracinfunc.query.score", "tracinfunc.query.top_k"):
+        monkeypatch.setattr(sys.modules[name], "to_framework", spy)
     got = tif.score(store, rows, output="jax")
     assert _ptr(got) == made[0].data_ptr()
     values, _ = tif.top_k(store, rows, k=3, output="jax")

@@ -231,7 +231,8 @@ def test_the_layout_page_lists_every_module_and_nothing_else():
     documented, actual = documented_tree(), actual_tree()
     assert sorted(documented) == sorted(actual), "packages differ from the layout page"
     for package in sorted(actual):
-        missing, stale = actual[package] - documented[package], documented[package] - actual[package]
+        missing = actual[package] - documented[package]
+        stale = documented[package] - actual[package]
         assert not missing and not stale, (
             f"tracinfunc/{package}: add {sorted(missing)} to / remove {sorted(stale)} from the "
             "tree in docs/concepts/layout.md")

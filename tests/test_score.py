@@ -80,15 +80,15 @@ def test_large_query_sets_are_split_into_blocks_with_the_same_result(mlp_setup32
         test_store.meta.n_ckpt)]) if as_tensor else test_store
     whole = tif.top_k(store, test, k=4, normalize=True, rows=(3, store.meta.n_train))
     scans = []
-    real = tif.score_chunks
 
-    def counting(*args, **kwargs):
-        scans.append(args[1].meta.n_train if hasattr(args[1], "meta") else args[1].shape[1])
-        return real(*args, **kwargs)
+    def counting(store, query, **kwargs):
+        scans.append(query.n_test)
+        return real(store, query, **kwargs)
 
-    module = sys.modules["tracinfunc.query.score"]  # tif.score is the function
+    module = sys.modules["tracinfunc.query.top_k"]  # tif.top_k is the function
+    real = module.stream_scores
     monkeypatch.setattr(module, "_MAX_QUERY_BLOCK", 2)
-    monkeypatch.setattr(module, "score_chunks", counting)
+    monkeypatch.setattr(module, "stream_scores", counting)
     blocked = tif.top_k(store, test, k=4, normalize=True, rows=(3, store.meta.n_train))
     assert scans == [2] * (n_test // 2) + [n_test % 2] * (n_test % 2)
     assert torch.equal(blocked[1], whole[1])

@@ -71,7 +71,10 @@ from tracinfunc.lm.losses import causal_lm_loss, completion_labels, sequence_cla
 from tracinfunc.loss import loss_from_model, loss_from_module
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection
-from tracinfunc.query.score import score, score_chunks, self_influence, top_k
+from tracinfunc.query.chunks import score_chunks
+from tracinfunc.query.score import score
+from tracinfunc.query.self_influence import self_influence
+from tracinfunc.query.top_k import top_k
 from tracinfunc.search import SearchIndex, build_index, indexed_top_k, load_index
 from tracinfunc.select.less import select_training_data
 from tracinfunc.select.top_examples import TopExamples

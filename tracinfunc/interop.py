@@ -7,7 +7,7 @@ the copy for you:
 
 * JAX on the CPU imports only buffers aligned to 64 bytes: a tensor view that starts inside
   its storage (``t[1:]``) or a non-contiguous one is first copied into a fresh buffer from
-  :func:`_aligned_empty`. Tensors from ``torch.empty`` and everything tracinfunc returns are
+  a fresh 64-byte-aligned buffer. Tensors from ``torch.empty`` and everything tracinfunc returns are
   already aligned, so they go across without a copy.
 * JAX cannot import page-locked ("pinned") torch memory (DLPack calls it ``kDLCUDAHost``):
   pinned tensors are copied to ordinary aligned memory first.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
@@ -31,9 +31,14 @@ from torch import Tensor
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
+if TYPE_CHECKING:  # annotations only: the frameworks stay optional
+    import cupy
+    import jax
+
 __all__ = [
     "ALIGNMENT",
     "FRAMEWORKS",
+    "Array",
     "as_tensor",
     "framework_of",
     "resolve_output",
@@ -45,6 +50,10 @@ ALIGNMENT = 64
 """Bytes: the alignment XLA's CPU client needs to import a buffer without copying it."""
 
 FRAMEWORKS = ("torch", "numpy", "jax", "cupy")
+
+Array: TypeAlias = "Tensor | np.ndarray | jax.Array | cupy.ndarray"
+"""What a query returns: a ``torch.Tensor`` by default, the framework ``output=``/``like=``
+name otherwise (see :func:`to_framework`)."""
 
 
 def as_tensor(array: Any) -> Tensor:

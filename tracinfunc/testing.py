@@ -31,7 +31,10 @@ import torch
 
 from tracinfunc.errors import InvalidTypeError
 from tracinfunc.projection.spec import Projection
-from tracinfunc.query.score import score, score_chunks, self_influence, top_k
+from tracinfunc.query.chunks import score_chunks
+from tracinfunc.query.score import score
+from tracinfunc.query.self_influence import self_influence
+from tracinfunc.query.top_k import top_k
 from tracinfunc.store.codes import dequantize, quantize
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.memory.quantized import QuantizedMemoryStore

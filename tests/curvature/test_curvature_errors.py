@@ -228,7 +228,8 @@ def test_causal_lm_curvature_end_to_end():
             progress=False,
         )
         queries = tif.preconditioned_test_grads(loss, ckpts, data, curvature,
-                                                projection=projection, select=select)
+                                                projection=projection,
+                                                options=tif.GradientOptions(select=select))
         scores = tif.score(store, queries, curvature=curvature)
         assert scores.shape == (6, 6) and torch.isfinite(scores).all()
         # self-scores of curvature-aware TracIn are g^T (H + l I)^-1 g > 0

@@ -65,7 +65,7 @@ def test_indexed_top_k_with_curvature_equals_exact_top_k(setup, kind, largest):
     store, tests, curvatures = setup
     index = tif.build_index(store, nlist=1, progress=False)
     values, indices = tif.indexed_top_k(store, tests[kind], 4, index=index, nprobe=1,
-                                        candidates=50, largest=largest,
+                                        n_candidates=50, largest=largest,
                                         curvature=curvatures[kind])
     expected_values, expected_indices = tif.top_k(store, tests[kind], 4, largest=largest,
                                                   curvature=curvatures[kind])

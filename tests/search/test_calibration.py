@@ -77,7 +77,7 @@ def _calibration_recall(store, index, nprobe: int) -> float:
     scores[torch.arange(256), sample] = -torch.inf
     exact = scores.topk(10, dim=1).indices
     _, found = tif.indexed_top_k(store, rows[sample][None], 11, index=index, nprobe=nprobe,
-                                 candidates=index.candidates(10) + 1)
+                                 n_candidates=index.candidates(10) + 1)
     hits = [len(set(f.tolist()) - {int(s)} & set(e.tolist()))
             for f, e, s in zip(found, exact, sample, strict=True)]
     return sum(hits) / (10 * 256)

@@ -64,7 +64,7 @@ def test_weighted_rows_inner_product_is_the_tracin_score():
 def test_ivf_pq_values_are_exact_scores_of_the_rows_returned():
     store, test = _store(n=600, k=16), _test_grads()
     index = tif.build_index(store, kind="ivf_pq", nlist=8, m=4)
-    values, indices = tif.indexed_top_k(store, test, 5, index=index, nprobe=8, candidates=200)
+    values, indices = tif.indexed_top_k(store, test, 5, index=index, nprobe=8, n_candidates=200)
     full = tif.score(store, test)
     torch.testing.assert_close(values, full.gather(1, indices), rtol=1e-12, atol=1e-12)
     exact = tif.top_k(store, test, 5)[1]
@@ -113,13 +113,12 @@ def test_top_k_index_argument_errors():
     test = _test_grads()
     with pytest.raises(tif.errors.InvalidArgumentError, match="normalize=True but the index"):
         tif.indexed_top_k(store, test, 3, index=index, normalize=True)
-    with pytest.raises(tif.errors.InvalidArgumentError, match="call tif.indexed_top_k"), \
-            pytest.warns(DeprecationWarning, match="top_k\\(index=..., nprobe=..."):
+    with pytest.raises(TypeError, match="nprobe"):  # search settings are indexed_top_k's
         tif.top_k(store, test, 3, nprobe=2)
     with pytest.raises(tif.errors.InvalidArgumentError, match=r"nprobe must be an int in \[1, 6\]"):
         tif.indexed_top_k(store, test, 3, index=index, nprobe=7)
-    with pytest.raises(tif.errors.InvalidArgumentError, match="candidates must be an int in"):
-        tif.indexed_top_k(store, test, 3, index=index, candidates=2)
+    with pytest.raises(tif.errors.InvalidArgumentError, match="n_candidates must be an int in"):
+        tif.indexed_top_k(store, test, 3, index=index, n_candidates=2)
     with pytest.raises(tif.errors.InvalidTypeError, match="index must be a SearchIndex"):
         tif.indexed_top_k(store, test, 3, index="grads.zarr.faiss")
 
@@ -135,7 +134,7 @@ def test_too_few_rows_in_the_searched_lists_says_raise_nprobe():
     store = _store(n=300)
     index = tif.build_index(store, nlist=150)  # ~2 rows per list
     with pytest.raises(tif.errors.InvalidArgumentError, match="fewer than k=50; raise nprobe"):
-        tif.indexed_top_k(store, _test_grads(), 50, index=index, nprobe=1, candidates=60)
+        tif.indexed_top_k(store, _test_grads(), 50, index=index, nprobe=1, n_candidates=60)
 
 
 def test_build_index_argument_errors():

@@ -18,7 +18,7 @@ from tests.fake_device import FakeBackend
 from tracinfunc.query import stream as stream_module
 from tracinfunc.store.device_copy import copy_through_ring
 
-score_module = importlib.import_module("tracinfunc.query.score")
+score_module = importlib.import_module("tracinfunc.query.chunks")
 
 
 def _host(fake: FakeBackend, pieces: int, *, rows: int = 5, k: int = 4, buffers: int = 2):

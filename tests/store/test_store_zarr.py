@@ -216,7 +216,7 @@ def test_half_precision_storage_scores_within_tolerance(mlp_setup32, tmp_path, d
 
 
 def test_bfloat16_cpu_matmul_matches_the_float32_upcast(mlp_setup32, monkeypatch):
-    score_module = importlib.import_module("tracinfunc.query.score")
+    score_module = importlib.import_module("tracinfunc.query.chunks")
 
     loss, ckpts, train, test = mlp_setup32
     store = tif.build_store(loss, ckpts, train, projection=PROJ, dtype=torch.bfloat16)

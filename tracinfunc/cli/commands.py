@@ -41,7 +41,7 @@ from tracinfunc.cli.results import (
 from tracinfunc.cli.select import add_select_command
 from tracinfunc.cli.spec import Spec, SpecError, load_spec
 from tracinfunc.curvature.persist import load_curvature
-from tracinfunc.curvature.queries import preconditioned_test_grads
+from tracinfunc.curvature.test_grads import preconditioned_test_grads
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.distributed import init_from_environment
 from tracinfunc.errors import (
@@ -56,7 +56,9 @@ from tracinfunc.grads.options import GradientOptions
 from tracinfunc.grads.selection import last_layers
 from tracinfunc.grads.stages import Stages, model_stages
 from tracinfunc.projection.spec import Projection
-from tracinfunc.query.score import score, self_influence, top_k
+from tracinfunc.query.score import score
+from tracinfunc.query.self_influence import self_influence
+from tracinfunc.query.top_k import top_k
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.zarr.parts import StorePart, check_shard, commit_store, read_parts
@@ -481,7 +483,7 @@ def _test_gradients(args: argparse.Namespace, store: GradientStore,
     if curvature is not None and curvature.kind != "projected":  # preconditioned before projecting
         return preconditioned_test_grads(spec.loss, checkpoints, spec.test[args.test],
                                          curvature, projection=store.projection,
-                                         select=options.select)
+                                         options=options)
     return build_store(spec.loss, checkpoints, spec.test[args.test],
                            projection=store.projection, progress=_progress(args),
                            options=options, device=args.device)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.cli.spec import Spec, SpecError
-from tracinfunc.precondition.optimizer import KINDS, Preconditioner
+from tracinfunc.precondition.optimizer import PRECONDITIONER_KINDS, Preconditioner
 from tracinfunc.training.recorder import load_recorded_checkpoints, load_recorded_preconditioners
 
 __all__ = ["add_recorded_arguments", "recorded_checkpoints", "recorded_preconditioners"]
@@ -22,7 +22,7 @@ def add_recorded_arguments(parser: argparse.ArgumentParser, *, preconditioner: b
                              "(tif.training.CheckpointRecorder or tif.trainer_callback); needs "
                              "Spec.model")
     if preconditioner:
-        parser.add_argument("--preconditioner", choices=KINDS,
+        parser.add_argument("--preconditioner", choices=PRECONDITIONER_KINDS,
                             help="optimizer-aware TracIn from the optimizer state in --recorded: "
                                  "adam (LESS's Adam update) or trackstar (g / sqrt(v + eps))")
 

@@ -13,23 +13,20 @@ from tracinfunc.curvature.damping import DEFAULT_SCALES, Damping
 from tracinfunc.curvature.fit import MAX_DENSE_PARAMS, fit_curvature
 from tracinfunc.curvature.heldout import CANDIDATE_SCALES, DampingChoice, choose_damping
 from tracinfunc.curvature.persist import load_curvature, save_curvature
-from tracinfunc.curvature.queries import (
-    curvature_self_influence,
-    precondition_test_grads,
-    preconditioned_test_grads,
-)
 from tracinfunc.curvature.samplers import (
     Sampler,
     causal_lm_sampler,
     classification_sampler,
     default_sampler,
 )
-from tracinfunc.curvature.value import KINDS, Curvature
+from tracinfunc.curvature.test_grads import preconditioned_test_grads
+from tracinfunc.curvature.value import KINDS as CURVATURE_KINDS
+from tracinfunc.curvature.value import Curvature
 
 __all__ = [
     "CANDIDATE_SCALES",
+    "CURVATURE_KINDS",
     "DEFAULT_SCALES",
-    "KINDS",
     "MAX_DENSE_PARAMS",
     "SUPPORTED",
     "Curvature",
@@ -40,11 +37,9 @@ __all__ = [
     "causal_lm_sampler",
     "choose_damping",
     "classification_sampler",
-    "curvature_self_influence",
     "default_sampler",
     "fit_curvature",
     "load_curvature",
-    "precondition_test_grads",
     "preconditioned_test_grads",
     "save_curvature",
 ]

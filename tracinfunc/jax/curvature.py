@@ -24,7 +24,7 @@ import torch
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.build.loop import new_store_meta
 from tracinfunc.curvature.binding import check_bound, check_curvature
-from tracinfunc.curvature.queries import GradientPreconditioner, marked_store
+from tracinfunc.curvature.test_grads import GradientPreconditioner, marked_store
 from tracinfunc.errors import EmptyDataError
 from tracinfunc.interop import as_tensor
 from tracinfunc.jax.build import Checkpoint, _check_checkpoints, iter_batches

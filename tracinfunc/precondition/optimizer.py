@@ -41,10 +41,10 @@ from tracinfunc.precondition.factored import (
     is_factored,
 )
 
-__all__ = ["KINDS", "AdamState", "Preconditioner", "check_preconditioners", "optimizer_param_names",
-           "recorded_kind", "trainer_param_names"]
+__all__ = ["PRECONDITIONER_KINDS", "AdamState", "Preconditioner", "check_preconditioners",
+           "optimizer_param_names", "recorded_kind", "trainer_param_names"]
 
-KINDS = ("adam", "trackstar")
+PRECONDITIONER_KINDS = ("adam", "trackstar")
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,9 +109,10 @@ class Preconditioner:
 
     @entry_point("Preconditioner")
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if self.kind not in PRECONDITIONER_KINDS:
             raise InvalidArgumentError(
-                f"Preconditioner: kind must be one of {list(KINDS)}, got {self.kind!r}; use "
+                f"Preconditioner: kind must be one of {list(PRECONDITIONER_KINDS)}, got "
+                f"{self.kind!r}; use "
                 "'adam' (LESS's Adam update direction) or 'trackstar' (g / sqrt(v + eps))."
             )
         check_bool(self.factored, "factored")

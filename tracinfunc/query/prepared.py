@@ -1,92 +1,103 @@
-"""Test gradients as ``score``, ``top_k`` and the index re-rank take them: validated, as a matrix.
+"""One prepared query: test gradients as every query function takes them, built once per call.
 
-``test_grads`` is a store or a tensor ``[n_ckpt, n_test, k]``; either must match the training
-store's checkpoints, ``k`` and projection. Errors name the function the user called
+``score``, ``top_k``, ``score_chunks`` and ``indexed_top_k`` each call :func:`prepare_query`
+exactly once. It checks ``test_grads`` (type, shape, finite values, a store's metadata against
+the training store's), applies a ``curvature=`` (:mod:`tracinfunc.query.curvature`), folds
+``lr_c`` (and, for cosine TracIn, ``1/|test_c|``) into the rows and puts them on the compute
+device. The result, a frozen :class:`PreparedQuery`, is then only read or split by rows (the
+blocked ``top_k`` path), never prepared again. Errors name the function the user called
 (:func:`~tracinfunc._validate.current_caller`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from tracinfunc._norms import row_norms
-from tracinfunc._validate import current_caller
-from tracinfunc.errors import (
-    IncompatibleGradientsError,
-    InvalidArgumentError,
-    InvalidTypeError,
-    NonFiniteGradientError,
+from tracinfunc.curvature.value import Curvature
+from tracinfunc.interop import tensor_if_array
+from tracinfunc.query.checks import (
+    check_not_empty,
+    check_test_type,
+    compute_dtype,
+    query_matrix,
+    resolve_device,
+    safe_reciprocal,
 )
-from tracinfunc.store.meta import StoreMeta, check_compatible
+from tracinfunc.query.curvature import precondition_queries
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["check_not_empty", "check_test_shape", "check_test_tensor", "check_test_type",
-           "compute_dtype", "query_matrix"]
+__all__ = ["PreparedQuery", "prepare_query"]
 
 
-def query_matrix(
-    meta: StoreMeta, test_grads: GradientStore | Tensor, *, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """Test gradients ``[n_ckpt, n_test, k]`` and their norms ``[n_ckpt, n_test]``, validated,
-    on ``device`` (where they are multiplied; they may arrive on any device)."""
-    if isinstance(test_grads, Tensor):
-        check_test_tensor(meta, test_grads)
-        norms = row_norms(test_grads.to(compute_dtype(test_grads.dtype)))
-        return test_grads.to(device), norms.to(device)
+@dataclass(frozen=True)
+class PreparedQuery:
+    """Test gradients ready to multiply with training rows.
+
+    Attributes:
+        rows: ``[n_ckpt, n_test, k]`` ``lr_c * test_c`` (``lr_c * test_c / |test_c|`` with
+            ``normalize``; a zero row stays zero), curvature-preconditioned when asked, in
+            ``dtype``, on ``device``.
+        norms: ``[n_ckpt, n_test]`` norms of the (preconditioned) unweighted test rows, on
+            ``device``.
+        lrs: The store's ``n_ckpt`` TracIn weights folded into ``rows``.
+        normalize: Whether ``rows`` are unit-normalised per checkpoint (cosine TracIn).
+        dtype: The accumulation dtype: float64 when the store or the test rows are float64,
+            else float32.
+        device: Where ``rows`` and ``norms`` live (where the scores are computed).
+    """
+
+    rows: Tensor
+    norms: Tensor
+    lrs: tuple[float, ...]
+    normalize: bool
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def n_test(self) -> int:
+        return self.rows.shape[1]
+
+    def split(self, lo: int, hi: int) -> PreparedQuery:
+        """Test rows ``[lo, hi)`` (views, nothing prepared again)."""
+        return PreparedQuery(self.rows[:, lo:hi], self.norms[:, lo:hi], self.lrs,
+                             self.normalize, self.dtype, self.device)
+
+
+def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool = False,
+                  device: torch.device | str | None = None,
+                  curvature: Curvature | None = None) -> PreparedQuery:
+    """``test_grads`` checked against ``store``, preconditioned, lr-weighted, on ``device``.
+
+    Args:
+        store: The training store (its whole metadata; a row range of it has the same).
+        test_grads: A GradientStore or an array ``[n_ckpt, n_test, k]`` (a tensor or any
+            ``__dlpack__`` array: NumPy, JAX, CuPy).
+        normalize: Fold ``1/|test_c|`` in (cosine TracIn).
+        device: Where to compute. Default: the test tensor's accelerator, else CUDA when
+            available, else CPU.
+        curvature: A :class:`~tracinfunc.Curvature` for ``store``, or ``None``.
+
+    Raises:
+        InvalidTypeError: ``test_grads`` is neither a store nor an array.
+        IncompatibleGradientsError: shape, projection, checkpoints or layout differ from the
+            store's, or the curvature does not fit (see :mod:`tracinfunc.query.curvature`).
+        NonFiniteGradientError: test rows hold NaN or inf.
+        InvalidArgumentError: the store holds no rows.
+    """
+    meta = store.meta
+    check_not_empty(meta)
+    test_grads = tensor_if_array(test_grads)
     check_test_type(test_grads)
-    check_compatible(meta, test_grads.meta)
-    n_test = test_grads.meta.n_train
-    rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
-    norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
-    return rows.to(device), norms.to(device)
-
-
-def check_test_type(test_grads: object) -> None:
-    if not isinstance(test_grads, Tensor | GradientStore):
-        raise InvalidTypeError(
-            f"{current_caller()}: test_grads must be a GradientStore or a tensor "
-            f"[n_ckpt, n_test, k], got {type(test_grads).__name__}."
-        )
-
-
-def check_test_tensor(meta: StoreMeta, test: Tensor) -> None:
-    check_test_shape(meta, test)
-    if not bool(torch.isfinite(test).all()):
-        raise NonFiniteGradientError(
-            f"{current_caller()}: test gradients contain NaN or inf; check the loss on those "
-            "examples."
-        )
-
-
-def check_test_shape(meta: StoreMeta, test: Tensor) -> None:
-    if test.ndim != 3 or test.shape[0] != meta.n_ckpt or test.shape[2] != meta.k:
-        raise IncompatibleGradientsError(
-            f"{current_caller()}: test gradients must be [n_ckpt={meta.n_ckpt}, n_test, "
-            f"k={meta.k}], got {list(test.shape)}; build them with "
-            "projection=store.projection and the store's checkpoints (e.g. "
-            "tif.build_store(loss, checkpoints, test_batch, projection=store.projection))."
-        )
-    if test.is_meta:
-        raise InvalidArgumentError(
-            f"{current_caller()}: test gradients are on the meta device (shapes, no values); "
-            "compute them with build_store or projected_grads on a real device."
-        )
-    if not test.is_floating_point():
-        raise InvalidTypeError(
-            f"{current_caller()}: test gradients must be floating point, got {test.dtype}; "
-            "pass the rows projected_grads or build_store made."
-        )
-
-
-def check_not_empty(meta: StoreMeta) -> None:
-    if meta.n_train < 1:
-        raise InvalidArgumentError(
-            f"{current_caller()}: the store holds no rows (n_train=0); nothing to score. Build it "
-            "from non-empty training data."
-        )
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    # float32 accumulation always; float64 only when asked for by float64 inputs (exactness).
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+    test_grads = precondition_queries(meta, test_grads, curvature)
+    device = resolve_device(device, test_grads)
+    test, norms = query_matrix(meta, test_grads, device=device)
+    dtype = compute_dtype(meta.torch_dtype, test.dtype)
+    # lr_c (and the test side of the cosine) folded in once, not per chunk.
+    scale = torch.tensor(meta.lrs, dtype=dtype, device=device)[:, None, None]
+    if normalize:
+        scale = scale * safe_reciprocal(norms.to(dtype))[..., None]
+    rows = test.to(dtype) * scale  # [n_ckpt, n_test, k]
+    return PreparedQuery(rows, norms, meta.lrs, bool(normalize), dtype, device)

@@ -171,7 +171,7 @@ def calibrate(faiss_index: Any, store: GradientStore, *, kind: str, nlist: int, 
         f"build_index: no default search settings reach recall@{at} {target:g} on this store "
         f"(best {best.recall:.3f} at nprobe={best.nprobe} of nlist={nlist}, "
         f"{best.rerank * at} candidates); those are kept. Use kind='ivf_flat', a larger m, "
-        "or pass candidates= to indexed_top_k.", UserWarning, stacklevel=5)
+        "or pass n_candidates= to indexed_top_k.", UserWarning, stacklevel=5)
     return best
 
 

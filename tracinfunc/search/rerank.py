@@ -6,124 +6,152 @@ import torch
 from torch import Tensor
 
 from tracinfunc._validate import current_caller, entry_point
-from tracinfunc.curvature.queries import precondition_test_grads
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
-from tracinfunc.query.prepared import compute_dtype, query_matrix
+from tracinfunc.interop import Array, resolve_output, to_framework
+from tracinfunc.progress import ProgressArg, progress_bar
+from tracinfunc.query.checks import check_not_empty
+from tracinfunc.query.prepared import PreparedQuery, prepare_query
+from tracinfunc.query.rows import check_rows
+from tracinfunc.query.top_k import check_k
 from tracinfunc.search.binding import meta_fingerprint
 from tracinfunc.search.index import SearchIndex, import_faiss
-from tracinfunc.search.rows import norms_at, read_rows_at, weighted_rows
+from tracinfunc.search.rows import norms_at, read_rows_at
 from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["indexed_top_k"]
 
-# Bytes of the gathered candidate rows [queries, candidates, k] of one block of queries.
+# Bytes of the gathered candidate rows [queries, n_candidates, k] of one block of queries.
 _BLOCK_BYTES = 64 * 2**20
 
 
 @entry_point("indexed_top_k")
 def indexed_top_k(
     store: GradientStore,
-    test_grads: GradientStore | Tensor,
-    k: int,
+    test_grads: GradientStore | Array,
+    k: int = 10,
     *,
     index: SearchIndex,
     nprobe: int | None = None,
-    candidates: int | None = None,
+    n_candidates: int | None = None,
     largest: bool = True,
     normalize: bool = False,
+    device: torch.device | str | None = None,
+    progress: ProgressArg = None,
+    rows: tuple[int, int] | None = None,
     curvature: Curvature | None = None,
-) -> tuple[Tensor, Tensor]:
+    output: str | None = None,
+    like: object = None,
+) -> tuple[Array, Array]:
     """Approximate top-k: candidates from a FAISS ``index``, re-ranked exactly from the store.
 
-    Each test example fetches ``candidates`` rows from the ``nprobe`` nearest clusters, whose
-    TracIn scores are then computed exactly from the store (only the candidate rows are
+    Each test example fetches ``n_candidates`` rows from the ``nprobe`` nearest clusters,
+    whose TracIn scores are then computed exactly from the store (only the candidate rows are
     read, in runs per stored chunk) and the best ``k`` kept. Opponents (``largest=False``)
     search with negated queries: the highest inner products with ``-query`` are the lowest
-    scores.
+    scores. There is no ``chunk_rows``: only candidate rows are read, per block of queries.
 
     Args:
         store: As in :func:`tracinfunc.top_k`.
         test_grads: As in :func:`tracinfunc.top_k`.
         k: As in :func:`tracinfunc.top_k`.
-        largest: As in :func:`tracinfunc.top_k`.
-        normalize: As in :func:`tracinfunc.top_k`.
         index: Built by :func:`~tracinfunc.build_index` from this store, with the same
             ``normalize``.
         nprobe: Clusters searched per test example (default ``index.nprobe``: the value
             ``build_index`` calibrated to its ``target_recall`` of recall@10 on the store's
             rows, else ``max(1, nlist // 16)``; ``nlist`` searches every cluster, which makes
             the result exact for ``"ivf_flat"``). An explicit value always wins.
-        candidates: Rows fetched per test example and re-ranked (default
+        n_candidates: How many rows are fetched per test example and re-ranked (default
             ``index.candidates(k)``: ``rerank * k`` with the calibrated ``rerank``, else
-            ``max(2 * k, 16)``, ``max(10 * k, 100)`` for ``"ivf_pq"``; at most ``n_train``).
-        curvature: As in :func:`tracinfunc.query.score`: the index is searched with the
+            ``max(2 * k, 16)``, ``max(10 * k, 100)`` for ``"ivf_pq"``; at most the rows
+            searched).
+        largest: As in :func:`tracinfunc.top_k`.
+        normalize: As in :func:`tracinfunc.top_k`.
+        device: Where the exact re-rank runs and the result lands, as in
+            :func:`tracinfunc.score` (FAISS itself searches on the CPU).
+        progress: A progress bar over test examples, as in :func:`tracinfunc.score`.
+        rows: ``(start, stop)``: search and re-rank only training rows ``[start, stop)``;
+            indices stay rows of the whole store, so workers' results merge with
+            :func:`tracinfunc.distributed.merge_top_k`.
+        curvature: As in :func:`tracinfunc.score`: the index is searched with the
             preconditioned queries and the candidates re-ranked by curvature-aware scores
             (the index of the store serves both, as the store does).
+        output: As in :func:`tracinfunc.score`.
+        like: As in :func:`tracinfunc.score`.
 
     Returns:
-        ``(values, indices)``, both ``[n_test, k]``, best first, on the CPU; values in
-        float32 (float64 for float64 gradients), indices int64 rows of the store.
+        ``(values, indices)``, both ``[n_test, k]``, best first, on ``device``; values in
+        float32 (float64 for float64 gradients), indices int64 rows of the store. Torch
+        tensors, or arrays of the framework ``output``/``like`` name.
 
     Raises:
         IncompatibleGradientsError: the index was built from another store.
-        InvalidArgumentError: normalize differs from the index's, nprobe or candidates out
-            of range, or the clusters searched hold fewer than ``k`` rows for some example.
+        InvalidArgumentError: normalize differs from the index's, k, nprobe or n_candidates
+            out of range, or the clusters searched hold fewer than ``k`` rows for some example.
     """
+    framework = resolve_output(output, like)
     faiss = import_faiss()
-    meta = store.meta
-    nprobe, candidates = _check_args(store, index, k, nprobe, candidates, normalize)
-    test_grads = precondition_test_grads(store, test_grads, curvature)
-    # Errors name top_k, the entry point. FAISS searches and the re-rank run on the CPU:
-    # test gradients may arrive on a GPU.
-    test, test_norms = query_matrix(meta, test_grads, device=torch.device("cpu"))
-    dtype = compute_dtype(meta.torch_dtype, test.dtype)
-    # The exact side folds lr_c (and 1/|test_c| for cosine) into the test rows, as score does.
-    scale = torch.tensor(meta.lrs, dtype=dtype)[:, None, None]
-    if normalize:
-        norms = test_norms.to(dtype)
-        scale = scale * torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))[
-            ..., None]
-    exact_test = test.to(dtype) * scale  # [n_ckpt, n_test, k]
-    queries = weighted_rows(test, test_norms, meta.lrs, normalize=normalize, query=True)
+    check_not_empty(store.meta)
+    span = (0, store.meta.n_train) if rows is None else check_rows(rows, store.meta.n_train)
+    nprobe, n_candidates = _check_args(store, index, k, nprobe, n_candidates, normalize, span)
+    query = prepare_query(store, test_grads, normalize=normalize, device=device,
+                          curvature=curvature)
+    # FAISS searches on the CPU; the exact side takes the prepared (lr-weighted) rows.
+    queries = _search_queries(query)
     if not largest:
         queries = queries.neg()
-    params = faiss.SearchParametersIVF(nprobe=nprobe)
-    n_test = test.shape[1]
-    block = max(1, _BLOCK_BYTES // (candidates * meta.k * torch.finfo(dtype).bits // 8))
+    selector = None if rows is None else faiss.IDSelectorRange(*span)  # alive while searching
+    params = faiss.SearchParametersIVF(nprobe=nprobe, sel=selector)
+    meta = store.meta
+    block = max(1, _BLOCK_BYTES // (n_candidates * meta.k * torch.finfo(query.dtype).bits // 8))
     values, indices = [], []
-    for start in range(0, n_test, block):
-        stop = min(start + block, n_test)
-        _, found = index.faiss_index.search(queries[start:stop].numpy(), candidates,
+    bar = progress_bar(progress, total=query.n_test, desc="indexed_top_k", unit="query")
+    for start in range(0, query.n_test, block):
+        stop = min(start + block, query.n_test)
+        _, found = index.faiss_index.search(queries[start:stop].numpy(), n_candidates,
                                             params=params)
-        found = torch.from_numpy(found)  # [b, candidates], -1 where lists ran out
+        found = torch.from_numpy(found)  # [b, n_candidates], -1 where lists ran out
         _check_enough(found, k, nprobe, index.nlist, start)
-        scores = _exact_scores(store, exact_test[:, start:stop], found, normalize=normalize,
-                               largest=largest, dtype=dtype)
+        found = found.to(query.device)
+        scores = _exact_scores(store, query.rows[:, start:stop], found, normalize=normalize,
+                               largest=largest)
         best, order = scores.topk(k, dim=1, largest=largest, sorted=True)
         values.append(best)
         indices.append(found.gather(1, order))
-    return torch.cat(values), torch.cat(indices)
+        bar.update(stop - start)
+    bar.close()
+    return (to_framework(torch.cat(values), framework),
+            to_framework(torch.cat(indices), framework))
+
+
+def _search_queries(query: PreparedQuery) -> Tensor:
+    """``[n_test, n_ckpt * k]`` float32 CPU queries as the index expects them:
+    ``sign(lr_c) sqrt|lr_c| test_c`` (over ``|test_c|`` with normalize), from the prepared
+    ``lr_c test_c`` rows (a checkpoint with ``lr_c = 0`` contributes zeros either way)."""
+    lr = torch.tensor(query.lrs, dtype=torch.float64)
+    unscale = torch.where(lr != 0, lr.abs().sqrt().reciprocal(), torch.zeros_like(lr))
+    rows = query.rows.cpu().to(torch.float64) * unscale[:, None, None]
+    return rows.to(torch.float32).permute(1, 0, 2).reshape(query.n_test, -1).contiguous()
 
 
 def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, *, normalize: bool,
-                  largest: bool, dtype: torch.dtype) -> Tensor:
+                  largest: bool) -> Tensor:
     """TracIn scores ``[b, candidates]`` of each test row against its own candidate rows.
 
     ``test`` is ``[n_ckpt, b, k]`` with lr (and the test norm) folded in; missing candidates
     (``-1``) score ``-inf`` (``+inf`` for opponents), so the final topk never picks them.
     """
-    meta = store.meta
+    meta, dtype, device = store.meta, test.dtype, test.device
     valid = found >= 0
-    unique = torch.unique(found[valid])  # sorted: read in store order, each row once
-    position = torch.searchsorted(unique, found.clamp(min=0))  # [b, candidates]
-    total = torch.zeros(found.shape, dtype=dtype)
+    unique = torch.unique(found[valid]).cpu()  # sorted: read in store order, each row once
+    position = torch.searchsorted(unique.to(device), found.clamp(min=0))  # [b, candidates]
+    total = torch.zeros(found.shape, dtype=dtype, device=device)
     for ckpt in range(meta.n_ckpt):
-        rows = read_rows_at(store, ckpt, unique).to(dtype)  # [u, k]
+        rows = read_rows_at(store, ckpt, unique).to(device, dtype)  # [u, k]
         gathered = rows[position]  # [b, candidates, k]
         product = torch.bmm(gathered, test[ckpt][:, :, None]).squeeze(2)  # [b, candidates]
         if normalize:
-            norms = norms_at(store, ckpt, unique).to(dtype)
+            norms = norms_at(store, ckpt, unique).to(device, dtype)
             inverse = torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
             product = product * inverse[position]
         total += product
@@ -143,7 +171,8 @@ def _check_enough(found: Tensor, k: int, nprobe: int, nlist: int, offset: int) -
 
 
 def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
-                candidates: int | None, normalize: bool) -> tuple[int, int]:
+                n_candidates: int | None, normalize: bool, span: tuple[int, int]
+                ) -> tuple[int, int]:
     meta = store.meta
     if not isinstance(index, SearchIndex):
         raise InvalidTypeError(
@@ -164,16 +193,14 @@ def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
             f"normalize={index.normalize}; pass normalize={index.normalize} or build an index "
             f"with tif.build_index(store, normalize={normalize})."
         )
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= meta.n_train:
-        raise InvalidArgumentError(
-            f"{current_caller()}: k must be an int in [1, n_train={meta.n_train}], got {k!r}."
-        )
+    n_rows = span[1] - span[0]
+    check_k(k, n_rows)
     nprobe = index.nprobe if nprobe is None else nprobe
     _check_range("nprobe", nprobe, 1, index.nlist, "nlist searches every cluster")
-    if candidates is None:
-        candidates = index.candidates(k)
-    _check_range("candidates", candidates, k, meta.n_train, "more candidates raise recall")
-    return nprobe, candidates
+    if n_candidates is None:
+        n_candidates = min(index.candidates(k), n_rows)
+    _check_range("n_candidates", n_candidates, k, n_rows, "more candidates raise recall")
+    return nprobe, n_candidates
 
 
 def _check_range(name: str, value: object, low: int, high: int, hint: str) -> None:

@@ -1,10 +1,10 @@
-"""Preconditioned test gradients: the only side of curvature-aware TracIn that changes.
+"""Preconditioned test gradients from a loss: the only side of curvature-aware TracIn that changes.
 
 ``sum_c lr_c g_test,c^T (H_c + lambda_c I)^-1 g_train,c`` is plain TracIn between the stored
 training rows and preconditioned test rows, so the training store stays as built.
 
 - ``kind="projected"`` acts on projected rows: ``score(store, test_grads, curvature=c)``
-  preconditions plain test gradients itself (:func:`precondition_test_grads`).
+  preconditions plain test gradients itself (:mod:`tracinfunc.query.curvature`).
 - ``"dense"``, ``"kfac"`` and ``"ekfac"`` act on full gradients, before the projection:
   :func:`preconditioned_test_grads` computes them (for ``"kfac"`` with a Kronecker projection
   without forming a layer's gradient: ``(delta S^-1 P_out)^T (x A^-1 P_in)``), marked with the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -29,20 +30,17 @@ from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.capture import KfacLayer, first_example, layer_io
 from tracinfunc.curvature.kfac import augmented
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import EmptyDataError, IncompatibleGradientsError
+from tracinfunc.errors import EmptyDataError
 from tracinfunc.grads import per_sample_grads, projected_grads
-from tracinfunc.grads.options import GradientOptions
-from tracinfunc.grads.selection import Selection, selected_names
+from tracinfunc.grads.options import GradientOptions, gradient_options
+from tracinfunc.grads.selection import selected_names
 from tracinfunc.projection import Projection, canonical_layout, kronecker_factors, make_projector
 from tracinfunc.projection.spec import check_projection
-from tracinfunc.query.prepared import query_matrix
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
-from tracinfunc.store.protocols import GradientStore
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["MARK", "GradientPreconditioner", "curvature_self_influence", "marked_store",
-           "precondition_test_grads", "preconditioned_test_grads"]
+__all__ = ["MARK", "GradientPreconditioner", "marked_store", "preconditioned_test_grads"]
 
 MARK = "curvature"  # StoreMeta.extra key: {"kind", "digest"} of the curvature applied
 
@@ -55,8 +53,7 @@ def preconditioned_test_grads(
     curvature: Curvature,
     *,
     projection: Projection,
-    select: Selection | None = None,
-    chunk_size: int | None = None,
+    options: GradientOptions | None = None,
 ) -> MemoryStore:
     """Test gradients preconditioned by ``curvature``, then projected: ``P (H_c + l I)^-1 g``.
 
@@ -66,8 +63,9 @@ def preconditioned_test_grads(
         data: Test batches.
         curvature: From :func:`~tracinfunc.fit_curvature` at these checkpoints.
         projection: The store's projection (``store.projection``).
-        select: The store's parameter selection.
-        chunk_size: Examples differentiated at once inside vmap.
+        options: How per-example gradients are computed (``chunk_size``, ``select``, ...), as
+            for the store. Without ``options.select`` the parameters the curvature was fitted
+            over (``curvature.layout``) are differentiated: the store's selection.
 
     Returns:
         A :class:`~tracinfunc.store.MemoryStore` ``[n_ckpt, n_test, k]`` to pass as ``test_grads``
@@ -82,7 +80,10 @@ def preconditioned_test_grads(
     checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint")
     metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr, c.fingerprint)
                   for i, c in enumerate(checkpoints))
-    names = selected_names(checkpoints[0].params, select)
+    options = gradient_options(options)
+    select = options.select if options.select is not None else [n for n, _ in curvature.layout]
+    options = replace(options, select=list(selected_names(checkpoints[0].params, select)))
+    names = options.select
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
     meta = StoreMeta(projection=projection, checkpoints=metas, layout=layout, n_train=0,
                      k=projection.output_dim(layout), library_version=__version__)
@@ -90,7 +91,7 @@ def preconditioned_test_grads(
     per_ckpt = []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
-                           projection.for_checkpoint(ckpt_meta.name), chunk_size)
+                           projection.for_checkpoint(ckpt_meta.name), options)
         params = dict(ckpt.params)
         parts = [rows_fn(params, batch) for batch in iter_batches(data)]
         if not parts:
@@ -134,18 +135,16 @@ class GradientPreconditioner:
 
 
 def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projection,
-             chunk_size):
+             options: GradientOptions):
     """``fn(params, batch) -> [b, k]`` preconditioned, projected test rows at checkpoint c."""
     if curvature.kind == "projected":
-        fn = projected_grads(
-            loss, projection, options=GradientOptions(select=list(names), chunk_size=chunk_size)
-        )
+        fn = projected_grads(loss, projection, options=options)
         return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
     if curvature.kind == "kfac" and projection.kind == "kronecker" and all(
             layer.rule != "embedding" for layer in curvature.layers):  # ids, not features
         return _factored_kfac(loss, curvature, ckpt, names, projection)
-    psg = per_sample_grads(loss, options=GradientOptions(select=list(names), chunk_size=chunk_size))
-    precondition = GradientPreconditioner(curvature, ckpt, projection, chunk_size)
+    psg = per_sample_grads(loss, options=options)
+    precondition = GradientPreconditioner(curvature, ckpt, projection, options.chunk_size)
     return lambda params, batch: precondition(psg(params, batch))
 
 
@@ -190,76 +189,3 @@ def _kronecker_block(layer: KfacLayer, delta: Tensor, x: Tensor, projection: Pro
     left, right = (delta, x) if layer.rule in ("linear", "conv2d") else (x, delta)
     block = torch.einsum("btr,btc->brc", left @ p_rows, right @ p_cols)  # [b, k_r, k_c]
     return block.reshape(block.shape[0], -1)
-
-
-def precondition_test_grads(store: GradientStore, test_grads: GradientStore | Tensor,
-                            curvature: Curvature | None) -> GradientStore | Tensor:
-    """``test_grads`` made curvature-aware for ``store``: the one call ``score``/``top_k`` make.
-
-    ``None`` returns ``test_grads`` unchanged; test gradients already preconditioned by this
-    curvature (:func:`preconditioned_test_grads`) pass through; plain ones are preconditioned
-    in the projected space by a ``"projected"`` curvature.
-
-    Returns:
-        ``test_grads``, or the preconditioned rows ``[n_ckpt, n_test, k]``.
-
-    Raises:
-        IncompatibleGradientsError: the curvature belongs to another store (named
-            difference), the test gradients were preconditioned by another curvature, or a
-            full-space curvature (``"dense"``, ``"kfac"``, ``"ekfac"``) meets plain projected
-            test gradients.
-    """
-    if curvature is None:
-        return test_grads
-    curvature = check_curvature(curvature)
-    meta = store.meta
-    check_bound(curvature, meta)
-    mark = test_grads.meta.extra.get(MARK) if isinstance(test_grads, GradientStore) else None
-    if mark is not None:
-        if mark.get("digest") != curvature.digest:
-            raise IncompatibleGradientsError(
-                f"{current_caller()}: the test gradients were preconditioned by another "
-                f"curvature ({mark.get('kind')!r}, digest {str(mark.get('digest'))[:12]}…) "
-                f"than the one given ({curvature.kind!r}, {curvature.digest[:12]}…); pass the "
-                "curvature they were made with, or make them again with this one."
-            )
-        return test_grads
-    if curvature.kind != "projected":
-        raise IncompatibleGradientsError(
-            f"{current_caller()}: a {curvature.kind!r} curvature preconditions gradients before "
-            "they are projected, so it cannot be applied to projected test gradients; make "
-            "them with tif.preconditioned_test_grads(loss, checkpoints, test_data, curvature, "
-            "projection=store.projection), or fit kind='projected'."
-        )
-    # Validated (shape, finite, compatible store), left where the test gradients are.
-    where = test_grads.device if isinstance(test_grads, Tensor) else torch.device("cpu")
-    rows, _ = query_matrix(meta, test_grads, device=where)
-    return torch.stack([curvature.precondition_rows(c, rows[c]) for c in range(meta.n_ckpt)])
-
-
-def curvature_self_influence(store: GradientStore, curvature: Curvature,
-                             device: torch.device, *, chunk_rows: int = 4096) -> Tensor:
-    """``sum_c lr_c row_c^T (F_c + lambda_c I)^-1 row_c`` per training row, ``[n_train]``.
-
-    Raises:
-        IncompatibleGradientsError: not a ``"projected"`` curvature (the store holds no
-            full-space gradients to precondition), or one for another store.
-    """
-    curvature = check_curvature(curvature)
-    meta = store.meta
-    check_bound(curvature, meta)
-    if curvature.kind != "projected":
-        raise IncompatibleGradientsError(
-            f"{current_caller()}: curvature-aware self-influence from a store needs a "
-            f"'projected' curvature, got {curvature.kind!r}: the store holds projected rows, "
-            "not the full gradients a dense or K-FAC curvature acts on. Fit "
-            "kind='projected' with projection=store.projection."
-        )
-    dtype = torch.float64 if meta.torch_dtype == torch.float64 else torch.float32
-    total = torch.zeros(meta.n_train, dtype=torch.float64, device=device)
-    for c, lr in enumerate(meta.lrs):
-        for start in range(0, meta.n_train, chunk_rows):
-            stop = min(start + chunk_rows, meta.n_train)
-            rows = store.read_rows(c, start, stop).to(device, torch.float64)
-            total[start:stop] += lr * (curvature.precondition_rows(c, rows) * rows).sum(1)
-    return total.to(dtype)

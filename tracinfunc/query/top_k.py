@@ -1,0 +1,109 @@
+"""The ``k`` most or least influential training rows, without forming ``[n_test, n_train]``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tracinfunc._validate import check_int, entry_point
+from tracinfunc.curvature.value import Curvature
+from tracinfunc.interop import Array, resolve_output, to_framework
+from tracinfunc.progress import ProgressArg
+from tracinfunc.query.checks import check_not_empty
+from tracinfunc.query.chunks import stream_scores
+from tracinfunc.query.merge import merge_top_k
+from tracinfunc.query.prepared import PreparedQuery, prepare_query
+from tracinfunc.query.rows import row_range
+from tracinfunc.store.protocols import GradientStore
+
+__all__ = ["check_k", "top_k"]
+
+# top_k holds a [n_test, chunk] score block and its sort (float32 values + int64 order):
+# 16 bytes per query and row. Above this many test rows (256 MiB at 256-row chunks) it scans
+# the store once per block of queries instead of letting that block grow without bound.
+_MAX_QUERY_BLOCK = 65_536
+
+
+@entry_point("top_k")
+def top_k(
+    store: GradientStore,
+    test_grads: GradientStore | Array,
+    k: int = 10,
+    *,
+    largest: bool = True,
+    normalize: bool = False,
+    device: torch.device | str | None = None,
+    chunk_rows: int | None = None,
+    progress: ProgressArg = None,
+    rows: tuple[int, int] | None = None,
+    curvature: Curvature | None = None,
+    output: str | None = None,
+    like: object = None,
+) -> tuple[Array, Array]:
+    """The ``k`` most (``largest=True``: proponents) or least (opponents) influential rows.
+
+    Never materialises ``[n_test, n_train]``: each streamed chunk is merged into a running
+    top-k of ``[n_test, k]``. Query sets of more than 65,536 test rows are split into blocks
+    of that many, one scan of the store each, so the per-chunk score block stays bounded
+    (the query is prepared once and split).
+
+    Args:
+        store: As in :func:`score`.
+        test_grads: As in :func:`score`.
+        k: How many training examples per test example, in ``[1, n_train]``.
+        largest: ``True`` for the highest scores (proponents), ``False`` for the lowest
+            (opponents).
+        normalize: As in :func:`score`.
+        device: As in :func:`score`.
+        chunk_rows: As in :func:`score`.
+        progress: As in :func:`score`.
+        rows: ``(start, stop)``: scan only training rows ``[start, stop)``; the partial
+            results of workers merge exactly with :func:`tracinfunc.distributed.merge_top_k`
+            (or :func:`tracinfunc.distributed.gather_top_k` under torchrun).
+        curvature: As in :func:`score`.
+        output: As in :func:`score`.
+        like: As in :func:`score`.
+
+    Returns:
+        ``(values, indices)``, both ``[n_test, k]``, sorted best first, equal scores by row;
+        indices are rows of the store (int64), also with ``rows``. Torch tensors on
+        ``device``, or arrays of the framework ``output``/``like`` name.
+    """
+    framework = resolve_output(output, like)
+    check_not_empty(store.meta)
+    part = store if rows is None else row_range(store, rows)
+    offset = 0 if rows is None else part.start
+    check_k(k, part.meta.n_train)
+    query = prepare_query(store, test_grads, normalize=normalize, device=device,
+                          curvature=curvature)
+    options = {"largest": largest, "chunk_rows": chunk_rows, "progress": progress}
+    if query.n_test <= _MAX_QUERY_BLOCK:
+        values, indices = _exact_top_k(part, query, k, offset, **options)
+    else:  # one scan per block of queries; the blocks' results stack row for row
+        parts = [_exact_top_k(part, query.split(lo, lo + _MAX_QUERY_BLOCK), k, offset,
+                              **options) for lo in range(0, query.n_test, _MAX_QUERY_BLOCK)]
+        values, indices = (torch.cat(list(column)) for column in zip(*parts, strict=True))
+    return to_framework(values, framework), to_framework(indices, framework)
+
+
+def check_k(k: object, n_rows: int) -> int:
+    """``k`` if it is an int in ``[1, n_rows]``: the same error from ``top_k`` and
+    ``indexed_top_k``."""
+    return check_int(k, "k", maximum=n_rows, maximum_label="n_train",
+                     fix="for every training example use tif.score and sort")
+
+
+def _exact_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int, *,
+                 largest: bool, chunk_rows: int | None, progress: ProgressArg
+                 ) -> tuple[Tensor, Tensor]:
+    """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks."""
+    best_values: Tensor | None = None
+    best_indices: Tensor | None = None
+    for start, block in stream_scores(store, query, chunk_rows=chunk_rows, progress=progress):
+        # A stable sort, not topk: equal scores keep row order, so any split of the rows
+        # (chunks here, workers with rows=) merges into the same result.
+        values, order = block.sort(dim=1, descending=largest, stable=True)
+        part = (values[:, :k], order[:, :k] + (start + offset))
+        parts = [part] if best_values is None else [(best_values, best_indices), part]
+        best_values, best_indices = merge_top_k(parts, k, largest=largest)
+    return best_values, best_indices

@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "CorruptStoreError",
     "EmptyDataError",
+    "IllConditionedError",
     "IncompatibleGradientsError",
     "IncompleteStoreError",
     "InvalidArgumentError",
@@ -51,6 +52,11 @@ class IncompatibleGradientsError(TracInFuncError, ValueError):
 
 class NonFiniteGradientError(TracInFuncError, ValueError):
     """A per-example gradient contains NaN or infinity."""
+
+
+class IllConditionedError(TracInFuncError, ValueError):
+    """A damped curvature's solve has a condition number so large that its result (and every
+    score made with it) would be rounding noise; the message gives the damping that fixes it."""
 
 
 class EmptyDataError(TracInFuncError, ValueError):

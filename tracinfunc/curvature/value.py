@@ -17,12 +17,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature import kfac
 from tracinfunc.curvature.blocks import Block, block_index
 from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.curvature.conditioning import (
+    MAX_CONDITION,
+    condition,
+    minimal_damping,
+    round_up,
+    systems,
+)
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.errors import IllConditionedError, InvalidArgumentError
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.meta import CheckpointMeta
 
@@ -140,17 +148,73 @@ class Curvature:
         mean = kfac.kfac_mean_eigenvalue if self.kind == "kfac" else kfac.ekfac_mean_eigenvalue
         return tuple(mean(e, list(self.layers)) for e in self.estimates)
 
+    @entry_point("Curvature.with_damping")
     def with_damping(self, damping: Damping | float) -> Curvature:
         """The same estimates with another damping (a new value; this one is unchanged).
 
         Args:
             damping: A :class:`~tracinfunc.curvature.Damping` (relative to each checkpoint's
                 mean eigenvalue) or a float (one ``lambda`` for every checkpoint).
+
+        Raises:
+            InvalidArgumentError: a negative, NaN or infinite damping.
+            IllConditionedError: a checkpoint's damped solve would be meaningless (see
+                :meth:`check_conditioned`); the message gives the damping that fixes it.
         """
         damping = check_damping(damping)
         values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues())
         rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
-        return replace(self, damping=values, info={**self.info, "damping": rule})
+        damped = replace(self, damping=values, info={**self.info, "damping": rule})
+        damped._cache.update({key: value for key, value in self._cache.items()
+                              if key[0] == "systems"})  # spectra do not depend on damping
+        damped.check_conditioned()
+        return damped
+
+    def condition_numbers(self) -> tuple[float, ...]:
+        """Per checkpoint, the largest condition number of the damped systems solved
+        (:mod:`tracinfunc.curvature.conditioning`; ``inf`` for a singular one)."""
+        return tuple(condition(self._systems(c), self.damping[c], exact=True)
+                     for c in range(self.n_ckpt))
+
+    @entry_point("Curvature.check_conditioned")
+    def check_conditioned(self, ckpt: int | None = None) -> None:
+        """Raise unless every damped solve (of ``ckpt``, or of every checkpoint) has a
+        condition number of at most ``MAX_CONDITION`` (``1 / eps(float32)``).
+
+        Raises:
+            IllConditionedError: names the checkpoint, its condition number and the smallest
+                damping that fixes every checkpoint.
+        """
+        for c in range(self.n_ckpt) if ckpt is None else (ckpt,):
+            if ("conditioned", c) in self._cache:
+                continue
+            kappa = condition(self._systems(c), self.damping[c])
+            if not kappa <= MAX_CONDITION:
+                raise IllConditionedError(self._ill_conditioned(c, kappa))
+            self._cache[("conditioned", c)] = True
+
+    def _ill_conditioned(self, ckpt: int, kappa: float) -> str:
+        needed = [minimal_damping(self._systems(c)) for c in range(self.n_ckpt)]
+        means = self.mean_eigenvalues()
+        scale = round_up(max(lam / mean if mean > 0 else lam
+                             for lam, mean in zip(needed, means, strict=True)))
+        return (
+            f"{current_caller()}: the damped curvature at checkpoint {ckpt} "
+            f"({self.checkpoints[ckpt].name!r}) has condition number {kappa:.3g} with damping "
+            f"{self.damping[ckpt]:.3g}, above {MAX_CONDITION:.3g} (1 / float32 epsilon): the "
+            f"rounding of a float32 gradient could be as large as the solve's answer, so "
+            f"the scores would be meaningless (a rank-deficient estimate with damping near 0 "
+            f"is one cause). Raise the damping: at least {needed[ckpt]:.2g} at this checkpoint; "
+            f"curvature.with_damping({max(needed):.2g}) or with_damping(Damping(scale="
+            f"{scale:.2g})) for every checkpoint, or Damping() for the default."
+        )
+
+    def _systems(self, ckpt: int) -> list:
+        key = ("systems", ckpt)
+        if key not in self._cache:
+            self._cache[key] = systems(self.kind, self.estimates[ckpt], self.layers,
+                                       len(self.blocks))
+        return self._cache[key]
 
     def precondition(self, ckpt: int, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(H_c + lambda_c I)^-1 g`` for per-example gradients ``{name: [b, *shape]}``.
@@ -158,6 +222,7 @@ class Curvature:
         Computed in float64, returned in the gradients' dtype; for every kind but
         ``"projected"`` (which acts on projected rows: :meth:`precondition_rows`).
         """
+        self.check_conditioned(ckpt)
         dtype = next(iter(grads.values())).dtype
         grads = {name: value.double() for name, value in grads.items()}
         if self.kind == "dense":
@@ -181,6 +246,7 @@ class Curvature:
         in float32 otherwise (scores accumulate in float32 anyway; half the time of a
         float64 product, which matters when ``k`` approaches ``n_train``).
         """
+        self.check_conditioned(ckpt)
         dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
         if self.blocks:
             return self._precondition_blocks(ckpt, rows, dtype)
@@ -204,6 +270,7 @@ class Curvature:
 
     def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
         """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
+        self.check_conditioned(ckpt)
         key = ("factors", ckpt, layer.weight)
         if key not in self._cache:
             self._cache[key] = kfac.factor_inverses(self.estimates[ckpt], layer,

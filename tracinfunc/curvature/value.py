@@ -30,7 +30,7 @@ from tracinfunc.curvature.conditioning import (
 )
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
-from tracinfunc.errors import IllConditionedError, InvalidArgumentError
+from tracinfunc.errors import IllConditionedError, InvalidArgumentError, NonFiniteGradientError
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.meta import CheckpointMeta
 
@@ -227,7 +227,7 @@ class Curvature:
         grads = {name: value.double() for name, value in grads.items()}
         if self.kind == "dense":
             flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
-            return {n: v.to(dtype) for n, v in unflatten(flat, self.layout).items()}
+            return {n: _cast(v, dtype) for n, v in unflatten(flat, self.layout).items()}
         out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
@@ -237,7 +237,7 @@ class Curvature:
                 matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
                                                  self.damping[ckpt])
             out.update(split_layer(matrix, layer, shapes[layer.weight]))
-        return {name: value.to(dtype) for name, value in out.items()}
+        return {name: _cast(value, dtype) for name, value in out.items()}
 
     def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:
         """``(F_c + lambda_c I)^-1 row`` for projected rows ``[b, k]`` (``"projected"``).
@@ -254,7 +254,7 @@ class Curvature:
         if key not in self._cache:
             self._cache[key] = self._inverse(ckpt).to(rows.device, dtype)
         # [b, k] @ [k, k]; symmetric, so row @ inv = (inv @ row)^T
-        return (rows.to(dtype) @ self._cache[key]).to(rows.dtype)
+        return _cast(rows.to(dtype) @ self._cache[key], rows.dtype)
 
     def _precondition_blocks(self, ckpt: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Each block's coordinates ``[b, k_l]`` times that block's damped inverse."""
@@ -266,7 +266,7 @@ class Curvature:
                                     self._inverse(ckpt, f"block:{i}").to(rows.device, dtype))
             index, inverse = self._cache[key]
             out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
-        return out.to(rows.dtype)
+        return _cast(out, rows.dtype)
 
     def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
         """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
@@ -284,3 +284,18 @@ class Curvature:
             eye = torch.eye(matrix.shape[0], dtype=matrix.dtype)
             self._cache[key] = torch.linalg.inv(matrix + self.damping[ckpt] * eye)
         return self._cache[key]
+
+
+def _cast(value: Tensor, dtype: torch.dtype) -> Tensor:
+    """``value`` in ``dtype``, refusing a finite value that overflows it (float16's 65504:
+    a solve divides by eigenvalues + lambda, which can be far below 1)."""
+    out = value.to(dtype)
+    if out.dtype != value.dtype and not bool(out.isfinite().all()) \
+            and bool(value.isfinite().all()):
+        raise NonFiniteGradientError(
+            f"{current_caller()}: the preconditioned gradients reach "
+            f"{float(value.abs().max()):.3g}, beyond {dtype}'s largest value "
+            f"{torch.finfo(dtype).max:.5g}; use float32 parameters (or test gradients), or "
+            "raise the damping."
+        )
+    return out

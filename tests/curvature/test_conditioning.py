@@ -170,3 +170,36 @@ def test_huge_damping_scores_near_zero_never_nan(setup, kind):
             loss, ckpts, (data[0][:3], data[1][:3]), damped, projection=PROJECTION)
         scores = tif.score(store, queries, curvature=damped)
         assert scores.isfinite().all() and scores.abs().max() < 1e-20
+
+
+def test_a_saved_ill_conditioned_curvature_loads_and_is_refused_at_use(setup, tmp_path,
+                                                                       capsys):
+    """Nothing is lost: it loads (so it can be re-damped), and every use refuses it, the
+    CLI with the same one-line message."""
+    from tracinfunc.cli import main
+
+    loss, ckpts, data, store, tests = setup
+    curvature = fit_curvature(loss, ckpts, data, projection=PROJECTION, damping=0.0)
+    path = tif.save_curvature(curvature, tmp_path / "c.zarr")
+    loaded = tif.load_curvature(path)
+    assert loaded.digest == curvature.digest
+    with pytest.raises(IllConditionedError, match=r"^top_k: "):
+        tif.top_k(store, tests, 2, curvature=loaded)
+    assert tif.top_k(store, tests, 2, curvature=loaded.with_damping(Damping()))[0].isfinite().all()
+    store_path = tmp_path / "s.zarr"
+    tif.build_store(loss, ckpts, data, projection=PROJECTION, store=str(store_path),
+                    progress=False)
+    code = main(["self-influence", str(store_path), "--curvature", str(path),
+                 "--output", str(tmp_path / "si.json"), "--quiet"])
+    assert code != 0 and not (tmp_path / "si.json").exists()
+    assert "condition number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_curvature_built_with_a_bad_damping_is_refused(setup, bad):
+    from dataclasses import replace
+
+    loss, ckpts, data, _, _ = setup
+    curvature = fit_curvature(loss, ckpts, data, projection=PROJECTION)
+    with pytest.raises(InvalidArgumentError, match="every damping must be a finite float >= 0"):
+        replace(curvature, damping=(bad,))

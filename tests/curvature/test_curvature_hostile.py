@@ -105,8 +105,9 @@ def test_curvature_for_an_optimizer_aware_store_is_refused(kind):
     loss, ckpts, data, store, plain, tests = _optimizer_aware_store(kind)
     curvature = fit_curvature(loss, ckpts, data, projection=PROJECTION)
     assert curvature.info["preconditioner"] is None
-    refused = (rf"the curvature was fitted on raw gradients .* store's rows are optimizer-preconditioned "
-               rf"gradients, '{kind}'.*without preconditioners=.*without curvature=")
+    refused = (rf"the curvature was fitted on raw gradients .* store's rows are "
+               rf"optimizer-preconditioned gradients, '{kind}'.*without preconditioners=.*"
+               r"without curvature=")
     with pytest.raises(IncompatibleGradientsError, match=r"^score: " + refused):
         tif.score(store, tests, curvature=curvature)
     with pytest.raises(IncompatibleGradientsError, match=r"^self_influence: " + refused):

@@ -82,6 +82,12 @@ class Curvature:
                 f"{len(self.checkpoints)} checkpoints, {len(self.damping)} dampings and "
                 f"{len(self.estimates)} estimates."
             )
+        if not all(isinstance(d, int | float) and math.isfinite(d) and d >= 0
+                   for d in self.damping):
+            raise InvalidArgumentError(
+                f"Curvature: every damping must be a finite float >= 0, got "
+                f"{list(self.damping)}; use curvature.with_damping(Damping()) for the default."
+            )
         if self.blocks and self.kind != "projected":
             raise InvalidArgumentError(
                 f"Curvature: per-layer blocks belong to kind='projected', got {self.kind!r}."

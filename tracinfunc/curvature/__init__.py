@@ -9,6 +9,7 @@ loss change (:func:`tracinfunc.evaluate.choose_damping_by_lds` by LDS). See
 """
 
 from tracinfunc.curvature.capture import SUPPORTED, KfacLayer
+from tracinfunc.curvature.conditioning import MAX_CONDITION
 from tracinfunc.curvature.damping import DEFAULT_SCALES, Damping
 from tracinfunc.curvature.fit import MAX_DENSE_PARAMS, fit_curvature
 from tracinfunc.curvature.heldout import CANDIDATE_SCALES, DampingChoice, choose_damping
@@ -30,6 +31,7 @@ __all__ = [
     "CANDIDATE_SCALES",
     "DEFAULT_SCALES",
     "KINDS",
+    "MAX_CONDITION",
     "MAX_DENSE_PARAMS",
     "SUPPORTED",
     "Curvature",

@@ -8,7 +8,8 @@ reaches ``1 / eps32 = 8.4e6`` that rounding alone can be as large as the answer,
 carry no information (a rank-deficient Fisher with ``lambda = 0`` has ``kappa`` of 1e16 or
 infinite, and its scores reach 1e17). Such a solve is refused (:class:`IllConditionedError`)
 with the smallest damping that brings ``kappa`` to ``MAX_CONDITION``. No safety factor: the
-bound is already a worst case, and the defaults stay far below it (``kappa <= 1 + dim / scale``).
+bound is already a worst case, and the defaults stay far below it (``kappa <= 1 + dim / scale``
+for ``"dense"`` and ``"projected"``).
 
 Each system solved on its own has its own ``kappa``: the whole matrix (``"dense"``,
 ``"projected"``), each per-layer block (block-diagonal ``"projected"``), each layer's

@@ -203,3 +203,15 @@ def test_a_curvature_built_with_a_bad_damping_is_refused(setup, bad):
     curvature = fit_curvature(loss, ckpts, data, projection=PROJECTION)
     with pytest.raises(InvalidArgumentError, match="every damping must be a finite float >= 0"):
         replace(curvature, damping=(bad,))
+
+
+def test_a_non_finite_estimate_is_refused_as_such(setup):
+    from dataclasses import replace
+
+    loss, ckpts, data, store, tests = setup
+    curvature = fit_curvature(loss, ckpts, data, projection=PROJECTION)
+    matrix = curvature.estimates[0]["matrix"].clone()
+    matrix[0, 0] = float("nan")
+    broken = replace(curvature, estimates=({"matrix": matrix},))
+    with pytest.raises(IllConditionedError, match=r"^score: .*holds NaN or infinite values"):
+        tif.score(store, tests, curvature=broken)

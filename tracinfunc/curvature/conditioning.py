@@ -104,7 +104,7 @@ def _matrix_system(matrix: Tensor) -> System:
     def exact() -> Callable[[float], float]:
         if not bool(torch.isfinite(matrix).all()):
             return lambda damping: math.inf
-        values = torch.linalg.eigvalsh(matrix)
+        values = _eigenvalues(matrix)
         low, high = float(values[0]), float(values[-1])
         return lambda damping: _ratio(low, high, damping)
 
@@ -132,10 +132,19 @@ def _kron_system(a: Tensor, s: Tensor) -> System:
     def exact() -> Callable[[float], float]:
         if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(s).all())):
             return lambda damping: math.inf
-        values_a = a if a.dim() == 1 else torch.linalg.eigvalsh(a)
-        values_s = torch.linalg.eigvalsh(s)
+        values_a = a if a.dim() == 1 else _eigenvalues(a)
+        values_s = _eigenvalues(s)
         a_range = (float(values_a.min()), float(values_a.max()))
         s_range = (float(values_s[0]), float(values_s[-1]))
         return lambda damping: kappa(a_range, s_range, damping)
 
     return (lambda damping: kappa((0.0, trace_a), (0.0, trace_s), damping)), exact
+
+
+def _eigenvalues(matrix: Tensor) -> Tensor:
+    """Ascending eigenvalues of a symmetric matrix; ``[nan]`` (refused as singular) where the
+    solver does not converge, rather than its raw error."""
+    try:
+        return torch.linalg.eigvalsh(matrix)
+    except torch.linalg.LinAlgError:
+        return torch.tensor([torch.nan], dtype=torch.float64)

@@ -201,6 +201,11 @@ class Curvature:
 
     def _ill_conditioned(self, ckpt: int, kappa: float) -> str:
         needed = [minimal_damping(self._systems(c)) for c in range(self.n_ckpt)]
+        if not math.isfinite(needed[ckpt]):
+            return (f"{current_caller()}: the curvature's estimate at checkpoint {ckpt} "
+                    f"({self.checkpoints[ckpt].name!r}) holds NaN or infinite values (or its "
+                    "eigenvalues could not be computed), so no damping makes its solve "
+                    "meaningful; fit it again with tif.fit_curvature on finite data.")
         means = self.mean_eigenvalues()
         scale = round_up(max(lam / mean if mean > 0 else lam
                              for lam, mean in zip(needed, means, strict=True)))

@@ -169,3 +169,29 @@ def test_float16_overflow_of_a_preconditioned_gradient_is_refused():
                        match=r"^preconditioned_test_grads: .* beyond torch.float16's largest"):
         tif.preconditioned_test_grads(loss, ckpts, (x[:3], y[:3]), curvature,
                                       projection=PROJECTION)
+
+
+def test_causal_lm_non_finite_logits_are_named():
+    """Token ids cannot be NaN: an embedding row of NaN (one token) poisons the sequences
+    that hold it, and only those are named."""
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(7, 4), nn.Linear(4, 7)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.head(torch.tanh(self.emb(input_ids)))
+
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    with torch.no_grad():
+        model.emb.weight[6] = float("nan")
+    ids = torch.randint(0, 6, (6, 5))
+    ids[4, 1] = 6
+    loss = tif.causal_lm_loss(model)
+    ckpts = [tif.Checkpoint.from_module(model, name="a")]
+    with pytest.raises(NonFiniteGradientError,
+                       match=r"^fit_curvature: the model's output for data example\(s\) 4 is"):
+        fit_curvature(loss, ckpts, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                      kind="kfac")

@@ -13,6 +13,7 @@ __all__ = [
     "CorruptRecordingError",
     "CorruptStoreError",
     "EmptyDataError",
+    "IllConditionedError",
     "IncompatibleGradientsError",
     "IncompleteStoreError",
     "InvalidArgumentError",
@@ -53,6 +54,11 @@ class IncompatibleGradientsError(TracInFuncError, ValueError):
 
 class NonFiniteGradientError(TracInFuncError, ValueError):
     """A per-example gradient contains NaN or infinity."""
+
+
+class IllConditionedError(TracInFuncError, ValueError):
+    """A damped curvature's solve has a condition number so large that its result (and every
+    score made with it) would be rounding noise; the message gives the damping that fixes it."""
 
 
 class EmptyDataError(TracInFuncError, ValueError):

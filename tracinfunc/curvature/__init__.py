@@ -9,6 +9,7 @@ loss change (:func:`tracinfunc.evaluate.choose_damping_by_lds` by LDS). See
 """
 
 from tracinfunc.curvature.capture import SUPPORTED, KfacLayer
+from tracinfunc.curvature.conditioning import MAX_CONDITION
 from tracinfunc.curvature.damping import DEFAULT_SCALES, Damping
 from tracinfunc.curvature.fit import MAX_DENSE_PARAMS, fit_curvature
 from tracinfunc.curvature.heldout import CANDIDATE_SCALES, DampingChoice, choose_damping
@@ -20,13 +21,13 @@ from tracinfunc.curvature.samplers import (
     default_sampler,
 )
 from tracinfunc.curvature.test_grads import preconditioned_test_grads
-from tracinfunc.curvature.value import KINDS as CURVATURE_KINDS
-from tracinfunc.curvature.value import Curvature
+from tracinfunc.curvature.value import CURVATURE_KINDS, Curvature
 
 __all__ = [
     "CANDIDATE_SCALES",
     "CURVATURE_KINDS",
     "DEFAULT_SCALES",
+    "MAX_CONDITION",
     "MAX_DENSE_PARAMS",
     "SUPPORTED",
     "Curvature",

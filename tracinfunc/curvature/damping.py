@@ -83,5 +83,12 @@ def check_damping(damping: object) -> Damping | float:
 
 
 def resolve(damping: Damping | float, mean_eigenvalue: float, kind: str) -> float:
-    """The ``lambda`` of one checkpoint of a ``kind`` curvature."""
-    return damping.value(mean_eigenvalue, kind) if isinstance(damping, Damping) else damping
+    """The ``lambda`` of one checkpoint of a ``kind`` curvature (finite, else raise)."""
+    value = damping.value(mean_eigenvalue, kind) if isinstance(damping, Damping) else damping
+    if not math.isfinite(value):
+        raise InvalidArgumentError(
+            f"{current_caller()}: {damping!r} gives lambda = {value} for a mean eigenvalue of "
+            f"{mean_eigenvalue:.3g}; a damping must be finite: use a smaller Damping(scale=...)"
+            " (or check the estimate: a non-finite mean eigenvalue means non-finite data)."
+        )
+    return value

@@ -27,8 +27,8 @@ from tracinfunc.curvature.blocks import Block, block_index, layer_blocks
 from tracinfunc.curvature.capture import find_layers, first_example, layer_io
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten
-from tracinfunc.curvature.samplers import Sampler, default_sampler
-from tracinfunc.curvature.value import KINDS, Curvature
+from tracinfunc.curvature.samplers import CheckedSampler, Sampler, default_sampler
+from tracinfunc.curvature.value import CURVATURE_KINDS, Curvature
 from tracinfunc.errors import (
     EmptyDataError,
     InvalidArgumentError,
@@ -108,6 +108,8 @@ def fit_curvature(
             or a projection that mixes layers.
         MemoryBudgetError: ``"dense"`` for more than ``MAX_DENSE_PARAMS`` parameters.
         EmptyDataError: ``data`` holds no examples.
+        NonFiniteGradientError: an example's logits or gradient is NaN/inf (named by its
+            index in ``data``, with the checkpoint).
     """
     kind = _check_kind(kind)
     damping = check_damping(Damping() if damping is None else damping)
@@ -131,20 +133,22 @@ def fit_curvature(
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
         fit_one = partial(_fit_projected, blocks=blocks) if blocks else _FITTERS[kind]
         estimate, mean, n, layers = fit_one(
-            loss_at(loss, ckpt), dict(ckpt.params), names, batches, sampler,
+            loss_at(loss, ckpt), dict(ckpt.params), names, batches,
+            CheckedSampler(sampler, meta.name),
             torch.Generator().manual_seed(seed + position), chunk_size,
             None if projection is None else projection.for_checkpoint(meta.name))
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
         seen = n
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
+            "preconditioner": None,  # raw gradients: binding.py refuses a preconditioned store
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
     return Curvature(kind, metas, layout, projection if kind == "projected" else None,
                      tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
 
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,
-                sampler: Sampler, loss: LossFn, generator: torch.Generator,
+                sampler: CheckedSampler, loss: LossFn, generator: torch.Generator,
                 blocks: tuple[Block, ...] = ()) -> tuple[dict[str, Tensor], float, int]:
     """``E[g g^T]`` of rows ``grads_fn(params, labelled batch) -> [b', dim]``: the whole
     ``"matrix"``, or with ``blocks`` each block's ``"block:<i>"`` ``[k_l, k_l]`` only."""
@@ -153,6 +157,8 @@ def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, bat
     for batch in batches():
         labelled, weights = sampler(loss, params, batch, generator)
         rows = grads_fn(params, labelled).double()  # [b', dim]
+        if not bool(rows.isfinite().all()):
+            sampler.refuse("a gradient")
         weighted = rows * weights.to(rows)[:, None]
         if blocks:
             index = [block_index(block, rows.device) for block in blocks]
@@ -204,6 +210,8 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
             layers = find_layers(selected_loss, selected, first_example(labelled))
             io_fn = layer_io(selected_loss, selected, layers, first_example(labelled))
         kfac.accumulate_factors(sums, io_fn(labelled), layers, weights)
+        if not all(bool(value.isfinite().all()) for value in sums.values()):
+            sampler.refuse("a layer's input or output gradient")
         seen += float(weights.sum())
     if io_fn is None:
         raise EmptyDataError(f"{current_caller()}: data holds no examples; pass training "
@@ -213,6 +221,7 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
         return estimate, kfac.kfac_mean_eigenvalue(estimate, layers), round(seen), layers
     estimate.update(kfac.eigenbases(estimate, layers))
     corrected: dict[str, Tensor] = {}
+    sampler.start = sampler.size = 0  # data indices in messages restart with the pass
     for batch in batches():  # EK-FAC's second pass: eigenvalues in the fitted eigenbases
         labelled, weights = sampler(loss, params, batch, generator)
         kfac.accumulate_eigenvalues(corrected, io_fn(labelled), layers, weights, estimate)
@@ -251,9 +260,9 @@ def _take(batch: Batch, n: int) -> Batch:
 
 
 def _check_kind(kind: object) -> str:
-    if kind not in KINDS:
+    if kind not in CURVATURE_KINDS:
         raise InvalidArgumentError(
-            f"{current_caller()}: kind must be one of {list(KINDS)}, got {kind!r}; "
+            f"{current_caller()}: kind must be one of {list(CURVATURE_KINDS)}, got {kind!r}; "
             "'projected' works for any model and projection, 'kfac' for Linear, Conv1D, "
             "Conv2d and Embedding layers, 'dense' for small models."
         )

@@ -24,7 +24,6 @@ For ``"projected"`` the step is the one the projected scores imply,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,12 @@ from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_checkpoints, check_curvature
 from tracinfunc.curvature.damping import Damping
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import EmptyDataError, InvalidArgumentError, NonFiniteGradientError
+from tracinfunc.errors import (
+    EmptyDataError,
+    IllConditionedError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+)
 from tracinfunc.grads import per_sample_grads
 from tracinfunc.grads.options import GradientOptions
 from tracinfunc.projection import make_projector
@@ -106,7 +110,11 @@ def choose_damping(
 
     Raises:
         IncompatibleGradientsError: the curvature was fitted at other checkpoints.
-        InvalidArgumentError: no candidate, or a candidate that is not a positive number.
+        InvalidArgumentError: no candidate, a candidate that is not a positive number, or no
+            candidate with a finite loss change (ill-conditioned ones are skipped, their
+            value NaN).
+        NonFiniteGradientError: a training example's gradient or a validation example's
+            loss is NaN/inf (named by its index in the data, with the checkpoint).
         EmptyDataError: no training or no validation examples.
     """
     curvature = check_curvature(curvature)
@@ -115,29 +123,48 @@ def choose_damping(
                                                  c.fingerprint)
                                   for i, c in enumerate(checkpoints)])
     candidates = [Damping(scale) for scale in check_scales(scales)]
+    damped, refused = damped_candidates(curvature, candidates)
     names = [name for name, _ in curvature.layout]
-    changes = torch.zeros(len(candidates), len(checkpoints), dtype=torch.float64)
+    changes = torch.full((len(candidates), len(checkpoints)), torch.nan, dtype=torch.float64)
     for c, ckpt in enumerate(checkpoints):
         ckpt_loss, params = loss_at(loss, ckpt), dict(ckpt.params)
-        mean_grad = _mean_grad(ckpt_loss, params, names, train_data, chunk_size)
-        before = _mean_loss(ckpt_loss, params, validation_data)
-        if not math.isfinite(before):
-            raise NonFiniteGradientError(
-                f"{current_caller()}: the validation loss at checkpoint {c} is {before}; "
-                "check the loss on the validation examples."
-            )
-        for j, damping in enumerate(candidates):
-            step = _newton_step(curvature.with_damping(damping), c, ckpt.name, mean_grad)
+        mean_grad = _mean_grad(ckpt_loss, params, names, train_data, chunk_size, c)
+        before = _mean_loss(ckpt_loss, params, validation_data, check=c)
+        for j, candidate in enumerate(damped):
+            if candidate is None:
+                continue
+            step = _newton_step(candidate, c, ckpt.name, mean_grad)
             moved = {**params, **{n: params[n] + step[n].to(params[n]) for n in names}}
             changes[j, c] = _mean_loss(ckpt_loss, moved, validation_data) - before
-    # A step that makes the loss NaN/inf is the worst possible outcome, never the best.
-    totals = torch.nan_to_num(changes.sum(1), nan=torch.inf)
+    # A step that makes the loss NaN/inf is the worst possible outcome, never the best; with
+    # no finite candidate there is nothing to choose (argmin over all-inf would take the first).
+    totals = torch.nan_to_num(changes.sum(1), nan=torch.inf, posinf=torch.inf)
+    if not bool(torch.isfinite(totals).any()):
+        raise InvalidArgumentError(
+            f"{current_caller()}: no candidate damping gives a finite validation loss change "
+            f"(scales {[d.scale for d in candidates]}: changes "
+            f"{[float(v) for v in changes.sum(1)]}{refused}); try larger scales, e.g. "
+            "scales=(1, 10, 100, 1000)."
+        )
     best = int(torch.argmin(totals))
-    scale = candidates[best].scale
-    return DampingChoice(scale=scale, scales=tuple(d.scale for d in candidates),
+    return DampingChoice(scale=candidates[best].scale, scales=tuple(d.scale for d in candidates),
                          values=tuple(float(v) for v in changes.sum(1)),
-                         curvature=curvature.with_damping(candidates[best]),
-                         criterion="heldout", per_checkpoint=changes)
+                         curvature=damped[best], criterion="heldout", per_checkpoint=changes)
+
+
+def damped_candidates(curvature: Curvature, candidates: list[Damping]
+            ) -> tuple[list[Curvature | None], str]:
+    """Each candidate's curvature, ``None`` where its solve is ill-conditioned (never chosen:
+    its value is NaN), and a note naming those for an error message."""
+    out, refused = [], []
+    for candidate in candidates:
+        try:
+            out.append(curvature.with_damping(candidate))
+        except IllConditionedError:
+            out.append(None)
+            refused.append(candidate.scale)
+    note = f"; ill-conditioned, so not tried: scales {refused}" if refused else ""
+    return out, note
 
 
 def check_scales(scales: object) -> list[float]:
@@ -171,13 +198,21 @@ def _newton_step(curvature: Curvature, ckpt: int, name: str | None,
     return {n: -v for n, v in step.items()}
 
 
-def _mean_grad(loss: LossFn, params: Params, names: list[str], data, chunk_size
-               ) -> dict[str, Tensor]:
-    """Mean per-example gradient ``{name: [*shape]}`` (float64) over ``data``."""
+def _mean_grad(loss: LossFn, params: Params, names: list[str], data, chunk_size,
+               ckpt: int) -> dict[str, Tensor]:
+    """Mean per-example gradient ``{name: [*shape]}`` (float64) over ``data``.
+
+    Raises:
+        NonFiniteGradientError: an example's gradient is NaN/inf (names it by its index in
+            ``data`` and the checkpoint): one such example makes every candidate's step NaN.
+    """
     psg = per_sample_grads(loss, options=GradientOptions(select=names, chunk_size=chunk_size))
     total, seen = None, 0
     for batch in iter_batches(data):
         grads = psg(params, batch)
+        finite = torch.stack([g.reshape(g.shape[0], -1).isfinite().all(1)
+                              for g in grads.values()]).all(0)  # [b]
+        _check_finite(finite, seen, ckpt, "train_data", "gradient")
         part = {n: g.double().sum(0) for n, g in grads.items()}
         total = part if total is None else {n: total[n] + part[n] for n in part}
         seen += next(iter(grads.values())).shape[0]
@@ -186,13 +221,29 @@ def _mean_grad(loss: LossFn, params: Params, names: list[str], data, chunk_size
     return {n: v / seen for n, v in total.items()}
 
 
-def _mean_loss(loss: LossFn, params: Params, data) -> float:
-    """Mean per-example loss over ``data`` (float64)."""
+def _mean_loss(loss: LossFn, params: Params, data, *, check: int | None = None) -> float:
+    """Mean per-example loss over ``data`` (float64); with ``check`` (a checkpoint index),
+    a NaN/inf example's loss is refused by name."""
     total, seen = 0.0, 0
     for batch in iter_batches(data):
         values = vmap(loss, in_dims=(None, 0))(params, batch)
+        if check is not None:
+            _check_finite(values.isfinite(), seen, check, "validation_data", "loss")
         total += float(values.double().sum())
         seen += values.shape[0]
     if not seen:
         raise EmptyDataError(f"{current_caller()}: validation_data holds no examples.")
     return total / seen
+
+
+def _check_finite(finite: Tensor, offset: int, ckpt: int, where: str, what: str) -> None:
+    """Raise naming the examples (indices in ``where``) whose ``what`` is NaN/inf."""
+    if bool(finite.all()):
+        return
+    bad = (torch.nonzero(~finite).reshape(-1) + offset).tolist()
+    shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+    raise NonFiniteGradientError(
+        f"{current_caller()}: the {what} of {where} example(s) {shown} is NaN or infinite at "
+        f"checkpoint {ckpt}; one such example makes every candidate's criterion NaN. Remove "
+        "or fix those examples (check their inputs for NaN/inf)."
+    )

@@ -22,14 +22,21 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
 
 from tracinfunc._validate import current_caller
-from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, LossFunctionError
+from tracinfunc.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    LossFunctionError,
+    NonFiniteGradientError,
+)
 from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["Sampler", "causal_lm_sampler", "classification_sampler", "default_sampler"]
+__all__ = ["CheckedSampler", "Sampler", "causal_lm_sampler", "classification_sampler",
+           "default_sampler"]
 
 
 class Sampler(Protocol):
@@ -66,6 +73,7 @@ class ClassificationSampler:
                 f"{_describe(logits)}; pass sampler= your own (see tracinfunc.curvature."
                 "samplers) for other outputs."
             )
+        _check_logits(logits)
         probs = logits.double().softmax(-1)  # [b, C]
         b, n_classes = probs.shape
         if self.exact:
@@ -118,6 +126,7 @@ class CausalLMSampler:
         scored = batch.get("labels", ids).clone()
         if "attention_mask" in batch:
             scored = scored.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        _check_logits(logits[:, :-1])
         probs = logits[:, :-1].double().softmax(-1).reshape(-1, vocab).cpu()
         draws = torch.multinomial(probs, self.samples, replacement=True, generator=generator)
         draws = draws.reshape(b, length - 1, self.samples).permute(0, 2, 1).to(ids.device)
@@ -130,6 +139,72 @@ class CausalLMSampler:
         labelled["labels"] = labels
         weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
         return labelled, weights
+
+
+@dataclass
+class CheckedSampler:
+    """A sampler that knows where it is in the data (the offset of each batch), so a NaN or
+    infinite example is refused by its index in the data and the checkpoint, as
+    ``build_store`` names one, instead of torch.multinomial's raw error.
+
+    Attributes:
+        sampler: The sampler wrapped.
+        checkpoint: The checkpoint's name, for messages.
+        start: Index in the data of the last batch's first example.
+        size: Examples in the last batch.
+    """
+
+    sampler: Sampler
+    checkpoint: str
+    start: int = 0
+    size: int = 0
+
+    def __call__(self, loss: LossFn, params: Params, batch: Batch,
+                 generator: torch.Generator) -> tuple[Batch, Tensor]:
+        self.start += self.size
+        leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
+        self.size = leaves[0].shape[0]
+        finite = torch.ones(self.size, dtype=torch.bool, device=leaves[0].device)
+        for leaf in leaves:
+            if leaf.is_floating_point() and leaf.dim() and leaf.shape[0] == self.size:
+                finite &= leaf.reshape(self.size, -1).isfinite().all(1).to(finite.device)
+        if not bool(finite.all()):
+            self.refuse("the input", (torch.nonzero(~finite).reshape(-1) + self.start).tolist())
+        try:
+            labelled, weights = self.sampler(loss, params, batch, generator)
+        except NonFiniteGradientError as error:
+            rows = getattr(error, "rows", None)
+            if rows is None:
+                raise
+            self.refuse("the model's output", [self.start + r for r in rows])
+        if not bool(torch.isfinite(weights).all()):
+            self.refuse("the sampler's weights")
+        return labelled, weights
+
+    def refuse(self, what: str, rows: list[int] | None = None) -> None:
+        """Raise naming ``rows`` (indices in the data), or the last batch's range."""
+        shown = (", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
+                 if rows else f"{self.start} to {self.start + self.size - 1} (one of them)")
+        raise NonFiniteGradientError(
+            f"{current_caller()}: {what} for data example(s) {shown} is NaN or infinite at "
+            f"checkpoint {self.checkpoint!r}, so the curvature cannot be estimated from it. "
+            "Remove or fix those examples (check their inputs for NaN/inf), or fit on data "
+            "without them."
+        )
+
+
+def _check_logits(logits: Tensor) -> None:
+    """Raise (with ``.rows``, indices in the batch) if any example's logits are NaN/inf:
+    labels cannot be drawn from them."""
+    finite = logits.reshape(logits.shape[0], -1).isfinite().all(1)  # [b]
+    if not bool(finite.all()):
+        rows = torch.nonzero(~finite).reshape(-1).tolist()
+        error = NonFiniteGradientError(
+            f"{current_caller()}: the model's logits for example(s) {rows} of the batch are "
+            "NaN or infinite; labels cannot be drawn from them. Fix those examples' inputs."
+        )
+        error.rows = rows
+        raise error
 
 
 def classification_sampler(*, samples: int = 1, exact: bool = False) -> ClassificationSampler:

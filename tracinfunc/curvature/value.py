@@ -17,18 +17,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature import kfac
 from tracinfunc.curvature.blocks import Block, block_index
 from tracinfunc.curvature.capture import KfacLayer
+from tracinfunc.curvature.conditioning import (
+    MAX_CONDITION,
+    condition,
+    minimal_damping,
+    round_up,
+    systems,
+)
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.errors import IllConditionedError, InvalidArgumentError, NonFiniteGradientError
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.meta import CheckpointMeta
 
-__all__ = ["KINDS", "Curvature"]
+__all__ = ["CURVATURE_KINDS", "Curvature"]
 
-KINDS = ("dense", "projected", "kfac", "ekfac")
+CURVATURE_KINDS = ("dense", "projected", "kfac", "ekfac")
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,15 +72,21 @@ class Curvature:
     blocks: tuple[Block, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if self.kind not in CURVATURE_KINDS:
             raise InvalidArgumentError(
-                f"Curvature: kind must be one of {list(KINDS)}, got {self.kind!r}."
+                f"Curvature: kind must be one of {list(CURVATURE_KINDS)}, got {self.kind!r}."
             )
         if not len(self.checkpoints) == len(self.damping) == len(self.estimates):
             raise InvalidArgumentError(
                 f"Curvature: one damping and one estimate per checkpoint, got "
                 f"{len(self.checkpoints)} checkpoints, {len(self.damping)} dampings and "
                 f"{len(self.estimates)} estimates."
+            )
+        if not all(isinstance(d, int | float) and math.isfinite(d) and d >= 0
+                   for d in self.damping):
+            raise InvalidArgumentError(
+                f"Curvature: every damping must be a finite float >= 0, got "
+                f"{list(self.damping)}; use curvature.with_damping(Damping()) for the default."
             )
         if self.blocks and self.kind != "projected":
             raise InvalidArgumentError(
@@ -140,17 +154,78 @@ class Curvature:
         mean = kfac.kfac_mean_eigenvalue if self.kind == "kfac" else kfac.ekfac_mean_eigenvalue
         return tuple(mean(e, list(self.layers)) for e in self.estimates)
 
+    @entry_point("Curvature.with_damping")
     def with_damping(self, damping: Damping | float) -> Curvature:
         """The same estimates with another damping (a new value; this one is unchanged).
 
         Args:
             damping: A :class:`~tracinfunc.curvature.Damping` (relative to each checkpoint's
                 mean eigenvalue) or a float (one ``lambda`` for every checkpoint).
+
+        Raises:
+            InvalidArgumentError: a negative, NaN or infinite damping.
+            IllConditionedError: a checkpoint's damped solve would be meaningless (see
+                :meth:`check_conditioned`); the message gives the damping that fixes it.
         """
         damping = check_damping(damping)
         values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues())
         rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
-        return replace(self, damping=values, info={**self.info, "damping": rule})
+        damped = replace(self, damping=values, info={**self.info, "damping": rule})
+        damped._cache.update({key: value for key, value in self._cache.items()
+                              if key[0] == "systems"})  # spectra do not depend on damping
+        damped.check_conditioned()
+        return damped
+
+    def condition_numbers(self) -> tuple[float, ...]:
+        """Per checkpoint, the largest condition number of the damped systems solved
+        (:mod:`tracinfunc.curvature.conditioning`; ``inf`` for a singular one)."""
+        return tuple(condition(self._systems(c), self.damping[c], exact=True)
+                     for c in range(self.n_ckpt))
+
+    @entry_point("Curvature.check_conditioned")
+    def check_conditioned(self, ckpt: int | None = None) -> None:
+        """Raise unless every damped solve (of ``ckpt``, or of every checkpoint) has a
+        condition number of at most ``MAX_CONDITION`` (``1 / eps(float32)``).
+
+        Raises:
+            IllConditionedError: names the checkpoint, its condition number and the smallest
+                damping that fixes every checkpoint.
+        """
+        for c in range(self.n_ckpt) if ckpt is None else (ckpt,):
+            if ("conditioned", c) in self._cache:
+                continue
+            kappa = condition(self._systems(c), self.damping[c])
+            if not kappa <= MAX_CONDITION:
+                raise IllConditionedError(self._ill_conditioned(c, kappa))
+            self._cache[("conditioned", c)] = True
+
+    def _ill_conditioned(self, ckpt: int, kappa: float) -> str:
+        needed = [minimal_damping(self._systems(c)) for c in range(self.n_ckpt)]
+        if not math.isfinite(needed[ckpt]):
+            return (f"{current_caller()}: the curvature's estimate at checkpoint {ckpt} "
+                    f"({self.checkpoints[ckpt].name!r}) holds NaN or infinite values (or its "
+                    "eigenvalues could not be computed), so no damping makes its solve "
+                    "meaningful; fit it again with tif.fit_curvature on finite data.")
+        means = self.mean_eigenvalues()
+        scale = round_up(max(lam / mean if mean > 0 else lam
+                             for lam, mean in zip(needed, means, strict=True)))
+        return (
+            f"{current_caller()}: the damped curvature at checkpoint {ckpt} "
+            f"({self.checkpoints[ckpt].name!r}) has condition number {kappa:.3g} with damping "
+            f"{self.damping[ckpt]:.3g}, above {MAX_CONDITION:.3g} (1 / float32 epsilon): the "
+            f"rounding of a float32 gradient could be as large as the solve's answer, so "
+            f"the scores would be meaningless (a rank-deficient estimate with damping near 0 "
+            f"is one cause). Raise the damping: at least {needed[ckpt]:.2g} at this checkpoint; "
+            f"curvature.with_damping({max(needed):.2g}) or with_damping(Damping(scale="
+            f"{scale:.2g})) for every checkpoint, or Damping() for the default."
+        )
+
+    def _systems(self, ckpt: int) -> list:
+        key = ("systems", ckpt)
+        if key not in self._cache:
+            self._cache[key] = systems(self.kind, self.estimates[ckpt], self.layers,
+                                       len(self.blocks))
+        return self._cache[key]
 
     def precondition(self, ckpt: int, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(H_c + lambda_c I)^-1 g`` for per-example gradients ``{name: [b, *shape]}``.
@@ -158,11 +233,12 @@ class Curvature:
         Computed in float64, returned in the gradients' dtype; for every kind but
         ``"projected"`` (which acts on projected rows: :meth:`precondition_rows`).
         """
+        self.check_conditioned(ckpt)
         dtype = next(iter(grads.values())).dtype
         grads = {name: value.double() for name, value in grads.items()}
         if self.kind == "dense":
             flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
-            return {n: v.to(dtype) for n, v in unflatten(flat, self.layout).items()}
+            return {n: _cast(v, dtype) for n, v in unflatten(flat, self.layout).items()}
         out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
@@ -172,7 +248,7 @@ class Curvature:
                 matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
                                                  self.damping[ckpt])
             out.update(split_layer(matrix, layer, shapes[layer.weight]))
-        return {name: value.to(dtype) for name, value in out.items()}
+        return {name: _cast(value, dtype) for name, value in out.items()}
 
     def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:
         """``(F_c + lambda_c I)^-1 row`` for projected rows ``[b, k]`` (``"projected"``).
@@ -181,6 +257,7 @@ class Curvature:
         in float32 otherwise (scores accumulate in float32 anyway; half the time of a
         float64 product, which matters when ``k`` approaches ``n_train``).
         """
+        self.check_conditioned(ckpt)
         dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
         if self.blocks:
             return self._precondition_blocks(ckpt, rows, dtype)
@@ -188,7 +265,7 @@ class Curvature:
         if key not in self._cache:
             self._cache[key] = self._inverse(ckpt).to(rows.device, dtype)
         # [b, k] @ [k, k]; symmetric, so row @ inv = (inv @ row)^T
-        return (rows.to(dtype) @ self._cache[key]).to(rows.dtype)
+        return _cast(rows.to(dtype) @ self._cache[key], rows.dtype)
 
     def _precondition_blocks(self, ckpt: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Each block's coordinates ``[b, k_l]`` times that block's damped inverse."""
@@ -200,10 +277,11 @@ class Curvature:
                                     self._inverse(ckpt, f"block:{i}").to(rows.device, dtype))
             index, inverse = self._cache[key]
             out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
-        return out.to(rows.dtype)
+        return _cast(out, rows.dtype)
 
     def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
         """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
+        self.check_conditioned(ckpt)
         key = ("factors", ckpt, layer.weight)
         if key not in self._cache:
             self._cache[key] = kfac.factor_inverses(self.estimates[ckpt], layer,
@@ -217,3 +295,18 @@ class Curvature:
             eye = torch.eye(matrix.shape[0], dtype=matrix.dtype)
             self._cache[key] = torch.linalg.inv(matrix + self.damping[ckpt] * eye)
         return self._cache[key]
+
+
+def _cast(value: Tensor, dtype: torch.dtype) -> Tensor:
+    """``value`` in ``dtype``, refusing a finite value that overflows it (float16's 65504:
+    a solve divides by eigenvalues + lambda, which can be far below 1)."""
+    out = value.to(dtype)
+    if out.dtype != value.dtype and not bool(out.isfinite().all()) \
+            and bool(value.isfinite().all()):
+        raise NonFiniteGradientError(
+            f"{current_caller()}: the preconditioned gradients reach "
+            f"{float(value.abs().max()):.3g}, beyond {dtype}'s largest value "
+            f"{torch.finfo(dtype).max:.5g}; use float32 parameters (or test gradients), or "
+            "raise the damping."
+        )
+    return out

@@ -9,6 +9,7 @@ gradients never change; only the curvature's damping does).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,9 +18,14 @@ from torch import Tensor
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.binding import check_curvature
 from tracinfunc.curvature.damping import Damping
-from tracinfunc.curvature.heldout import CANDIDATE_SCALES, DampingChoice, check_scales
+from tracinfunc.curvature.heldout import (
+    CANDIDATE_SCALES,
+    DampingChoice,
+    check_scales,
+    damped_candidates,
+)
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import InvalidTypeError
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.evaluate.harness import RetrainResult
 from tracinfunc.evaluate.lds import lds
 from tracinfunc.query.score import score
@@ -68,8 +74,9 @@ def choose_damping_by_lds(
     Raises:
         IncompatibleGradientsError: the curvature or the test gradients belong to another
             store (as :func:`~tracinfunc.query.score`).
-        InvalidArgumentError: bad candidates, or subsets/outputs that do not fit the scores
-            (as :func:`~tracinfunc.evaluate.lds`).
+        InvalidArgumentError: bad candidates, subsets/outputs that do not fit the scores
+            (as :func:`~tracinfunc.evaluate.lds`), or no candidate with a finite LDS
+            (ill-conditioned candidates are skipped: value NaN, details ``None``).
     """
     curvature = check_curvature(curvature)
     if not isinstance(retrained, RetrainResult):
@@ -78,18 +85,28 @@ def choose_damping_by_lds(
             f"retrain_subsets or load_retrain), got {type(retrained).__name__}."
         )
     candidates = [Damping(scale) for scale in check_scales(scales)]
+    damped, refused = damped_candidates(curvature, candidates)
     results = []
-    for damping in candidates:
-        damped = curvature.with_damping(damping)
+    for candidate in damped:
+        if candidate is None:  # ill-conditioned: never scored, never chosen
+            results.append(None)
+            continue
         queries = (test_grads if isinstance(test_grads, GradientStore | Tensor)
-                   else test_grads(damped))
-        scores = score(store, queries, curvature=damped, normalize=normalize, device=device,
+                   else test_grads(candidate))
+        scores = score(store, queries, curvature=candidate, normalize=normalize, device=device,
                        progress=False)
         results.append(lds(scores, retrained.subsets, retrained.outputs,
                            n_bootstrap=n_bootstrap))
-    means = [result.mean for result in results]
-    best = max(range(len(means)), key=lambda j: means[j])  # first of equals: less damping
+    means = [math.nan if result is None else result.mean for result in results]
+    finite = [j for j, mean in enumerate(means) if math.isfinite(mean)]
+    if not finite:  # max over all-NaN would silently take the first candidate
+        raise InvalidArgumentError(
+            f"{current_caller()}: no candidate damping has a finite LDS (scales "
+            f"{[d.scale for d in candidates]}: LDS {means}{refused}); LDS is NaN when the "
+            "scores or the retrained outputs are constant or non-finite: check retrained.outputs"
+            " and the scores, or try other scales."
+        )
+    best = max(finite, key=lambda j: means[j])  # first of equals: less damping
     return DampingChoice(scale=candidates[best].scale,
                          scales=tuple(d.scale for d in candidates), values=tuple(means),
-                         curvature=curvature.with_damping(candidates[best]), criterion="lds",
-                         details=tuple(results))
+                         curvature=damped[best], criterion="lds", details=tuple(results))

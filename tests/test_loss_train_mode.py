@@ -113,3 +113,17 @@ def test_train_mode_gpt2_after_loss_was_made_is_refused_before_the_first_gradien
     expected = rf"build_store: .*transformer\.drop.*{FIX}"
     with pytest.raises(tif.errors.TrainModeError, match=expected):
         tif.build_store(loss, [ckpt], token_batch(2, 6), projection=PROJ)
+
+
+def test_peft_wrapper_around_an_eval_model_is_accepted():
+    # get_peft_model wraps the eval-mode model in a new module, in train mode, sharing its
+    # config: no layer runs dropout, so nothing is refused.
+    import peft
+
+    model = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=2, target_modules=["c_attn"],
+                                                             fan_in_fan_out=True))
+    assert model.training and not model.base_model.model.training
+    tif.causal_lm_loss(model)
+    model.train()
+    with pytest.raises(tif.errors.TrainModeError, match=r"transformer\.drop \(dropout p=0\.1\)"):
+        tif.causal_lm_loss(model)

@@ -316,9 +316,12 @@ def check_eval_mode(module: nn.Module) -> None:
                  for name, layer in module.named_modules()
                  if layer.training and (why := _train_mode_effect(layer))]
     if not offenders:  # a rate only in a HF config (applied functionally): name the model once
-        offenders = [f"{name or type(layer).__name__} ({why})"
-                     for name, layer in module.named_modules()
-                     if layer.training and (why := _config_rate(layer))][:1]
+        holders = [(name or type(layer).__name__, layer, why)
+                   for name, layer in module.named_modules() if (why := _config_rate(layer))]
+        # Only when every holder is in train mode: a wrapper (peft's PeftModel, a new module in
+        # train mode) around an eval-mode HF model shares its config but runs no dropout.
+        if holders and all(layer.training for _, layer, _ in holders):
+            offenders = [f"{holders[0][0]} ({holders[0][2]})"]
     if offenders:
         shown = ", ".join(offenders[:4]) + (f", … ({len(offenders)} in all)"
                                             if len(offenders) > 4 else "")

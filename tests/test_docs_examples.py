@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import tracinfunc as tif
 from tests import docs_namespaces
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +132,21 @@ def test_the_harness_finds_the_blocks_and_would_fail_a_broken_one(tmp_path):
         exec(compile(runnable.code, "page.md", "exec"), {})
     assert len(BLOCKS) > 30  # README and docs: every page's blocks were found
 
+
+
+def test_less_walkthrough_trains_records_and_selects(tmp_path, monkeypatch):
+    # docs/language-models.md, LESS end to end: a GPT-2 from a config with peft LoRA, trained
+    # by the HF Trainer for a few steps, recorded, then an Adam-preconditioned store.
+    block = next(b for b in BLOCKS if "Trainer(model=peft_model" in b.code)
+    assert block.fragment is None
+    monkeypatch.chdir(tmp_path)
+    namespace = docs_namespaces.KINDS["lm"](tmp_path, block.page)
+    exec(compile(block.code, f"{block.page}:{block.line}", "exec"), namespace)
+    assert len(namespace["ckpts"]) >= 1 and namespace["store"].meta.preconditioner == "adam"
+    assert namespace["store"].shape[1] == len(namespace["pairs"])
+    assert len(namespace["chosen"].indices) == 1  # 5% of 16 training pairs, at least one
+    # Without the walkthrough's eval(), the Trainer's train mode is refused with the fix.
+    trained = block.code.replace("peft_model.eval()", "pass").replace('"ckpts"', '"ckpts2"')
+    fresh = docs_namespaces.KINDS["lm"](tmp_path / "again", block.page)
+    with pytest.raises(tif.errors.TrainModeError, match=r"dropout p=0\.1.*model\.eval\(\)"):
+        exec(compile(trained, f"{block.page}:{block.line}", "exec"), fresh)

@@ -58,7 +58,7 @@ def python_blocks(path: Path, root: Path = ROOT) -> list[Block]:
         if lines[i].strip().startswith("```python"):
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
             before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-            marker = FRAGMENT.search(before)
+            marker = FRAGMENT.fullmatch(before.strip())
             blocks.append(Block(str(path.relative_to(root)), i + 1, "\n".join(lines[i + 1:end]),
                                 marker.group(1) if marker else None))
             i = end
@@ -113,7 +113,7 @@ def test_every_fragment_marker_gives_a_reason_and_precedes_a_block():
     for page in PAGES:
         lines = page.read_text().splitlines()
         for number, line in enumerate(lines, 1):
-            marker = FRAGMENT.search(line)
+            marker = FRAGMENT.fullmatch(line.strip())
             if marker is None:
                 continue
             where = f"{page.relative_to(ROOT)}:{number}"

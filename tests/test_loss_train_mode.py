@@ -127,3 +127,22 @@ def test_peft_wrapper_around_an_eval_model_is_accepted():
     model.train()
     with pytest.raises(tif.errors.TrainModeError, match=r"transformer\.drop \(dropout p=0\.1\)"):
         tif.causal_lm_loss(model)
+
+
+@pytest.mark.parametrize("call", ["kronecker", "fit_curvature_kfac", "fit_curvature_projected"])
+def test_paths_without_vmap_refuse_a_model_put_back_in_train_mode(call):
+    # The batched (kronecker, K-FAC) paths run the module's own forward, where dropout would
+    # run silently with no vmap to refuse it.
+    model = _dropout_mlp().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ckpt = tif.Checkpoint.from_module(model)
+    model.train()
+    calls = {
+        "kronecker": lambda: tif.projected_grads(loss, tif.Projection(dim=16, kind="kronecker"))(
+            dict(ckpt.params), make_data(4)),
+        "fit_curvature_kfac": lambda: tif.fit_curvature(loss, [ckpt], make_data(8), kind="kfac"),
+        "fit_curvature_projected": lambda: tif.fit_curvature(loss, [ckpt], make_data(8),
+                                                             projection=PROJ),
+    }
+    with pytest.raises(tif.errors.TrainModeError, match=rf"1 \(dropout p=0\.5\).*{FIX}"):
+        calls[call]()

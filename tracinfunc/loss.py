@@ -72,7 +72,20 @@ class ModuleLoss:
         object.__setattr__(self, "known", frozenset(named))
 
     def __call__(self, params: Params, example: Example) -> Tensor:
-        """The loss of one ``example`` (no batch dimension) at ``params``."""
+        """The loss of one ``example`` (no batch dimension) at ``params``.
+
+        Raises:
+            TrainModeError: the module was put back in train mode (dropout) after the loss
+                was made, and vmap met a random operation.
+        """
+        try:
+            return self._loss(params, example)
+        except RuntimeError as error:
+            if "random operation" in str(error):
+                check_eval_mode(self.module)  # names the layers and the fix
+            raise
+
+    def _loss(self, params: Params, example: Example) -> Tensor:
         self._check_names(params)
         state = {**self.buffers, **params}
         with sdpa_kernel([SDPBackend.MATH]):
@@ -102,6 +115,7 @@ class ModuleLoss:
                 "ModuleLoss.per_example: the model's own outputs.loss is a mean over the "
                 "batch, not per example; pass criterion=."
             )
+        check_eval_mode(self.module)  # batched, dropout would run silently: no vmap to refuse it
         self._check_names(params)
         state = {**self.buffers, **params}
         if self.pair:
@@ -163,8 +177,8 @@ def loss_from_module(
     examples (language models), use :func:`loss_from_model`.
 
     Args:
-        module: The model, in eval mode (BatchNorm in train mode would update running
-            statistics per example, which vmap cannot do and TracIn does not want).
+        module: The model, in eval mode (dropout in train mode would make each gradient
+            random; BatchNorm would update running statistics per example).
         criterion: ``criterion(outputs [1, ...], target [1, ...]) -> scalar``, e.g.
             ``torch.nn.functional.cross_entropy``.
         buffers: Non-trainable state by name (BatchNorm statistics). Defaults to a copy of
@@ -175,7 +189,8 @@ def loss_from_module(
         A :class:`ModuleLoss`: ``loss(params, example) -> scalar tensor``.
 
     Raises:
-        TrainModeError: the module has BatchNorm/InstanceNorm layers in train mode.
+        TrainModeError: the module is in train mode with dropout, BatchNorm or another
+            layer whose output depends on the mode (see :func:`check_eval_mode`).
     """
     check_eval_mode(module)
     return ModuleLoss(module, criterion, _buffers_of(module, buffers))
@@ -210,7 +225,8 @@ def loss_from_model(
         A :class:`ModuleLoss`.
 
     Raises:
-        TrainModeError: the model has BatchNorm/InstanceNorm layers in train mode.
+        TrainModeError: the model is in train mode with dropout, BatchNorm or another
+            layer whose output depends on the mode (see :func:`check_eval_mode`).
 
     Example:
         >>> loss = loss_from_model(gpt2)                       # outputs.loss from labels
@@ -287,17 +303,56 @@ def _own_loss(outputs: Any) -> Tensor:
 
 
 def check_eval_mode(module: nn.Module) -> None:
-    """Raise :class:`TrainModeError` if a layer of ``module`` keeps state in train mode."""
-    offenders = [
-        name or type(module).__name__
-        for name, layer in module.named_modules()
-        if isinstance(layer, _STATEFUL_IN_TRAIN_MODE) and layer.training
-        and getattr(layer, "track_running_stats", False)
-    ]
+    """Raise :class:`TrainModeError` if a layer of ``module`` computes differently in train mode.
+
+    Refused: dropout modules (``nn.Dropout*``, peft's ``lora_dropout``) with ``p > 0``,
+    BatchNorm and InstanceNorm layers that track running statistics, and any submodule with a
+    positive ``*dropout*`` rate of its own (attention dropout such as Llama's) or in its
+    config (a Hugging Face model, e.g. GPT-2's ``resid_pdrop``), while in train mode.
+    Dropout would make each example's gradient random (``vmap`` refuses random operations);
+    BatchNorm would use batch statistics and update its buffers.
+    """
+    offenders = [f"{name or type(layer).__name__} ({why})"
+                 for name, layer in module.named_modules()
+                 if layer.training and (why := _train_mode_effect(layer))]
+    if not offenders:  # a rate only in a HF config (applied functionally): name the model once
+        holders = [(name or type(layer).__name__, layer, why)
+                   for name, layer in module.named_modules() if (why := _config_rate(layer))]
+        # Only when every holder is in train mode: a wrapper (peft's PeftModel, a new module in
+        # train mode) around an eval-mode HF model shares its config but runs no dropout.
+        if holders and all(layer.training for _, layer, _ in holders):
+            offenders = [f"{holders[0][0]} ({holders[0][2]})"]
     if offenders:
+        shown = ", ".join(offenders[:4]) + (f", … ({len(offenders)} in all)"
+                                            if len(offenders) > 4 else "")
         raise TrainModeError(
-            f"{current_caller()}: {offenders} are in train mode, where they update running "
-            "statistics "
-            "from each batch; per-example gradients under vmap need fixed statistics. Call "
-            "model.eval() before building the loss."
+            f"{current_caller()}: the model is in train mode, where these layers compute "
+            f"differently from eval mode: {shown}. Per-example gradients need the eval-mode "
+            "model (no dropout, fixed statistics). Call model.eval() before building the loss "
+            "or the store (a Hugging Face Trainer leaves the model in train mode after .train())."
         )
+
+
+def _train_mode_effect(layer: nn.Module) -> str | None:
+    """Why ``layer`` in train mode changes its output (or its buffers), else ``None``."""
+    if isinstance(layer, _STATEFUL_IN_TRAIN_MODE):
+        return "running statistics" if getattr(layer, "track_running_stats", False) else None
+    if isinstance(layer, nn.modules.dropout._DropoutNd):
+        return f"dropout p={layer.p}" if layer.p > 0 else None
+    rates = sorted((key, value) for key, value in vars(layer).items() if _is_rate(key, value))
+    return f"{rates[0][0]}={rates[0][1]}" if rates else None
+
+
+def _config_rate(layer: nn.Module) -> str | None:
+    """A positive dropout rate in the Hugging Face config ``layer`` holds, else ``None``."""
+    config = getattr(layer, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    rates = sorted((key, value) for key, value in config.to_dict().items() if _is_rate(key, value))
+    return f"config.{rates[0][0]}={rates[0][1]}" if rates else None
+
+
+def _is_rate(key: str, value: Any) -> bool:
+    """A positive dropout rate: ``attention_dropout=0.1``, GPT-2's ``resid_pdrop=0.1``."""
+    named = "dropout" in key or key.endswith("pdrop")
+    return named and isinstance(value, float | int) and not isinstance(value, bool) and value > 0

@@ -116,7 +116,8 @@ def selected_names(params: Params, select: Any) -> tuple[str, ...]:
         shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
         raise ParameterSelectionError(
             f"{current_caller()}: select entries {unmatched} match no parameter; the parameters "
-            f"are [{shown}]. Use parameter names, module names or glob patterns such as 'fc.*'."
+            f"are [{shown}].{_prefix_hint(unmatched, names)} Use parameter names, module names "
+            "or glob patterns such as 'fc.*'."
         )
     return tuple(name for name in names if any(_matches(name, p) for p in select))
 
@@ -130,6 +131,24 @@ def select_params(params: Params, select: Selection | None) -> dict[str, Tensor]
     """
     names = selected_names(params, select)
     return {name: params[name] for name in names}
+
+
+def _prefix_hint(unmatched: list[str], names: list[str]) -> str:
+    """' Did you mean ...?' for patterns that match under a wrapper's prefix (HF's ``bert.``,
+    peft's ``base_model.model.``), else ''."""
+    hints = []
+    for pattern in unmatched:
+        prefixes = {name[:len(name) - len(tail)] for name in names
+                    for tail in _tails(name) if _matches(tail, pattern)}
+        if prefixes:
+            hints.append(f"{min(prefixes, key=len)}{pattern}")
+    return f" Did you mean {hints}? The names have a prefix." if hints else ""
+
+
+def _tails(name: str) -> list[str]:
+    """``a.b.c`` -> ``["b.c", "c"]``: the name without each leading run of components."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(1, len(parts))]
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -70,8 +70,9 @@ def check_lr(lr: Any) -> float:
         shape = getattr(lr, "shape", None)
         got += f" of shape {list(shape)}" if shape is not None else ""
         raise InvalidTypeError(
-            f"{current_caller()}: lr must be a real scalar (the learning rate weighting this "
-            f"checkpoint: a number, a NumPy scalar or a 0-d array), got {got}; e.g. lr=0.1, "
+            f"{current_caller()}: lr must be a number (a real scalar of any framework: a Python "
+            f"number, a NumPy scalar or a 0-d array; the learning rate weighting this "
+            f"checkpoint), got {got}; e.g. lr=0.1, "
             "or lr=float(schedule(step)) outside jax.jit."
         )
     if not math.isfinite(value):

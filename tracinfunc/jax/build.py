@@ -181,8 +181,11 @@ def build_store(
     meta = new_store_meta(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
         mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint)
+    same = not projection.per_checkpoint  # one function (one program, one projector) for all
     grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), mapping=mapping,
-                                 chunk_size=chunk_size) for c in meta.checkpoints]
+                                 chunk_size=chunk_size)
+                 for c in meta.checkpoints[:1 if same else None]]
+    grads_fns = grads_fns * len(checkpoints) if same else grads_fns
     writer = make_writer(store, meta)
     padded_to: list[int] = []  # the first batch's size: smaller batches are padded to it
 

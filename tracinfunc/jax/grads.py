@@ -92,13 +92,18 @@ def projected_grads(
     check_projection(projection)
     check_int(chunk_size, "chunk_size", optional=True)
 
+    held: dict[Any, Callable] = {}  # this function's programs by parameter structure
+
     def projected_grads_fn(params: Any, *args: Any) -> Any:
         params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
-        mapped = mapping or ParamMapping.identity(params)
-        leaves = tree_util.tree_leaves(params)
-        project = _projector(projection, mapped.layout, jnp.result_type(*leaves))
-        program = _program(loss, has_aux, chunk_size, mapped, project)
-        return program(project.blocks, params, args[:-1], args[-1])
+        leaves, treedef = tree_util.tree_flatten(params)
+        key = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if key not in held:
+            mapped = mapping or ParamMapping.identity(params)
+            project = _projector(projection, mapped.layout, jnp.result_type(*leaves))
+            held[key] = partial(_program(loss, has_aux, chunk_size, mapped, project),
+                                project.blocks)
+        return held[key](params, args[:-1], args[-1])
 
     return projected_grads_fn
 

@@ -70,8 +70,9 @@ def digits_problem(n: int) -> dict:
             return -jax.nn.log_softmax(h @ p["layers_2"]["kernel"] + p["layers_2"]["bias"])[yi]
         return loss
 
-    return {"name": "digits MLP", "data": (x, y), "snapshots": snapshots, "batch": 200,
-            "make_loss": make_loss, "mapping": tj.ParamMapping.flax(snapshots[0])}
+    return {"name": "digits MLP", "data": (x, y), "snapshots": snapshots,
+            "batch": min(200, n), "make_loss": make_loss,
+            "mapping": tj.ParamMapping.flax(snapshots[0])}
 
 
 def lm_problem(n: int) -> dict | None:
@@ -101,8 +102,9 @@ def lm_problem(n: int) -> dict | None:
             return -jnp.take_along_axis(jax.nn.log_softmax(logits), seq[1:, None], -1).sum()
         return loss
 
-    return {"name": "Flax transformer LM", "data": tokens, "snapshots": snapshots, "batch": 50,
-            "make_loss": make_loss, "mapping": tj.ParamMapping.flax(snapshots[0])}
+    return {"name": "Flax transformer LM", "data": tokens, "snapshots": snapshots,
+            "batch": min(50, n), "make_loss": make_loss,
+            "mapping": tj.ParamMapping.flax(snapshots[0])}
 
 
 def batches(data, batch: int):
@@ -182,11 +184,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args()
-    repeats = args.repeats or (2 if args.quick else 7)
+    repeats = args.repeats or (1 if args.quick else 7)
     with tempfile.TemporaryDirectory() as workdir:
-        n = 200 if args.quick else 1000
+        n = 100 if args.quick else 1000
         print_table("digits MLP", run(digits_problem(n), repeats, workdir), n)
-        lm = lm_problem(50 if args.quick else 200)
+        lm = lm_problem(20 if args.quick else 200)
         if lm is not None:
             print_table(lm["name"], run(lm, repeats, workdir), len(lm["data"]))
     print("\njax_build: done")

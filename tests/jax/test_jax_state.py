@@ -203,3 +203,17 @@ def test_nnx_state_with_batch_stats_passed_as_params_is_refused():
         tj.Checkpoint(nnx.state(model))
     with pytest.raises(tif.errors.InvalidTypeError, match="nnx.Module"):
         tj.Checkpoint(model)
+
+
+def test_identity_mapping_of_variables_with_state_maps_params_only():
+    (variables,) = _linen_snapshots(1)
+    names = [name for name, _ in tj.ParamMapping.identity(variables).layout]
+    assert names and not any("batch_stats" in name or "mean" in name for name in names)
+
+
+def test_a_mapping_of_another_model_is_refused():
+    (variables,) = _linen_snapshots(1)
+    other = tj.ParamMapping.flax({"params": {"Dense_0": {"kernel": jnp.zeros((5, 4))}}})
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="structure differs"):
+        tj.build_store(linen_loss, tj.Checkpoint.flax(variables), _data(),
+                       projection=IDENTITY, mapping=other)

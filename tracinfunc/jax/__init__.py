@@ -11,6 +11,9 @@ Example:
     >>> store = tj.build_store(loss, ckpts, (x, y), projection=tif.Projection(dim=512),
     ...                        mapping=mapping)
     >>> tif.score(store, test_store)                     # torch code, same store format
+
+A Flax model with state (BatchNorm): ``tj.Checkpoint.flax(variables_or_nnx_model, lr=...)``
+and ``loss(params, state, example)``; state is never differentiated.
 """
 
 try:
@@ -23,6 +26,7 @@ except ImportError as _error:  # pragma: no cover - exercised only without jax i
 
 from tracinfunc.jax.build import Checkpoint, build_store, iter_batches
 from tracinfunc.jax.curvature import preconditioned_test_grads
+from tracinfunc.jax.fit import classification_sampler, fit_curvature
 from tracinfunc.jax.grads import as_jax_tree, per_sample_grads, projected_grads
 from tracinfunc.jax.layout import LeafMap, ParamMapping, path_name
 from tracinfunc.jax.projection import (
@@ -40,6 +44,8 @@ __all__ = [
     "Projector",
     "as_jax_tree",
     "build_store",
+    "classification_sampler",
+    "fit_curvature",
     "iter_batches",
     "kronecker_factors",
     "make_projector",

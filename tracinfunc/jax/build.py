@@ -29,8 +29,9 @@ from tracinfunc.errors import (
     LossFunctionError,
 )
 from tracinfunc.interop import as_tensor
-from tracinfunc.jax.grads import as_jax_tree, projected_grads
-from tracinfunc.jax.layout import ParamMapping
+from tracinfunc.jax.grads import as_jax_tree, pad_rows, projected_grads
+from tracinfunc.jax.layout import ParamMapping, path_name
+from tracinfunc.jax.state import is_nnx_module, refuse_state, split_params
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
@@ -45,18 +46,26 @@ _CALLER = "tracinfunc.jax.build_store"
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """One JAX model snapshot ``w_c`` (any parameter pytree) and its TracIn weight ``lr_c``.
+    """One JAX model snapshot ``w_c`` (a parameter pytree), its state and TracIn weight ``lr_c``.
 
     Args:
-        params: The parameter tree (a Flax ``variables["params"]``, an Equinox array
-            partition, a dict); it is not copied (JAX arrays are immutable).
-        lr: The checkpoint's weight in the TracIn sum.
+        params: The parameter tree (a Flax ``variables["params"]``, the ``nnx.Param`` state of
+            an NNX model, an Equinox array partition, a dict); it is not copied (JAX arrays
+            are immutable). It must hold parameters only: a tree holding Flax state
+            (``batch_stats``, ``nnx.BatchStat``) is refused with the fix.
+        lr: The checkpoint's weight in the TracIn sum: a real scalar of any framework
+            (``0.1``, ``np.float32(0.1)``, an optax ``schedule(step)``).
         name: A label for store metadata (``"checkpoint-<i>"`` when ``None``).
+        state: This snapshot's non-trainable state (BatchNorm statistics), any pytree, or
+            ``None``. With state, the loss is called ``loss(params, state, example)`` and
+            only ``params`` is differentiated, so each checkpoint is differentiated with its
+            own statistics (as torch checkpoints carry their buffers).
     """
 
     params: Any
     lr: float = 1.0
     name: str | None = None
+    state: Any = None
 
     @entry_point("tracinfunc.jax.Checkpoint")
     def __post_init__(self) -> None:
@@ -64,20 +73,57 @@ class Checkpoint:
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
+        refuse_state(self.params, "tracinfunc.jax.Checkpoint")
+        if self.state is not None and is_nnx_module(self.state):
+            raise InvalidTypeError(
+                "tracinfunc.jax.Checkpoint: state must be a pytree of arrays (the nnx.State "
+                "of non-Param variables), got an nnx.Module; use "
+                "tracinfunc.jax.Checkpoint.flax(model, lr=...)."
+            )
         object.__setattr__(self, "params", as_jax_tree(self.params))
+        if self.state is not None:
+            object.__setattr__(self, "state", as_jax_tree(self.state))
         object.__setattr__(self, "lr", lr)
+
+    @classmethod
+    @entry_point("tracinfunc.jax.Checkpoint.flax")
+    def flax(cls, model: Any, *, lr: Any = 1.0, name: str | None = None) -> Checkpoint:
+        """A checkpoint of a Flax model: its parameters differentiated, the rest as state.
+
+        Args:
+            model: Linen ``variables`` (``{"params": ..., "batch_stats": ...}``), an NNX
+                ``Module`` or an NNX ``State``.
+            lr, name: As for :class:`Checkpoint`.
+
+        Returns:
+            ``Checkpoint(params, lr, name, state)``: linen ``variables["params"]`` and the other
+            collections; NNX ``nnx.split(model, nnx.Param, ...)``'s two states (``state`` is
+            ``None`` when there is nothing but parameters).
+        """
+        params, state = split_params(model)
+        return cls(params, lr=lr, name=name, state=state)
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """The loss's leading arguments: ``(params,)``, or ``(params, state)`` with state."""
+        return (self.params,) if self.state is None else (self.params, self.state)
 
     @entry_point("Checkpoint.to_torch")
     def to_torch(self, mapping: ParamMapping | None = None) -> torch_checkpoint.Checkpoint:
         """The torch :class:`tracinfunc.Checkpoint` with the same weights in torch layout.
 
-        Tensors share memory with the JAX arrays where no transpose was needed; its
-        fingerprint is the one a store built from this checkpoint records.
+        Tensors share memory with the JAX arrays where no transpose was needed; floating
+        state leaves become its buffers (``"state/<path>"``). Its fingerprint is the one a
+        store built from this checkpoint records.
         """
         mapping = mapping or ParamMapping.identity(self.params)
-        params = {name: as_tensor(value)
+        params = {name: host_tensor(value)
                   for name, value in mapping.to_torch(self.params).items()}
-        return torch_checkpoint.Checkpoint(params=params, lr=self.lr, name=self.name)
+        buffers = {f"state/{path_name(path)}": host_tensor(leaf)
+                   for path, leaf in tree_util.tree_flatten_with_path(self.state)[0]
+                   if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)}
+        return torch_checkpoint.Checkpoint(params=params, lr=self.lr, name=self.name,
+                                           buffers=buffers)
 
 
 @entry_point("tracinfunc.jax.build_store")
@@ -96,14 +142,20 @@ def build_store(
 ) -> GradientStore:
     """Projected per-example gradients of a JAX loss at every checkpoint, into a store.
 
+    One XLA program is compiled per (loss, shapes, projection) and reused for every
+    checkpoint, every batch (a smaller last batch is padded, never recompiled) and every
+    later call with the same loss.
+
     Args:
-        loss: ``loss(params, example) -> scalar`` in JAX, one example (no batch dimension).
+        loss: ``loss(params, example) -> scalar`` in JAX, one example (no batch dimension);
+            ``loss(params, state, example)`` when the checkpoints carry ``state``.
         checkpoints: :class:`Checkpoint` values (``n_ckpt`` of them), same tree structure.
         data: One batch (an array or a tuple/dict of arrays with a leading batch dimension:
-            JAX, NumPy or torch) or an iterable of batches.
+            JAX, including arrays sharded over devices, NumPy or torch) or an iterable of
+            batches.
         projection: The spec, e.g. ``Projection(dim=512, seed=0)`` or ``store.projection``.
         mapping: Tree -> torch names/shapes (default ``ParamMapping.identity``; Flax:
-            ``ParamMapping.flax(params)``). The store's layout is the mapped one.
+            ``ParamMapping.flax(variables)``). The store's layout is the mapped one.
         chunk_size: Examples differentiated at once inside vmap.
         dtype: Storage dtype (torch dtype or its name): float32, float16, bfloat16, float64;
             or quantised, ``"int8"`` (``torch.int8``) or ``"sign"``, as for
@@ -129,19 +181,38 @@ def build_store(
     meta = new_store_meta(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
         mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint)
+    same = not projection.per_checkpoint  # one function (one program, one projector) for all
     grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), mapping=mapping,
-                                 chunk_size=chunk_size) for c in meta.checkpoints]
+                                 chunk_size=chunk_size)
+                 for c in meta.checkpoints[:1 if same else None]]
+    grads_fns = grads_fns * len(checkpoints) if same else grads_fns
     writer = make_writer(store, meta)
+    padded_to: list[int] = []  # the first batch's size: smaller batches are padded to it
 
     def rows_of(batch: Any) -> torch.Tensor:  # [n_ckpt, b, k]
-        rows = jnp.stack([grads_fn(ckpt.params, batch)
-                          for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)])
-        return as_tensor(rows)
+        b = _batch_size(batch)
+        size = padded_to[0] if padded_to and b < padded_to[0] else b
+        padded_to[:] = padded_to or [b]
+        batch = tree_util.tree_map(lambda leaf: pad_rows(leaf, size), batch)
+        return torch.stack([host_tensor(grads_fn(*ckpt.args, batch)[:b])
+                            for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)])
 
-    batches = ((tree_util.tree_leaves(batch)[0].shape[0], batch) for batch in iter_batches(data))
+    batches = ((_batch_size(batch), batch) for batch in iter_batches(data))
     return fill_store(writer, batches, rows_of, meta=meta,
-                      check_first=lambda batch: _check_loss(loss, checkpoints[0].params, batch),
+                      check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
                       progress=progress)
+
+
+def host_tensor(array: Any) -> torch.Tensor:
+    """A torch tensor of a JAX array: shared through DLPack, or gathered to the host first
+    when the array is sharded over several devices (DLPack exports one buffer only)."""
+    if isinstance(array, jax.Array) and len(array.sharding.device_set) > 1:
+        return torch.from_numpy(np.asarray(array))
+    return as_tensor(array)
+
+
+def _batch_size(batch: Any) -> int:
+    return tree_util.tree_leaves(batch)[0].shape[0]
 
 
 def iter_batches(data: Any) -> Iterator[Any]:
@@ -178,32 +249,48 @@ def _storage_dtype(dtype: Any) -> torch.dtype | str:
     return result
 
 
+_PART = {"params": "parameter", "state": "state"}
+
+
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
     checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.jax.Checkpoint")
-    structures = {tree_util.tree_structure(c.params) for c in checkpoints}
-    shapes = {tuple(x.shape for x in tree_util.tree_leaves(c.params)) for c in checkpoints}
-    if len(structures) > 1 or len(shapes) > 1:
-        raise IncompatibleGradientsError(
-            "tracinfunc.jax.build_store: checkpoints differ in parameter structure or shapes; "
-            "all checkpoints must be snapshots of the same model."
-        )
+    for part in ("params", "state"):
+        trees = [getattr(c, part) for c in checkpoints]
+        structures = {tree_util.tree_structure(tree) for tree in trees}
+        shapes = {tuple(x.shape for x in tree_util.tree_leaves(tree)) for tree in trees}
+        if len(structures) > 1 or len(shapes) > 1:
+            with_state = sum(c.state is not None for c in checkpoints)
+            hint = (f"{with_state} of {len(checkpoints)} checkpoints carry state; give every "
+                    "checkpoint its own state, or none" if part == "state" and
+                    0 < with_state < len(checkpoints) else
+                    "all checkpoints must be snapshots of the same model")
+            raise IncompatibleGradientsError(
+                f"tracinfunc.jax.build_store: checkpoints differ in {_PART[part]} structure or "
+                f"shapes; {hint}."
+            )
     return checkpoints
 
 
-def _check_loss(loss: Any, params: Any, batch: Any) -> None:
-    """Evaluate the loss on the first example, so mistakes fail before any real work."""
+def _check_loss(loss: Any, checkpoint: Checkpoint, batch: Any) -> None:
+    """Trace the loss on the first example (no compilation, no computation), so mistakes
+    fail before any real work."""
     example = tree_util.tree_map(lambda leaf: leaf[0], batch)
+    call = ("loss(params, state, example)" if checkpoint.state is not None else
+            "loss(params, example)")
     try:
-        value = loss(params, example)
+        value = jax.eval_shape(loss, *checkpoint.args, example)
     except Exception as error:
+        takes = ("the checkpoint's parameter tree, its state and one example" if
+                 checkpoint.state is not None else
+                 "the checkpoint's parameter tree and one example")
         raise LossFunctionError(
-            f"tracinfunc.jax.build_store: loss(params, example) failed on the first example "
-            f"with {type(error).__name__}: {error}. Check that the loss takes the checkpoint's "
-            "parameter tree and one example without a batch dimension."
+            f"tracinfunc.jax.build_store: {call} failed on the first example "
+            f"with {type(error).__name__}: {error}. Check that the loss takes {takes} "
+            "without a batch dimension."
         ) from error
     if not hasattr(value, "shape") or math.prod(value.shape) != 1:
         got = list(value.shape) if hasattr(value, "shape") else type(value).__name__
         raise LossFunctionError(
-            f"tracinfunc.jax.build_store: loss(params, example) must return a scalar, got "
+            f"tracinfunc.jax.build_store: {call} must return a scalar, got "
             f"{got}; reduce it (e.g. with .sum()) for one example."
         )

@@ -26,8 +26,7 @@ from tracinfunc.build.loop import new_store_meta
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.test_grads import GradientPreconditioner, marked_store
 from tracinfunc.errors import EmptyDataError
-from tracinfunc.interop import as_tensor
-from tracinfunc.jax.build import Checkpoint, _check_checkpoints, iter_batches
+from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
 from tracinfunc.jax.grads import per_sample_grads, projected_grads
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.projection import Projection
@@ -51,7 +50,8 @@ def preconditioned_test_grads(
     """JAX test gradients preconditioned by ``curvature``, then projected: ``P (H_c + l I)^-1 g``.
 
     Args:
-        loss: ``loss(params, example) -> scalar`` in JAX (the test examples keep their labels).
+        loss: ``loss(params, example) -> scalar`` in JAX (the test examples keep their
+            labels), or ``loss(params, state, example)`` for checkpoints with state.
         checkpoints: The :class:`~tracinfunc.jax.Checkpoint` values the store was built from.
         data: Test batches (as :func:`tracinfunc.jax.build_store` takes them).
         curvature: From :func:`~tracinfunc.fit_curvature` (or :func:`~tracinfunc.load_curvature`)
@@ -85,7 +85,7 @@ def preconditioned_test_grads(
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, meta.checkpoints, strict=True)):
         rows_of = _rows_fn(loss, curvature, c, projection.for_checkpoint(ckpt_meta.name),
                            mapping, chunk_size)
-        per_ckpt.append(torch.cat([rows_of(ckpt.params, batch) for batch in batches]))
+        per_ckpt.append(torch.cat([rows_of(*ckpt.args, batch) for batch in batches]))
     return marked_store(meta, per_ckpt, curvature)
 
 
@@ -94,14 +94,13 @@ def _rows_fn(loss: Any, curvature: Any, ckpt: int, projection: Projection,
     """``fn(params, batch) -> [b, k]`` torch rows, preconditioned at checkpoint ``ckpt``."""
     if curvature.kind == "projected":
         project = projected_grads(loss, projection, mapping=mapping, chunk_size=chunk_size)
-        return lambda params, batch: curvature.precondition_rows(
-            ckpt, as_tensor(project(params, batch)))
+        return lambda *args: curvature.precondition_rows(ckpt, host_tensor(project(*args)))
     psg = per_sample_grads(loss, chunk_size=chunk_size)
     to_torch = jax.vmap(mapping.to_torch)  # {name: [b, *torch shape]}: transposes are linear
     precondition = GradientPreconditioner(curvature, ckpt, projection, chunk_size)
 
-    def rows(params: Any, batch: Any) -> torch.Tensor:
-        grads = to_torch(psg(params, batch))
-        return precondition({name: as_tensor(value) for name, value in grads.items()})
+    def rows(*args: Any) -> torch.Tensor:
+        grads = to_torch(psg(*args))
+        return precondition({name: host_tensor(value) for name, value in grads.items()})
 
     return rows

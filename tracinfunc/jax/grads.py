@@ -7,15 +7,19 @@ transforms return functions; ``has_aux`` as in ``jax.grad``.
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import torch
-from jax import tree_util
+from jax import lax, tree_util
 
-from tracinfunc._validate import check_int, entry_point
+from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
@@ -23,31 +27,36 @@ from tracinfunc.jax.projection import Projector, make_projector
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
 
-__all__ = ["as_jax_tree", "per_sample_grads", "projected_grads"]
+__all__ = ["as_jax_tree", "pad_rows", "per_sample_grads", "projected_grads"]
 
 
 @entry_point("tracinfunc.jax.per_sample_grads")
 def per_sample_grads(
     loss: Callable, *, has_aux: bool = False, chunk_size: int | None = None
-) -> Callable[[Any, Any], Any]:
-    """Per-example gradients of ``loss``: ``jax.vmap(jax.grad(loss), in_axes=(None, 0))``.
+) -> Callable[..., Any]:
+    """Per-example gradients of ``loss``: ``jax.vmap(jax.grad(loss))`` over the batch only.
 
     Args:
-        loss: ``loss(params, example) -> scalar`` (``(scalar, aux)`` with ``has_aux``).
+        loss: ``loss(params, example) -> scalar`` (``(scalar, aux)`` with ``has_aux``), or
+            ``loss(params, state, example)`` for a model with state (BatchNorm statistics):
+            only ``params`` is differentiated.
         has_aux: The loss also returns auxiliary data, returned batched beside the grads.
         chunk_size: Examples differentiated at once (``None``: the whole batch). Results do
             not change; smaller values bound memory.
 
     Returns:
-        ``fn(params, batch)`` -> gradients with the structure of ``params``, each leaf
-        ``[b, *shape]`` (``(grads, aux)`` with ``has_aux``). Torch tensors in ``params`` or
-        ``batch`` are imported through DLPack.
+        ``fn(params, batch)`` (or ``fn(params, state, batch)``) -> gradients with the
+        structure of ``params``, each leaf ``[b, *shape]`` (``(grads, aux)`` with
+        ``has_aux``). Torch tensors in the arguments are imported through DLPack. Compiled
+        once per argument shapes (padded chunks never recompile).
     """
     check_int(chunk_size, "chunk_size", optional=True)
-    batched = jax.jit(jax.vmap(jax.grad(loss, has_aux=has_aux), in_axes=(None, 0)))
+    one = jax.grad(loss, has_aux=has_aux)
+    batched = jax.jit(partial(_batched, one, chunk_size))
 
-    def per_sample_grads_fn(params: Any, batch: Any) -> Any:
-        return _in_chunks(batched, as_jax_tree(params), as_jax_tree(batch), chunk_size)
+    def per_sample_grads_fn(params: Any, *args: Any) -> Any:
+        params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
+        return batched(params, args[:-1], args[-1])
 
     return per_sample_grads_fn
 
@@ -56,15 +65,20 @@ def per_sample_grads(
 def projected_grads(
     loss: Callable, projection: Projection, *, mapping: ParamMapping | None = None,
     has_aux: bool = False, chunk_size: int | None = None,
-) -> Callable[[Any, Any], Any]:
+) -> Callable[..., Any]:
     """Per-example gradients mapped to torch names/layout and projected to ``[b, k]``.
 
     The projection matrices are those of the torch path bit for bit (keyed by torch name and
     shape), so these rows and torch's :func:`tracinfunc.projected_grads` rows for the same
     weights agree up to float rounding and can share a store.
 
+    The compiled program is shared by every function made for the same ``(loss, projection,
+    mapping, has_aux, chunk_size)`` and reused for every checkpoint of the same shapes: the
+    projection blocks are arguments, never constants, so calling ``projected_grads`` again
+    (each ``tracinfunc.jax.build_store`` does) costs no compilation.
+
     Args:
-        loss: ``loss(params, example) -> scalar``.
+        loss: ``loss(params, example) -> scalar``, or ``loss(params, state, example)``.
         projection: The spec, e.g. ``store.projection``.
         mapping: How the params tree maps to torch names and shapes (default:
             ``ParamMapping.identity(params)``; Flax: ``ParamMapping.flax(params)``).
@@ -72,34 +86,24 @@ def projected_grads(
         chunk_size: Examples differentiated at once; bounds memory, results do not change.
 
     Returns:
-        ``fn(params, batch) -> [b, k]`` jax.Array in the params' dtype.
+        ``fn(params, batch)`` (or ``fn(params, state, batch)``) ``-> [b, k]`` jax.Array in
+        the params' dtype.
     """
     check_projection(projection)
     check_int(chunk_size, "chunk_size", optional=True)
-    compiled: dict[Any, tuple[Projector, Callable]] = {}
 
-    def compile_for(params: Any) -> tuple[Projector, Callable]:
+    held: dict[Any, Callable] = {}  # this function's programs by parameter structure
+
+    def projected_grads_fn(params: Any, *args: Any) -> Any:
+        params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
         leaves, treedef = tree_util.tree_flatten(params)
         key = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
-        if key not in compiled:
+        if key not in held:
             mapped = mapping or ParamMapping.identity(params)
-            dtype = jnp.result_type(*leaves)
-            project = make_projector(projection, mapped.layout, dtype=dtype)
-
-            def one_example(blocks, params, example):
-                out = jax.grad(loss, has_aux=has_aux)(params, example)
-                grads, aux = out if has_aux else (out, None)
-                rows = project.apply(blocks, mapped.to_torch(grads))
-                return (rows, aux) if has_aux else rows
-
-            compiled[key] = project, jax.jit(jax.vmap(one_example, in_axes=(None, None, 0)))
-        return compiled[key]
-
-    def projected_grads_fn(params: Any, batch: Any) -> Any:
-        params, batch = as_jax_tree(params), as_jax_tree(batch)
-        project, batched = compile_for(params)
-        return _in_chunks(lambda p, b: batched(project.blocks, p, b), params, batch,
-                          chunk_size)
+            project = _projector(projection, mapped.layout, jnp.result_type(*leaves))
+            held[key] = partial(_program(loss, has_aux, chunk_size, mapped, project),
+                                project.blocks)
+        return held[key](params, args[:-1], args[-1])
 
     return projected_grads_fn
 
@@ -114,19 +118,93 @@ def as_jax_tree(tree: Any) -> Any:
     return tree_util.tree_map(convert, tree)
 
 
-def _in_chunks(fn: Callable, params: Any, batch: Any, chunk_size: int | None) -> Any:
-    leaves = tree_util.tree_leaves(batch)
-    if not leaves or any(leaf.ndim == 0 for leaf in leaves):
-        raise InvalidArgumentError(
-            "tracinfunc.jax: a batch must be a pytree of arrays with a leading batch "
-            f"dimension, got leaf shapes {[list(leaf.shape) for leaf in leaves]}."
-        )
-    b = leaves[0].shape[0]
+# Programs compiled for a loss live as long as the loss does (a weak key): a second
+# build_store with the same loss reuses them; a dropped loss frees them.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROJECTORS: OrderedDict = OrderedDict()  # a few recent projectors' blocks, reused across calls
+_PROJECTOR_CACHE = 8
+
+
+def _program(loss: Callable, has_aux: bool, chunk_size: int | None, mapping: ParamMapping,
+             project: Projector) -> Callable:
+    """``jit(fn(blocks, params, args, batch) -> [b, k])``, one per loss and static settings."""
+    key = (has_aux, chunk_size, mapping, project.plan.projection, project.layout,
+           str(project.dtype), frozenset(project.blocks))
+    try:
+        programs = _PROGRAMS.setdefault(loss, {})
+    except TypeError:  # not weak-referenceable (a bound method made anew): no reuse
+        programs = {}
+    if key not in programs:
+        project = copy.copy(project)  # the program holds the rules, never the blocks: they
+        project.blocks = {}  # are arguments, and the cache must not keep gigabytes alive
+
+        def one_example(blocks, params, *args_example):
+            out = jax.grad(loss, has_aux=has_aux)(params, *args_example)
+            grads, aux = out if has_aux else (out, None)
+            rows = project.apply(blocks, mapping.to_torch(grads))
+            return (rows, aux) if has_aux else rows
+
+        def batched(blocks, params, args, batch):
+            return _batched(partial(one_example, blocks), chunk_size, params, args, batch)
+
+        programs[key] = jax.jit(batched)
+    return programs[key]
+
+
+def _projector(projection: Projection, layout: Any, dtype: Any) -> Projector:
+    """``make_projector`` with its blocks kept for the next few calls with the same spec."""
+    key = (projection, layout, str(jnp.dtype(dtype)))
+    if key in _PROJECTORS:
+        _PROJECTORS.move_to_end(key)
+        return _PROJECTORS[key]
+    project = make_projector(projection, layout, dtype=dtype)
+    _PROJECTORS[key] = project
+    while len(_PROJECTORS) > _PROJECTOR_CACHE:
+        _PROJECTORS.popitem(last=False)
+    return project
+
+
+def _batched(one: Callable, chunk_size: int | None, params: Any, args: tuple, batch: Any
+             ) -> Any:
+    """``vmap(one)`` over ``batch``; with ``chunk_size``, ``lax.map`` over padded chunks."""
+    vmapped = jax.vmap(lambda example: one(params, *args, example))
+    b = tree_util.tree_leaves(batch)[0].shape[0]
     if chunk_size is None or chunk_size >= b:
-        return fn(params, batch)
-    parts = [fn(params, tree_util.tree_map(lambda leaf, s=start: leaf[s : s + chunk_size],
-                                           batch))
-             for start in range(0, b, chunk_size)]
-    return tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
+        return vmapped(batch)
+    n_chunks = -(-b // chunk_size)
+    chunks = tree_util.tree_map(
+        lambda leaf: pad_rows(leaf, n_chunks * chunk_size).reshape(
+            n_chunks, chunk_size, *leaf.shape[1:]), batch)
+    out = lax.map(vmapped, chunks)
+    return tree_util.tree_map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:])[:b], out)
 
 
+def pad_rows(leaf: jax.Array, size: int) -> jax.Array:
+    """``leaf`` ``[b, ...]`` padded to ``[size, ...]`` by repeating its last row (a real
+    example, so the padding never produces NaN); the padded rows' results are dropped."""
+    extra = size - leaf.shape[0]
+    if extra <= 0:
+        return leaf
+    return jnp.concatenate([leaf, jnp.repeat(leaf[-1:], extra, axis=0)])
+
+
+def _check_args(args: tuple) -> tuple:
+    """``(batch,)`` or ``(state, batch)``: a batch of arrays with a leading dimension last."""
+    if not args:
+        raise InvalidArgumentError(
+            f"{current_caller('tracinfunc.jax')}: call fn(params, batch) (or fn(params, "
+            "state, batch) for a loss that takes state), got no batch."
+        )
+    leaves = tree_util.tree_leaves(args[-1])
+    if not leaves or any(getattr(leaf, "ndim", 0) == 0 for leaf in leaves):
+        raise InvalidArgumentError(
+            f"{current_caller('tracinfunc.jax')}: a batch must be a pytree of arrays with a "
+            "leading batch dimension, got leaf shapes "
+            f"{[list(getattr(leaf, 'shape', ())) for leaf in leaves]}."
+        )
+    if len({leaf.shape[0] for leaf in leaves}) != 1:
+        raise InvalidArgumentError(
+            f"{current_caller('tracinfunc.jax')}: all arrays of a batch need the same leading "
+            f"(batch) dimension, got shapes {[list(leaf.shape) for leaf in leaves]}."
+        )
+    return args

@@ -35,6 +35,7 @@ from jax import tree_util
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import to_framework
+from tracinfunc.jax.state import is_nnx_module, is_nnx_state, param_tree
 from tracinfunc.projection import Layout, canonical_layout
 from tracinfunc.store.meta import layout_differences
 
@@ -90,21 +91,36 @@ class ParamMapping:
     @classmethod
     def identity(cls, tree: Any, *, rename: Mapping[str, str] | Callable[[str], str] | None = None
                  ) -> ParamMapping:
-        """Names from tree paths joined with ``"."``, layouts unchanged."""
-        return cls._build(tree, lambda path, shape: (".".join(path), None), rename)
+        """Names from tree paths joined with ``"."``, layouts unchanged.
+
+        An NNX ``State`` or ``Module`` is mapped by its ``nnx.Param`` variables, named by
+        their attribute path (``"linear1.kernel"``, the Variable's ``.value`` dropped).
+        """
+        nnx = is_nnx_state(tree) or is_nnx_module(tree)
+        tree = param_tree(tree)  # linen variables with state: their "params" only
+        return cls._build(tree, lambda path, shape: (".".join(_strip_value(path, nnx)), None),
+                          rename)
 
     @classmethod
     def flax(cls, variables: Any, *, collection: str = "params",
              rename: Mapping[str, str] | Callable[[str], str] | None = None) -> ParamMapping:
         """Flax conventions (see the module docs): kernels transposed, ``layers_i`` -> ``i``.
 
+        Linen ``variables``, an NNX ``State`` and an NNX ``Module`` map the same way, by their
+        parameters only: other linen collections (``batch_stats``, ``cache``) and non-``Param``
+        NNX variables are state, never mapped nor differentiated.
+
         Args:
-            variables: ``model.init(...)`` output, or its ``["params"]`` subtree.
+            variables: ``model.init(...)`` output or its ``["params"]`` subtree; an
+                ``nnx.State`` (``nnx.split(model, nnx.Param, ...)[1]``, or the whole
+                ``nnx.state(model)``) or the ``nnx.Module`` itself.
             collection: Leading key to drop when present.
             rename: Extra renames applied to the resulting torch names.
         """
-        return cls._build(variables, lambda path, shape: _flax_rule(path, shape, collection),
-                          rename)
+        nnx = is_nnx_state(variables) or is_nnx_module(variables)
+        tree = param_tree(variables)
+        return cls._build(tree, lambda path, shape: _flax_rule(_strip_value(path, nnx), shape,
+                                                                collection), rename)
 
     @classmethod
     def _build(cls, tree, rule, rename) -> ParamMapping:
@@ -184,7 +200,7 @@ class ParamMapping:
 
     def _leaves_of(self, tree: Any) -> list[Any]:
         leaves, treedef = tree_util.tree_flatten(tree)
-        if treedef != self.treedef:
+        if treedef != self.treedef and not _same_params(treedef, self.treedef):
             raise IncompatibleGradientsError(
                 f"{current_caller()}: the tree's structure differs from the one the mapping was "
                 f"built from ({treedef} vs {self.treedef}); build the mapping from this tree."
@@ -197,6 +213,24 @@ class ParamMapping:
                 f"{current_caller()}: leaf shapes differ from the mapping's: {'; '.join(bad)}."
             )
         return leaves
+
+
+def _same_params(one: Any, other: Any) -> bool:
+    """Two structures that differ only by linen's ``{"params": ...}`` wrapper (same leaves,
+    same order): ``variables`` and ``variables["params"]`` map alike."""
+    def wrapped(treedef: Any) -> Any:
+        try:
+            return tree_util.tree_structure({"params": tree_util.tree_unflatten(
+                treedef, [0] * treedef.num_leaves)})
+        except Exception:  # a custom node that cannot hold placeholders: not comparable
+            return None
+
+    return wrapped(one) == other or wrapped(other) == one
+
+
+def _strip_value(path: tuple[str, ...], nnx: bool) -> tuple[str, ...]:
+    """An NNX Variable's leaf path ends in its ``.value`` attribute: not part of the name."""
+    return path[:-1] if nnx and len(path) > 1 and path[-1] == "value" else path
 
 
 def path_name(key_path: tuple, *, sep: str = "/") -> str:

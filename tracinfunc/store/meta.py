@@ -54,25 +54,57 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_lr(lr: Any) -> float:
-    """A checkpoint's TracIn weight as a float: a finite positive number (torch and JAX).
+    """A checkpoint's TracIn weight as a float: a finite positive real scalar (torch and JAX).
+
+    Python numbers, NumPy scalars and 0-d real arrays of any framework (a JAX scalar from an
+    optax schedule, ``np.float32(0.1)``, a 0-d torch tensor) are accepted and read as a float.
 
     Raises:
-        InvalidTypeError: not a number (``True``/``False`` included).
+        InvalidTypeError: not a real scalar (``True``/``False``, complex, an array with
+            elements, a traced value inside ``jax.jit`` included).
         InvalidArgumentError: NaN, infinite, zero or negative.
     """
-    if isinstance(lr, bool) or not isinstance(lr, int | float):
+    value = _real_scalar(lr)
+    if value is None:
+        got = type(lr).__name__
+        shape = getattr(lr, "shape", None)
+        got += f" of shape {list(shape)}" if shape is not None else ""
         raise InvalidTypeError(
-            f"{current_caller()}: lr must be a number (the learning rate weighting this "
-            f"checkpoint), got {type(lr).__name__}; e.g. lr=0.1."
+            f"{current_caller()}: lr must be a number (a real scalar of any framework: a Python "
+            f"number, a NumPy scalar or a 0-d array; the learning rate weighting this "
+            f"checkpoint), got {got}; e.g. lr=0.1, "
+            "or lr=float(schedule(step)) outside jax.jit."
         )
-    if not math.isfinite(lr):
-        raise InvalidArgumentError(f"{current_caller()}: lr must be finite, got {lr}; e.g. lr=0.1.")
-    if lr <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
+    if not math.isfinite(value):
+        raise InvalidArgumentError(
+            f"{current_caller()}: lr must be finite, got {value}; e.g. lr=0.1.")
+    if value <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
         raise InvalidArgumentError(
             f"{current_caller()}: lr must be positive (the learning rate at this checkpoint), got "
-            f"{lr}; e.g. lr=0.1."
+            f"{value}; e.g. lr=0.1."
         )
-    return float(lr)
+    return value
+
+
+def _real_scalar(lr: Any) -> float | None:
+    """``lr`` as a float when it is a real scalar of any framework, else ``None``."""
+    if isinstance(lr, bool) or type(lr).__name__ == "bool_":
+        return None
+    if isinstance(lr, int | float):
+        return float(lr)
+    shape, dtype = getattr(lr, "shape", None), getattr(lr, "dtype", None)
+    if shape is None or tuple(shape) != () or dtype is None:
+        return None
+    kind = getattr(dtype, "kind", None)  # NumPy/JAX dtypes; torch's have is_floating_point
+    if kind is None and isinstance(dtype, torch.dtype):
+        kind = "f" if dtype.is_floating_point else ("b" if dtype == torch.bool else
+                                                    "c" if dtype.is_complex else "i")
+    if kind not in ("f", "i", "u") and str(dtype) != "bfloat16":
+        return None
+    try:
+        return float(lr)
+    except Exception:  # a jax tracer: not concrete inside jit
+        return None
 
 
 @dataclass(frozen=True)

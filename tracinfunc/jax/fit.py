@@ -1,0 +1,224 @@
+"""fit_curvature from JAX: a JAX loss and JAX checkpoints -> the same ``Curvature`` as torch.
+
+The reduction is :mod:`tracinfunc.curvature.fit`'s, once for both frontends: labels drawn from
+the model (a JAX sampler), gradients at those labels reduced to ``E[g g^T]`` in parameter
+space (``"dense"``) or in the store's projected space (``"projected"``), ``lambda_c`` from the
+damping. Only how a labelled batch becomes rows differs: JAX per-example gradients mapped to
+torch names and layout (``"dense"``), or projected with the torch path's matrices
+(``"projected"``). The curvature is bound to the checkpoints' torch-layout fingerprints, so it
+serves JAX-written and torch-written stores of the same weights alike.
+
+K-FAC and EK-FAC need each layer's inputs and output gradients, which a JAX loss does not
+expose; they are not fitted here (fit them with torch on the torch twin, or use
+``"projected"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import tree_util
+
+from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc.curvature.damping import Damping, check_damping, resolve
+from tracinfunc.curvature.fit import _blocks, _check_dense_size, _check_kind, _fit_matrix
+from tracinfunc.curvature.flat import flatten
+from tracinfunc.curvature.value import Curvature
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, LossFunctionError
+from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
+from tracinfunc.jax.grads import per_sample_grads, projected_grads
+from tracinfunc.jax.layout import ParamMapping
+from tracinfunc.projection import Projection
+from tracinfunc.projection.spec import check_projection
+from tracinfunc.store.meta import CheckpointMeta
+
+__all__ = ["classification_sampler", "fit_curvature"]
+
+
+@dataclass(frozen=True)
+class ClassificationSampler:
+    """Class labels for ``(inputs, target)`` batches, drawn from ``softmax(logits)``.
+
+    Attributes:
+        logits: ``logits(params, x) -> [n_classes]`` for one input (``logits(params, state,
+            x)`` for checkpoints with state), in JAX.
+        samples: Labels drawn per input (weights ``1 / samples`` each).
+        exact: Every class once, weighted by its probability: the exact Fisher.
+    """
+
+    logits: Callable
+    samples: int = 1
+    exact: bool = False
+
+    def __call__(self, checkpoint: Checkpoint, batch: Any, generator: torch.Generator
+                 ) -> tuple[Any, torch.Tensor]:
+        inputs, target = batch[0], batch[1]
+        logits = jax.vmap(lambda x: self.logits(*checkpoint.args, x))(inputs)
+        if logits.ndim != 2:
+            raise LossFunctionError(
+                f"{current_caller()}: logits(params, x) must return [n_classes] for one input, "
+                f"got {list(logits.shape[1:])}; pass sampler= your own for other outputs."
+            )
+        probs = torch.from_numpy(np.asarray(logits, np.float64)).softmax(-1)  # [b, C]
+        b, n_classes = probs.shape
+        if self.exact:
+            labels = torch.arange(n_classes).repeat(b)
+            owner = torch.arange(b).repeat_interleave(n_classes)
+            weights = probs.reshape(-1)
+        else:
+            labels = torch.multinomial(probs, self.samples, replacement=True,
+                                       generator=generator).reshape(-1)
+            owner = torch.arange(b).repeat_interleave(self.samples)
+            weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
+        take = jnp.asarray(owner.numpy())
+        labelled = (inputs[take], jnp.asarray(labels.numpy()).astype(target.dtype))
+        return labelled, weights
+
+
+def classification_sampler(logits: Callable, *, samples: int = 1, exact: bool = False
+                           ) -> ClassificationSampler:
+    """Labels for a JAX classifier from its logits: ``samples`` draws per input, or every class.
+
+    Args:
+        logits: ``logits(params, x) -> [n_classes]`` for one input (no batch dimension);
+            ``logits(params, state, x)`` for checkpoints with state.
+        samples: Draws per input, a positive int.
+        exact: Use every class weighted by its probability (the exact Fisher).
+    """
+    if not callable(logits):
+        raise InvalidTypeError(
+            f"tracinfunc.jax.classification_sampler: logits must be a function "
+            f"logits(params, x) -> [n_classes], got {type(logits).__name__}.")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise InvalidArgumentError(
+            "tracinfunc.jax.classification_sampler: samples must be a positive int, got "
+            f"{samples!r}; e.g. 1.")
+    if not isinstance(exact, bool):
+        raise InvalidTypeError(
+            f"tracinfunc.jax.classification_sampler: exact must be True or False, got {exact!r}.")
+    return ClassificationSampler(logits, samples, exact)
+
+
+@entry_point("tracinfunc.jax.fit_curvature")
+def fit_curvature(
+    loss: Callable,
+    checkpoints: Sequence[Checkpoint],
+    data: Any,
+    *,
+    sampler: ClassificationSampler | Callable,
+    kind: str = "projected",
+    projection: Projection | None = None,
+    mapping: ParamMapping | None = None,
+    damping: Damping | float | None = None,
+    max_examples: int | None = None,
+    chunk_size: int | None = None,
+    seed: int = 0,
+    block_diagonal: bool = False,
+) -> Curvature:
+    """Fit a damped Gauss-Newton (true Fisher) estimate at every JAX checkpoint.
+
+    The twin of :func:`tracinfunc.fit_curvature`: on the same weights, the same labels and the
+    same damping it returns the same curvature (to float32 rounding of the gradients), bound to
+    the same fingerprints, so it preconditions JAX and torch queries alike.
+
+    Args:
+        loss: ``loss(params, example) -> scalar`` (``loss(params, state, example)`` with
+            state), the loss the store was built with.
+        checkpoints: The store's :class:`Checkpoint` values, in the store's order.
+        data: Training batches ``(inputs, target)`` (one or an iterable), or a sample.
+        sampler: Draws labels from the model: :func:`classification_sampler` (``logits``
+            in JAX), or ``sampler(checkpoint, batch, generator) -> (labelled batch,
+            weights [b'] float64 torch)``.
+        kind: ``"projected"`` (``[k, k]`` in ``projection``'s space) or ``"dense"`` (the
+            exact ``[p, p]`` matrix, small models).
+        projection: The store's projection (``store.projection``), for ``"projected"``.
+        mapping: The store's :class:`ParamMapping` (default: identity).
+        damping, max_examples, chunk_size, seed, block_diagonal: As for
+            :func:`tracinfunc.fit_curvature`.
+
+    Returns:
+        A :class:`~tracinfunc.Curvature` for ``tif.score(..., curvature=)`` and
+        :func:`tracinfunc.jax.preconditioned_test_grads`.
+
+    Raises:
+        InvalidArgumentError: ``"kfac"``/``"ekfac"`` (named: not from JAX), unknown kind,
+            missing projection.
+        MemoryBudgetError: ``"dense"`` over ``MAX_DENSE_PARAMS`` parameters.
+        EmptyDataError: ``data`` holds no examples.
+    """
+    kind = _check_kind(kind)
+    if kind in ("kfac", "ekfac"):
+        raise InvalidArgumentError(
+            f"tracinfunc.jax.fit_curvature: kind={kind!r} needs each layer's inputs and output "
+            "gradients, which a JAX loss does not expose; fit it with tracinfunc.fit_curvature "
+            "on the torch twin (Checkpoint.to_torch(mapping) gives its checkpoints), or use "
+            "kind='projected' or 'dense' from JAX.")
+    damping = check_damping(Damping() if damping is None else damping)
+    checkpoints = _check_checkpoints(checkpoints)
+    if kind == "projected":
+        check_projection(projection)
+    check_int(max_examples, "max_examples", optional=True)
+    if not callable(sampler):
+        raise InvalidTypeError(
+            f"tracinfunc.jax.fit_curvature: sampler must be callable, got "
+            f"{type(sampler).__name__}; e.g. tracinfunc.jax.classification_sampler(logits).")
+    mapping = mapping or ParamMapping.identity(checkpoints[0].params)
+    layout = mapping.layout
+    if kind == "dense":
+        _check_dense_size(layout)
+    blocks = _blocks(block_diagonal, kind, layout, projection)
+    metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr,
+                                 c.to_torch(mapping).fingerprint)
+                  for i, c in enumerate(checkpoints))
+    batches = partial(_limited, data, max_examples)
+    estimates, dampings, seen = [], [], 0
+    for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
+        rows = _rows_fn(loss, kind, mapping, chunk_size,
+                        None if projection is None else projection.for_checkpoint(meta.name))
+        estimate, mean, seen = _fit_matrix(
+            lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches,
+            lambda _loss, c, batch, generator: sampler(c, batch, generator), loss,
+            torch.Generator().manual_seed(seed + position), blocks)
+        estimates.append(estimate)
+        dampings.append(resolve(damping, mean, kind))
+    info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed, "frontend": "jax",
+            "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
+    return Curvature(kind, metas, layout, projection if kind == "projected" else None,
+                     tuple(dampings), tuple(estimates), (), info, blocks)
+
+
+def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch.Tensor]:
+    """``fn(*checkpoint.args, batch) -> [b, dim]`` torch rows of the labelled batch."""
+    if kind == "projected":
+        project = projected_grads(loss, projection, mapping=mapping, chunk_size=chunk_size)
+        return lambda *args: host_tensor(project(*args))
+    psg = per_sample_grads(loss, chunk_size=chunk_size)
+    to_torch = jax.vmap(mapping.to_torch)
+
+    def rows(*args: Any) -> torch.Tensor:
+        grads = to_torch(psg(*args))
+        return flatten({name: host_tensor(value) for name, value in grads.items()},
+                       mapping.layout)
+
+    return rows
+
+
+def _limited(data: Any, max_examples: int | None) -> Iterator[Any]:
+    """The JAX batches of ``data``, cut after ``max_examples`` inputs."""
+    left = max_examples
+    for batch in iter_batches(data):
+        size = tree_util.tree_leaves(batch)[0].shape[0]
+        if left is not None:
+            if left <= 0:
+                return
+            if size > left:
+                batch = tree_util.tree_map(lambda leaf, n=left: leaf[:n], batch)
+            left -= min(size, left)
+        yield batch

@@ -1,0 +1,147 @@
+"""Parameters versus state in JAX model trees (Flax linen variables, Flax NNX, plain pytrees).
+
+TracIn differentiates parameters only. Flax keeps non-trainable state beside them: linen's
+``variables = {"params": ..., "batch_stats": ...}`` holds collections, NNX's ``nnx.State``
+holds ``nnx.Param`` and ``nnx.BatchStat`` (or ``Cache``, ``RngState``) variables. Differentiating
+the statistics as if they were weights changes every row silently, so this module draws the
+line once, for :class:`~tracinfunc.jax.Checkpoint` and :class:`~tracinfunc.jax.ParamMapping`:
+
+* :func:`split_params` splits any of these into ``(params, state or None)``;
+* :func:`refuse_state` raises, with the fix, when a tree passed *as parameters* holds state.
+
+Flax is never imported here: a Flax object is recognised by its type's module, and ``nnx`` is
+imported only when such an object was passed (so Flax is installed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jax import tree_util
+
+from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["is_nnx_module", "is_nnx_state", "param_tree", "refuse_state", "split_params"]
+
+PARAMS = "params"
+
+
+def _nnx_kind(obj: Any, name: str) -> bool:
+    return any(base.__name__ == name and base.__module__.startswith("flax.nnx")
+               for base in type(obj).__mro__)
+
+
+def is_nnx_module(obj: Any) -> bool:
+    """``obj`` is a Flax NNX ``Module`` (a graph node: split it before differentiating)."""
+    return _nnx_kind(obj, "Module")
+
+
+def is_nnx_state(obj: Any) -> bool:
+    """``obj`` is a Flax NNX ``State`` (what ``nnx.split`` and ``nnx.state`` return)."""
+    return _nnx_kind(obj, "State")
+
+
+def _linen_collections(tree: Any) -> list[str]:
+    """The collections beside ``"params"`` of linen ``variables``, or ``[]``."""
+    if not isinstance(tree, Mapping) or PARAMS not in tree:
+        return []
+    return sorted(str(key) for key in tree if key != PARAMS)
+
+
+def _nnx_split(obj: Any) -> tuple[Any, Any]:
+    from flax import nnx  # present: obj is a Flax object
+
+    if is_nnx_state(obj):
+        params, rest = nnx.filter_state(obj, nnx.Param, ...)
+    else:
+        _, params, rest = nnx.split(obj, nnx.Param, ...)
+    return params, rest
+
+
+def _nnx_state_kinds(state: Any) -> list[str]:
+    """Sorted names of the non-``Param`` variable types in an NNX state."""
+    from flax import nnx
+
+    _, rest = nnx.filter_state(state, nnx.Param, ...)
+    kinds = set()
+    for _, leaf in nnx.to_flat_state(rest):
+        kind = getattr(leaf, "type", type(leaf))
+        kinds.add(getattr(kind, "__name__", str(kind)))
+    return sorted(kinds)
+
+
+def split_params(obj: Any) -> tuple[Any, Any]:
+    """``(params, state)`` of a Flax model tree; ``state`` is ``None`` when there is none.
+
+    Args:
+        obj: Linen ``variables`` (``{"params": ..., "batch_stats": ...}``), an NNX ``Module``
+            or ``State``, or any other pytree (all parameters).
+
+    Returns:
+        Linen: ``variables["params"]`` and ``{other collection: tree}``. NNX: the
+        ``nnx.Param`` state and the rest (``nnx.BatchStat``, ...) as ``nnx.State``, each ready
+        for ``nnx.merge(graphdef, params, state)``. Other trees: ``(obj, None)``.
+    """
+    if is_nnx_module(obj) or is_nnx_state(obj):
+        params, rest = _nnx_split(obj)
+        return params, (rest if _has_leaves(rest) else None)
+    others = _linen_collections(obj)
+    if others:
+        return obj[PARAMS], {key: obj[key] for key in obj if key != PARAMS}
+    if isinstance(obj, Mapping) and PARAMS in obj and len(obj) == 1:
+        return obj[PARAMS], None
+    return obj, None
+
+
+def param_tree(obj: Any) -> Any:
+    """The tree holding only parameters (what :class:`ParamMapping` maps): see split_params.
+
+    Linen ``variables`` holding only ``"params"`` are kept whole (the mapping drops the
+    ``params`` prefix from names and accepts either form of the tree).
+    """
+    if is_nnx_module(obj) or is_nnx_state(obj):
+        return _nnx_split(obj)[0]
+    if _linen_collections(obj):
+        return obj[PARAMS]
+    return obj
+
+
+def refuse_state(tree: Any, caller: str) -> None:
+    """Raise when ``tree``, passed as parameters, holds Flax state (or is an NNX Module).
+
+    Raises:
+        InvalidTypeError: an NNX ``Module`` (split it first).
+        InvalidArgumentError: linen collections beside ``"params"``, or an NNX state holding
+            non-``Param`` variables.
+    """
+    if is_nnx_module(tree):
+        raise InvalidTypeError(
+            f"{caller}: got an nnx.Module as parameters; split it into parameters and state: "
+            "tracinfunc.jax.Checkpoint.flax(model, lr=...) (or graphdef, params, state = "
+            "nnx.split(model, nnx.Param, ...)) and write loss(params, state, example) with "
+            "nnx.merge(graphdef, params, state)."
+        )
+    others = _linen_collections(tree)
+    if others:
+        raise InvalidArgumentError(
+            f"{caller}: the parameter tree holds the Flax collections {others} beside "
+            "'params'; they are state (running statistics, caches), not parameters, and must "
+            "not be differentiated. Use tracinfunc.jax.Checkpoint.flax(variables, lr=...) "
+            "(params=variables['params'], state=the other collections) with "
+            "loss(params, state, example), and build the mapping with "
+            "ParamMapping.flax(variables)."
+        )
+    if is_nnx_state(tree):
+        kinds = _nnx_state_kinds(tree)
+        if kinds:
+            raise InvalidArgumentError(
+                f"{caller}: the nnx.State holds {kinds} variables beside nnx.Param; they are "
+                "state, not parameters. Use tracinfunc.jax.Checkpoint.flax(model_or_state, "
+                "lr=...) (or nnx.split(model, nnx.Param, ...)) with loss(params, state, "
+                "example)."
+            )
+
+
+def _has_leaves(tree: Any) -> bool:
+    return bool(tree_util.tree_leaves(tree))

@@ -89,8 +89,9 @@ def test_projected_grads_chunk_size_bounds_peak_memory():
         w = {"w": torch.randn(1000, 1000) * 0.01}
         def loss(params, x):
             return (params["w"] @ x).tanh().sum()
+        chunk = None if sys.argv[1] == "none" else int(sys.argv[1])
         fn = tif.projected_grads(loss, tif.Projection(dim=4, seed=0),
-                                 chunk_size=None if sys.argv[1] == "none" else int(sys.argv[1]))
+                                 options=tif.GradientOptions(chunk_size=chunk))
         out = fn(w, torch.randn(256, 1000))
         assert out.shape == (256, 4)
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)

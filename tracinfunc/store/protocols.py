@@ -21,6 +21,7 @@ from tracinfunc.errors import (
     InvalidTypeError,
     NonFiniteGradientError,
     RowRangeError,
+    TracInFuncError,
 )
 from tracinfunc.store.meta import StoreMeta
 
@@ -75,7 +76,7 @@ class _OpenableProtocol(type(Protocol)):  # type: ignore[misc]
             CorruptStoreError: the metadata or arrays do not describe a valid store.
         """
         if _OPENER is None:  # unreachable through any import of tracinfunc.store
-            raise RuntimeError("GradientStore.open: the Zarr backend did not register")
+            raise TracInFuncError("GradientStore.open: the Zarr backend did not register")
         with calling("GradientStore.open"):  # errors name the door the user used
             return _OPENER(path, allow_unsealed=allow_unsealed)
 

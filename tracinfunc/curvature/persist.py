@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import zarr
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.binding import check_curvature
 from tracinfunc.curvature.capture import KfacLayer
@@ -51,6 +52,7 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
     """
     curvature = check_curvature(curvature)
     root = Path(path)
+    check_writable(root, "saved curvature", overwrite=overwrite)
     if root.exists():
         if not overwrite:
             raise StoreExistsError(

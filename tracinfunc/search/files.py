@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -87,11 +88,9 @@ def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> 
         overwrite: Whether an index already at ``target`` may be replaced.
     """
     caller = current_caller("build_index")
-    inside = enclosing_store_or_index(target)
+    check_writable(target, "search index", overwrite=overwrite, caller=caller)
     if isinstance(store_path, Path) and _overlaps(target, store_path):
-        inside = ("store", store_path)
-    if inside is not None and inside != ("index", target.resolve()):
-        kind, where = inside
+        kind, where = "store", store_path
         raise InvalidArgumentError(
             f"{caller}: path={str(target)!r} is or lies inside the {kind} at {str(where)!r}; "
             f"writing there would damage that {kind}. Save the index beside it, e.g. "

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, OutputPathError
 
 __all__ = ["TopExamples"]
@@ -119,6 +120,7 @@ class TopExamples:
                 or the suffix is neither ``.json`` nor ``.csv``.
         """
         path = Path(path)
+        check_writable(path, "selection file", overwrite=overwrite, caller="TopExamples.save")
         if path.suffix not in (".json", ".csv"):
             raise OutputPathError(
                 f"TopExamples.save: {str(path)!r} must end in .json or .csv."

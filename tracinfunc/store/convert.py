@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -105,6 +106,7 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
             tracinfunc store (never replaced).
     """
     path = location(path)  # a URL stays text: Path("s3://b/x") would be a local "s3:/b/x"
+    check_writable(path, "gradient store", overwrite=overwrite)
     meta = _target_meta(store.meta, dtype).replace(n_train=0, complete=False)
     if overwrite and is_url(path):
         raise InvalidArgumentError(

@@ -15,6 +15,7 @@ import torch
 import zarr
 from torch import Tensor
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     ReadOnlyStoreError,
@@ -69,6 +70,7 @@ class ZarrWriter:
                  chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None, overwrite: bool = False) -> None:
         self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
+        check_writable(self._path, "gradient store", overwrite=overwrite)
         self._finished = False
         # Before looking at the path: a flock locally, a conditionally created lock object
         # on object storage.

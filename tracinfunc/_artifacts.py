@@ -173,12 +173,17 @@ def _check_over(target: Path, resolved: Path, kind: str, *, overwrite: bool,
             raise ForeignArtifactError(
                 f"{caller}: {str(target)!r} is a directory; a {kind} is one file and never "
                 "replaces a directory. Choose a file path.")
-        if overwrite and any(resolved.iterdir()):
-            inner = next((f"the {k} at {str(root)!r}" for k, root in _children(resolved)),
-                         "files tracinfunc did not write")
+        held = _children(resolved)
+        if held:  # the parent of artefacts: writing a kind there would mix with or delete them
             raise ForeignArtifactError(
-                f"{caller}: {str(target)!r} exists and is not a {kind} (it is a directory "
-                f"holding {inner}), so overwrite will not delete it; choose another path.")
+                f"{caller}: {str(target)!r} is not a {kind} but a directory holding the "
+                f"{held[0][0]} at {str(held[0][1])!r}; a {kind} is never written over or "
+                "into the folder of another artefact. Choose a new path beside them.")
+        if overwrite and any(resolved.iterdir()):
+            raise ForeignArtifactError(
+                f"{caller}: {str(target)!r} exists and is not a {kind} (a directory holding "
+                "files tracinfunc did not write), so overwrite will not delete it; choose "
+                "another path.")
 
 
 def _protected(resolved: Path) -> bool:

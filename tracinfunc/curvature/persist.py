@@ -24,6 +24,7 @@ import torch
 import zarr
 
 from tracinfunc._artifacts import check_writable
+from tracinfunc._jsonfile import check_json_file
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.binding import check_curvature
 from tracinfunc.curvature.capture import KfacLayer
@@ -87,6 +88,7 @@ def load_curvature(path: str | PathLike) -> Curvature:
             f"load_curvature: no saved curvature at {str(root)!r}; save one with "
             "tif.save_curvature(curvature, path)."
         )
+    check_json_file(root / "zarr.json", what="curvature metadata")
     group = zarr.open_group(str(root), mode="r")
     meta = group.attrs.get(ATTRIBUTE)
     if not isinstance(meta, dict):

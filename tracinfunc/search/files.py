@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tracinfunc._artifacts import check_writable
+from tracinfunc._jsonfile import read_json
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -202,14 +203,57 @@ def read_index_files(path: Path, read_index) -> tuple[dict[str, Any], Any, np.nd
     norms = None
     if NORMS_FILE in saved["files"]:
         norms = np.load(path / NORMS_FILE, allow_pickle=False)
-    return saved, read_index(str(path / INDEX_FILE)), norms
+    return saved, _read_faiss(path / INDEX_FILE, saved, read_index), norms
+
+
+def _faiss_message(error: Exception) -> str:
+    """The part of a FAISS error that says what failed (not the C++ signature before it)."""
+    text = " ".join(str(error).split())
+    return text[text.find("Error: ") + 7:][:160] if "Error: " in text else text[-160:]
+
+
+# The four bytes FAISS writes first for each kind build_index makes (faiss/impl/index_write.cpp)
+_FOURCC = {"ivf_flat": b"IwFl", "ivf_pq": b"IwPQ"}
+
+
+def _read_faiss(file: Path, saved: dict[str, Any], read_index) -> Any:
+    """``read_index(file)`` once its header names the kind recorded in ``meta.json``; FAISS's
+    own errors (a truncated or crafted file that still matches a resealed checksum) become
+    CorruptStoreError naming the file."""
+    caller, shown = current_caller("load_index"), repr(str(file))
+    fix = "rebuild the index with tif.build_index(store, overwrite=True)."
+    with file.open("rb") as handle:
+        header = handle.read(4)
+    expected = _FOURCC.get(saved.get("kind"))
+    if expected is None or header != expected:
+        raise CorruptStoreError(
+            f"{caller}: {shown} starts with {header!r}, but its meta.json says it is a "
+            f"{saved.get('kind')!r} index (a FAISS file starting with {expected!r}); it is "
+            f"another kind of file or was damaged; {fix}")
+    try:
+        index = read_index(str(file))
+    except Exception as error:  # FAISS raises RuntimeError for every malformed file
+        raise CorruptStoreError(
+            f"{caller}: FAISS cannot read {shown} ({_faiss_message(error)}); "
+            f"the file is truncated or malformed; {fix}") from None
+    expected_shape = (int(saved.get("n_train", -1)), int(saved.get("nlist", -1)))
+    got = (int(getattr(index, "ntotal", -1)), int(getattr(index, "nlist", -1)))
+    if got != expected_shape or getattr(index, "metric_type", None) != 0:  # 0: inner product
+        raise CorruptStoreError(
+            f"{caller}: {shown} holds {got[0]} rows in {got[1]} lists (metric "
+            f"{getattr(index, 'metric_type', None)}), but its meta.json describes "
+            f"{expected_shape[0]} rows in {expected_shape[1]} lists searched by inner product "
+            f"(metric 0); another index's file was put there; {fix}")
+    return index
 
 
 def _checked_meta(path: Path) -> dict[str, Any]:
     shown = repr(str(path / META_FILE))
     try:
-        saved = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError) as error:
+        saved = read_json(path / META_FILE, what="index metadata")
+    except CorruptStoreError:
+        raise
+    except OSError as error:
         raise CorruptStoreError(
             f"{current_caller()}: {shown} is not readable JSON ({error}); rebuild the index with "
             "tif.build_index(store, overwrite=True)."

@@ -19,6 +19,7 @@ import zarr
 from torch import Tensor
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from tracinfunc._jsonfile import check_json_file
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -222,10 +223,13 @@ def write_errors(path: Path, rows_stored: int) -> Iterator[None]:
 
 
 def open_group(path: Path, *, mode: str) -> zarr.Group:
-    """``zarr.open_group`` with a CorruptStoreError naming the file for malformed metadata."""
+    """``zarr.open_group`` with a CorruptStoreError naming the file for malformed metadata
+    (crafted JSON nested too deep or too large for zarr's parser included)."""
+    if not is_url(path):
+        check_json_file(Path(path) / "zarr.json", what="store metadata")
     try:
         return zarr.open_group(path, mode=mode, zarr_format=3)
-    except (ValueError, TypeError, KeyError) as error:  # JSONDecodeError is a ValueError
+    except (ValueError, TypeError, KeyError, RecursionError) as error:  # JSONDecodeError: Value
         raise CorruptStoreError(
             f"{current_caller()}: {_join(path, 'zarr.json')!r} is not valid zarr v3 group metadata "
             f"({error}); the store is damaged or was edited. Rebuild it or restore it from a "

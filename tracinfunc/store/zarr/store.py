@@ -119,6 +119,7 @@ class ZarrStore(StoreProperties):
                     f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
                     "damaged or was edited by hand."
                 )
+        _check_declared_bytes(path, meta, rows)
         for name, value in (("_path", path), ("_identity", _identity(path)),
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
@@ -282,6 +283,34 @@ def _check_chunk_files(guard: FileGuard | ObjectGuard, array: zarr.Array, start:
         return
     for path in chunk_files(array, start, stop):
         guard.check(path)
+
+
+# The most a shard of rows can be compressed (zstd stores at least ~3 bytes per 128 KiB block;
+# 2**16 leaves room): a crafted store declaring 10**12 rows over a few kilobytes is refused.
+_MAX_RATIO = 2**16
+
+
+def _check_declared_bytes(path: Path | str, meta: StoreMeta, rows: list[zarr.Array]) -> None:
+    """Raise unless each checkpoint's shard files can hold the rows the metadata declares.
+
+    Every shard is written (``write_empty_chunks``), so the bytes on disk bound the rows: a
+    store whose metadata and array shapes were both edited (and resealed) to claim far more
+    rows than its files hold is refused at open, before a query sizes a result by it.
+    """
+    if is_url(path) or meta.n_train == 0:
+        return
+    needed = meta.n_train * code_width(meta) * rows_dtype(meta).itemsize
+    for array in rows:
+        compressed = any("zstd" in type(codec).__name__.lower() for codec in array.compressors)
+        chunks = Path(path) / array.path / "c"
+        stored = sum(entry.stat().st_size for entry in chunks.rglob("*") if entry.is_file())
+        if stored * (_MAX_RATIO if compressed else 1) < needed:
+            raise CorruptStoreError(
+                f"ZarrStore: the metadata of {str(path)!r} declares {meta.n_train} rows of "
+                f"{needed // meta.n_train} bytes in {array.path}, but its shard files hold "
+                f"{stored} bytes; the metadata was crafted or edited, or shard files are "
+                "missing. Rebuild the store or restore it from a copy."
+            )
 
 
 def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[zarr.Array]:

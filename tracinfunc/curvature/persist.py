@@ -50,6 +50,8 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
 
     Raises:
         StoreExistsError: ``path`` exists and ``overwrite`` is false.
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
     curvature = check_curvature(curvature)
     root = Path(path)

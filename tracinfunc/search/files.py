@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tracinfunc._artifacts import check_writable
+from tracinfunc._artifacts import artifact_kind, check_writable
 from tracinfunc._jsonfile import read_json
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
@@ -38,46 +38,12 @@ from tracinfunc.errors import (
 )
 from tracinfunc.store.zarr.integrity import sync_files
 
-__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "check_index_target",
-           "enclosing_store_or_index", "is_index_directory", "read_index_files", "save_index_files"]
+__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "check_index_target", "read_index_files",
+           "save_index_files"]
 
 INDEX_FILE, META_FILE, NORMS_FILE = "index.faiss", "meta.json", "norms.npy"
 _CHECKSUM = "checksum"
 _HASH_BLOCK = 16 * 2**20
-
-
-def is_index_directory(path: Path) -> bool:
-    """Whether ``path`` is a directory written by ``build_index`` (and nothing else)."""
-    try:
-        names = {entry.name for entry in path.iterdir()}
-        saved = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (names <= {INDEX_FILE, META_FILE, NORMS_FILE} and isinstance(saved, dict)
-            and {"format_version", "fingerprint", "kind"} <= set(saved))
-
-
-def _is_store_directory(path: Path) -> bool:
-    try:
-        attrs = json.loads((path / "zarr.json").read_text()).get("attributes", {})
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(attrs, dict) and "tracinfunc" in attrs
-
-
-def enclosing_store_or_index(path: str | os.PathLike[str]) -> tuple[str, Path] | None:
-    """The gradient store or search index that ``path`` is, or lies inside, if any.
-
-    Returns:
-        ``("store" or "index", its directory)``, or ``None``.
-    """
-    resolved = Path(path).resolve()
-    for candidate in (resolved, *resolved.parents):
-        if _is_store_directory(candidate):
-            return "store", candidate
-        if is_index_directory(candidate):
-            return "index", candidate
-    return None
 
 
 def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> None:
@@ -104,7 +70,7 @@ def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> 
             f"{caller}: an index already exists at {str(target)!r}; pass overwrite=True "
             "to replace it, or load it with tif.load_index(path, store)."
         )
-    if not is_index_directory(target):
+    if artifact_kind(target) != "search index":
         raise StoreExistsError(
             f"{caller}: {str(target)!r} exists and is not a search index (expected a directory "
             f"holding only {INDEX_FILE} and {META_FILE}), so overwrite=True will not delete "

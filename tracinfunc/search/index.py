@@ -232,6 +232,8 @@ def build_index(
             local ``path``.
         StoreExistsError: an index is already at ``path`` and ``overwrite`` is False, or
             something other than an index is there.
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, curvature, recording...; see docs/concepts/stores.md).
         StoreWriteError: saving failed (disk full); an index already at ``path`` is kept.
     """
     faiss = import_faiss()

@@ -118,6 +118,8 @@ class TopExamples:
         Raises:
             OutputPathError: ``path`` exists (without ``overwrite``), its directory is missing,
                 or the suffix is neither ``.json`` nor ``.csv``.
+            ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+                kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
         """
         path = Path(path)
         check_writable(path, "selection file", overwrite=overwrite, caller="TopExamples.save")

@@ -104,6 +104,8 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
     Raises:
         StoreExistsError: something is at ``path`` (without ``overwrite``), or it is not a
             tracinfunc store (never replaced).
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
     path = location(path)  # a URL stays text: Path("s3://b/x") would be a local "s3:/b/x"
     check_writable(path, "gradient store", overwrite=overwrite)

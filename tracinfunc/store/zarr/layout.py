@@ -140,7 +140,13 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
 
 def writable_arrays(group: zarr.Group, kind: str, n_ckpt: int) -> list[zarr.Array]:
     """The ``kind`` ("rows" or "norms") arrays of ``group``, set to write empty chunks."""
-    return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
+    try:
+        return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
+    except RecursionError:  # an unsealed (incomplete) store's array zarr.json, crafted deep
+        raise CorruptStoreError(
+            f"{current_caller()}: the metadata of an array under {kind}/ in {group.store} is "
+            "nested deeper than Python can parse (crafted or damaged); delete the incomplete "
+            "store and build it again.") from None
 
 
 def writable_scales(group: zarr.Group, meta: StoreMeta) -> list[zarr.Array]:

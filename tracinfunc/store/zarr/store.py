@@ -119,7 +119,8 @@ class ZarrStore(StoreProperties):
                     f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
                     "damaged or was edited by hand."
                 )
-        _check_declared_bytes(path, meta, rows)
+        if isinstance(guard, FileGuard) and guard.files is not None:
+            _check_declared_bytes(path, meta, rows, guard.files)
         for name, value in (("_path", path), ("_identity", _identity(path)),
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
@@ -290,20 +291,24 @@ def _check_chunk_files(guard: FileGuard | ObjectGuard, array: zarr.Array, start:
 _MAX_RATIO = 2**16
 
 
-def _check_declared_bytes(path: Path | str, meta: StoreMeta, rows: list[zarr.Array]) -> None:
-    """Raise unless each checkpoint's shard files can hold the rows the metadata declares.
+def _check_declared_bytes(path: Path | str, meta: StoreMeta, rows: list[zarr.Array],
+                          files: dict[str, list]) -> None:
+    """Raise unless each checkpoint's sealed shard files can hold the rows the metadata
+    declares.
 
-    Every shard is written (``write_empty_chunks``), so the bytes on disk bound the rows: a
-    store whose metadata and array shapes were both edited (and resealed) to claim far more
-    rows than its files hold is refused at open, before a query sizes a result by it.
+    Every shard is written (``write_empty_chunks``), so the sealed sizes of the shard files
+    bound the rows: a store whose metadata and array shapes were both edited (and resealed)
+    to claim far more rows than its files hold is refused at open, before a query sizes a
+    result by it. Sizes come from the manifest, not the disk: a missing file is reported at
+    its first read, and the rest of the store stays readable.
     """
-    if is_url(path) or meta.n_train == 0:
+    if meta.n_train == 0:
         return
     needed = meta.n_train * code_width(meta) * rows_dtype(meta).itemsize
     for array in rows:
         compressed = any("zstd" in type(codec).__name__.lower() for codec in array.compressors)
-        chunks = Path(path) / array.path / "c"
-        stored = sum(entry.stat().st_size for entry in chunks.rglob("*") if entry.is_file())
+        prefix = f"{array.path}/c/"
+        stored = sum(int(size) for name, (size, *_) in files.items() if name.startswith(prefix))
         if stored * (_MAX_RATIO if compressed else 1) < needed:
             raise CorruptStoreError(
                 f"ZarrStore: the metadata of {str(path)!r} declares {meta.n_train} rows of "
@@ -316,7 +321,7 @@ def _check_declared_bytes(path: Path | str, meta: StoreMeta, rows: list[zarr.Arr
 def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[zarr.Array]:
     try:
         return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
-    except (KeyError, ValueError, TypeError) as error:
+    except (KeyError, ValueError, TypeError, RecursionError) as error:
         raise CorruptStoreError(
             f"ZarrStore: {str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "
             f"its {meta.n_ckpt} checkpoints ({error!r}); the store is damaged. Rebuild it."

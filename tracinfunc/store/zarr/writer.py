@@ -63,6 +63,8 @@ class ZarrWriter:
     Raises:
         StoreExistsError: a finished store (or something else) is already at ``path``.
         IncompatibleGradientsError: an incomplete store at ``path`` was started differently.
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
 
     @entry_point("ZarrWriter")

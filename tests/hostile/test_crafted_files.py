@@ -202,3 +202,12 @@ def test_deep_array_metadata_of_an_incomplete_store_is_refused_on_resume(tmp_pat
     (tmp_path / "i.zarr" / "rows" / "0" / "zarr.json").write_text(DEEP)
     with pytest.raises(CorruptStoreError, match="rows/ in .*nested deeper"):
         tif.store.ZarrWriter(tmp_path / "i.zarr", meta, chunk_rows=8, shard_rows=8)
+
+
+def test_a_copy_into_memory_larger_than_the_machine_is_refused_before_allocating(
+        saved, monkeypatch):
+    monkeypatch.setattr(_devices, "physical_bytes", lambda: 1000)
+    with pytest.raises(MemoryBudgetError, match="to_memory: a copy of 300 rows needs"):
+        tif.to_memory(saved[1])
+    with pytest.raises(MemoryBudgetError, match="to_pinned: a copy of 300 rows needs"):
+        tif.to_pinned(saved[1])

@@ -104,7 +104,18 @@ def _cli(args, cwd):
     return result
 
 
+def _build_store(target, arts):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    loss = tif.loss_from_module(model, torch.nn.functional.cross_entropy)
+    data = (torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1]))
+    return tif.build_store(loss, [tif.Checkpoint.from_module(model, lr=0.1)], data,
+                           projection=tif.Projection(dim=4, seed=0), store=str(target),
+                           progress=False)
+
+
 WRITERS = {
+    "build_store": ("gradient store", _build_store),
     # name: (kind it writes, call(target, arts))
     "save_store": ("gradient store", lambda t, a: tif.save_store(a[3], t, overwrite=True)),
     "ZarrWriter": ("gradient store",

@@ -7,6 +7,8 @@ test replaces), so the logic that only a GPU would exercise runs in CPU tests:
   ``cuda:0`` name the same device there and ``cuda:1`` does not.
 * :func:`check_device_memory`: refuse to allocate a result that cannot fit, naming the
   alternatives, before any work.
+* :func:`check_allocation`: the same before any allocation whose size came from a file or an
+  argument, on the CPU against physical memory (a crafted store claiming 10**12 rows).
 * :func:`full_float32`: matmuls in true float32 (no TF32, no reduced-precision float32
   matmuls) for the duration of a call, whatever the process set, restored afterwards.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -86,6 +89,35 @@ def check_device_memory(device: torch.device, nbytes: int, *, what: str, fix: st
         raise MemoryBudgetError(
             f"{current_caller()}: {what} needs {nbytes / 2**30:.2f} GiB on {device} but only "
             f"{free / 2**30:.2f} GiB is free there; {fix}"
+        )
+
+
+def physical_bytes() -> int | None:
+    """The machine's physical memory in bytes (``None`` where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_allocation(device: torch.device | str, nbytes: int, *, what: str, fix: str) -> None:
+    """Raise :class:`MemoryBudgetError` before allocating ``nbytes`` on ``device`` if they
+    cannot fit: on CUDA against free memory (:func:`check_device_memory`), on the CPU
+    against the machine's physical memory (free memory there is elastic: caches, swap).
+
+    Call it where a size read from a file or an argument decides an allocation (a crafted
+    store claiming 10**12 rows), so the user gets the sizes and ``fix`` instead of the
+    allocator's failure or the OOM killer.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        check_device_memory(device, nbytes, what=what, fix=fix)
+        return
+    total = physical_bytes()  # looked up at call time: a test can replace it
+    if total is not None and nbytes > total:
+        raise MemoryBudgetError(
+            f"{current_caller()}: {what} needs {nbytes / 2**30:.2f} GiB of host memory but this "
+            f"machine has {total / 2**30:.2f} GiB in all; {fix}"
         )
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "CorruptRecordingError",
     "CorruptStoreError",
     "EmptyDataError",
+    "ForeignArtifactError",
     "IllConditionedError",
     "IncompatibleGradientsError",
     "IncompleteStoreError",
@@ -151,3 +152,12 @@ class OutputPathError(TracInFuncError, OSError):
 class MissingDependencyError(TracInFuncError, ImportError):
     """An optional feature needs a package that is not installed; the message gives the
     ``pip install`` command (e.g. ``pip install 'tracinfunc[hf]'``)."""
+
+
+class ForeignArtifactError(StoreExistsError, OutputPathError, InvalidArgumentError):
+    """A writer was pointed at, inside, or above an artefact it may not replace (a gradient
+    store, an index, a saved curvature, a recording, ...: anything another writer made), or at
+    a place no writer replaces (the file system root, the home or working directory).
+
+    It derives from ``FileExistsError`` and ``ValueError`` (through the errors writers raised
+    before the one guard existed), so earlier ``except`` clauses still catch it."""

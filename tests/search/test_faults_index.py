@@ -36,7 +36,7 @@ def _files(path):
 def test_overwrite_never_deletes_the_store_itself(tmp_path):
     store = _saved(tmp_path)
     before = _files(store.path)
-    with pytest.raises(tif.errors.InvalidArgumentError, match="is or lies inside the store"):
+    with pytest.raises(tif.errors.ForeignArtifactError, match="is the gradient store"):
         tif.build_index(store, path=store.path, overwrite=True, nlist=4)
     assert _files(store.path) == before
     tif.verify_store(tif.open_store(store.path))
@@ -45,7 +45,7 @@ def test_overwrite_never_deletes_the_store_itself(tmp_path):
 def test_an_index_path_inside_a_store_is_refused(tmp_path):
     store = _saved(tmp_path)
     before = _files(store.path)
-    with pytest.raises(tif.errors.InvalidArgumentError, match="grads.zarr.faiss"):
+    with pytest.raises(tif.errors.ForeignArtifactError, match="inside the gradient store"):
         tif.build_index(store, path=store.path / "rows" / "index", nlist=4)
     assert _files(store.path) == before
 
@@ -60,7 +60,7 @@ def test_overwrite_never_deletes_a_directory_that_is_not_an_index(tmp_path):
     assert (mine / "thesis.tex").read_text() == "years of work"
     # Another store is not an index either.
     other = _saved(tmp_path, "other.zarr", seed=3)
-    with pytest.raises(tif.errors.InvalidArgumentError, match="inside the store"):
+    with pytest.raises(tif.errors.ForeignArtifactError, match="is the gradient store"):
         tif.build_index(store, path=other.path, overwrite=True, nlist=4)
     tif.verify_store(tif.open_store(other.path))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import calling
 from tracinfunc._version import __version__
 from tracinfunc.build.torch import build_store
@@ -357,6 +358,7 @@ def _shard(text: str) -> tuple[int, int]:
 def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
     """Fail before the spec is loaded unless --out can take the store (see docs/cli.md)."""
     caller, shown = "tracinfunc build", str(path)
+    check_writable(path, "gradient store", overwrite=overwrite, caller=caller)
     check_writable_directory(path.resolve().parent, what="the directory of --out")
     if not path.exists():
         return

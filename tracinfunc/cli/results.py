@@ -14,9 +14,9 @@ import numpy as np
 import zarr
 from torch import Tensor
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, OutputPathError
-from tracinfunc.search.files import enclosing_store_or_index
 
 __all__ = ["RESULT_SUFFIXES", "check_output_path", "check_result_format",
            "check_writable_directory", "write_results"]
@@ -27,18 +27,12 @@ RESULTS_MARK = "tracinfunc_results"
 
 def check_output_path(path: Path, *, overwrite: bool) -> None:
     """Fail before any work if ``path`` has an unknown suffix, exists, or cannot be written."""
+    check_writable(path, "CLI result" if path.suffix == ".zarr" else "result file",
+                   overwrite=overwrite)
     if path.suffix not in RESULT_SUFFIXES:
         raise InvalidArgumentError(
             f"{current_caller()}: output {str(path)!r} must end in one of "
             f"{', '.join(RESULT_SUFFIXES)}."
-        )
-    inside = enclosing_store_or_index(path)
-    if inside is not None:
-        raise OutputPathError(
-            f"{current_caller()}: output {str(path)!r} is or lies inside the "
-            f"{'gradient store' if inside[0] == 'store' else 'search index'} at "
-            f"{str(inside[1])!r}; results never go there (they would replace its files). "
-            "Choose an output path outside it."
         )
     if path.exists() and not overwrite:
         raise OutputPathError(

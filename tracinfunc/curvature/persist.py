@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import zarr
 
+from tracinfunc._artifacts import check_writable
+from tracinfunc._jsonfile import check_json_file
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.binding import check_curvature
 from tracinfunc.curvature.capture import KfacLayer
@@ -48,9 +50,12 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
 
     Raises:
         StoreExistsError: ``path`` exists and ``overwrite`` is false.
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
     curvature = check_curvature(curvature)
     root = Path(path)
+    check_writable(root, "saved curvature", overwrite=overwrite)
     if root.exists():
         if not overwrite:
             raise StoreExistsError(
@@ -85,6 +90,7 @@ def load_curvature(path: str | PathLike) -> Curvature:
             f"load_curvature: no saved curvature at {str(root)!r}; save one with "
             "tif.save_curvature(curvature, path)."
         )
+    check_json_file(root / "zarr.json", what="curvature metadata")
     group = zarr.open_group(str(root), mode="r")
     meta = group.attrs.get(ATTRIBUTE)
     if not isinstance(meta, dict):

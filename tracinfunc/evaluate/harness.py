@@ -16,6 +16,7 @@ import torch
 import zarr
 from torch import Tensor
 
+from tracinfunc._jsonfile import check_json_file
 from tracinfunc.errors import CorruptStoreError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.evaluate.runs import ATTRS_KEY, checked_rows, open_run, read_run, save_row
 from tracinfunc.progress import ProgressArg, progress_bar
@@ -115,6 +116,7 @@ def load_retrain(path: str | Path) -> RetrainResult:
             or the saved subsets are not those the run's settings draw.
     """
     path = Path(path)
+    check_json_file(path / "zarr.json", what="retraining run metadata")
     try:
         group = zarr.open_group(path, mode="r")
         config = dict(group.attrs[ATTRS_KEY])

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import zarr
 
+from tracinfunc._artifacts import check_writable
+from tracinfunc._jsonfile import check_json_file
 from tracinfunc.errors import InvalidArgumentError
 
 __all__ = ["ATTRS_KEY", "checked_rows", "open_run", "read_run", "row_checksum", "save_row"]
@@ -32,6 +34,7 @@ ATTRS_KEY = "tracinfunc_retrain"
 
 def open_run(path: Path, config: dict[str, Any]) -> Any:
     """The run's group at ``path``: a new one, or a previous run's with the same ``config``."""
+    check_writable(path, "retraining run", overwrite=False, caller="retrain_subsets")
     if not (path / "zarr.json").exists():
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             # mode="w" would clear the directory: never delete what this harness did not write
@@ -43,6 +46,7 @@ def open_run(path: Path, config: dict[str, Any]) -> Any:
         group = zarr.open_group(path, mode="w")
         group.attrs[ATTRS_KEY] = config
         return group
+    check_json_file(path / "zarr.json", what="retraining run metadata")
     group = zarr.open_group(path, mode="r+")
     saved = dict(group.attrs.get(ATTRS_KEY, {}))
     if saved != config:

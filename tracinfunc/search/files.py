@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from tracinfunc._artifacts import artifact_kind, check_writable
+from tracinfunc._jsonfile import read_json
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -36,46 +38,12 @@ from tracinfunc.errors import (
 )
 from tracinfunc.store.zarr.integrity import sync_files
 
-__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "check_index_target",
-           "enclosing_store_or_index", "is_index_directory", "read_index_files", "save_index_files"]
+__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "check_index_target", "read_index_files",
+           "save_index_files"]
 
 INDEX_FILE, META_FILE, NORMS_FILE = "index.faiss", "meta.json", "norms.npy"
 _CHECKSUM = "checksum"
 _HASH_BLOCK = 16 * 2**20
-
-
-def is_index_directory(path: Path) -> bool:
-    """Whether ``path`` is a directory written by ``build_index`` (and nothing else)."""
-    try:
-        names = {entry.name for entry in path.iterdir()}
-        saved = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (names <= {INDEX_FILE, META_FILE, NORMS_FILE} and isinstance(saved, dict)
-            and {"format_version", "fingerprint", "kind"} <= set(saved))
-
-
-def _is_store_directory(path: Path) -> bool:
-    try:
-        attrs = json.loads((path / "zarr.json").read_text()).get("attributes", {})
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(attrs, dict) and "tracinfunc" in attrs
-
-
-def enclosing_store_or_index(path: str | os.PathLike[str]) -> tuple[str, Path] | None:
-    """The gradient store or search index that ``path`` is, or lies inside, if any.
-
-    Returns:
-        ``("store" or "index", its directory)``, or ``None``.
-    """
-    resolved = Path(path).resolve()
-    for candidate in (resolved, *resolved.parents):
-        if _is_store_directory(candidate):
-            return "store", candidate
-        if is_index_directory(candidate):
-            return "index", candidate
-    return None
 
 
 def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> None:
@@ -87,11 +55,9 @@ def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> 
         overwrite: Whether an index already at ``target`` may be replaced.
     """
     caller = current_caller("build_index")
-    inside = enclosing_store_or_index(target)
+    check_writable(target, "search index", overwrite=overwrite, caller=caller)
     if isinstance(store_path, Path) and _overlaps(target, store_path):
-        inside = ("store", store_path)
-    if inside is not None and inside != ("index", target.resolve()):
-        kind, where = inside
+        kind, where = "store", store_path
         raise InvalidArgumentError(
             f"{caller}: path={str(target)!r} is or lies inside the {kind} at {str(where)!r}; "
             f"writing there would damage that {kind}. Save the index beside it, e.g. "
@@ -104,7 +70,7 @@ def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> 
             f"{caller}: an index already exists at {str(target)!r}; pass overwrite=True "
             "to replace it, or load it with tif.load_index(path, store)."
         )
-    if not is_index_directory(target):
+    if artifact_kind(target) != "search index":
         raise StoreExistsError(
             f"{caller}: {str(target)!r} exists and is not a search index (expected a directory "
             f"holding only {INDEX_FILE} and {META_FILE}), so overwrite=True will not delete "
@@ -203,14 +169,57 @@ def read_index_files(path: Path, read_index) -> tuple[dict[str, Any], Any, np.nd
     norms = None
     if NORMS_FILE in saved["files"]:
         norms = np.load(path / NORMS_FILE, allow_pickle=False)
-    return saved, read_index(str(path / INDEX_FILE)), norms
+    return saved, _read_faiss(path / INDEX_FILE, saved, read_index), norms
+
+
+def _faiss_message(error: Exception) -> str:
+    """The part of a FAISS error that says what failed (not the C++ signature before it)."""
+    text = " ".join(str(error).split())
+    return text[text.find("Error: ") + 7:][:160] if "Error: " in text else text[-160:]
+
+
+# The four bytes FAISS writes first for each kind build_index makes (faiss/impl/index_write.cpp)
+_FOURCC = {"ivf_flat": b"IwFl", "ivf_pq": b"IwPQ"}
+
+
+def _read_faiss(file: Path, saved: dict[str, Any], read_index) -> Any:
+    """``read_index(file)`` once its header names the kind recorded in ``meta.json``; FAISS's
+    own errors (a truncated or crafted file that still matches a resealed checksum) become
+    CorruptStoreError naming the file."""
+    caller, shown = current_caller("load_index"), repr(str(file))
+    fix = "rebuild the index with tif.build_index(store, overwrite=True)."
+    with file.open("rb") as handle:
+        header = handle.read(4)
+    expected = _FOURCC.get(saved.get("kind"))
+    if expected is None or header != expected:
+        raise CorruptStoreError(
+            f"{caller}: {shown} starts with {header!r}, but its meta.json says it is a "
+            f"{saved.get('kind')!r} index (a FAISS file starting with {expected!r}); it is "
+            f"another kind of file or was damaged; {fix}")
+    try:
+        index = read_index(str(file))
+    except Exception as error:  # FAISS raises RuntimeError for every malformed file
+        raise CorruptStoreError(
+            f"{caller}: FAISS cannot read {shown} ({_faiss_message(error)}); "
+            f"the file is truncated or malformed; {fix}") from None
+    expected_shape = (int(saved.get("n_train", -1)), int(saved.get("nlist", -1)))
+    got = (int(getattr(index, "ntotal", -1)), int(getattr(index, "nlist", -1)))
+    if got != expected_shape or getattr(index, "metric_type", None) != 0:  # 0: inner product
+        raise CorruptStoreError(
+            f"{caller}: {shown} holds {got[0]} rows in {got[1]} lists (metric "
+            f"{getattr(index, 'metric_type', None)}), but its meta.json describes "
+            f"{expected_shape[0]} rows in {expected_shape[1]} lists searched by inner product "
+            f"(metric 0); another index's file was put there; {fix}")
+    return index
 
 
 def _checked_meta(path: Path) -> dict[str, Any]:
     shown = repr(str(path / META_FILE))
     try:
-        saved = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError) as error:
+        saved = read_json(path / META_FILE, what="index metadata")
+    except CorruptStoreError:
+        raise
+    except OSError as error:
         raise CorruptStoreError(
             f"{current_caller()}: {shown} is not readable JSON ({error}); rebuild the index with "
             "tif.build_index(store, overwrite=True)."

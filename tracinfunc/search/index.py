@@ -232,6 +232,8 @@ def build_index(
             local ``path``.
         StoreExistsError: an index is already at ``path`` and ``overwrite`` is False, or
             something other than an index is there.
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, curvature, recording...; see docs/concepts/stores.md).
         StoreWriteError: saving failed (disk full); an index already at ``path`` is kept.
     """
     faiss = import_faiss()
@@ -297,6 +299,12 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
                          int(saved["n_train"]), path, _saved_calibration(saved, nlist, path),
                          norms)
     loaded.check_store(store)
+    if faiss_index.d != store.meta.n_ckpt * store.meta.k:  # a resealed file of another size
+        raise CorruptStoreError(
+            f"load_index: {str(path / 'index.faiss')!r} holds vectors of dimension "
+            f"{faiss_index.d}, but the store's rows give n_ckpt * k = "
+            f"{store.meta.n_ckpt * store.meta.k}; another index's file was put there; rebuild "
+            "it with tif.build_index(store, overwrite=True).")
     return loaded
 
 

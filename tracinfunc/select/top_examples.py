@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, OutputPathError
 
 __all__ = ["TopExamples"]
@@ -117,8 +118,11 @@ class TopExamples:
         Raises:
             OutputPathError: ``path`` exists (without ``overwrite``), its directory is missing,
                 or the suffix is neither ``.json`` nor ``.csv``.
+            ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+                kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
         """
         path = Path(path)
+        check_writable(path, "selection file", overwrite=overwrite, caller="TopExamples.save")
         if path.suffix not in (".json", ".csv"):
             raise OutputPathError(
                 f"TopExamples.save: {str(path)!r} must end in .json or .csv."

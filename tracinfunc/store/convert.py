@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tracinfunc._artifacts import check_writable
+from tracinfunc._devices import check_allocation
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -57,6 +59,7 @@ def to_memory(store: GradientStore, *, dtype: torch.dtype | str | None = None,
         A :class:`MemoryStore`, or a :class:`QuantizedMemoryStore` for quantised storage.
     """
     meta = _target_meta(store.meta, dtype)
+    _check_host_copy(meta)
     if meta != store.meta or meta.quantization is not None:
         return _copy_rows(store, MemoryWriter(meta.replace(n_train=0, complete=False)), meta,
                           progress=progress, desc="to_memory")
@@ -79,6 +82,7 @@ def to_pinned(store: GradientStore, *, dtype: torch.dtype | str | None = None,
     ``dtype``, ``progress``: as in :func:`to_memory`.
     """
     meta = _target_meta(store.meta, dtype)
+    _check_host_copy(meta)
     writer = PinnedWriter(meta.replace(n_train=0, complete=False), n_train=meta.n_train)
     return _copy_rows(store, writer, meta, progress=progress, desc="to_pinned")
 
@@ -103,8 +107,11 @@ def save_store(store: GradientStore, path: str | os.PathLike[str], *,
     Raises:
         StoreExistsError: something is at ``path`` (without ``overwrite``), or it is not a
             tracinfunc store (never replaced).
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
     path = location(path)  # a URL stays text: Path("s3://b/x") would be a local "s3:/b/x"
+    check_writable(path, "gradient store", overwrite=overwrite)
     meta = _target_meta(store.meta, dtype).replace(n_train=0, complete=False)
     if overwrite and is_url(path):
         raise InvalidArgumentError(
@@ -176,6 +183,14 @@ def _copy_rows(store: GradientStore, writer: Any, target: StoreMeta, *, progress
         bar.update(stop - start)
     bar.close()
     return writer.finish()
+
+
+def _check_host_copy(meta: StoreMeta) -> None:
+    """A copy that cannot fit in this machine's memory is refused before allocating it (a
+    crafted store may declare any size)."""
+    nbytes = meta.n_ckpt * meta.n_train * (meta.k * meta.torch_dtype.itemsize + 4)
+    check_allocation("cpu", nbytes, what=f"a copy of {meta.n_train} rows",
+                     fix="keep the store on disk and read it in row ranges (tif.score streams).")
 
 
 def _target_meta(meta: StoreMeta, dtype: torch.dtype | str | None) -> StoreMeta:

@@ -132,6 +132,11 @@ class FileGuard:
         self._checked: set[str] = set()
         self._lock = threading.Lock()
 
+    @property
+    def files(self) -> dict[str, list] | None:
+        """The sealed manifest: relative name -> ``[size, tail hash]`` (None before format 2)."""
+        return self._files
+
     def check_metadata_files(self) -> None:
         """Every sealed array and group ``zarr.json`` present and unedited (read in full).
 

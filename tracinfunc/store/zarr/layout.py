@@ -19,6 +19,7 @@ import zarr
 from torch import Tensor
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from tracinfunc._jsonfile import check_json_file
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
@@ -139,7 +140,13 @@ def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
 
 def writable_arrays(group: zarr.Group, kind: str, n_ckpt: int) -> list[zarr.Array]:
     """The ``kind`` ("rows" or "norms") arrays of ``group``, set to write empty chunks."""
-    return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
+    try:
+        return [group[f"{kind}/{c}"].with_config(WRITE_CONFIG) for c in range(n_ckpt)]
+    except RecursionError:  # an unsealed (incomplete) store's array zarr.json, crafted deep
+        raise CorruptStoreError(
+            f"{current_caller()}: the metadata of an array under {kind}/ in {group.store} is "
+            "nested deeper than Python can parse (crafted or damaged); delete the incomplete "
+            "store and build it again.") from None
 
 
 def writable_scales(group: zarr.Group, meta: StoreMeta) -> list[zarr.Array]:
@@ -222,10 +229,13 @@ def write_errors(path: Path, rows_stored: int) -> Iterator[None]:
 
 
 def open_group(path: Path, *, mode: str) -> zarr.Group:
-    """``zarr.open_group`` with a CorruptStoreError naming the file for malformed metadata."""
+    """``zarr.open_group`` with a CorruptStoreError naming the file for malformed metadata
+    (crafted JSON nested too deep or too large for zarr's parser included)."""
+    if not is_url(path):
+        check_json_file(Path(path) / "zarr.json", what="store metadata")
     try:
         return zarr.open_group(path, mode=mode, zarr_format=3)
-    except (ValueError, TypeError, KeyError) as error:  # JSONDecodeError is a ValueError
+    except (ValueError, TypeError, KeyError, RecursionError) as error:  # JSONDecodeError: Value
         raise CorruptStoreError(
             f"{current_caller()}: {_join(path, 'zarr.json')!r} is not valid zarr v3 group metadata "
             f"({error}); the store is damaged or was edited. Rebuild it or restore it from a "

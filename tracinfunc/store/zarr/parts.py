@@ -27,6 +27,7 @@ from pathlib import Path
 import zarr
 from torch import Tensor
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -128,6 +129,7 @@ class PartWriter:
                  *, chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None) -> None:
         self._path = location(path)
+        check_writable(self._path, "gradient store", overwrite=False)
         self.index, self.count = check_shard(shard)
         # One writer per part, as per store: a requeued task beside a still-running copy of
         # the same part is refused (other parts write beside it freely).

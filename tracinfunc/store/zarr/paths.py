@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
@@ -95,6 +96,7 @@ def remove_store(path: str | os.PathLike[str]) -> None:
             is deleted).
         StoreLockedError: a build or save is writing the store (nothing is deleted).
     """
+    check_writable(path, "gradient store", overwrite=True)  # not one inside another artefact
     read_store_meta(path)  # refuses anything that is not one of ours
     where = location(path)
     # Taken before deleting anything: a build in progress keeps its store.

@@ -120,6 +120,8 @@ class ZarrStore(StoreProperties):
                     f"{array.dtype}, the metadata says {shape} {dtype}; the store is "
                     "damaged or was edited by hand."
                 )
+        if isinstance(guard, FileGuard) and guard.files is not None:
+            _check_declared_bytes(path, meta, rows, guard.files)
         for name, value in (("_path", path), ("_identity", _identity(path)),
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
@@ -286,10 +288,42 @@ def _check_chunk_files(guard: FileGuard | ObjectGuard, array: zarr.Array, start:
         guard.check(path)
 
 
+# The most a shard of rows can be compressed (zstd stores at least ~3 bytes per 128 KiB block;
+# 2**16 leaves room): a crafted store declaring 10**12 rows over a few kilobytes is refused.
+_MAX_RATIO = 2**16
+
+
+def _check_declared_bytes(path: Path | str, meta: StoreMeta, rows: list[zarr.Array],
+                          files: dict[str, list]) -> None:
+    """Raise unless each checkpoint's sealed shard files can hold the rows the metadata
+    declares.
+
+    Every shard is written (``write_empty_chunks``), so the sealed sizes of the shard files
+    bound the rows: a store whose metadata and array shapes were both edited (and resealed)
+    to claim far more rows than its files hold is refused at open, before a query sizes a
+    result by it. Sizes come from the manifest, not the disk: a missing file is reported at
+    its first read, and the rest of the store stays readable.
+    """
+    if meta.n_train == 0:
+        return
+    needed = meta.n_train * code_width(meta) * rows_dtype(meta).itemsize
+    for array in rows:
+        compressed = any("zstd" in type(codec).__name__.lower() for codec in array.compressors)
+        prefix = f"{array.path}/c/"
+        stored = sum(int(size) for name, (size, *_) in files.items() if name.startswith(prefix))
+        if stored * (_MAX_RATIO if compressed else 1) < needed:
+            raise CorruptStoreError(
+                f"ZarrStore: the metadata of {str(path)!r} declares {meta.n_train} rows of "
+                f"{needed // meta.n_train} bytes in {array.path}, but its shard files hold "
+                f"{stored} bytes; the metadata was crafted or edited, or shard files are "
+                "missing. Rebuild the store or restore it from a copy."
+            )
+
+
 def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[zarr.Array]:
     try:
         return [group[f"{kind}/{c}"] for c in range(meta.n_ckpt)]
-    except (KeyError, ValueError, TypeError) as error:
+    except (KeyError, ValueError, TypeError, RecursionError) as error:
         raise CorruptStoreError(
             f"{current_caller()}: "
             f"{str(path)!r} lacks a readable zarr v3 array {kind}/<c> for each of "

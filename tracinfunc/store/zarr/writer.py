@@ -15,6 +15,7 @@ import torch
 import zarr
 from torch import Tensor
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     ReadOnlyStoreError,
@@ -62,6 +63,8 @@ class ZarrWriter:
     Raises:
         StoreExistsError: a finished store (or something else) is already at ``path``.
         IncompatibleGradientsError: an incomplete store at ``path`` was started differently.
+        ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
+            kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
 
     @entry_point("ZarrWriter")
@@ -69,6 +72,7 @@ class ZarrWriter:
                  chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None, overwrite: bool = False) -> None:
         self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
+        check_writable(self._path, "gradient store", overwrite=overwrite)
         self._finished = False
         # Before looking at the path: a flock locally, a conditionally created lock object
         # on object storage.

@@ -219,5 +219,5 @@ def sketch_check(store: GradientStore, norms: np.ndarray, sketch: np.ndarray, se
     for start in range(0, len(rows), step):  # [step, dim] float32 at a time
         block = index_rows(store, torch.from_numpy(rows[start:start + step]), normalize)
         now[start:start + step] = sketch_rows(block, directions)
-        row_norms[start:start + step] = np.linalg.norm(block.astype(np.float64), axis=1)
+        row_norms[start:start + step] = np.sqrt(np.einsum("ij,ij->i", block, block))
     return sketch_mismatch(sketch, now, row_norms, rows, directions)

@@ -263,3 +263,13 @@ def test_top_examples_refuses_nan_values_and_takes_integer_arrays():
         assert top.indices.dtype == torch.int64
     empty = tif.TopExamples(torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.long), [])
     assert len(empty) == 0 and empty.records() == []
+
+
+def test_a_selection_shown_with_another_dataset_is_refused():
+    chosen = tif.select_training_data(torch.tensor([0.0, 2.0, 1.0]), k=2)
+    assert [item for _, _, item in chosen.examples(["a", "b", "c"])[0]] == ["b", "c"]
+    with pytest.raises(tif.errors.InvalidArgumentError,
+                       match=r"ranked 3 training rows but the dataset has 5 items"):
+        chosen.examples(["a", "b", "c", "d", "e"])  # was: items of other data, silently
+    with pytest.raises(tif.errors.InvalidArgumentError, match="dataset has 4 items"):
+        chosen.examples({"text": ["a", "b", "c", "d"]})

@@ -26,7 +26,7 @@ from torch import Tensor
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.select._inputs import as_python_int, as_python_real, check_finite, task_labels
-from tracinfunc.select.top_examples import TopExamples
+from tracinfunc.select.top_examples import TopExamples, dataset_length
 
 __all__ = ["DataSelection", "less_scores", "select_training_data"]
 
@@ -47,8 +47,20 @@ class DataSelection:
     n_train: int
 
     def examples(self, dataset: Any, **kwargs: Any) -> TopExamples:
-        """The chosen rows as ``dataset``'s items (see :class:`~tracinfunc.TopExamples`)."""
-        return TopExamples(self.scores[None], self.indices[None], dataset, **kwargs)
+        """The chosen rows as ``dataset``'s items (see :class:`~tracinfunc.TopExamples`).
+
+        Raises:
+            InvalidArgumentError: ``dataset`` has another length than the ``n_train`` rows
+                ranked (other data, or a subset, would be indexed silently).
+        """
+        top = TopExamples(self.scores[None], self.indices[None], dataset, **kwargs)
+        if (n := dataset_length(dataset)) != self.n_train:
+            raise InvalidArgumentError(
+                f"DataSelection.examples: the selection ranked {self.n_train} training rows "
+                f"but the dataset has {n} items; pass the training data the scores were "
+                "computed for, in its order."
+            )
+        return top
 
 
 @entry_point("less_scores")

@@ -23,7 +23,7 @@ from torch import Tensor
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, OutputPathError
 from tracinfunc.select._inputs import first_positions
 
-__all__ = ["TopExamples"]
+__all__ = ["TopExamples", "dataset_length"]
 
 _SHOWN = 200  # characters of an item shown when printing
 
@@ -75,7 +75,7 @@ class TopExamples:
                 f"TopExamples: values and indices must both be [n_test, k], got "
                 f"{list(values.shape)} and {list(indices.shape)}; pass tif.top_k's outputs."
             )
-        _check_rows(indices, _length(self.dataset))
+        _check_rows(indices, dataset_length(self.dataset))
         if self.queries is not None and len(self.queries) != values.shape[0]:
             raise InvalidArgumentError(
                 f"TopExamples: {len(self.queries)} queries for {values.shape[0]} rows of "
@@ -217,7 +217,8 @@ def _check_rows(indices: Tensor, n: int) -> None:
         )
 
 
-def _length(dataset: Any) -> int:
+def dataset_length(dataset: Any) -> int:
+    """Items in ``dataset``: ``len``, or the common length of a dict's columns."""
     if isinstance(dataset, Mapping):
         lengths = {len(value) for value in dataset.values()}
         if len(lengths) != 1:

@@ -14,7 +14,7 @@ On disk an index is a directory (by default beside a Zarr store: ``grads.zarr.fa
       sketch.npy      every row's sketch [n_train, 8]: 8 seeded projections (row order)
       meta.json       kind, nlist, m, normalize, the calibrated query defaults (nprobe,
                       candidates per result, the recall measured), the store's fingerprints,
-                      the SHA-256 of the other two files and a checksum of itself (see
+                      the SHA-256 of the other files and a checksum of itself (see
                       tracinfunc.search.files)
 """
 
@@ -126,8 +126,8 @@ class SearchIndex:
         """Raise unless ``store`` holds the rows this index was built from.
 
         Compares the metadata exactly and every row norm to float32 rounding, then (format 4)
-        the sketch of the rows a permutation could move unseen by the norms (up to 1,024 of
-        them, and 64 seeded others: those rows are read), once per store object: a store
+        the sketch of the rows a permutation could move unseen by the norms (read as whole
+        chunks, up to 64 MiB, plus a seeded run of 64 rows), once per store object: a store
         rebuilt with other data, or with rows of equal norm swapped, under the same metadata
         is refused, not searched with clusters of rows it no longer holds, while the same
         store rebuilt with another thread count or device (rows equal to rounding) is

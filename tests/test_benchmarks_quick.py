@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
 # What each script needs beyond the core and dev installs (modules of this interpreter).
-NEEDS = {"search.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
+NEEDS = {"search.py": ["faiss"], "index_binding.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"],
          "quality_lm.py": ["transformers", "matplotlib"]}

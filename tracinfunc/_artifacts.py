@@ -69,7 +69,11 @@ def _is_index(directory: Path) -> bool:
     except (OSError, CorruptStoreError):
         return False
     return (isinstance(saved, dict) and {"format_version", "fingerprint", "kind"} <= set(saved)
-            and names <= {"index.faiss", "meta.json", "norms.npy"})
+            and names <= _INDEX_FILES)
+
+
+# The files build_index writes (search/files.py names them; this module sits below search/).
+_INDEX_FILES = frozenset({"index.faiss", "meta.json", "norms.npy", "sketch.npy"})
 
 
 def _is_recording(directory: Path) -> bool:

@@ -4,6 +4,7 @@ and selects training data; a Preconditioner prints as a summary."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -121,3 +122,27 @@ def test_select_reads_the_json_that_score_and_self_influence_write(tmp_path):
     (tmp_path / "top.json").write_text(json.dumps({"values": [[1.0]], "indices": [[0]]}))
     result = cli_here("select", "top.json", "--top-k", "1", "--output", "c.json", cwd=tmp_path)
     assert result.returncode == 1 and "holds no 'scores'" in result.stderr
+
+
+@pytest.mark.parametrize(("files", "args", "match"), [
+    ({"ragged.json": json.dumps({"scores": [[1.0, 2.0], [3.0]]})}, ["ragged.json"],
+     "select: scores 'ragged.json' are not a numeric"),  # was a raw ValueError
+    ({"bad.json": "not json"}, ["scores.npy", "--tasks", "bad.json"],
+     "--tasks 'bad.json' is not a readable JSON file"),  # was a raw JSONDecodeError
+    ({"t.json": json.dumps([0, 1, 0, 1])}, ["inf.npy", "--tasks", "t.json"],
+     r"scores must be finite to be ranked, got 2 \+inf/-inf at \[test row, training row\] "
+     r"\[0, 2\], \[1, 2\]"),  # was: the NaN mean of column 2 selected first
+])
+def test_select_refuses_hostile_files_in_one_line(tmp_path, files, args, match):
+    np.save(tmp_path / "scores.npy", np.ones((4, 6)))
+    with_inf = np.ones((4, 6))
+    with_inf[0, 2], with_inf[1, 2] = np.inf, -np.inf
+    np.save(tmp_path / "inf.npy", with_inf)
+    np.save(tmp_path / "obj.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    result = cli_here("select", *args, "--top-k", "2", "--output", "c.json", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert re.search(match, result.stderr), result.stderr
+    objects = cli_here("select", "obj.npy", "--top-k", "1", "--output", "c.json", cwd=tmp_path)
+    assert objects.returncode == 1 and "are not a numeric" in objects.stderr

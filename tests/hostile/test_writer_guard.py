@@ -20,7 +20,6 @@ from tracinfunc import _artifacts
 from tracinfunc.cli.results import write_results
 from tracinfunc.errors import ForeignArtifactError
 from tracinfunc.store.zarr.parts import PartWriter
-from tracinfunc.training.recorder import record_checkpoint
 
 faiss = pytest.importorskip("faiss")
 
@@ -65,7 +64,9 @@ def arts(tmp_path_factory):
                       (0, 2))
     part._lock.release()
     model = torch.nn.Linear(3, 2)
-    record_checkpoint(root / "ckpts", model, None, step=1, lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tif.training.CheckpointRecorder(root / "ckpts", model, optimizer) as recorder:
+        recorder.save()
     tif.evaluate.retrain_subsets(lambda idx: torch.zeros(2), 6, 2, path=root / "run.zarr")
     write_results(root / "r.zarr", {"values": torch.zeros(3)}, columns="vector")
     links = tmp_path_factory.mktemp("links")
@@ -216,3 +217,14 @@ def test_every_writers_artefact_is_in_the_registry(arts):
     assert set(KIND_OF.get(k, k) for k in ARTEFACTS) == set(_artifacts.KINDS)
     assert {writes for writes, _ in WRITERS.values()} <= set(_artifacts.KINDS) | set(
         _artifacts.FILE_KINDS) | {"retraining run"}
+
+
+@pytest.mark.parametrize("inside", ["s.zarr", "s.zarr/rows", "s.zarr.faiss", "c.zarr"])
+def test_a_recorder_never_records_inside_another_artefact(arts, inside):
+    root = arts[0]
+    before = _tree(root)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tif.errors.ForeignArtifactError, match="CheckpointRecorder: .* inside"):
+        tif.training.CheckpointRecorder(root / inside / "ckpts", model, optimizer)
+    assert _tree(root) == before

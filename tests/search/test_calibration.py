@@ -100,7 +100,7 @@ def test_calibration_survives_save_and_load_and_its_edit_is_refused(tmp_path):
     store = tif.save_store(_store(), tmp_path / "grads.zarr", chunk_rows=64)
     index = tif.build_index(store, nlist=NLIST)
     saved = json.loads((index.path / "meta.json").read_text())
-    assert saved["format_version"] == 3
+    assert saved["format_version"] == 4
     assert saved["calibration"] == index.calibration.to_dict()
     loaded = tif.load_index(index.path, store)
     assert loaded.calibration == index.calibration and loaded.nprobe == index.nprobe

@@ -108,6 +108,9 @@ def test_another_stores_index_file_swapped_in_is_refused(tmp_path):
         tif.load_index(ours.path, store)
     # Every file of the other index: the store's row norms tell them apart.
     shutil.copyfile(theirs.path / "norms.npy", ours.path / "norms.npy")
+    with pytest.raises(tif.errors.CorruptStoreError, match="sketch.npy .* is not the file saved"):
+        tif.load_index(ours.path, store)
+    shutil.copyfile(theirs.path / "sketch.npy", ours.path / "sketch.npy")
     with pytest.raises(tif.errors.IncompatibleGradientsError, match="other rows"):
         tif.load_index(ours.path, store)
 

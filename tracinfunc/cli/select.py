@@ -66,17 +66,23 @@ def _read_scores(path: Path) -> torch.Tensor:
             f"select: scores {str(path)!r} must be a .npy or .json file written by "
             "'tracinfunc score --output' (or 'self-influence'); score the store first."
         )
-    if path.suffix == ".npy":
-        return torch.from_numpy(np.load(path, allow_pickle=False))
-    data = json.loads(path.read_text())
-    keys = sorted(data) if isinstance(data, dict) else []
-    arrays = [data[k] for k in keys if k in ("scores", "self_influence")]
-    if len(arrays) != 1:
+    try:
+        if path.suffix == ".npy":
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        data = json.loads(path.read_text())
+        keys = sorted(data) if isinstance(data, dict) else []
+        arrays = [data[k] for k in keys if k in ("scores", "self_influence")]
+        if len(arrays) == 1:
+            return torch.tensor(arrays[0], dtype=torch.float64)
+    except (ValueError, TypeError, OSError, RuntimeError) as error:  # ragged, object, not JSON
         raise InvalidArgumentError(
-            f"select: {str(path)!r} holds no 'scores' (keys: {keys[:5]}); write full scores "
-            "with 'tracinfunc score' without --top-k, or 'tracinfunc self-influence'."
-        )
-    return torch.tensor(arrays[0], dtype=torch.float64)
+            f"select: scores {str(path)!r} are not a numeric [n_test, n_train] or [n_train] "
+            f"array ({error}); pass the file 'tracinfunc score --output' wrote."
+        ) from error
+    raise InvalidArgumentError(
+        f"select: {str(path)!r} holds no 'scores' (keys: {keys[:5]}); write full scores "
+        "with 'tracinfunc score' without --top-k, or 'tracinfunc self-influence'."
+    )
 
 
 def _tasks(args: argparse.Namespace, scores: torch.Tensor) -> list | None:
@@ -88,7 +94,13 @@ def _tasks(args: argparse.Namespace, scores: torch.Tensor) -> list | None:
             f"but {str(args.scores)!r} holds a vector; leave them out."
         )
     if args.tasks is not None:
-        labels = json.loads(args.tasks.read_text())
+        try:
+            labels = json.loads(args.tasks.read_text())
+        except (ValueError, OSError) as error:
+            raise InvalidArgumentError(
+                f"select: --tasks {str(args.tasks)!r} is not a readable JSON file ({error}); "
+                'write the labels as a JSON list, e.g. ["qa", "qa", "math"].'
+            ) from error
         if not isinstance(labels, list):
             raise InvalidArgumentError(
                 f"select: --tasks {str(args.tasks)!r} must hold a JSON list of task labels, "

@@ -5,6 +5,7 @@ An index directory holds these files and nothing else::
     grads.zarr.faiss/
       index.faiss     faiss.write_index output
       norms.npy       the indexed rows' norms [n_ckpt, n_train] float32 (from format 3)
+      sketch.npy      the indexed rows' sketch [n_train, 8] float32 (from format 4)
       meta.json       the SearchIndex description, the store's fingerprints, the size and
                       SHA-256 of each other file, and a SHA-256 of all of that ("checksum")
 
@@ -38,10 +39,13 @@ from tracinfunc.errors import (
 )
 from tracinfunc.store.zarr.integrity import sync_files
 
-__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "check_index_target", "read_index_files",
+__all__ = ["INDEX_FILE", "META_FILE", "NORMS_FILE", "SKETCH_FILE", "check_index_target",
+           "checked_sketch", "read_index_files",
            "save_index_files"]
 
-INDEX_FILE, META_FILE, NORMS_FILE = "index.faiss", "meta.json", "norms.npy"
+INDEX_FILE, META_FILE, NORMS_FILE, SKETCH_FILE = ("index.faiss", "meta.json", "norms.npy",
+                                                  "sketch.npy")
+_ARRAYS = (NORMS_FILE, SKETCH_FILE)  # in the order they were introduced (formats 3, 4)
 _CHECKSUM = "checksum"
 _HASH_BLOCK = 16 * 2**20
 
@@ -84,10 +88,11 @@ def _overlaps(target: Path, store_path: Path) -> bool:
 
 
 def save_index_files(target: Path, description: dict[str, Any], write_index,
-                     norms: np.ndarray) -> None:
-    """Write ``index.faiss`` (``write_index(file_path)``), ``norms.npy`` (``norms``
-    ``[n_ckpt, n_train]``) and ``meta.json`` beside ``target``, then swap them in: the
-    previous index at ``target`` is let go only once all are on disk.
+                     arrays: dict[str, np.ndarray]) -> None:
+    """Write ``index.faiss`` (``write_index(file_path)``), the float32 ``arrays`` (file name
+    -> array: ``norms.npy`` ``[n_ckpt, n_train]``, ``sketch.npy`` ``[n_train, s]``) and
+    ``meta.json`` beside ``target``, then swap them in: the previous index at ``target`` is
+    let go only once all are on disk.
 
     Raises:
         StoreWriteError: writing failed (disk full, I/O error); ``target`` is unchanged.
@@ -101,13 +106,14 @@ def save_index_files(target: Path, description: dict[str, Any], write_index,
         fresh = scratch / target.name
         fresh.mkdir()
         write_index(str(fresh / INDEX_FILE))
-        np.save(fresh / NORMS_FILE, np.ascontiguousarray(norms, dtype=np.float32),
-                allow_pickle=False)
-        files = {name: list(_file_digest(fresh / name)) for name in (INDEX_FILE, NORMS_FILE)}
+        for name, array in arrays.items():
+            np.save(fresh / name, np.ascontiguousarray(array, dtype=np.float32),
+                    allow_pickle=False)
+        files = {name: list(_file_digest(fresh / name)) for name in (INDEX_FILE, *arrays)}
         body = {**description, "files": files}
         (fresh / META_FILE).write_text(json.dumps({**body, _CHECKSUM: _checksum(body)},
                                                   indent=1))
-        sync_files([fresh / INDEX_FILE, fresh / NORMS_FILE, fresh / META_FILE, fresh])
+        sync_files([*(fresh / name for name in files), fresh / META_FILE, fresh])
         _swap(fresh, target, scratch / "replaced")
         sync_files([target.parent])
     except (OSError, RuntimeError) as error:  # faiss reports write errors as RuntimeError
@@ -134,17 +140,19 @@ def _swap(fresh: Path, target: Path, aside: Path) -> None:
         raise
 
 
-def read_index_files(path: Path, read_index) -> tuple[dict[str, Any], Any, np.ndarray | None]:
-    """``(meta.json, the FAISS index, the norms [n_ckpt, n_train])`` of the index at
-    ``path``, every file checked against the checksums in ``meta.json``.
+def read_index_files(path: Path, read_index
+                     ) -> tuple[dict[str, Any], Any, dict[str, np.ndarray]]:
+    """``(meta.json, the FAISS index, {file name: array})`` of the index at ``path``, every
+    file checked against the checksums in ``meta.json``.
 
     Args:
         path: The index directory.
         read_index: ``faiss.read_index``.
 
     Returns:
-        The norms are ``None`` for an index saved before format 3 (bound by its exact
-        fingerprint instead).
+        The arrays saved: ``norms.npy`` from format 3, ``sketch.npy`` from format 4 (none
+        before format 3: bound by its exact fingerprint instead). Their shapes are the
+        caller's to check.
 
     Raises:
         StoreNotFoundError: no index at ``path``.
@@ -166,10 +174,8 @@ def read_index_files(path: Path, read_index) -> tuple[dict[str, Any], Any, np.nd
                 "(missing, or its size or SHA-256 differs: damaged, or another index's file "
                 "put there); rebuild it with tif.build_index(store, overwrite=True)."
             )
-    norms = None
-    if NORMS_FILE in saved["files"]:
-        norms = np.load(path / NORMS_FILE, allow_pickle=False)
-    return saved, _read_faiss(path / INDEX_FILE, saved, read_index), norms
+    arrays = {name: _load_array(path / name) for name in _ARRAYS if name in saved["files"]}
+    return saved, _read_faiss(path / INDEX_FILE, saved, read_index), arrays
 
 
 def _faiss_message(error: Exception) -> str:
@@ -213,6 +219,23 @@ def _read_faiss(file: Path, saved: dict[str, Any], read_index) -> Any:
     return index
 
 
+def _load_array(path: Path) -> np.ndarray:
+    """A saved float32 array; anything else (a crafted file whose checksums were redone)
+    is corrupt, never a raw NumPy error."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        array = error
+    if not isinstance(array, np.ndarray) or array.dtype != np.float32 or array.ndim != 2:
+        raise CorruptStoreError(
+            f"{current_caller()}: {path.name} in {str(path.parent)!r} is not a 2-D float32 "
+            f"array as build_index writes ({array if isinstance(array, Exception) else ''}"
+            f"{'' if isinstance(array, Exception) else f'{array.dtype} {list(array.shape)}'}"
+            "); rebuild the index with tif.build_index(store, overwrite=True)."
+        )
+    return array
+
+
 def _checked_meta(path: Path) -> dict[str, Any]:
     shown = repr(str(path / META_FILE))
     try:
@@ -232,9 +255,11 @@ def _checked_meta(path: Path) -> dict[str, Any]:
         )
     body = {key: value for key, value in saved.items() if key != _CHECKSUM}
     files = body.get("files")
-    needed = {INDEX_FILE} | ({NORMS_FILE} if body.get("format_version", 0) >= 3 else set())
+    version = body.get("format_version", 0)
+    version = version if isinstance(version, int) else 0
+    needed = {INDEX_FILE, *(name for since, name in enumerate(_ARRAYS, 3) if version >= since)}
     if (saved[_CHECKSUM] != _checksum(body) or not isinstance(files, dict)
-            or not needed <= set(files) or not set(files) <= {INDEX_FILE, NORMS_FILE}):
+            or not needed <= set(files) or not set(files) <= {INDEX_FILE, *_ARRAYS}):
         raise CorruptStoreError(
             f"{current_caller()}: {shown} does not match its checksum: it was edited or damaged "
             "after the index was saved; rebuild it with tif.build_index(store, overwrite=True)."
@@ -252,3 +277,26 @@ def _file_digest(path: Path) -> tuple[int, str]:
         while block := file.read(_HASH_BLOCK):
             digest.update(block)
     return path.stat().st_size, digest.hexdigest()
+
+
+def checked_sketch(saved: dict[str, Any], sketch: np.ndarray | None,
+                  path: Path) -> tuple[np.ndarray | None, int | None]:
+    """The sketch ``[n_train, 8]`` and its seed (absent before format 4: ``(None, None)``),
+    refused unless as build_index writes them (checksums can be redone by whoever crafts a
+    file).
+
+    Raises:
+        CorruptStoreError: another shape, non-finite values, or no int seed in ``meta.json``.
+    """
+    if sketch is None:
+        return None, None
+    about, n_train = saved.get("sketch"), saved.get("n_train")
+    seed = about.get("seed") if isinstance(about, dict) else None
+    if (not isinstance(seed, int) or isinstance(seed, bool) or about.get("size") != 8
+            or sketch.shape != (n_train, 8) or not np.isfinite(sketch).all()):
+        raise CorruptStoreError(
+            f"{current_caller()}: {SKETCH_FILE} in {str(path)!r} must be a finite [{n_train}, 8] "
+            f"float32 array with an int seed in meta.json, got {list(sketch.shape)} and "
+            f"{about!r:.80}; rebuild the index with tif.build_index(store, overwrite=True)."
+        )
+    return sketch, seed

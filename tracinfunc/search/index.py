@@ -11,9 +11,10 @@ On disk an index is a directory (by default beside a Zarr store: ``grads.zarr.fa
     grads.zarr.faiss/
       index.faiss     faiss.write_index output
       norms.npy       every row's norm [n_ckpt, n_train], which binds the index to its rows
+      sketch.npy      every row's sketch [n_train, 8]: 8 seeded projections (row order)
       meta.json       kind, nlist, m, normalize, the calibrated query defaults (nprobe,
                       candidates per result, the recall measured), the store's fingerprints,
-                      the SHA-256 of the other two files and a checksum of itself (see
+                      the SHA-256 of the other files and a checksum of itself (see
                       tracinfunc.search.files)
 """
 
@@ -41,6 +42,9 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.search.binding import (
     meta_fingerprint,
     norms_mismatch,
+    sketch_check,
+    sketch_projection,
+    sketch_rows,
     store_fingerprint,
     store_norms,
 )
@@ -52,7 +56,14 @@ from tracinfunc.search.calibrate import (
     default_candidates,
     default_rerank,
 )
-from tracinfunc.search.files import check_index_target, read_index_files, save_index_files
+from tracinfunc.search.files import (
+    NORMS_FILE,
+    SKETCH_FILE,
+    check_index_target,
+    checked_sketch,
+    read_index_files,
+    save_index_files,
+)
 from tracinfunc.search.rows import index_rows
 from tracinfunc.search.settings import KINDS, build_settings, quiet_clustering
 from tracinfunc.store.protocols import GradientStore
@@ -61,8 +72,9 @@ from tracinfunc.store.zarr.urls import is_url
 __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "store_fingerprint"]
 
 # 2: meta.json holds checksums of itself and index.faiss; 3: norms.npy (the rows' norms,
-# which bind the index to its store) and the calibrated query defaults
-INDEX_FORMAT_VERSION = 3
+# which bind the index to its store) and the calibrated query defaults; 4: sketch.npy (seeded
+# projections of every row, which bind the row order)
+INDEX_FORMAT_VERSION = 4
 # Rows added to FAISS per step: bounds the float32 copy next to the index (~32 MiB at k=512).
 _ADD_BYTES = 32 * 2**20
 
@@ -88,6 +100,9 @@ class SearchIndex:
         norms: ``[n_ckpt, n_train]`` float32 row norms of the store it was built from, which
             a store must match to float32 rounding (``None``: an index saved before format 3,
             bound by the exact ``fingerprint``).
+        sketch: ``[n_train, 8]`` float32 seeded projections of every indexed row, which
+            bind the row order (``None``: saved before format 4, norms only).
+        sketch_seed: The seed of the sketch's directions.
     """
 
     faiss_index: Any = field(repr=False, compare=False)
@@ -101,6 +116,8 @@ class SearchIndex:
     path: Path | None = None
     calibration: Calibration | None = None
     norms: np.ndarray | None = field(default=None, repr=False, compare=False)
+    sketch: np.ndarray | None = field(default=None, repr=False, compare=False)
+    sketch_seed: int | None = None
     # Store objects already matched against ``norms`` (reading every norm once each).
     _verified: Any = field(default_factory=weakref.WeakSet, init=False, repr=False,
                            compare=False)
@@ -108,10 +125,13 @@ class SearchIndex:
     def check_store(self, store: GradientStore) -> None:
         """Raise unless ``store`` holds the rows this index was built from.
 
-        Compares the metadata exactly and every row norm to float32 rounding, once per store
-        object: a store rebuilt with other data under the same metadata is refused, not
-        searched with clusters of rows it no longer holds, while the same store rebuilt with
-        another thread count or device (rows equal to rounding) is accepted.
+        Compares the metadata exactly and every row norm to float32 rounding, then (format 4)
+        the sketch of the rows a permutation could move unseen by the norms (read as whole
+        chunks, up to 64 MiB, plus a seeded run of 64 rows), once per store object: a store
+        rebuilt with other data, or with rows of equal norm swapped, under the same metadata
+        is refused, not searched with clusters of rows it no longer holds, while the same
+        store rebuilt with another thread count or device (rows equal to rounding) is
+        accepted.
 
         Raises:
             IncompatibleGradientsError: the store holds other rows than the index's.
@@ -143,6 +163,9 @@ class SearchIndex:
                 f"{caller}: the index was built from other rows than this store holds (same "
                 f"metadata; {problem}): was the store rebuilt with other data? {fix}"
             )
+        if self.sketch is not None and self.norms is not None and (problem := sketch_check(
+                store, self.norms, self.sketch, self.sketch_seed, self.normalize)) is not None:
+            raise IncompatibleGradientsError(f"{caller}: {problem}; {fix}")
         with contextlib.suppress(TypeError):
             self._verified.add(store)
 
@@ -170,6 +193,8 @@ class SearchIndex:
             "kind": self.kind, "nlist": self.nlist, "m": self.m,
             "normalize": self.normalize, "n_train": self.n_train,
             "calibration": None if self.calibration is None else self.calibration.to_dict(),
+            "sketch": None if self.sketch is None else {"seed": self.sketch_seed,
+                                                         "size": int(self.sketch.shape[1])},
         }
 
 
@@ -255,9 +280,13 @@ def build_index(
     index.train(index_rows(store, torch.from_numpy(sample), normalize))
     step = max(1, _ADD_BYTES // (4 * dim))
     bar = progress_bar(progress, total=meta.n_train, desc="build_index", unit="row")
+    directions = sketch_projection(dim, seed)
+    sketch = np.empty((meta.n_train, directions.shape[1]), np.float32)
     for start in range(0, meta.n_train, step):
         stop = min(start + step, meta.n_train)
-        index.add(index_rows(store, torch.arange(start, stop), normalize))
+        rows = index_rows(store, torch.arange(start, stop), normalize)
+        index.add(rows)
+        sketch[start:stop] = sketch_rows(rows, directions)  # the rows just added, in order
         bar.update(stop - start)
     bar.close()
     calibration = None if target is None else calibrate(
@@ -265,7 +294,7 @@ def build_index(
     norms = store_norms(store)  # read once: the binding, and the exact fingerprint from it
     built = SearchIndex(index, store_fingerprint(store, norms), meta_fingerprint(meta), kind,
                         nlist, m if kind == "ivf_pq" else None, normalize, meta.n_train,
-                        saved_to, calibration, norms)
+                        saved_to, calibration, norms, sketch, seed)
     if saved_to is not None:
         _save(built, saved_to, faiss)
     return _verified_for(built, store)
@@ -284,20 +313,25 @@ def load_index(path: str | os.PathLike[str], store: GradientStore) -> SearchInde
 
     Raises:
         StoreNotFoundError: no index at ``path``.
-        CorruptStoreError: ``index.faiss`` or ``meta.json`` differ from the files saved
-            (damaged, edited, or another index's file), or the index predates checksums.
+        CorruptStoreError: ``index.faiss``, ``norms.npy``, ``sketch.npy`` or ``meta.json``
+            differ from the files saved (damaged, edited, truncated, or another index's
+            file), an array is not of the shape build_index writes, or the index predates
+            checksums.
         IncompatibleGradientsError: the index was built from another store: other metadata
-            (checkpoints, learning rates, projection, size), or row norms that differ beyond
-            float32 rounding (other data).
+            (checkpoints, learning rates, projection, size), row norms that differ beyond
+            float32 rounding (other data), or (format 4) rows whose sketch differs beyond
+            rounding (rows of equal norm swapped or replaced; the rows compared are those
+            a permutation could move unseen by the norms, see docs/search.md).
     """
     faiss = import_faiss()
     path = Path(path)
-    saved, faiss_index, norms = read_index_files(path, faiss.read_index)
+    saved, faiss_index, arrays = read_index_files(path, faiss.read_index)
     nlist = int(saved["nlist"])
+    sketch, seed = checked_sketch(saved, arrays.get(SKETCH_FILE), path)
     loaded = SearchIndex(faiss_index, saved["fingerprint"], saved["meta_fingerprint"],
                          saved["kind"], nlist, saved["m"], bool(saved["normalize"]),
                          int(saved["n_train"]), path, _saved_calibration(saved, nlist, path),
-                         norms)
+                         arrays.get(NORMS_FILE), sketch, seed)
     loaded.check_store(store)
     if faiss_index.d != store.meta.n_ckpt * store.meta.k:  # a resealed file of another size
         raise CorruptStoreError(
@@ -366,4 +400,5 @@ def _target_path(store: GradientStore, path: str | os.PathLike[str] | None,
 
 def _save(index: SearchIndex, target: Path, faiss: Any) -> None:
     save_index_files(target, index.to_dict(),
-                     lambda file: faiss.write_index(index.faiss_index, file), index.norms)
+                     lambda file: faiss.write_index(index.faiss_index, file),
+                     {NORMS_FILE: index.norms, SKETCH_FILE: index.sketch})

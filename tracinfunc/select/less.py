@@ -25,7 +25,8 @@ from torch import Tensor
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
-from tracinfunc.select.top_examples import TopExamples
+from tracinfunc.select._inputs import as_python_int, as_python_real, check_finite, task_labels
+from tracinfunc.select.top_examples import TopExamples, dataset_length
 
 __all__ = ["DataSelection", "less_scores", "select_training_data"]
 
@@ -46,8 +47,20 @@ class DataSelection:
     n_train: int
 
     def examples(self, dataset: Any, **kwargs: Any) -> TopExamples:
-        """The chosen rows as ``dataset``'s items (see :class:`~tracinfunc.TopExamples`)."""
-        return TopExamples(self.scores[None], self.indices[None], dataset, **kwargs)
+        """The chosen rows as ``dataset``'s items (see :class:`~tracinfunc.TopExamples`).
+
+        Raises:
+            InvalidArgumentError: ``dataset`` has another length than the ``n_train`` rows
+                ranked (other data, or a subset, would be indexed silently).
+        """
+        top = TopExamples(self.scores[None], self.indices[None], dataset, **kwargs)
+        if (n := dataset_length(dataset)) != self.n_train:
+            raise InvalidArgumentError(
+                f"DataSelection.examples: the selection ranked {self.n_train} training rows "
+                f"but the dataset has {n} items; pass the training data the scores were "
+                "computed for, in its order."
+            )
+        return top
 
 
 @entry_point("less_scores")
@@ -57,29 +70,29 @@ def less_scores(scores: Tensor, *, tasks: Sequence[Hashable] | None = None) -> T
 
     Args:
         scores: Validation-by-training scores ``[n_test, n_train]`` (``tif.score``; LESS uses
-            ``normalize=True``), a tensor or NumPy array.
+            ``normalize=True``), a tensor or NumPy/JAX array, finite.
         tasks: The task of each validation row (``n_test`` labels, e.g. ``["mmlu", "bbh",
-            ...]``); ``None``: one task.
+            ...]``): a list or tuple, or a 1-D NumPy, torch or JAX array, of ints (whole
+            floats count as ints) or strs. Every spelling of the same labels groups the same
+            rows. ``None``: one task.
 
     Returns:
-        ``[n_train]`` float scores.
+        ``[n_train]`` scores, in the dtype of ``scores`` (averaged in float64).
 
     Raises:
-        InvalidArgumentError: ``scores`` is not 2-D, holds NaN, or ``tasks`` has another length.
+        InvalidArgumentError: ``scores`` is not 2-D, holds NaN or +-inf (named by position),
+            or ``tasks`` has another length or is not 1-D.
+        InvalidTypeError: a label that is not an int or str (a list, None, a bool, 0.5).
     """
     scores = _as_scores(scores, dims=(2,))
+    wide = scores.to(torch.float64)  # means of float32/16 cannot overflow
     if tasks is None:
-        return scores.mean(0)
-    if isinstance(tasks, str) or len(tasks) != scores.shape[0]:
-        raise InvalidArgumentError(
-            f"{current_caller()}: tasks must give one label per validation row ({scores.shape[0]} "
-            f"rows), got {tasks!r:.80}; e.g. tasks=['qa'] * 5 + ['math'] * 5."
-        )
-    groups: dict[Hashable, list[int]] = {}
-    for row, task in enumerate(tasks):
+        return wide.mean(0).to(scores.dtype)
+    groups: dict[int | str, list[int]] = {}
+    for row, task in enumerate(task_labels(tasks, scores.shape[0])):
         groups.setdefault(task, []).append(row)
-    per_task = torch.stack([scores[rows].mean(0) for rows in groups.values()])  # [n_task, n_train]
-    return per_task.max(0).values
+    per_task = torch.stack([wide[rows].mean(0) for rows in groups.values()])  # [n_task, n_train]
+    return per_task.max(0).values.to(scores.dtype)
 
 
 @entry_point("select_training_data")
@@ -93,14 +106,21 @@ def select_training_data(scores: Tensor, *, fraction: float | None = None,
     aggregate) is ranked as it is.
 
     Args:
-        scores: ``[n_test, n_train]`` or ``[n_train]``, a tensor or NumPy array.
+        scores: ``[n_test, n_train]`` or ``[n_train]``, a tensor or NumPy/JAX array, finite
+            (NaN and +-inf are refused, named by position: they have no rank).
         fraction: Keep ``floor(fraction * n_train)`` rows (at least 1), ``0 < fraction <= 1``;
-            LESS keeps 0.05.
-        k: Keep ``k`` rows. Give ``k`` or ``fraction``, not both.
+            LESS keeps 0.05. A Python, NumPy, JAX or 0-d torch number.
+        k: Keep ``k`` rows, ``1 <= k <= n_train`` (more is refused, not truncated). A Python,
+            NumPy, JAX or 0-d torch integer. Give ``k`` or ``fraction``, not both.
         tasks: With a matrix: the task of each validation row (see :func:`less_scores`).
 
     Returns:
         A :class:`DataSelection`; ``.indices`` are the rows to train on.
+
+    Raises:
+        InvalidArgumentError: scores empty, misshaped or not finite; ``k``/``fraction``
+            missing, both given or out of range; ``tasks`` with a vector (see
+            :func:`less_scores` for the labels).
 
     Example:
         >>> scores = tif.score(store, val_grads, normalize=True)      # [n_val, n_train]
@@ -115,7 +135,8 @@ def select_training_data(scores: Tensor, *, fraction: float | None = None,
             "select_training_data: tasks= groups the rows of a score matrix [n_test, n_train] "
             f"but the scores are a vector [{scores.shape[0]}]; pass the matrix or leave tasks out."
         )
-    n_keep = _count(scores.shape[0], fraction, k)
+    check_finite(scores, "training rows")  # a float64 mean of huge float64s overflows
+    n_keep = _count(scores.shape[0], as_python_real(fraction), as_python_int(k))
     order = torch.sort(scores, descending=True, stable=True).indices[:n_keep]
     return DataSelection(indices=order.to(torch.int64), scores=scores[order],
                          n_train=scores.shape[0])
@@ -135,11 +156,7 @@ def _as_scores(scores: Any, *, dims: tuple[int, ...]) -> Tensor:
             f"{current_caller()}: scores must be float {shapes} with rows, got "
             f"{scores.dtype} {list(scores.shape)}; pass tif.score(...)'s output."
         )
-    if scores.isnan().any():
-        raise InvalidArgumentError(
-            f"{current_caller()}: scores hold NaN, which cannot be ranked; check the store "
-            "and the test gradients (tif.verify_store) before selecting."
-        )
+    check_finite(scores, "[test row, training row]" if scores.dim() == 2 else "training rows")
     return scores
 
 
@@ -153,11 +170,11 @@ def _count(n_train: int, fraction: float | None, k: int | None) -> int:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
             raise InvalidArgumentError(
                 f"select_training_data: k must be an int in [1, {n_train}] (the training rows), "
-                f"got {k!r}."
+                f"got {k!r}; pass at most n_train={n_train} rows, or fraction=... instead."
             )
         return k
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not (
-            0 < fraction <= 1):
+            0 < fraction <= 1):  # NaN fails the range too
         raise InvalidArgumentError(
             f"select_training_data: fraction must be in (0, 1], got {fraction!r}; e.g. 0.05."
         )

@@ -16,13 +16,15 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tracinfunc._artifacts import check_writable
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, OutputPathError
+from tracinfunc.select._inputs import first_positions
 
-__all__ = ["TopExamples"]
+__all__ = ["TopExamples", "dataset_length"]
 
 _SHOWN = 200  # characters of an item shown when printing
 
@@ -32,8 +34,12 @@ class TopExamples:
     """The best training examples for each query, as the dataset's own items.
 
     Args:
-        values: Scores ``[n_test, k]`` (``tif.top_k``'s first output).
-        indices: Training rows ``[n_test, k]`` (its second).
+        values: Scores ``[n_test, k]`` (``tif.top_k``'s first output): real, no NaN
+            (refused: it has no rank); +-inf are shown as they are.
+        indices: Training rows ``[n_test, k]`` (its second): a tensor, NumPy/JAX array or
+            nested list of integers (float or bool rows are refused, never truncated), each
+            in ``[0, len(dataset))`` and none twice within a test row. A 1-D pair is one
+            test row.
         dataset: What the rows index: a sequence of items, or a dict of ``[n_train, ...]``
             tensors/lists (row ``i`` is ``{key: value[i]}``).
         queries: Optional: the ``n_test`` test items, shown as headings.
@@ -45,6 +51,12 @@ class TopExamples:
         >>> top = tif.TopExamples(values, indices, train_texts, queries=prompts)
         >>> print(top)                        # each query, then its 5 examples with scores
         >>> top.save("top.json")              # records with the text
+
+    Raises:
+        InvalidTypeError: indices not integers, values not real, an unsized dataset.
+        InvalidArgumentError: shapes differ or are not ``[n_test, k]``, a row negative or
+            beyond the dataset, a row repeated within a test row, NaN values, or another
+            number of queries than test rows.
     """
 
     values: Tensor
@@ -56,20 +68,15 @@ class TopExamples:
     text: Callable[[Any], str] | None = None
 
     def __post_init__(self) -> None:
-        values, indices = torch.as_tensor(self.values), torch.as_tensor(self.indices)
-        if values.dim() == 1:
+        values, indices = _values(self.values), _indices(self.indices)
+        if values.dim() == 1 and indices.dim() == 1:
             values, indices = values[None], indices[None]
         if values.shape != indices.shape or values.dim() != 2:
             raise InvalidArgumentError(
                 f"TopExamples: values and indices must both be [n_test, k], got "
                 f"{list(values.shape)} and {list(indices.shape)}; pass tif.top_k's outputs."
             )
-        n = _length(self.dataset)
-        if indices.numel() and not 0 <= int(indices.min()) <= int(indices.max()) < n:
-            raise InvalidArgumentError(
-                f"TopExamples: indices run to {int(indices.max())} but the dataset has {n} "
-                "items; pass the training data the store was built from, in its order."
-            )
+        _check_rows(indices, dataset_length(self.dataset))
         if self.queries is not None and len(self.queries) != values.shape[0]:
             raise InvalidArgumentError(
                 f"TopExamples: {len(self.queries)} queries for {values.shape[0]} rows of "
@@ -153,7 +160,69 @@ class TopExamples:
         return path
 
 
-def _length(dataset: Any) -> int:
+def _as_tensor(value: Any, name: str) -> Tensor:
+    try:
+        return value if isinstance(value, Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InvalidTypeError(
+            f"TopExamples: {name} must be a tensor, array or nested list [n_test, k], got "
+            f"{type(value).__name__} ({error}); pass tif.top_k's outputs."
+        ) from error
+
+
+def _values(values: Any) -> Tensor:
+    """Scores as a real tensor without NaN (+-inf are shown as they are)."""
+    values = _as_tensor(values, "values")
+    if values.dtype == torch.bool or values.is_complex():
+        raise InvalidTypeError(
+            f"TopExamples: values must be real scores, got {values.dtype}; pass tif.top_k's "
+            "first output."
+        )
+    if values.is_floating_point() and (nan := values.isnan()).any():
+        raise InvalidArgumentError(
+            f"TopExamples: values hold NaN at [test row, rank] {first_positions(nan)}, which "
+            "has no rank; check the store and the test gradients (tif.verify_store)."
+        )
+    return values
+
+
+def _indices(indices: Any) -> Tensor:
+    """Training rows as an integer tensor: floats would be truncated to other rows."""
+    indices = _as_tensor(indices, "indices")
+    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+        raise InvalidTypeError(
+            f"TopExamples: indices must be integer training rows (int64 like tif.top_k's "
+            f"second output), got {indices.dtype}; floats would be truncated to other rows. "
+            "Pass the indices as integers (e.g. indices.long() after checking they are whole)."
+        )
+    return indices
+
+
+def _check_rows(indices: Tensor, n: int) -> None:
+    """Rows in ``[0, n)``, none twice for one test row (a ranking never repeats a row)."""
+    if indices.numel() == 0:
+        return
+    for bad, what in ((indices < 0, "negative rows"),
+                      (indices >= n, f"rows beyond the dataset's {n} items")):
+        if bad.any():
+            raise InvalidArgumentError(
+                f"TopExamples: indices must be rows in [0, {n}), got {what} at [test "
+                f"row, rank] {first_positions(bad)} (e.g. {int(indices[bad][0])}); pass the "
+                "training data the store was built from, in its order, and tif.top_k's rows."
+            )
+    ordered = indices.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+    if repeated.any():
+        row = int(torch.nonzero(repeated)[0])
+        raise InvalidArgumentError(
+            f"TopExamples: indices must not repeat a training row within a test row, but "
+            f"test row {row} holds {indices[row].tolist()!r:.80}; a ranking names each row once "
+            "(were two top_k outputs concatenated?)."
+        )
+
+
+def dataset_length(dataset: Any) -> int:
+    """Items in ``dataset``: ``len``, or the common length of a dict's columns."""
     if isinstance(dataset, Mapping):
         lengths = {len(value) for value in dataset.values()}
         if len(lengths) != 1:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
     CorruptRecordingError,
@@ -177,6 +178,9 @@ class Recording:
 
     def __init__(self, directory: Path, *, resume: bool, overwrite: bool) -> None:
         self.directory = directory
+        # Never inside a store, an index or any other artefact, nor over one (the one guard
+        # every writer calls), before anything is created.
+        check_writable(directory, "recording", overwrite=overwrite)
         directory.mkdir(parents=True, exist_ok=True)
         try:
             self._lock = WriterLock(directory / "recording")  # .recording.lock inside it

@@ -211,3 +211,21 @@ def test_a_copy_into_memory_larger_than_the_machine_is_refused_before_allocating
         tif.to_memory(saved[1])
     with pytest.raises(MemoryBudgetError, match="to_pinned: a copy of 300 rows needs"):
         tif.to_pinned(saved[1])
+
+
+def test_self_influence_of_a_store_claiming_10_12_rows_is_refused_before_allocating(saved):
+    """An unsealed store, or one of the user's, can claim any size: the result's allocation
+    is checked against the machine, with the sizes and the fix."""
+    store = saved[1]
+
+    class Claims:
+        meta = store.meta.replace(n_train=10**12)
+
+        def read_rows(self, ckpt, start, stop, *, out=None):
+            raise AssertionError("nothing may be read before the size is checked")
+
+        read_norms = read_rows
+
+    with pytest.raises(MemoryBudgetError, match=r"the \[1000000000000\] self-influence needs "
+                                                r"7450.58 GiB of host memory"):
+        tif.self_influence(Claims())

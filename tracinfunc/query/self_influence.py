@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tracinfunc._devices import check_allocation
 from tracinfunc._validate import check_int, entry_point
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.interop import Array, resolve_output, to_framework
@@ -62,6 +63,10 @@ def self_influence(
         store = row_range(store, rows)
     device = resolve_device(device, None)
     meta = store.meta
+    # The result's size comes from the store's metadata: a crafted or unsealed store claiming
+    # 10**12 rows is refused with the sizes, before the allocator fails.
+    check_allocation(device, meta.n_train * 8, what=f"the [{meta.n_train}] self-influence",
+                     fix="check the store (tracinfunc info --verify), or pass rows=(start, stop)")
     bar = progress_bar(progress, total=meta.n_train, desc="self-influence", unit="row")
     if curvature is not None:
         total = curvature_self_influence(store, curvature, device,

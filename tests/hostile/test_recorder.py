@@ -106,6 +106,28 @@ def test_resume_with_another_architecture_is_refused(tmp_path):
     assert files(run) == before
 
 
+def test_overwrite_with_an_edited_manifest_removes_nothing(tmp_path):
+    """manifest.json edited so entries point outside the directory ('../vdir', an absolute
+    path). overwrite=True keeps the outside files (good) but removes the old manifest and
+    part of the recording, then the new run fails at its first step on a leftover
+    ('optimizer-2.pt exists but is not part of this recording'): the old recording is gone
+    and no new one exists. Expected: the edited manifest refused (CorruptRecordingError)
+    before anything is removed."""
+    (tmp_path / "victim.txt").write_text("precious")
+    (tmp_path / "vdir").mkdir()
+    run = tmp_path / "run"
+    train(str(run))
+    man = json.loads((run / "manifest.json").read_text())
+    man["checkpoints"][0]["optimizer"] = "../vdir"
+    man["checkpoints"][1]["weights"] = str(tmp_path / "victim.txt")
+    (run / "manifest.json").write_text(json.dumps(man))
+    before = files(run)
+    with pytest.raises(Corrupt):
+        train(str(run), overwrite=True)
+    assert files(run) == before
+    assert (tmp_path / "victim.txt").read_text() == "precious"
+
+
 # ---------------------------------------------------------------- HELD (regression guards)
 
 

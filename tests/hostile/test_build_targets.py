@@ -14,7 +14,6 @@ from tracinfunc.errors import TracInFuncError
 
 from ._tiny import build, files, query_grads
 
-
 # ---------------------------------------------------------------- failures (fail now)
 
 
@@ -84,8 +83,10 @@ def test_a_user_factory_with_shard_is_refused_clearly(tmp_path):
     takes 3 positional arguments but 4 were given' from inside the build. Expected: the
     library's error saying shard= needs a path or a partial of ZarrWriter/PartWriter."""
     with pytest.raises(TracInFuncError, match="shard"):
-        build(store=lambda *a, **kw: tif.store.ZarrWriter(str(tmp_path / "p.zarr"), *a, **kw),
-              shard=(0, 2))
+        build(
+            store=lambda *a, **kw: tif.store.ZarrWriter(str(tmp_path / "p.zarr"), *a, **kw),
+            shard=(0, 2),
+        )
 
 
 def test_overwrite_through_a_symlink_to_a_store_is_the_librarys_error(tmp_path):
@@ -97,8 +98,12 @@ def test_overwrite_through_a_symlink_to_a_store_is_the_librarys_error(tmp_path):
     os.symlink(real, tmp_path / "link.zarr")
     before = files(real)
     try:
-        build(store=functools.partial(tif.store.ZarrWriter, str(tmp_path / "link.zarr"), overwrite=True),
-              projection=tif.Projection(dim=8, seed=9))
+        build(
+            store=functools.partial(
+                tif.store.ZarrWriter, str(tmp_path / "link.zarr"), overwrite=True
+            ),
+            projection=tif.Projection(dim=8, seed=9),
+        )
     except TracInFuncError:
         assert files(real) == before
     else:
@@ -135,7 +140,9 @@ def test_held_store_targets_round_trip(tmp_path):
         str(tmp_path / "a.zarr"),
         tmp_path / "b.zarr",
         functools.partial(tif.store.ZarrWriter, str(tmp_path / "c.zarr")),
-        functools.partial(functools.partial(tif.store.ZarrWriter, str(tmp_path / "d.zarr")), compression="zstd"),
+        functools.partial(
+            functools.partial(tif.store.ZarrWriter, str(tmp_path / "d.zarr")), compression="zstd"
+        ),
         lambda meta, **kw: tif.store.ZarrWriter(str(tmp_path / "e.zarr"), meta, **kw),
     ]
     for target in targets:
@@ -143,8 +150,10 @@ def test_held_store_targets_round_trip(tmp_path):
 
 
 def test_held_nested_partial_is_split_like_a_path(tmp_path):
-    part = build(store=functools.partial(functools.partial(tif.store.ZarrWriter, str(tmp_path / "p.zarr"))),
-                 shard=(0, 2))
+    part = build(
+        store=functools.partial(functools.partial(tif.store.ZarrWriter, str(tmp_path / "p.zarr"))),
+        shard=(0, 2),
+    )
     assert isinstance(part, tif.store.StorePart) and (part.start, part.stop) == (0, 20)
 
 
@@ -163,7 +172,10 @@ def test_held_foreign_targets_are_refused_untouched(tmp_path):
     build(store=str(store))
     snapshot = {p: files(p) for p in (foreign, home, empty, store)}
     for target in (foreign, home, empty, afile, store / "rows"):
-        for s in (str(target), functools.partial(tif.store.ZarrWriter, str(target), overwrite=True)):
+        for s in (
+            str(target),
+            functools.partial(tif.store.ZarrWriter, str(target), overwrite=True),
+        ):
             with pytest.raises(tif.errors.StoreExistsError):
                 build(store=s)
     assert afile.read_text() == "x"
@@ -175,8 +187,12 @@ def test_held_rerun_on_a_finished_store(tmp_path):
     build(store=p)
     before = files(p)
     assert build(store=p).meta == tif.GradientStore.open(p).meta
-    for kw in (dict(projection=tif.Projection(dim=8, seed=3)), dict(dtype=torch.float16), dict(dtype="int8"),
-               dict(options=tif.GradientOptions(select=tif.last_layers(1)))):
+    for kw in (
+        dict(projection=tif.Projection(dim=8, seed=3)),
+        dict(dtype=torch.float16),
+        dict(dtype="int8"),
+        dict(options=tif.GradientOptions(select=tif.last_layers(1))),
+    ):
         with pytest.raises(tif.errors.StoreExistsError):
             build(store=p, **kw)
     assert files(p) == before

@@ -83,7 +83,7 @@ def test_merge_takes_numpy_parts(s, t):
     'expected Tensor as element 0'. Expected: merged (returned as NumPy) or a clear error."""
     a = tif.top_k(s, t, k=4, rows=(0, 20), output="numpy")
     b = tif.top_k(s, t, k=4, rows=(20, 40), output="numpy")
-    vals, idx = tif.query.merge_top_k([a, b], k=4)
+    _vals, idx = tif.query.merge_top_k([a, b], k=4)
     assert np.array_equal(np.asarray(idx), tif.top_k(s, t, k=4)[1].numpy())
 
 
@@ -122,7 +122,7 @@ def test_held_five_queries_agree(dtype, t):
     pytest.importorskip("faiss")
     s = build(dtype=dtype)
     S = tif.score(s, t)
-    v, i = tif.top_k(s, t, k=6)
+    _v, i = tif.top_k(s, t, k=6)
     assert torch.equal(i, torch.argsort(S, dim=1, descending=True, stable=True)[:, :6])
     blocks = torch.cat([b.clone() for _, b in tif.score_chunks(s, t, chunk_rows=7)], dim=1)
     assert torch.equal(blocks, S)
@@ -133,8 +133,10 @@ def test_held_five_queries_agree(dtype, t):
         tif.top_k(s, t, k=6, largest=False)[1],
     )
     for largest in (True, False):
-        parts = [tif.top_k(s, t, k=6, rows=r, largest=largest) for r in [(0, 13), (13, 27), (27, 40)]]
-        mv, mi = tif.query.merge_top_k(parts, k=6, largest=largest)
+        parts = [
+            tif.top_k(s, t, k=6, rows=r, largest=largest) for r in [(0, 13), (13, 27), (27, 40)]
+        ]
+        _mv, mi = tif.query.merge_top_k(parts, k=6, largest=largest)
         assert torch.equal(mi, tif.top_k(s, t, k=6, largest=largest)[1])
     assert torch.equal(tif.self_influence(s, rows=(10, 30)), tif.self_influence(s)[10:30])
     assert torch.equal(tif.score(s, t, rows=(10, 30)), S[:, 10:30])
@@ -147,7 +149,7 @@ def test_held_outputs(s, t, out):
     S = tif.score(s, t)
     got = tif.score(s, t, output=out)
     assert np.array_equal(np.asarray(got), S.numpy())
-    vals, idx = tif.top_k(s, t, k=3, output=out)
+    _vals, idx = tif.top_k(s, t, k=3, output=out)
     assert np.array_equal(np.asarray(idx), tif.top_k(s, t, k=3)[1].numpy())
 
 

@@ -144,7 +144,11 @@ def test_held_restart_into_a_used_directory(tmp_path):
     assert files(run) == before
     train(run, resume=True)
     assert [c.name for c in tif.load_recorded_checkpoints(run, model())] == [
-        "checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
 
 
 def test_held_a_planted_file_is_never_overwritten(tmp_path):
@@ -157,7 +161,9 @@ def test_held_a_planted_file_is_never_overwritten(tmp_path):
     assert (run / "checkpoint-6.pt").read_bytes() == planted
 
 
-@pytest.mark.parametrize("edit", ["swap", "truncate", "duplicate", "reverse", "missing_optimizer", "deep_json"])
+@pytest.mark.parametrize(
+    "edit", ["swap", "truncate", "duplicate", "reverse", "missing_optimizer", "deep_json"]
+)
 def test_held_tampered_recordings_are_refused(tmp_path, edit):
     run = tmp_path / "run"
     train(str(run))
@@ -247,11 +253,20 @@ def _run_trainer(tmp_path, callback, *, steps=4, resume_from=None, out="out"):
         def __getitem__(self, i):
             return {"x": X[i], "labels": Y[i]}
 
-    args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=steps, per_device_train_batch_size=10,
-                             save_steps=2, report_to=[], use_cpu=True, learning_rate=0.01,
-                             logging_steps=100, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / out),
+        max_steps=steps,
+        per_device_train_batch_size=10,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        learning_rate=0.01,
+        logging_steps=100,
+        disable_tqdm=True,
+    )
     Trainer(model=M(), args=args, train_dataset=DS(), callbacks=[callback]).train(
-        resume_from_checkpoint=resume_from)
+        resume_from_checkpoint=resume_from
+    )
 
 
 def test_held_trainer_callback_resume_before_the_last_step_is_refused(tmp_path):
@@ -262,6 +277,10 @@ def test_held_trainer_callback_resume_before_the_last_step_is_refused(tmp_path):
     with pytest.raises(RecordingExists):
         _run_trainer(tmp_path, tif.trainer_callback(rec))
     with pytest.raises(RecordingExists):
-        _run_trainer(tmp_path, tif.trainer_callback(rec, resume=True),
-                     resume_from=str(tmp_path / "out" / "checkpoint-2"), steps=6)
+        _run_trainer(
+            tmp_path,
+            tif.trainer_callback(rec, resume=True),
+            resume_from=str(tmp_path / "out" / "checkpoint-2"),
+            steps=6,
+        )
     assert files(rec) == before

@@ -56,7 +56,8 @@ def test_both_paths_agree_with_the_full_scan(setup, monkeypatch, m):
     store, tests, _, _ = setup
     chosen = _candidates(m=m, seed=m)
     full = tif.score(store, tests)
-    for factor in (0, 10**6):  # gathered, dense
+    monkeypatch.setattr(module, "_QUERY_BLOCK", 4)  # blocks of 4 and 2 queries
+    for factor in (0, 10**6):  # each query's own rows, one product per block
         monkeypatch.setattr(module, "_DENSE_UNION_FACTOR", factor)
         for normalize in (False, True):
             expected = tif.score(store, tests, normalize=normalize).gather(1, chosen)

@@ -3,6 +3,8 @@ full scan restricted to the candidates, only candidate rows read, hostile candid
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -56,9 +58,10 @@ def test_both_paths_agree_with_the_full_scan(setup, monkeypatch, m):
     store, tests, _, _ = setup
     chosen = _candidates(m=m, seed=m)
     full = tif.score(store, tests)
+    real = module._plan
     monkeypatch.setattr(module, "_QUERY_BLOCK", 4)  # blocks of 4 and 2 queries
-    for factor in (0, 10**6):  # each query's own rows, one product per block
-        monkeypatch.setattr(module, "_DENSE_UNION_FACTOR", factor)
+    for how in ("all", "union", "each"):
+        monkeypatch.setattr(module, "_plan", functools.partial(real, how=how))
         for normalize in (False, True):
             expected = tif.score(store, tests, normalize=normalize).gather(1, chosen)
             got = tif.score(store, tests, candidates=chosen, normalize=normalize)

@@ -57,7 +57,7 @@ def test_shared_contrast_is_the_test_score_minus_the_mean_control_score(setup, n
 
 
 def test_the_contrast_matches_the_brute_force_reference(setup):
-    stores, data, (loss, ckpts) = setup
+    _, data, (loss, ckpts) = setup
     identity = tif.Projection(kind="identity")
     build = dict(projection=identity, dtype=torch.float64, progress=False)
     train = tif.build_store(loss, ckpts, data["train"], **build)

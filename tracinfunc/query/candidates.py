@@ -20,16 +20,16 @@ from tracinfunc.interop import tensor_if_array
 from tracinfunc.query.checks import safe_reciprocal
 from tracinfunc.query.prepared import PreparedQuery
 from tracinfunc.store.gather import norms_at, read_rows_at
-from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.protocols import GradientStore, SupportsRowViews
 
 __all__ = ["candidate_scores", "check_candidate_rows", "check_candidates"]
 
-# Queries are scored in blocks of this many. A block's scores against the union of its
-# candidates ([b, u_b], one matrix product) are used when that union holds at most this many
-# times M rows: a matrix product ran 60x more multiply-adds per second than gathering each
-# query's rows (1 CPU thread, k=650-1024), so it wins unless most of its products are wasted.
+# Queries are scored in blocks of this many, each block by the cheapest of three products.
 _QUERY_BLOCK = 64
-_DENSE_UNION_FACTOR = 32
+# A copied (gathered) row element costs about as much as this many multiply-adds of a matrix
+# product: measured 0.4-1 G elements/s copied against 50-60 G multiply-adds/s (1 CPU thread,
+# k=650-1024), so a product over rows already in place beats copying most of them.
+_COPY_COST = 100
 _FIX = ("pass a [n_test, M] integer array of store rows, e.g. the indices of "
         "tif.top_k(cheap_store, cheap_test_grads, M)")
 
@@ -129,34 +129,53 @@ def candidate_scores(store: GradientStore, query: PreparedQuery, candidates: Ten
 
     ``scores[i, j]`` is the score of test example ``i`` with store row ``candidates[i, j]``,
     what ``score()[i, candidates[i, j]]`` holds (up to the order of summation). The union of
-    the candidates is read once per checkpoint; each block of queries then multiplies the
-    rows its candidates name as one matrix product (rows shared by queries are multiplied
-    once, at matrix-product speed) unless that union is much larger than ``M``.
+    the candidates is read once per checkpoint (an in-memory store's rows are used in place
+    when the union is most of the store); each block of queries is then scored by the
+    cheapest of three products (:func:`_plan`).
     """
+    n_train, m = store.meta.n_train, candidates.shape[1]
     unique, position = torch.unique(candidates, return_inverse=True)  # sorted union
-    plans = [_plan(position[lo:lo + _QUERY_BLOCK], candidates.shape[1], query.device)
+    if isinstance(store, SupportsRowViews) and 2 * len(unique) >= n_train:
+        unique, position = None, candidates  # no copy of most of the store
+    u = n_train if unique is None else len(unique)
+    plans = [_plan(position[lo:lo + _QUERY_BLOCK], m, u, query.device)
              for lo in range(0, len(position), _QUERY_BLOCK)]
     total = torch.zeros(candidates.shape, dtype=query.dtype, device=query.device)
     for ckpt in range(store.meta.n_ckpt):
-        rows = read_rows_at(store, ckpt, unique).to(query.device, query.dtype)  # [u, k]
+        rows = (store.view_rows(ckpt, 0, n_train) if unique is None
+                else read_rows_at(store, ckpt, unique)).to(query.device, query.dtype)  # [u, k]
         if query.normalize:  # the store's side of the cosine, per row
-            norms = norms_at(store, ckpt, unique).to(query.device, query.dtype)
+            norms = (store.read_norms(ckpt, 0, n_train) if unique is None
+                     else norms_at(store, ckpt, unique)).to(query.device, query.dtype)
             rows = rows * safe_reciprocal(norms)[:, None]
-        for lo, (block, local) in zip(range(0, len(position), _QUERY_BLOCK), plans,
-                                      strict=True):
-            test = query.rows[ckpt, lo:lo + len(local)]  # [b, k]
-            if block is None:  # each query's own rows: [M, k] @ [k] per query
-                total[lo:lo + len(local)] += torch.stack(
-                    [rows[index] @ row for index, row in zip(local, test, strict=True)])
-            else:  # [b, k] @ [k, u_b] -> [b, u_b], then each query's own columns
-                total[lo:lo + len(local)] += (test @ rows[block].T).gather(1, local)
+        for lo, plan in zip(range(0, len(position), _QUERY_BLOCK), plans, strict=True):
+            hi = lo + len(plan[2])
+            total[lo:hi] += _block_scores(rows, query.rows[ckpt, lo:hi], *plan)
     return total
 
 
-def _plan(position: Tensor, m: int, device: torch.device) -> tuple[Tensor | None, Tensor]:
-    """For a block of queries: ``(rows of the union its candidates name, positions in it)``
-    when that union is small enough for one product, else ``(None, positions in all rows)``."""
+def _plan(position: Tensor, m: int, u: int, device: torch.device, how: str | None = None
+          ) -> tuple[str, Tensor | None, Tensor]:
+    """How a block of ``b`` queries is scored, by the cheapest estimate in multiply-adds
+    (a copied row element costs ``_COPY_COST``): ``"all"`` rows read (``b * u``, nothing
+    copied), ``"union"`` of the block's own candidates (``b * u_b``, ``u_b`` rows copied),
+    or ``"each"`` query's own rows (``b * M`` rows copied). Returns ``(how, rows of the
+    block's union or None, positions)``."""
+    b = len(position)
     block, local = torch.unique(position, return_inverse=True)
-    if len(block) <= _DENSE_UNION_FACTOR * m:
-        return block.to(device), local.to(device)
-    return None, position.to(device)
+    costs = {"all": b * u, "union": (b + _COPY_COST) * len(block), "each": _COPY_COST * b * m}
+    how = how or min(costs, key=costs.get)  # (tests choose ``how``)
+    if how == "union":
+        return how, block.to(device), local.to(device)
+    return how, None, position.to(device)
+
+
+def _block_scores(rows: Tensor, test: Tensor, how: str, block: Tensor | None,
+                  position: Tensor) -> Tensor:
+    """``[b, M]`` scores of a block of queries ``test`` ``[b, k]`` (see :func:`_plan`)."""
+    if how == "each":  # [M, k] @ [k] per query
+        return torch.stack([rows[index] @ row for index, row in zip(position, test,
+                                                                      strict=True)])
+    if how == "union":
+        rows = rows[block]
+    return (test @ rows.T).gather(1, position)  # [b, k] @ [k, u] -> [b, u] -> [b, M]

@@ -55,6 +55,11 @@ def recall(found: torch.Tensor, exact: torch.Tensor) -> float:
     return sum(hits) / exact.numel()
 
 
+def recall_in(candidates: torch.Tensor, exact: torch.Tensor) -> float:
+    """Fraction of the exact top-10 slots among the candidates (what a rerank recovers)."""
+    return recall(candidates, exact)
+
+
 def measure(label, retriever, store, queries, curvature, fractions, *, rounds, single):
     """Rows of recall and CPU time for each ``M = fraction * n_train``."""
     n = store.meta.n_train

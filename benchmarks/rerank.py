@@ -10,7 +10,9 @@ those ``M`` rows only, ``top_k(..., candidates=)``):
   from a kronecker ``k=256`` store. ``M`` up to 10% of the rows.
 - a small language model (``benchmarks/search.py``'s GPT-2 on docstring lines): a
   ``"projected"`` curvature on a kronecker ``k=1024`` store; retrieval from a kronecker
-  ``k=64`` store, plain and with its own ``"projected"`` curvature. ``M`` = 1% of the rows.
+  ``k=256`` store, plain and with its own ``"projected"`` curvature. ``M`` = 1% and 10%.
+- random rows (200,000 x 256 in memory), one query per call, ``M`` = 1%: the rank step's
+  cost where the fixed cost of a call no longer dominates.
 
 Recall is the fraction of the full scan's top-10 slots found by the rerank (mean over test
 examples). Times are process CPU seconds on one thread, the full scan and the rerank
@@ -40,6 +42,7 @@ import search
 
 import tracinfunc as tif
 from tracinfunc.curvature import classification_sampler
+from tracinfunc.store.meta import CheckpointMeta, StoreMeta
 
 TOP = 10
 
@@ -154,9 +157,9 @@ def digits(quick: bool, rounds: int, single: int) -> list[dict]:
 
 def language_model(quick: bool, rounds: int, single: int) -> list[dict]:
     cfg = ({"rows": 1000, "queries": 8, "layers": 1, "width": 32, "steps": 20, "k": 256,
-            "cheap_k": 16, "fit": 200} if quick else
+            "cheap_k": 16, "fit": 200, "fractions": (0.01,)} if quick else
            {"rows": 4000, "queries": 64, "layers": 2, "width": 64, "steps": 200, "k": 1024,
-            "cheap_k": 64, "fit": 1000})
+            "cheap_k": 256, "fit": 1000, "fractions": (0.01, 0.1)})
     loss, checkpoint, data, held_out = trained_lm(cfg)
     build = dict(batch_size=64, progress=False)
     stores = {}
@@ -176,8 +179,45 @@ def language_model(quick: bool, rounds: int, single: int) -> list[dict]:
                              ("with curvature", tif.Retriever(cheap, cheap_test,
                                                               curvature=cheap_curvature))):
         rows += measure(f"LM projected curvature, retrieve {label}", retriever, strong,
-                        strong_test, curvature, (0.01,), rounds=rounds, single=single)
+                        strong_test, curvature, cfg["fractions"], rounds=rounds,
+                        single=single)
     return rows
+
+
+def scale(quick: bool, rounds: int) -> list[dict]:
+    """One query per call against a larger in-memory store of random rows (the scan's cost
+    does not depend on what the rows are): where the fixed cost of a call stops mattering."""
+    n, k = (20_000, 64) if quick else (200_000, 256)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, n, k, generator=g)
+    meta = StoreMeta(projection=tif.Projection(dim=k, seed=0), n_train=n, k=k,
+                     checkpoints=(CheckpointMeta(name="c", lr=1.0, fingerprint="-"),),
+                     layout=(("w", (k,)),), dtype="float32")
+    store = tif.store.MemoryStore(meta, rows, rows.norm(dim=-1))
+    queries = torch.randn(1, 8, k, generator=g)
+    out = []
+    for fraction in (0.01,):
+        m = round(fraction * n)
+        full, rank = [], []
+        for _ in range(rounds):
+            spent_full = spent_rank = 0.0
+            for i in range(queries.shape[1]):
+                query = queries[:, i:i + 1]
+                found = torch.randperm(n, generator=g)[:m][None]
+                spent_full += cpu_time(lambda q=query: tif.top_k(store, q, TOP,
+                                                                 progress=False))[1]
+                spent_rank += cpu_time(lambda q=query, f=found: tif.top_k(
+                    store, q, TOP, candidates=f))[1]
+            full.append(spent_full)
+            rank.append(spent_rank)
+        ratio = statistics.median(rank) / statistics.median(full)
+        out.append({"setting": "random rows, one query per call", "n_train": n, "k": k,
+                    "M": m, "fraction": fraction, "full_ms": statistics.median(full) / 8 * 1e3,
+                    "rank_ms": statistics.median(rank) / 8 * 1e3, "rank_ratio": ratio})
+        print(f"| random rows k={k}, one query per call | {n} | {m} ({fraction:.0%}) | - | "
+              f"{out[-1]['full_ms']:.2f} | - | {out[-1]['rank_ms']:.2f} | - | {ratio:.3f} "
+              f"({ratio / fraction:.2f} x M/n) |", flush=True)
+    return out
 
 
 def trained_lm(cfg: dict):
@@ -222,6 +262,7 @@ def main() -> None:
     print(HEADER)
     rows = digits(args.quick, rounds, single)
     rows += language_model(args.quick, rounds, single)
+    rows += scale(args.quick, rounds)
     (args.out / "rerank.json").write_text(json.dumps(rows, indent=1))
     print(f"\nwrote {args.out / 'rerank.json'}")
 

@@ -107,6 +107,13 @@ def test_score_contrast_is_the_difference_of_two_scores_and_is_recorded(built):
     missing = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:make", "--contrast", "nope",
                        "--output", "x.json", cwd=built)
     assert missing.returncode != 0 and "no test set 'nope'" in missing.stderr
+    no_spec = cli_here("score", "grads.zarr", "--test-store", "grads.zarr", "--contrast",
+                       "control", "--output", "x.json", cwd=built)
+    assert no_spec.returncode != 0 and "--contrast NAME names a test set" in no_spec.stderr
+    nan = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:make", "--contrast", "control",
+                   "--contrast-weight", "nan", "--output", "x.json", cwd=built)
+    assert nan.returncode != 0 and "weight must be a finite real number" in nan.stderr
+    assert not (built / "x.json").exists()
 
 
 def test_score_full_matrix_csv_and_self_influence_npy(built):

@@ -142,6 +142,10 @@ BAD = [
     (torch.tensor([0, 1, 2]), InvalidArgumentError, r"must be \[n_test, M\], got shape \[3\]"),
     ([torch.tensor([0, 1]), torch.tensor([2])] * 3, InvalidArgumentError, "of one length M"),
     ("0,1,2", InvalidTypeError, "must be an integer array"),
+    ([], InvalidArgumentError, "candidates are empty"),  # was: "got torch.float64"
+    (np.array([[1, "a"]] * 6, dtype=object), InvalidTypeError, "must be an integer array"),
+    (np.array([[2**63 + 5]] * 6, dtype=np.uint64), InvalidArgumentError,
+     "hold 9223372036854775813, beyond any store row"),  # was: wrapped to a negative int64
     ((torch.rand(6, 3).long(), torch.rand(6, 3)), InvalidTypeError, r"read as \(values, ind"),
 ]
 

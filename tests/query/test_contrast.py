@@ -140,3 +140,23 @@ def test_bad_contrasts_are_refused(setup):
     import numpy as np
 
     assert tif.Contrast(test, ctrl, weight=np.float32(0.5)).weight == 0.5
+    assert tif.Contrast(test, ctrl, weight=torch.tensor(2.0)).weight == 2.0  # a 0-d array
+    assert tif.Contrast(test, ctrl, weight=np.array(3)).weight == 3.0
+    with pytest.raises(InvalidArgumentError, match="weight must be a finite real number"):
+        tif.Contrast(test, ctrl, weight=torch.tensor([1.0, 2.0]))
+
+
+def test_a_full_space_curvature_needs_preconditioned_controls_too(setup):
+    stores, data, (loss, ckpts) = setup
+    store, test, ctrl = stores["train"], stores["test"], stores["ctrl"]
+    kfac = tif.fit_curvature(loss, ckpts, data["train"], kind="kfac")
+    made = {name: tif.preconditioned_test_grads(loss, ckpts, data[name], kfac,
+                                                projection=PROJECTION) for name in ("test", "ctrl")}
+    with pytest.raises(IncompatibleGradientsError,
+                       match="^score: the contrast's control: a 'kfac' curvature"):
+        tif.score(store, tif.Contrast(made["test"], ctrl), curvature=kfac)
+    got = tif.score(store, tif.Contrast(made["test"], made["ctrl"]), curvature=kfac)
+    expected = (tif.score(store, made["test"], curvature=kfac)
+                - tif.score(store, made["ctrl"], curvature=kfac).mean(0, keepdim=True))
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert test.meta.n_train == 5

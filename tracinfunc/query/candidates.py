@@ -106,7 +106,19 @@ def _as_rows(candidates: object) -> Tensor:
 
 
 def _integer(value: object, what: str) -> Tensor:
-    value = tensor_if_array(value)
+    if isinstance(value, np.ndarray) and value.dtype.kind == "u" and value.size \
+            and int(value.max()) > torch.iinfo(torch.int64).max:
+        raise InvalidArgumentError(  # would wrap to a negative int64
+            f"{current_caller()}: {what} hold {int(value.max())}, beyond any store row; "
+            f"{_FIX}.")
+    if isinstance(value, list | tuple) and not value:
+        raise InvalidArgumentError(f"{current_caller()}: {what} are empty; give one row of "
+                                   f"candidates per test example; {_FIX}.")
+    try:
+        value = tensor_if_array(value)
+    except (TypeError, RuntimeError, BufferError) as error:  # object arrays, odd dtypes
+        raise InvalidTypeError(f"{current_caller()}: {what} must be an integer array; "
+                               f"{error}; {_FIX}.") from None
     if isinstance(value, list | tuple):
         try:
             value = torch.as_tensor(np.asarray(value))

@@ -22,6 +22,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from tracinfunc._validate import current_caller
@@ -64,7 +65,9 @@ class Contrast:
                     f"{current_caller('Contrast')}: {label} must be a GradientStore or an array "
                     f"[n_ckpt, n, k], got {type(value).__name__}.")
             object.__setattr__(self, label, value)
-        weight = self.weight
+        weight = tensor_if_array(self.weight)
+        if isinstance(weight, Tensor) and weight.ndim == 0 and weight.dtype != torch.bool:
+            weight = weight.item()  # a 0-d torch, NumPy or JAX number
         if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
                 or not math.isfinite(float(weight))):
             raise InvalidArgumentError(

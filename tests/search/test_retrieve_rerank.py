@@ -78,6 +78,10 @@ def test_an_index_retrieves(setup):
     exact = tif.rerank(tif.Retriever(cheap, cheap_test), strong, strong_test, 4,
                        n_candidates=20)
     assert torch.equal(result.indices, exact.indices)  # nlist=1 searches everything
+    query = tif.Contrast(cheap_test, cheap_test, weight=0.5, paired=True)  # half the test
+    indexed = tif.indexed_top_k(cheap, query, 4, index=index)
+    assert torch.equal(indexed[1], tif.top_k(cheap, cheap_test, 4)[1])
+    torch.testing.assert_close(indexed[0], 0.5 * tif.top_k(cheap, cheap_test, 4)[0])
 
 
 def test_bad_pairs_and_sizes_are_refused(setup):

@@ -27,16 +27,18 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswit
 NEEDS = {"search.py": ["faiss"], "index_binding.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"],
-         "quality_lm.py": ["transformers", "matplotlib"]}
+         "quality_lm.py": ["transformers", "matplotlib"],
+         "rerank.py": ["sklearn", "transformers"]}
 # Arguments beyond --quick ({tmp}: the scratch directory).
 EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"],
          "curvature.py": ["--model", "logreg", "--out", "{tmp}"],
-         "quality_lm.py": ["--out", "{tmp}"]}
+         "quality_lm.py": ["--out", "{tmp}"], "rerank.py": ["--out", "{tmp}"]}
 # Text a script prints when it ran to the end (beyond some output at all).
 PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "search.py": "nlist // 16",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
-          "quality_lm.py": "| tracin-all | tracin | all |"}
+          "quality_lm.py": "| tracin-all | tracin | all |",
+          "rerank.py": "| LM projected curvature, retrieve with curvature |"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
 IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
 

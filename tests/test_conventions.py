@@ -16,7 +16,7 @@ import tracinfunc as tif
 import tracinfunc.jax as tj
 
 # Positional parameters with defaults that are part of the data, not options.
-_POSITIONAL_DEFAULTS = {"top_k": {"k"}, "indexed_top_k": {"k"}}
+_POSITIONAL_DEFAULTS = {"top_k": {"k"}, "indexed_top_k": {"k"}, "rerank": {"k"}}
 
 
 def _public_functions():

@@ -72,10 +72,18 @@ from tracinfunc.loss import loss_from_model, loss_from_module
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection
 from tracinfunc.query.chunks import score_chunks
+from tracinfunc.query.contrast import Contrast
 from tracinfunc.query.score import score
 from tracinfunc.query.self_influence import self_influence
 from tracinfunc.query.top_k import top_k
-from tracinfunc.search import SearchIndex, build_index, indexed_top_k, load_index
+from tracinfunc.search import (
+    Retriever,
+    SearchIndex,
+    build_index,
+    indexed_top_k,
+    load_index,
+    rerank,
+)
 from tracinfunc.select.less import select_training_data
 from tracinfunc.select.top_examples import TopExamples
 from tracinfunc.store import (
@@ -92,11 +100,13 @@ from tracinfunc.training.recorder import load_recorded_checkpoints, load_recorde
 
 __all__ = [
     "Checkpoint",
+    "Contrast",
     "Curvature",
     "GradientOptions",
     "GradientStore",
     "Preconditioner",
     "Projection",
+    "Retriever",
     "SearchIndex",
     "TopExamples",
     "TracInFuncError",
@@ -124,6 +134,7 @@ __all__ = [
     "preconditioned_test_grads",
     "projected_grads",
     "remove_store",
+    "rerank",
     "save_curvature",
     "save_store",
     "score",

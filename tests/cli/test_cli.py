@@ -89,6 +89,33 @@ def test_score_top_k_json_matches_the_api(built):
     np.testing.assert_allclose(saved["values"], values.numpy(), rtol=1e-6)
 
 
+def test_score_contrast_is_the_difference_of_two_scores_and_is_recorded(built):
+    result = cli("score", "grads.zarr", "--spec", f"{SPEC}:make", "--contrast", "control",
+                 "--contrast-weight", "0.5", "--output", "contrast.json", cwd=built)
+    assert result.returncode == 0, result.stderr
+    assert "minus 0.5 x mean of control 'control' (4 rows)" in result.stdout
+    saved = json.loads((built / "contrast.json").read_text())
+    assert saved["contrast"] == {"control": "control", "weight": 0.5,
+                                 "description": "minus 0.5 x mean of control 'control' (4 rows)"}
+    spec = _tiny_spec()
+    store = tif.open_store(str(built / "grads.zarr"))
+    grads = {name: tif.build_store(spec.loss, spec.checkpoints, spec.test[name],
+                                   projection=store.projection) for name in ("test", "control")}
+    expected = (tif.score(store, grads["test"])
+                - 0.5 * tif.score(store, grads["control"]).mean(0, keepdim=True))
+    np.testing.assert_allclose(saved["scores"], expected.numpy(), rtol=1e-5, atol=1e-7)
+    missing = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:make", "--contrast", "nope",
+                       "--output", "x.json", cwd=built)
+    assert missing.returncode != 0 and "no test set 'nope'" in missing.stderr
+    no_spec = cli_here("score", "grads.zarr", "--test-store", "grads.zarr", "--contrast",
+                       "control", "--output", "x.json", cwd=built)
+    assert no_spec.returncode != 0 and "--contrast NAME names a test set" in no_spec.stderr
+    nan = cli_here("score", "grads.zarr", "--spec", f"{SPEC}:make", "--contrast", "control",
+                   "--contrast-weight", "nan", "--output", "x.json", cwd=built)
+    assert nan.returncode != 0 and "weight must be a finite real number" in nan.stderr
+    assert not (built / "x.json").exists()
+
+
 def test_score_full_matrix_csv_and_self_influence_npy(built):
     assert cli("score", "grads.zarr", "--spec", f"{SPEC}:make", "--normalize",
                "--output", "scores.csv", cwd=built).returncode == 0

@@ -19,7 +19,7 @@ def make():
     return tif.cli.Spec(
         loss=tif.loss_from_module(model, F.cross_entropy),
         train=(x[:24], y[:24]),
-        test={"test": (x[24:], y[24:])},
+        test={"test": (x[24:], y[24:]), "control": (x[20:24], y[20:24])},
         checkpoints=checkpoints,
         model=model,
     )

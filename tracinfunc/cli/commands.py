@@ -57,6 +57,7 @@ from tracinfunc.grads.options import GradientOptions
 from tracinfunc.grads.selection import last_layers
 from tracinfunc.grads.stages import Stages, model_stages
 from tracinfunc.projection.spec import Projection
+from tracinfunc.query.contrast import Contrast
 from tracinfunc.query.score import score
 from tracinfunc.query.self_influence import self_influence
 from tracinfunc.query.top_k import top_k
@@ -185,6 +186,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the k best training rows per test row")
     score.add_argument("--opponents", action="store_true", help="with --top-k: lowest scores")
     score.add_argument("--normalize", action="store_true", help="cosine TracIn")
+    score.add_argument("--contrast", metavar="NAME",
+                       help="a contrastive query: subtract the mean gradient of the spec's "
+                            "test set NAME (docs/rerank.md); recorded in .json/.zarr output")
+    score.add_argument("--contrast-weight", type=float, default=1.0, metavar="W",
+                       help="with --contrast: how much of the control to subtract (1.0)")
     score.add_argument("--curvature", type=Path, metavar="PATH",
                        help="curvature-aware TracIn with a curvature saved by save_curvature")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
@@ -455,38 +461,51 @@ def _score(args: argparse.Namespace) -> int:
     store = open_store(str(args.store))
     curvature = None if args.curvature is None else load_curvature(args.curvature)
     test = _test_gradients(args, store, curvature)
+    recorded = {}
+    if args.contrast is not None:
+        if args.spec is None:
+            raise SpecError("score: --contrast NAME names a test set of the spec; pass --spec.")
+        test = Contrast(test, _test_gradients(args, store, curvature, name=args.contrast),
+                        weight=args.contrast_weight, name=args.contrast)
+        recorded["contrast"] = {"control": args.contrast, "weight": test.weight,
+                                "description": test.describe()}
     if args.top_k is not None:
         values, indices = top_k(store, test, k=args.top_k, largest=not args.opponents,
                                 normalize=args.normalize, progress=_progress(args),
                                 device=args.device, curvature=curvature)
-        write_results(args.output, {"values": values, "indices": indices}, columns="top_k")
+        write_results(args.output, {"values": values, "indices": indices}, columns="top_k",
+                      attributes=recorded)
     else:
         scores = score(store, test, normalize=args.normalize, progress=_progress(args),
                        device=args.device, curvature=curvature)
-        write_results(args.output, {"scores": scores}, columns="matrix")
-    print(f"wrote {args.output}")
+        write_results(args.output, {"scores": scores}, columns="matrix", attributes=recorded)
+    print(f"wrote {args.output}" + (f" ({test.describe()})" if recorded else ""))
     return 0
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,
-                    curvature: Curvature | None = None) -> GradientStore:
-    if args.test_store is not None:
+                    curvature: Curvature | None = None, *, name: str | None = None
+                    ) -> GradientStore:
+    """The spec's test set ``name`` (default ``--test``) as gradients for ``store``, or
+    ``--test-store``."""
+    if args.test_store is not None and name is None:
         return open_store(str(args.test_store))
     if args.spec is None:
         raise SpecError("score: pass --spec (with --test NAME) or --test-store PATH.")
     spec = load_spec(args.spec)
-    if not spec.test or args.test not in spec.test:
-        raise SpecError(f"score: the spec has no test set {args.test!r}; it has "
+    name = args.test if name is None else name
+    if not spec.test or name not in spec.test:
+        raise SpecError(f"score: the spec has no test set {name!r}; it has "
                         f"{sorted(spec.test or {})}.")
     checkpoints = recorded_checkpoints(args, spec) or _checkpoints(spec, args.checkpoints)
     # By default the store's own parameters, so the layouts match.
     options = _gradient_options(args, spec,
                                 default_select=[name for name, _ in store.meta.layout])
     if curvature is not None and curvature.kind != "projected":  # preconditioned before projecting
-        return preconditioned_test_grads(spec.loss, checkpoints, spec.test[args.test],
+        return preconditioned_test_grads(spec.loss, checkpoints, spec.test[name],
                                          curvature, projection=store.projection,
                                          options=options)
-    return build_store(spec.loss, checkpoints, spec.test[args.test],
+    return build_store(spec.loss, checkpoints, spec.test[name],
                            projection=store.projection, progress=_progress(args),
                            options=options, device=args.device)
 

@@ -90,18 +90,23 @@ def check_writable_directory(directory: Path, *, what: str) -> None:
     os.unlink(probe_path)
 
 
-def write_results(path: Path, arrays: dict[str, Tensor], *, columns: str) -> None:
+def write_results(path: Path, arrays: dict[str, Tensor], *, columns: str,
+                  attributes: dict | None = None) -> None:
     """Write named arrays. ``columns`` says how to flatten to CSV: "matrix", "top_k" or "vector".
+
+    ``attributes`` (how the results were made, e.g. a contrast) go into a ``.json`` file as
+    keys beside the arrays and into a ``.zarr`` group's attributes; ``.csv`` and ``.npy``
+    hold arrays only.
 
     Writes to a temporary sibling first and renames, so a failure never leaves half a file
     and an existing file is replaced only by a complete one.
     """
     numpy_arrays = {name: value.detach().cpu().numpy() for name, value in arrays.items()}
     writers: dict[str, Callable[[Path], None]] = {
-        ".json": lambda tmp: _write_json(tmp, numpy_arrays),
+        ".json": lambda tmp: _write_json(tmp, numpy_arrays, attributes or {}),
         ".csv": lambda tmp: _write_csv(tmp, numpy_arrays, columns),
         ".npy": lambda tmp: _write_npy(tmp, numpy_arrays),
-        ".zarr": lambda tmp: _write_zarr(tmp, numpy_arrays),
+        ".zarr": lambda tmp: _write_zarr(tmp, numpy_arrays, attributes or {}),
     }
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.resolve().parent)) / path.name
     try:
@@ -119,8 +124,9 @@ def write_results(path: Path, arrays: dict[str, Tensor], *, columns: str) -> Non
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
 
-def _write_json(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path.write_text(json.dumps({name: value.tolist() for name, value in arrays.items()}))
+def _write_json(path: Path, arrays: dict[str, np.ndarray], attributes: dict) -> None:
+    path.write_text(json.dumps({**attributes,
+                                **{name: value.tolist() for name, value in arrays.items()}}))
 
 
 def _write_npy(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -133,8 +139,9 @@ def _write_npy(path: Path, arrays: dict[str, np.ndarray]) -> None:
         np.save(file, next(iter(arrays.values())))
 
 
-def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def _write_zarr(path: Path, arrays: dict[str, np.ndarray], attributes: dict) -> None:
     group = zarr.open_group(str(path), mode="w-")
+    group.attrs.update(attributes)
     group.attrs[RESULTS_MARK] = True  # what --overwrite may replace later
     for name, value in arrays.items():
         group.create_array(name, data=value)

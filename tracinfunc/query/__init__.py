@@ -3,12 +3,14 @@ merge_top_k. Every query prepares its test gradients once (:mod:`tracinfunc.quer
 """
 
 from tracinfunc.query.chunks import score_chunks
+from tracinfunc.query.contrast import Contrast
 from tracinfunc.query.merge import merge_top_k
 from tracinfunc.query.score import score
 from tracinfunc.query.self_influence import self_influence
 from tracinfunc.query.top_k import top_k
 
 __all__ = [
+    "Contrast",
     "merge_top_k",
     "score",
     "score_chunks",

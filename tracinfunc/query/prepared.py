@@ -26,7 +26,10 @@ from tracinfunc.query.checks import (
     resolve_device,
     safe_reciprocal,
 )
+from tracinfunc.query.contrast import Contrast
+from tracinfunc.query.control import control_rows
 from tracinfunc.query.curvature import precondition_queries
+from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["PreparedQuery", "prepare_query"]
@@ -47,6 +50,8 @@ class PreparedQuery:
         dtype: The accumulation dtype: float64 when the store or the test rows are float64,
             else float32.
         device: Where ``rows`` and ``norms`` live (where the scores are computed).
+        contrast: The :class:`~tracinfunc.Contrast` folded into ``rows`` (``norms`` stay
+            the test rows'), or ``None``.
     """
 
     rows: Tensor
@@ -55,6 +60,7 @@ class PreparedQuery:
     normalize: bool
     dtype: torch.dtype
     device: torch.device
+    contrast: Contrast | None = None
 
     @property
     def n_test(self) -> int:
@@ -63,7 +69,7 @@ class PreparedQuery:
     def split(self, lo: int, hi: int) -> PreparedQuery:
         """Test rows ``[lo, hi)`` (views, nothing prepared again)."""
         return PreparedQuery(self.rows[:, lo:hi], self.norms[:, lo:hi], self.lrs,
-                             self.normalize, self.dtype, self.device)
+                             self.normalize, self.dtype, self.device, self.contrast)
 
 
 def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool = False,
@@ -74,7 +80,9 @@ def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool =
     Args:
         store: The training store (its whole metadata; a row range of it has the same).
         test_grads: A GradientStore or an array ``[n_ckpt, n_test, k]`` (a tensor or any
-            ``__dlpack__`` array: NumPy, JAX, CuPy).
+            ``__dlpack__`` array: NumPy, JAX, CuPy), or a :class:`~tracinfunc.Contrast` of
+            two such: its test and control rows are each prepared as below and combined,
+            ``test - weight * control`` (the control's mean unless paired).
         normalize: Fold ``1/|test_c|`` in (cosine TracIn).
         device: Where to compute. Default: the test tensor's accelerator, else CUDA when
             available, else CPU.
@@ -85,19 +93,35 @@ def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool =
         IncompatibleGradientsError: shape, projection, checkpoints or layout differ from the
             store's, or the curvature does not fit (see :mod:`tracinfunc.query.curvature`).
         NonFiniteGradientError: test rows hold NaN or inf.
-        InvalidArgumentError: the store holds no rows.
+        InvalidArgumentError: the store holds no rows; a contrast's control is empty, or
+            paired with another number of test examples.
     """
     meta = store.meta
     check_not_empty(meta)
-    test_grads = tensor_if_array(test_grads)
+    contrast = test_grads if isinstance(test_grads, Contrast) else None
+    test_grads = tensor_if_array(test_grads if contrast is None else contrast.test)
     check_test_type(test_grads)
     test_grads = precondition_queries(meta, test_grads, curvature)
     device = resolve_device(device, test_grads)
-    test, norms = query_matrix(meta, test_grads, device=device)
+    rows, norms = _weighted(meta, test_grads, normalize, device)
+    if contrast is not None:
+        control = control_rows(meta, contrast, rows.shape[1], curvature)
+        control, _ = _weighted(meta, control, normalize, device)
+        if not contrast.paired:
+            control = control.mean(dim=1, keepdim=True)  # [n_ckpt, 1, k]
+        dtype = compute_dtype(rows.dtype, control.dtype)
+        rows = rows.to(dtype) - contrast.weight * control.to(dtype)
+    return PreparedQuery(rows, norms, meta.lrs, bool(normalize), rows.dtype, device, contrast)
+
+
+def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
+              device: torch.device) -> tuple[Tensor, Tensor]:
+    """``lr_c * rows_c`` (over ``|rows_c|`` with ``normalize``) ``[n_ckpt, n, k]`` and the
+    norms ``[n_ckpt, n]``, validated, on ``device``."""
+    test, norms = query_matrix(meta, grads, device=device)
     dtype = compute_dtype(meta.torch_dtype, test.dtype)
     # lr_c (and the test side of the cosine) folded in once, not per chunk.
     scale = torch.tensor(meta.lrs, dtype=dtype, device=device)[:, None, None]
     if normalize:
         scale = scale * safe_reciprocal(norms.to(dtype))[..., None]
-    rows = test.to(dtype) * scale  # [n_ckpt, n_test, k]
-    return PreparedQuery(rows, norms, meta.lrs, bool(normalize), dtype, device)
+    return test.to(dtype) * scale, norms

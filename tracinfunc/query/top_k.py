@@ -14,6 +14,7 @@ from tracinfunc.query.chunks import stream_scores
 from tracinfunc.query.merge import merge_top_k
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
+from tracinfunc.query.score import candidate_top_k
 from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["check_k", "top_k"]
@@ -37,6 +38,7 @@ def top_k(
     progress: ProgressArg = None,
     rows: tuple[int, int] | None = None,
     curvature: Curvature | None = None,
+    candidates: object = None,
     output: str | None = None,
     like: object = None,
 ) -> tuple[Array, Array]:
@@ -61,6 +63,9 @@ def top_k(
             results of workers merge exactly with :func:`tracinfunc.distributed.merge_top_k`
             (or :func:`tracinfunc.distributed.gather_top_k` under torchrun).
         curvature: As in :func:`score`.
+        candidates: As in :func:`score`: the ``k`` best among each test example's
+            candidates, ``k <= M`` (exact: the top-k of the whole store's scores restricted
+            to those rows, equal scores by row). Exclusive with ``rows``.
         output: As in :func:`score`.
         like: As in :func:`score`.
 
@@ -71,6 +76,11 @@ def top_k(
     """
     framework = resolve_output(output, like)
     check_not_empty(store.meta)
+    if candidates is not None:
+        values, indices = candidate_top_k(store, test_grads, k, candidates, rows=rows,
+                                          largest=largest, normalize=normalize, device=device,
+                                          curvature=curvature)
+        return to_framework(values, framework), to_framework(indices, framework)
     part = store if rows is None else row_range(store, rows)
     offset = 0 if rows is None else part.start
     check_k(k, part.meta.n_train)

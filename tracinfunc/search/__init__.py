@@ -6,5 +6,7 @@ built, loaded or queried. See ``docs/search.md``.
 
 from tracinfunc.search.index import SearchIndex, build_index, load_index, store_fingerprint
 from tracinfunc.search.rerank import indexed_top_k
+from tracinfunc.search.retrieve import Reranked, Retriever, rerank
 
-__all__ = ["SearchIndex", "build_index", "indexed_top_k", "load_index", "store_fingerprint"]
+__all__ = ["Reranked", "Retriever", "SearchIndex", "build_index", "indexed_top_k", "load_index",
+           "rerank", "store_fingerprint"]

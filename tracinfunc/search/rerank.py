@@ -16,7 +16,7 @@ from tracinfunc.query.rows import check_rows
 from tracinfunc.query.top_k import check_k
 from tracinfunc.search.binding import meta_fingerprint
 from tracinfunc.search.index import SearchIndex, import_faiss
-from tracinfunc.search.rows import norms_at, read_rows_at
+from tracinfunc.store.gather import norms_at, read_rows_at
 from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["indexed_top_k"]

@@ -1,69 +1,17 @@
-"""Reading scattered store rows, and the lr-weighted concatenation an index holds."""
+"""The lr-weighted rows an index holds (scattered reads: :mod:`tracinfunc.store.gather`)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from tracinfunc.store.gather import norms_at, read_rows_at, row_groups
 from tracinfunc.store.protocols import GradientStore
 
 __all__ = ["index_rows", "norms_at", "read_rows_at", "row_groups", "weighted_rows"]
-
-
-def read_rows_at(store: GradientStore, ckpt: int, indices: Tensor) -> Tensor:
-    """Rows ``indices`` (sorted, unique, int64 ``[n]``) of checkpoint ``ckpt``: ``[n, k]``.
-
-    Indices are grouped into runs that share a stored chunk (or follow each other), and
-    each run is one ``read_rows`` of its span: a stored chunk is read and checksummed whole
-    anyway, so reading it once per run, not once per row, is what keeps scattered reads
-    cheap. Memory stores are indexed directly.
-    """
-    view = getattr(store, "_view_rows", None)
-    meta = store.meta
-    if view is not None:  # in memory: one gather, no copies of spans
-        return view(ckpt, 0, meta.n_train).index_select(0, indices)
-    out = torch.empty(len(indices), meta.k, dtype=meta.torch_dtype)
-    chunk_rows = getattr(store, "chunk_rows", 1)
-    chunk_rows = chunk_rows if isinstance(chunk_rows, int) and chunk_rows > 0 else 1
-    for begin, end in row_groups(indices, chunk_rows):
-        lo, hi = int(indices[begin]), int(indices[end - 1]) + 1
-        span = store.read_rows(ckpt, lo, hi)
-        out[begin:end] = span if hi - lo == end - begin else span[indices[begin:end] - lo]
-    return out
-
-
-def row_groups(indices: Tensor, chunk_rows: int) -> list[tuple[int, int]]:
-    """``[begin, end)`` positions of runs of ``indices`` read together.
-
-    A run continues while the next index follows the previous one or lies in the same
-    stored chunk of ``chunk_rows`` rows.
-
-    Args:
-        indices: Sorted unique row indices, int64 ``[n]``.
-        chunk_rows: Rows per stored chunk (1 when the store has none).
-
-    Returns:
-        Positions into ``indices``, covering it in order.
-    """
-    if len(indices) == 0:
-        return []
-    follows = indices[1:] == indices[:-1] + 1
-    same_chunk = indices[1:] // chunk_rows == indices[:-1] // chunk_rows
-    breaks = torch.nonzero(~(follows | same_chunk)).flatten() + 1
-    edges = [0, *breaks.tolist(), len(indices)]
-    return list(itertools.pairwise(edges))
-
-
-def norms_at(store: GradientStore, ckpt: int, indices: Tensor) -> Tensor:
-    """Row norms at ``indices`` (sorted, int64 ``[n]``): one read of their span, ``[n]``."""
-    if len(indices) == 0:
-        return torch.empty(0)
-    lo, hi = int(indices[0]), int(indices[-1]) + 1
-    return store.read_norms(ckpt, lo, hi)[indices - lo]
 
 
 def weighted_rows(rows: Tensor, norms: Tensor | None, lrs: Sequence[float], *,

@@ -68,6 +68,9 @@ from tracinfunc.grads import (
 from tracinfunc.lm.adapters import adapter_checkpoint
 from tracinfunc.lm.data import completion_batch, completion_collator, generation_batch
 from tracinfunc.lm.losses import causal_lm_loss, completion_labels, sequence_classification_loss
+from tracinfunc.lm.outputs import output_token_grads
+from tracinfunc.lm.spans import span_scores, top_spans
+from tracinfunc.lm.tokens import TokenScores, token_scores
 from tracinfunc.loss import loss_from_model, loss_from_module
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection
@@ -95,6 +98,7 @@ __all__ = [
     "Preconditioner",
     "Projection",
     "SearchIndex",
+    "TokenScores",
     "TopExamples",
     "TracInFuncError",
     "__version__",
@@ -117,6 +121,7 @@ __all__ = [
     "loss_from_module",
     "model_stages",
     "open_store",
+    "output_token_grads",
     "per_sample_grads",
     "preconditioned_test_grads",
     "projected_grads",
@@ -129,9 +134,12 @@ __all__ = [
     "select_training_data",
     "self_influence",
     "sequence_classification_loss",
+    "span_scores",
     "to_memory",
     "to_pinned",
+    "token_scores",
     "top_k",
+    "top_spans",
     "trainer_callback",
     "verify_store",
 ]

@@ -38,6 +38,9 @@ from tracinfunc import (
     projection as projection,
 )
 from tracinfunc import (
+    report as report,
+)
+from tracinfunc import (
     search as search,
 )
 from tracinfunc import (
@@ -75,6 +78,7 @@ from tracinfunc.loss import loss_from_model, loss_from_module
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection
 from tracinfunc.query.score import score, score_chunks, self_influence, top_k
+from tracinfunc.report import write_report
 from tracinfunc.search import SearchIndex, build_index, indexed_top_k, load_index
 from tracinfunc.select.less import select_training_data
 from tracinfunc.select.top_examples import TopExamples
@@ -142,4 +146,5 @@ __all__ = [
     "top_spans",
     "trainer_callback",
     "verify_store",
+    "write_report",
 ]

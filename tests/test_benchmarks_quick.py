@@ -27,7 +27,8 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswit
 NEEDS = {"search.py": ["faiss"], "scale_out.py": ["boto3", "moto"],
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"],
-         "quality_lm.py": ["transformers", "matplotlib"]}
+         "quality_lm.py": ["transformers", "matplotlib"],
+         "token_attribution.py": ["transformers"], "report.py": ["sklearn"]}
 # Arguments beyond --quick ({tmp}: the scratch directory).
 EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"],
          "curvature.py": ["--model", "logreg", "--out", "{tmp}"],
@@ -36,7 +37,9 @@ EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["-
 PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "search.py": "nlist // 16",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
-          "quality_lm.py": "| tracin-all | tracin | all |"}
+          "quality_lm.py": "| tracin-all | tracin | all |",
+          "token_attribution.py": "| canary document top-1 proponent |",
+          "report.py": "| report, 300 queries |"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
 IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
 

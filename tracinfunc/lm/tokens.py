@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.func import jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tracinfunc._validate import entry_point
 from tracinfunc.checkpoint import Checkpoint, loss_at
@@ -71,23 +72,33 @@ class TokenScores:
         return self.values.sum(-1)
 
 
-def next_token_terms(outputs: Any, example: Mapping[str, Tensor]) -> Tensor:
-    """Per-position terms ``[1, T]`` of :func:`~tracinfunc.causal_lm_loss`, summing to it.
+def next_token_terms(logits: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+    """Per-position terms ``[b, T]`` of :func:`~tracinfunc.causal_lm_loss`, summing to it.
 
-    Position ``t`` holds ``l_t / N``, the loss of predicting ``input_ids[t]`` divided by the
-    number of scored targets; position 0 and unscored targets hold exactly 0.
+    Args:
+        logits: ``[b, T, V]``.
+        batch: ``{"input_ids": [b, T], "attention_mask"?: [b, T], "labels"?: [b, T]}``.
+
+    Returns:
+        ``[b, T]``: position ``t`` holds ``l_t / N``, the loss of predicting token ``t``
+        divided by the row's number of scored targets; position 0 and unscored targets
+        hold exactly 0.
     """
-    logits = _logits(outputs)  # [1, T, V]
-    labels = example.get("labels", example["input_ids"])
-    mask = example.get("attention_mask")
+    labels = batch.get("labels", batch["input_ids"])
+    mask = batch.get("attention_mask")
     if mask is not None:
         labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
-    targets = labels[:, 1:]  # [1, T - 1]
+    targets = labels[:, 1:]  # [b, T - 1]
     per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(),
                                 ignore_index=IGNORE_INDEX, reduction="none")
-    scored = (targets.flatten() != IGNORE_INDEX).to(per_token.dtype)
-    terms = per_token / scored.sum().clamp_min(1)  # [T - 1]
-    return torch.cat([terms.new_zeros(1), terms]).unsqueeze(0)
+    per_token = per_token.reshape(targets.shape)
+    scored = (targets != IGNORE_INDEX).to(per_token.dtype).sum(1, keepdim=True)
+    terms = per_token / scored.clamp_min(1)  # [b, T - 1]
+    return torch.cat([terms.new_zeros(terms.shape[0], 1), terms], dim=1)
+
+
+def _logits_only(outputs: Any, example: Mapping[str, Tensor]) -> Tensor:
+    return _logits(outputs)
 
 
 def _terms_loss(loss: Any) -> ModuleLoss:
@@ -97,7 +108,7 @@ def _terms_loss(loss: Any) -> ModuleLoss:
             f"are what is attributed), got {type(loss).__name__}; build the store and the "
             "test gradients with loss=tif.causal_lm_loss(model) and pass that loss."
         )
-    return dataclasses.replace(loss, criterion=next_token_terms)
+    return dataclasses.replace(loss, criterion=_logits_only)
 
 
 def _check_checkpoints(store: GradientStore, checkpoints: Sequence[Checkpoint]) -> None:
@@ -136,7 +147,7 @@ def _directions(store: GradientStore, checkpoint: Checkpoint, index: int,
 def token_scores(store: GradientStore, test_grads: GradientStore | Tensor, loss: ModuleLoss,
                  checkpoints: Sequence[Checkpoint], documents: Mapping[str, Tensor], *,
                  rows: Sequence[int] | Tensor | None = None,
-                 chunk_size: int = 16) -> TokenScores:
+                 chunk_size: int = 64) -> TokenScores:
     """Per-token TracIn scores of training documents, summing to their store scores.
 
     Args:
@@ -152,7 +163,7 @@ def token_scores(store: GradientStore, test_grads: GradientStore | Tensor, loss:
         rows: ``[n_docs]`` the documents' rows in the store: when given, each document's
             summed score is checked against ``store``'s row (a document that is not that row
             raises).
-        chunk_size: Documents per vmapped forward-mode pass (memory grows with it).
+        chunk_size: Documents per forward-mode pass (memory grows with it).
 
     Returns:
         :class:`TokenScores`: ``values [n_test, n_docs, T]`` in the checkpoints' dtype on
@@ -192,7 +203,12 @@ def token_scores(store: GradientStore, test_grads: GradientStore | Tensor, loss:
 
 
 def _checkpoint_scores(store, terms_loss, checkpoint, index, test, documents, chunk_size):
-    """``[n_test, n_docs, T]`` of one checkpoint: a JVP per test row and chunk of documents."""
+    """``[n_test, n_docs, T]`` of one checkpoint: a JVP per test row and chunk of documents.
+
+    A chunk runs as one batched forward (``ModuleLoss.per_example``); the first two documents
+    are also run example by example under ``vmap`` and, if the two differ (rows that
+    interact), every chunk takes the vmapped path.
+    """
     directions = _directions(store, checkpoint, index, test)
     loss_c = loss_at(terms_loss, checkpoint)
     params = checkpoint.params
@@ -200,21 +216,49 @@ def _checkpoint_scores(store, terms_loss, checkpoint, index, test, documents, ch
     chosen = {name: params[name] for name in directions}
     fixed = {n: v for n, v in params.items() if n not in chosen}
 
+    def batched(direction, chunk):
+        def terms(selected):
+            logits = loss_c.per_example({**fixed, **selected}, chunk)[:, 0]  # [b, T, V]
+            return next_token_terms(logits, chunk)  # [b, T]
+        with sdpa_kernel([SDPBackend.MATH]):
+            return jvp(terms, (chosen,), (direction,))[1]
+
     def one(direction, example):
         def terms(selected):
-            return loss_c({**fixed, **selected}, example)[0]  # [T]
+            logits = loss_c({**fixed, **selected}, example)  # [1, T, V]
+            return next_token_terms(logits, {k: v[None] for k, v in example.items()})[0]
         return jvp(terms, (chosen,), (direction,))[1]
 
+    def vmapped(direction, chunk):
+        return vmap(one, in_dims=(None, 0))(direction, chunk)
+
     docs = {key: value.to(device) for key, value in documents.items()}
-    n_docs, n_test = docs["input_ids"].shape[0], test.shape[0]
+    n_docs = docs["input_ids"].shape[0]
+    chunks = [{k: v[lo:lo + chunk_size] for k, v in docs.items()}
+              for lo in range(0, n_docs, chunk_size)]
+    path = None
     out = []
-    for i in range(n_test):
+    for i in range(test.shape[0]):
         direction = {name: value[i] for name, value in directions.items()}
-        parts = [vmap(one, in_dims=(None, 0))(direction,
-                                              {k: v[lo:lo + chunk_size] for k, v in docs.items()})
-                 for lo in range(0, n_docs, chunk_size)]
-        out.append(torch.cat(parts))
+        if path is None:
+            probe = {k: v[:2] for k, v in chunks[0].items()}
+            path = _proven_path(batched, vmapped, direction, probe)
+        out.append(torch.cat([path(direction, chunk) for chunk in chunks]))
     return torch.stack(out)
+
+
+def _proven_path(batched, vmapped, direction, chunk):
+    """``batched`` when it gives ``vmapped``'s numbers on ``chunk`` (up to rounding)."""
+    try:
+        fast = batched(direction, chunk)
+    except Exception:  # a model whose batched forward has no forward-mode rule: vmap instead
+        return vmapped
+    slow = vmapped(direction, chunk)
+    scale = float(slow.abs().max()) if slow.numel() else 0.0
+    tolerance = 1e-4 if slow.dtype != torch.float64 else 1e-9
+    if torch.allclose(fast, slow, rtol=tolerance, atol=tolerance * scale + 1e-30):
+        return batched
+    return vmapped
 
 
 def _scored(documents: Mapping[str, Tensor]) -> Tensor:

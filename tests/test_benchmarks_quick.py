@@ -39,7 +39,7 @@ PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
           "quality_lm.py": "| tracin-all | tracin | all |",
           "token_attribution.py": "| canary document top-1 proponent |",
-          "report.py": "| report, 300 queries |"}
+          "report.py": "| page top-10 rows == tif.top_k's | True |"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
 IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
 

@@ -19,7 +19,7 @@ from tracinfunc.report.items import Shown
 from tracinfunc.search.files import enclosing_store_or_index
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["write_report"]
+__all__ = ["check_report_path", "write_report"]
 
 
 @entry_point("write_report")
@@ -63,7 +63,7 @@ def write_report(path: str | os.PathLike, store: GradientStore, test_grads: Any,
         InvalidArgumentError: ``k`` or ``outliers`` out of range, or items that do not
             match the rows.
     """
-    path = _check_path(path, overwrite)
+    path = check_report_path(path, overwrite=overwrite)
     n_train = store.meta.n_train
     for name, value, low in (("k", k, 1), ("outliers", outliers, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -95,7 +95,8 @@ def write_report(path: str | os.PathLike, store: GradientStore, test_grads: Any,
     return _write_atomic(path, page)
 
 
-def _check_path(path: Any, overwrite: bool) -> Path:
+def check_report_path(path: Any, *, overwrite: bool) -> Path:
+    """``path`` as a Path if a report may be written there (before any work)."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise OutputPathError(f"write_report: {str(path)!r} must end in .html.")
@@ -179,6 +180,9 @@ def _write_atomic(path: Path, page: str) -> Path:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(page)
+        umask = os.umask(0o022)  # mkstemp makes 0600; a page is for reading, as open() makes
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

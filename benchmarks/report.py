@@ -34,8 +34,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 queries, fewer epochs")
     parser.add_argument("--out", type=Path, default=None, help="keep the page here")
+    parser.add_argument("--queries", type=int, default=None, help="queries on the page")
     args = parser.parse_args()
     n_queries, (epochs, every) = (30, (6, 2)) if args.quick else (300, (30, 6))
+    n_queries = args.queries or n_queries
     train, test, flipped = load_digits_with_flipped_labels(flip_fraction=0.1, seed=0)
     model, ckpts = train_with_checkpoints(*train, epochs=epochs, every=every, lr=0.1, seed=0)
     loss = tif.loss_from_module(model, F.cross_entropy)

@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +106,9 @@ def one_seed(seed: int, epochs: int) -> dict:
         start = int(starts[planted.tolist().index(top)])
         best = set(scores.values[0, 0].topk(CANARY).indices.tolist())
         found = len(best & set(range(start, start + CANARY)))
-    return {"seed": seed, "top1": hit, "canary_tokens_in_top8": found, "store": store,
-            "test": test, "loss": loss, "ckpts": ckpts, "docs": docs, "rows": rows[0]}
+    return {"seed": seed, "top1": hit, "test_ids": query["input_ids"],
+            "canary_tokens_in_top8": found, "store": store, "test": test, "loss": loss,
+            "ckpts": ckpts, "docs": docs, "rows": rows[0]}
 
 
 def cost(run: dict, repeats: int) -> dict:
@@ -133,10 +135,26 @@ def cost(run: dict, repeats: int) -> dict:
     return {**medians, "ratio": medians["per_token"] / medians["rescore"]}
 
 
+SYLLABLES = [c + v for c in "bdgklmnprstvz" for v in "aeiou"][:VOCAB]
+
+
+def write_page(run: dict, path: Path) -> None:
+    """The canary query's report: its top-5 documents with every token coloured."""
+    rows = run["rows"][:5]
+    chosen = {"input_ids": run["docs"][rows]}
+    scores = tif.token_scores(run["store"], run["test"], run["loss"], run["ckpts"], chosen,
+                              rows=rows)
+    tif.write_report(path, run["store"], run["test"], k=5, train={"input_ids": run["docs"]},
+                     queries={"input_ids": run["test_ids"]}, tokens={0: scores},
+                     decode=lambda t: SYLLABLES[t] + " ", outliers=3, overwrite=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, fewer repeats")
     parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--report", type=Path, default=None,
+                        help="also write seed 0's HTML report (top-5 documents' tokens)")
     args = parser.parse_args()
     n_seeds = args.seeds or (2 if args.quick else 20)
     torch.set_num_threads(1)
@@ -148,6 +166,8 @@ def main() -> None:
     tokens = [run["canary_tokens_in_top8"] for run in runs if run["top1"]]
     six = sum(found >= 6 for found in tokens) / max(len(tokens), 1)
     timing = cost(runs[0], repeats=3 if args.quick else 7)
+    if args.report is not None:
+        write_page(runs[0], args.report)
     print("| measure | value | target |\n|---|---|---|")
     print(f"| canary document top-1 proponent | {top1:.0%} of {n_seeds} seeds | >= 90% |")
     print(f"| >= 6 of 8 canary tokens among the document's 8 best (top-1 seeds) | {six:.0%} "

@@ -130,6 +130,18 @@ def test_the_page_renders_the_top_k_rows_and_no_hostile_label_runs(tmp_path):
 
 
 @needs_browser
+def test_thumbnails_are_drawn(tmp_path):
+    store, test, _, _ = digits_setup()
+    black = torch.zeros(60, 8, 8)  # a constant image is drawn black; the page's text is #222
+    path = tif.write_report(tmp_path / "b.html", store, test, k=10, train=black, outliers=0)
+    _, shot = render(path, tmp_path)
+    pixels = png_pixels(shot)
+    channels = 4 if len(pixels) == 1000 * 800 * 4 else 3
+    black_pixels = sum(pixels[i:i + 3] == [0, 0, 0] for i in range(0, len(pixels), channels))
+    assert black_pixels > 10 * 30 * 30  # at least the first query's ten 32 x 32 thumbnails
+
+
+@needs_browser
 def test_token_highlighting_renders_one_span_per_token(tmp_path):
     from tests.lm_helpers import tiny_gpt2, token_batch
 

@@ -54,7 +54,8 @@ padding-top:.6em}}
 table{{border-collapse:collapse;margin:.3em 0}} td,th{{padding:2px 8px;text-align:left;\
 vertical-align:top}}
 tr.pro td.score{{color:#070}} tr.opp td.score{{color:#a00}} td.score{{font-family:monospace}}
-.thumb{{width:32px;height:32px;image-rendering:pixelated;border:1px solid #aaa}}
+.thumb{{display:inline-block;width:32px;height:32px;image-rendering:pixelated;\
+border:1px solid #aaa}}
 .doc{{font-family:monospace;white-space:pre-wrap;max-width:60em}} .tok{{border-radius:2px}}
 .note{{color:#666}} .cols{{display:flex;gap:2em;flex-wrap:wrap}}
 </style></head><body>

@@ -178,3 +178,21 @@ def test_a_one_token_document_and_k_beyond_the_windows():
     one = tif.token_scores(store, test, loss, ckpts, {"input_ids": torch.tensor([[5]])})
     assert one.values.shape == (1, 1, 1) and (one.values == 0).all()
     assert len(tif.top_spans(one, width=8, k=10)) == 1  # k > windows: all there are
+
+
+def test_the_docs_example_runs_as_written():
+    """docs/attribution.md's first example, on a tiny GPT-2 (k and sizes shrunk only)."""
+    model = tiny_gpt2()
+    checkpoints = two_checkpoints(model)
+    train, queries = token_batch(6, 8, seed=1), token_batch(2, 8, seed=2)
+    loss = tif.causal_lm_loss(model)
+    spec = tif.Projection(dim=64, kind="kronecker")
+    store = tif.build_store(loss, checkpoints, train, projection=spec)
+    query = {key: value[:1] for key, value in queries.items()}
+    test = tif.build_store(loss, checkpoints, query, projection=store.projection)
+    values, rows = tif.top_k(store, test, k=4)
+    docs = {key: value[rows[0]] for key, value in train.items()}
+    scores = tif.token_scores(store, test, loss, checkpoints, docs, rows=rows[0])
+    torch.testing.assert_close(scores.document_scores().float(), values, rtol=1e-4, atol=1e-6)
+    assert len(tif.top_spans(scores, width=8, k=5)) == 4  # one window per 8-token document
+    assert tif.span_scores(scores, [(0, 4), (4, 8)]).shape == (1, 4, 2)

@@ -13,6 +13,7 @@ from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
     LossFunctionError,
+    TrainModeError,
 )
 from tracinfunc.projection import make_projector
 
@@ -159,6 +160,14 @@ def test_hostile_inputs_are_refused_before_any_gradient_work():
     nan[0, 0, 0] = float("nan")
     with pytest.raises(InvalidArgumentError, match="NaN"):
         tif.token_scores(store, nan, loss, ckpts, docs)
+    with pytest.raises(EmptyDataError, match="empty"):
+        tif.token_scores(store, test, loss, ckpts, {"input_ids": torch.ones(0, 8).long()})
+    with pytest.raises(InvalidArgumentError, match="keys"):
+        tif.token_scores(store, test, loss, ckpts, {**docs, "token_type_ids": docs["input_ids"]})
+    model.train()
+    with pytest.raises(TrainModeError, match="eval"):
+        tif.token_scores(store, test, loss, ckpts, docs)
+    model.eval()
     with pytest.raises(InvalidArgumentError, match="span"):
         tif.span_scores(tif.token_scores(store, test, loss, ckpts, docs), [(3, 99)])
 
@@ -196,3 +205,23 @@ def test_the_docs_example_runs_as_written():
     torch.testing.assert_close(scores.document_scores().float(), values, rtol=1e-4, atol=1e-6)
     assert len(tif.top_spans(scores, width=8, k=5)) == 4  # one window per 8-token document
     assert tif.span_scores(scores, [(0, 4), (4, 8)]).shape == (1, 4, 2)
+
+
+def test_the_batched_path_is_used_only_when_it_equals_the_vmapped_one():
+    from tracinfunc.lm.tokens import _proven_path
+
+    def vmapped(direction, chunk):
+        return torch.ones(2, 3)
+
+    def failing(direction, chunk):
+        raise RuntimeError("no forward-mode rule")
+
+    def different(direction, chunk):
+        return torch.ones(2, 3) * 1.01
+
+    def same(direction, chunk):
+        return torch.ones(2, 3)
+
+    assert _proven_path(failing, vmapped, None, None) is vmapped
+    assert _proven_path(different, vmapped, None, None) is vmapped
+    assert _proven_path(same, vmapped, None, None) is same

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -116,20 +117,25 @@ def _tokens(args: argparse.Namespace) -> int:
 
 def _record(query: int, scores, width: int) -> dict:
     values = scores.values[0]
-    documents = [{"row": int(row), "score": float(values[i].sum()),
+    documents = [{"row": int(row), "score": _finite(float(values[i].sum())),
                   "tokens": scores.input_ids[i].tolist(),
-                  "token_scores": values[i].tolist()}
+                  "token_scores": [_finite(v) for v in values[i].tolist()]}
                  for i, row in enumerate(scores.rows.tolist())]
     spans = [{"row": int(scores.rows[span.document]), "start": span.start, "stop": span.stop,
-              "score": span.score} for span in top_spans(scores, width=width, k=10)]
+              "score": _finite(span.score)} for span in top_spans(scores, width=width, k=10)]
     return {"query": query, "documents": documents, "top_spans": spans}
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN or infinity: a non-finite score is written as null."""
+    return value if math.isfinite(value) else None
 
 
 def _write_json(path: Path, records: list) -> None:
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.resolve().parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
-            json.dump(records, file, allow_nan=True)
+            json.dump(records, file, allow_nan=False)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

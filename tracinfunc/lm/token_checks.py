@@ -13,12 +13,13 @@ from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
     InvalidTypeError,
+    TrainModeError,
 )
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.store.meta import check_compatible
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["check_documents", "check_rows", "check_test_grads"]
+__all__ = ["check_documents", "check_eval", "check_rows", "check_test_grads"]
 
 _KEYS = ("input_ids", "attention_mask", "labels")
 
@@ -120,3 +121,15 @@ def check_rows(store: GradientStore, rows: Any, n_docs: int) -> Tensor | None:
             f"token_scores: rows must lie in [0, {n_train}), got [{int(rows.min())}, "
             f"{int(rows.max())}].")
     return rows.long().cpu()
+
+
+def check_eval(module: nn.Module) -> None:
+    """Refuse active dropout: random per-token terms would not sum to the stored score."""
+    active = [name or type(module).__name__ for name, layer in module.named_modules()
+              if isinstance(layer, nn.modules.dropout._DropoutNd) and layer.training
+              and layer.p > 0]
+    if active:
+        raise TrainModeError(
+            f"token_scores: dropout layers {active[:3]} are in train mode, so every pass "
+            "would drop different units and the tokens would not sum to the store's score; "
+            "call model.eval() first (as for build_store).")

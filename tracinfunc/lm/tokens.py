@@ -41,7 +41,12 @@ from tracinfunc.errors import (
     LossFunctionError,
 )
 from tracinfunc.lm.losses import IGNORE_INDEX, _logits, _next_token_loss
-from tracinfunc.lm.token_checks import check_documents, check_rows, check_test_grads
+from tracinfunc.lm.token_checks import (
+    check_documents,
+    check_eval,
+    check_rows,
+    check_test_grads,
+)
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.projection import make_projector
 from tracinfunc.store.protocols import GradientStore
@@ -174,10 +179,12 @@ def token_scores(store: GradientStore, test_grads: GradientStore | Tensor, loss:
         IncompatibleGradientsError: test rows, checkpoints or documents do not belong to the
             store.
         LossFunctionError: ``loss`` is not a ``causal_lm_loss``.
+        TrainModeError: the model's dropout is active (call ``model.eval()``).
         InvalidArgumentError: tokens outside the vocabulary, documents longer than the
             model's positions, a preconditioned store, bad ``rows``.
     """
     terms_loss = _terms_loss(loss)
+    check_eval(loss.module)
     if store.meta.preconditioner is not None:
         raise InvalidArgumentError(
             f"token_scores: the store is preconditioned ({store.meta.preconditioner!r}); "

@@ -225,3 +225,21 @@ def test_the_batched_path_is_used_only_when_it_equals_the_vmapped_one():
     assert _proven_path(failing, vmapped, None, None) is vmapped
     assert _proven_path(different, vmapped, None, None) is vmapped
     assert _proven_path(same, vmapped, None, None) is same
+
+
+@pytest.mark.parametrize("case", ["per_checkpoint", "select", "int8"])
+def test_per_checkpoint_projections_selections_and_quantised_stores(case):
+    model = tiny_gpt2()
+    ckpts, loss, docs = two_checkpoints(model), tif.causal_lm_loss(model), token_batch(3, 8)
+    spec = tif.Projection(dim=32, kind="kronecker", per_checkpoint=case == "per_checkpoint")
+    options = tif.GradientOptions(select="transformer.h.1.*") if case == "select" else None
+    dtype = "int8" if case == "int8" else torch.float64
+    store = tif.build_store(loss, ckpts, docs, projection=spec, options=options, dtype=dtype)
+    test = tif.build_store(loss, ckpts, token_batch(1, 8, seed=3), projection=spec,
+                           options=options, dtype=torch.float64)
+    got = tif.token_scores(store, test, loss, ckpts, docs, rows=[0, 1, 2])  # rows check passes
+    expected = tif.score(store, test).double()
+    # int8 rows are rounded in storage; the per-token sums are those of the exact rows
+    rtol = 2e-2 if case == "int8" else 1e-9
+    torch.testing.assert_close(got.document_scores(), expected, rtol=rtol,
+                               atol=rtol * float(expected.abs().max()))

@@ -133,9 +133,9 @@ def _check_checkpoints(store: GradientStore, checkpoints: Sequence[Checkpoint]) 
         )
 
 
-def _directions(store: GradientStore, checkpoint: Checkpoint, index: int,
-                test: Tensor) -> dict[str, Tensor]:
-    """``lr_c P_c^T test_c`` ``{name: [n_test, *shape]}``: the projector's transpose (a VJP)."""
+def _directions(store: GradientStore, checkpoint: Checkpoint, index: int, test: Tensor):
+    """``i -> lr_c P_c^T test_c[i]`` ``{name: [*shape]}``: the projector's transpose (a VJP),
+    one test row at a time (each direction is as large as the parameters)."""
     meta = store.meta
     params = checkpoint.params
     names = [name for name, _ in meta.layout]
@@ -145,7 +145,7 @@ def _directions(store: GradientStore, checkpoint: Checkpoint, index: int,
     zeros = {name: torch.zeros_like(params[name]) for name in names}
     _, pullback = vjp(projector, zeros)
     rows = test.to(dtype=first.dtype, device=first.device) * meta.checkpoints[index].lr
-    return vmap(pullback)(rows)[0]
+    return lambda i: pullback(rows[i])[0]
 
 
 @entry_point("token_scores")
@@ -216,11 +216,11 @@ def _checkpoint_scores(store, terms_loss, checkpoint, index, test, documents, ch
     are also run example by example under ``vmap`` and, if the two differ (rows that
     interact), every chunk takes the vmapped path.
     """
-    directions = _directions(store, checkpoint, index, test)
+    direction_of = _directions(store, checkpoint, index, test)
     loss_c = loss_at(terms_loss, checkpoint)
     params = checkpoint.params
     device = next(iter(params.values())).device
-    chosen = {name: params[name] for name in directions}
+    chosen = {name: params[name] for name, _ in store.meta.layout}
     fixed = {n: v for n, v in params.items() if n not in chosen}
 
     def batched(direction, chunk):
@@ -246,7 +246,7 @@ def _checkpoint_scores(store, terms_loss, checkpoint, index, test, documents, ch
     path = None
     out = []
     for i in range(test.shape[0]):
-        direction = {name: value[i] for name, value in directions.items()}
+        direction = direction_of(i)
         if path is None:
             probe = {k: v[:2] for k, v in chunks[0].items()}
             path = _proven_path(batched, vmapped, direction, probe)

@@ -197,6 +197,12 @@ def test_nan_scores_k_beyond_the_rows_and_paths(tmp_path):
         tif.write_report(tmp_path / "k.html", store, rows, k=0)
     with pytest.raises(InvalidArgumentError, match="train has 5 items"):
         tif.write_report(tmp_path / "k.html", store, rows, train=x[:5])
+    fake = tif.TokenScores(torch.zeros(1, 1, 3), torch.ones(1, 3, dtype=torch.bool),
+                           torch.zeros(1, 3, dtype=torch.long), torch.tensor([99]))
+    with pytest.raises(InvalidArgumentError, match="explains row 99"):
+        tif.write_report(tmp_path / "k.html", store, rows, tokens={0: fake})
+    with pytest.raises(InvalidArgumentError, match="one query"):
+        tif.write_report(tmp_path / "k.html", store, rows, tokens={7: fake})
     assert not (tmp_path / "k.html").exists()
 
 

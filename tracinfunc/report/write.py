@@ -79,7 +79,7 @@ def write_report(path: str | os.PathLike, store: GradientStore, test_grads: Any,
     pro_values, pro_rows = top_k(store, test_grads, k=k, progress=False)
     opp_values, opp_rows = top_k(store, test_grads, k=k, largest=False, progress=False)
     shown_queries.check_length(pro_rows.shape[0])
-    tokens = _check_tokens(tokens, pro_rows.shape[0])
+    tokens = _check_tokens(tokens, pro_rows.shape[0], n_train)
     sections = [_query_section(q, shown_queries, shown_train, (pro_values[q], pro_rows[q]),
                                (opp_values[q], opp_rows[q]), tokens.get(q))
                 for q in range(pro_rows.shape[0])]
@@ -115,7 +115,7 @@ def check_report_path(path: Any, *, overwrite: bool) -> Path:
     return path
 
 
-def _check_tokens(tokens: Any, n_test: int) -> dict[int, TokenScores]:
+def _check_tokens(tokens: Any, n_test: int, n_train: int) -> dict[int, TokenScores]:
     if tokens is None:
         return {}
     if not isinstance(tokens, Mapping):
@@ -126,6 +126,10 @@ def _check_tokens(tokens: Any, n_test: int) -> dict[int, TokenScores]:
             raise InvalidArgumentError(
                 f"write_report: tokens must map a query in [0, {n_test}) to the TokenScores "
                 f"of that one query's test row, got {query!r}: {type(scores).__name__}.")
+        if scores.rows is not None and len(scores.rows) and int(scores.rows.max()) >= n_train:
+            raise InvalidArgumentError(
+                f"write_report: tokens[{query}] explains row {int(scores.rows.max())} but the "
+                f"store has {n_train} rows; pass token scores computed against this store.")
     return dict(tokens)
 
 

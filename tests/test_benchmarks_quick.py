@@ -28,7 +28,8 @@ NEEDS = {"search.py": ["faiss"], "index_binding.py": ["faiss"], "scale_out.py": 
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"],
          "quality_lm.py": ["transformers", "matplotlib"],
-         "rerank.py": ["sklearn", "transformers"]}
+         "rerank.py": ["sklearn", "transformers"],
+         "token_attribution.py": ["transformers"], "report.py": ["sklearn"]}
 # Arguments beyond --quick ({tmp}: the scratch directory).
 EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["--dir", "{tmp}"],
          "curvature.py": ["--model", "logreg", "--out", "{tmp}"],
@@ -38,7 +39,9 @@ PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "search.py": "nlist // 16",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
           "quality_lm.py": "| tracin-all | tracin | all |",
-          "rerank.py": "| LM projected curvature, retrieve with curvature |"}
+          "rerank.py": "| LM projected curvature, retrieve with curvature |",
+          "token_attribution.py": "| canary document top-1 proponent |",
+          "report.py": "| page top-10 rows == tif.top_k's | True |"}
 # Scripts whose quick run is a test elsewhere, in process, with checks on what it returns.
 IN_PROCESS = {"llm_throughput.py": "tests/grads/test_factorized_batched.py"}
 

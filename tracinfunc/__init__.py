@@ -38,6 +38,9 @@ from tracinfunc import (
     projection as projection,
 )
 from tracinfunc import (
+    report as report,
+)
+from tracinfunc import (
     search as search,
 )
 from tracinfunc import (
@@ -68,6 +71,9 @@ from tracinfunc.grads import (
 from tracinfunc.lm.adapters import adapter_checkpoint
 from tracinfunc.lm.data import completion_batch, completion_collator, generation_batch
 from tracinfunc.lm.losses import causal_lm_loss, completion_labels, sequence_classification_loss
+from tracinfunc.lm.outputs import output_token_grads
+from tracinfunc.lm.spans import span_scores, top_spans
+from tracinfunc.lm.tokens import TokenScores, token_scores
 from tracinfunc.loss import loss_from_model, loss_from_module
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection
@@ -76,6 +82,7 @@ from tracinfunc.query.contrast import Contrast
 from tracinfunc.query.score import score
 from tracinfunc.query.self_influence import self_influence
 from tracinfunc.query.top_k import top_k
+from tracinfunc.report import write_report
 from tracinfunc.search import (
     Retriever,
     SearchIndex,
@@ -108,6 +115,7 @@ __all__ = [
     "Projection",
     "Retriever",
     "SearchIndex",
+    "TokenScores",
     "TopExamples",
     "TracInFuncError",
     "__version__",
@@ -130,6 +138,7 @@ __all__ = [
     "loss_from_module",
     "model_stages",
     "open_store",
+    "output_token_grads",
     "per_sample_grads",
     "preconditioned_test_grads",
     "projected_grads",
@@ -143,9 +152,13 @@ __all__ = [
     "select_training_data",
     "self_influence",
     "sequence_classification_loss",
+    "span_scores",
     "to_memory",
     "to_pinned",
+    "token_scores",
     "top_k",
+    "top_spans",
     "trainer_callback",
     "verify_store",
+    "write_report",
 ]

@@ -100,7 +100,7 @@ KINDS: dict[str, ArtifactKind] = {kind.name: kind for kind in (
 
 #: Kinds written as one plain file (never a directory); any file may be replaced by them
 #: with ``overwrite`` unless it lies inside an artefact.
-FILE_KINDS = ("result file", "selection file")
+FILE_KINDS = ("result file", "selection file", "report file")
 
 
 def artifact_kind(directory: str | os.PathLike[str]) -> str | None:

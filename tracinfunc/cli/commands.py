@@ -7,6 +7,8 @@
     tracinfunc info grads.zarr [--verify]
     tracinfunc build ... --recorded ckpts/ --preconditioner adam       (LESS; trackstar too)
     tracinfunc select scores.npy --fraction 0.05 [--tasks tasks.json] --output chosen.json
+    tracinfunc tokens grads.zarr --spec lm.py:make --top-k 10 --output tokens.json
+    tracinfunc report grads.zarr --spec exp.py:make --image-shape 8x8 --output report.html
 
 Errors print one line (``tracinfunc: error: ...``) and exit with status 1 (2 for usage
 errors); ``--debug`` shows the traceback instead. ``--quiet`` and ``--debug`` go before or
@@ -27,6 +29,7 @@ from tracinfunc._validate import calling
 from tracinfunc._version import __version__
 from tracinfunc.build.torch import build_store
 from tracinfunc.checkpoint import Checkpoint
+from tracinfunc.cli.attribution import add_attribution_commands
 from tracinfunc.cli.evaluate import add_evaluate_command
 from tracinfunc.cli.recorded import (
     add_recorded_arguments,
@@ -221,6 +224,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_evaluate_command(commands, common, _positive_int)
     add_select_command(commands, common, _positive_int)
+    add_attribution_commands(commands, common, _positive_int)
     return parser
 
 

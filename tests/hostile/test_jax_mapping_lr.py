@@ -9,7 +9,8 @@ FAILING now (findings):
 - test_flax_mapping_of_an_absent_collection_is_refused: ParamMapping.flax(tree,
   collection='batch_stats') on a tree without it maps the whole tree ('params.0.weight').
 - test_lr_beyond_float32_is_refused: lr=1e39 (finite as a Python float, inf in the float32
-  scores) is accepted; score() is NaN/inf and top_k ranks NaN values.
+  scores) is accepted, score() is NaN/inf and top_k ranks NaN values; lr=1e-320 (0 in float32)
+  gives all-zero scores; lr=10**400 raises a raw OverflowError.
 HELD (guards): mapping from another model, untransposed square kernels caught by the
 fingerprint, Equinox via eqx.partition, lr spellings.
 """
@@ -72,20 +73,23 @@ def test_flax_mapping_of_an_absent_collection_is_refused():
         tj.ParamMapping.flax(_params(), collection="batch_stats")
 
 
-def test_lr_beyond_float32_is_refused():
-    """FAILS now: scores are NaN/inf with lr=1e39 and nothing says why."""
+@pytest.mark.parametrize("lr", [1e39, 1e-320, 10**400], ids=["1e39", "1e-320", "10**400"])
+def test_lr_beyond_float32_is_refused(lr):
+    """FAILS now: 1e39 gives NaN/inf scores, 1e-320 (0 in float32) all-zero scores, both with
+    no error; 10**400 raises a raw OverflowError instead of the library's lr message."""
     x, y = _data()
     p = _params()
     proj = tif.Projection(dim=8)
     try:
-        ckpt = tj.Checkpoint(p, lr=1e39, name="a")
+        ckpt = tj.Checkpoint(p, lr=lr, name="a")
         store = tj.build_store(_loss, [ckpt], (x, y), projection=proj)
         test = tj.build_store(_loss, [ckpt], (x[:3], y[:3]), projection=proj)
         scores = tif.score(store, test)
     except TracInFuncError as err:
         assert "lr" in str(err)
         return
-    assert torch.isfinite(scores).all(), "lr=1e39 accepted and the scores are NaN/inf"
+    assert torch.isfinite(scores).all() and bool((scores != 0).any()), (
+        f"lr={lr!r} accepted: scores are NaN/inf or all 0 in float32")
 
 
 # ---- HELD (regression guards) ----

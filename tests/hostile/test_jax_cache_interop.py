@@ -1,5 +1,11 @@
 """Hostile pass atk3 (JAX frontend: compile-once cache, padding, sharding, stores scored from
-torch; HOSTILE.md classes 2-4). Black box, from docs/jax.md only. ALL HELD: regression guards.
+torch; HOSTILE.md classes 2-5). Black box, from docs/jax.md and docs/concepts/stores.md only.
+
+FAILING now (finding):
+- test_float16_store_overflow_refused: build_store(..., dtype=torch.float16) with gradient
+  entries above float16's 65504 writes inf rows and score() returns inf/NaN, silently, while a
+  NaN/inf gradient is refused by index before the cast (the torch frontend does the same).
+HELD (regression guards): every other test here.
 """
 
 from __future__ import annotations
@@ -167,3 +173,20 @@ def test_held_snapshot_survives_in_place_training():
     b += 1.0
     got = tj.build_store(_loss, [ckpt], (x, y), projection=P)
     assert torch.equal(got.read_rows(0, 0, 20), ref.read_rows(0, 0, 20))
+
+
+def test_float16_store_overflow_refused():
+    """FAILS now: rows hold inf and the scores are not finite; expected a refusal naming the
+    examples and the fix (float32 or bfloat16 storage)."""
+    r = np.random.default_rng(0)
+    x = (r.normal(size=(12, 5)) * 1e5).astype(np.float32)
+    y = r.integers(0, 3, 12).astype(np.int32)
+    p = {"w": jnp.ones((5, 3)) * 0.01, "b": jnp.zeros(3)}
+    try:
+        st = tj.build_store(_loss, [tj.Checkpoint(p, lr=0.1, name="a")], (x, y),
+                            projection=tif.Projection(dim=8), dtype=torch.float16)
+    except TracInFuncError as err:
+        assert "float16" in str(err)
+        return
+    assert torch.isfinite(st.read_rows(0, 0, 12)).all(), "float16 overflow stored as inf"
+    assert torch.isfinite(tif.score(st, st)).all()

@@ -63,7 +63,8 @@ def test_pipelined_rows_equal_the_serial_build_bit_for_bit(mlp_setup32, tmp_path
     _check_writer_reads(monkeypatch, made)
     pipelined = _build(mlp_setup32, store, dtype, tmp_path, "pipelined")
     assert len(made) == 1
-    parts = 4 if dtype in ("int8", "sign") else 3  # stored (+ scales), norms, finite flags
+    # stored (+ scales), norms (+ row peaks for float16: checked against its range), finite
+    parts = 4 if dtype in ("int8", "sign", "float16") else 3
     assert made[0].copied_out == 4 * parts  # every batch after the first (written serially)
     hosts = {key for key, slot in made[0].slots.items() if slot.host}
     assert len(hosts) == 2 * parts  # depth 2: two sets of host buffers, reused
@@ -90,6 +91,13 @@ def _check_writer_reads(monkeypatch, made):
             return real_check(finite, meta, first_row=first_row)
 
     monkeypatch.setattr(copy_out_module, "check_finite_flags", check_finite_flags)
+    real_peaks = copy_out_module.check_peaks
+
+    def check_peaks(peaks, meta, **kw):
+        with made[-1].host_reading(peaks):
+            return real_peaks(peaks, meta, **kw)
+
+    monkeypatch.setattr(copy_out_module, "check_peaks", check_peaks)
 
 
 def _pipelined(monkeypatch, made, *, eager=False):

@@ -3,6 +3,8 @@
 Each is a small function with its device queries injectable (module-level hooks that a CPU
 test replaces), so the logic that only a GPU would exercise runs in CPU tests:
 
+* :func:`usable_device`: a device named by the user that exists and can be used here, or the
+  library's error naming it (``"tpu"``, ``"cuda:7"`` on a one-GPU machine, CUDA without CUDA).
 * :func:`canonical_device`: ``"cuda"`` means the current CUDA device, so ``cuda`` and
   ``cuda:0`` name the same device there and ``cuda:1`` does not.
 * :func:`check_device_memory`: refuse to allocate a result that cannot fit, naming the
@@ -24,10 +26,10 @@ from typing import Any, TypeVar
 import torch
 
 from tracinfunc._validate import current_caller
-from tracinfunc.errors import MemoryBudgetError
+from tracinfunc.errors import InvalidArgumentError, MemoryBudgetError
 
 __all__ = ["canonical_device", "check_device_memory", "free_bytes", "full_float32",
-           "in_full_float32", "module_device"]
+           "in_full_float32", "module_device", "usable_device"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,6 +42,50 @@ def current_index(device_type: str) -> int | None:
     if device_type == "cpu" or None in (is_available, current) or not is_available():
         return None
     return current()
+
+
+def device_count(device_type: str) -> int | None:
+    """How many ``device_type`` devices this process can use (``None``: the backend does not
+    say). Looked up through the module, so a CPU test can fake a GPU machine."""
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    if is_available is None:
+        return None
+    if not is_available():
+        return 0
+    count = getattr(module, "device_count", None)
+    return None if count is None else int(count())
+
+
+def usable_device(device: torch.device | str) -> torch.device:
+    """``device`` as a :class:`torch.device`, checked to exist and be usable in this process.
+
+    Raises:
+        InvalidArgumentError: ``device`` is not a device name torch knows (``"tpu"``), its
+            backend is not available here (CUDA in a CPU-only build), or its index is beyond
+            the devices present (``"cuda:7"`` on a one-GPU machine).
+    """
+    fix = "pass device='cpu', or one of this machine's devices (torch.cuda.device_count())"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"{current_caller()}: device={device!r} is not a device torch knows ({e}); {fix}."
+        ) from None
+    if resolved.type in ("cpu", "meta"):
+        return resolved
+    count = device_count(resolved.type)
+    if count == 0:
+        raise InvalidArgumentError(
+            f"{current_caller()}: device={device!r}: no {resolved.type} device is available in "
+            f"this process; {fix}."
+        )
+    if count is not None and resolved.index is not None and resolved.index >= count:
+        raise InvalidArgumentError(
+            f"{current_caller()}: device={device!r}: this machine has {count} {resolved.type} "
+            f"device(s) (indices 0..{count - 1}); {fix}."
+        )
+    return resolved
 
 
 def canonical_device(device: torch.device | str,

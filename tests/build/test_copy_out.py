@@ -63,7 +63,8 @@ def test_pipelined_rows_equal_the_serial_build_bit_for_bit(mlp_setup32, tmp_path
     _check_writer_reads(monkeypatch, made)
     pipelined = _build(mlp_setup32, store, dtype, tmp_path, "pipelined")
     assert len(made) == 1
-    parts = 4 if dtype in ("int8", "sign") else 3  # stored (+ scales), norms, finite flags
+    # stored (+ scales), norms (+ row peaks for float16: checked against its range), finite
+    parts = 4 if dtype in ("int8", "sign", "float16") else 3
     assert made[0].copied_out == 4 * parts  # every batch after the first (written serially)
     hosts = {key for key, slot in made[0].slots.items() if slot.host}
     assert len(hosts) == 2 * parts  # depth 2: two sets of host buffers, reused
@@ -90,6 +91,13 @@ def _check_writer_reads(monkeypatch, made):
             return real_check(finite, meta, first_row=first_row)
 
     monkeypatch.setattr(copy_out_module, "check_finite_flags", check_finite_flags)
+    real_peaks = copy_out_module.check_peaks
+
+    def check_peaks(peaks, meta, **kw):
+        with made[-1].host_reading(peaks):
+            return real_peaks(peaks, meta, **kw)
+
+    monkeypatch.setattr(copy_out_module, "check_peaks", check_peaks)
 
 
 def _pipelined(monkeypatch, made, *, eager=False):
@@ -232,3 +240,30 @@ def test_the_fake_catches_a_pipeline_that_skips_a_wait(mlp_setup32, monkeypatch,
     loss, ckpts, train, _ = mlp_setup32
     with pytest.raises(AssertionError, match=rule):
         tif.build_store(loss, ckpts, train, projection=PROJ, batch_size=BATCH, progress=False)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rows_beyond_float16_raise_the_serial_error_after_writing_the_batches_before(
+        mlp_setup32, monkeypatch, pipelined):
+    # Row 19's loss is scaled by 1e7: finite in float32, inf in float16 storage (max 65504).
+    loss, ckpts, train, _ = mlp_setup32
+    x, y = train
+    x = x.clone()
+    x[19, 0] = 1e4
+
+    def big(params, example):
+        return loss(params, example) * torch.where(example[0][0] > 1e3, 1e7, 1.0)
+
+    made: list[FakeBackend] = []
+    if pipelined:
+        _pipelined(monkeypatch, made)
+    writers = []
+    with pytest.raises(tif.errors.NonFiniteGradientError) as error:
+        tif.build_store(big, ckpts, (x, y), projection=PROJ, batch_size=BATCH, dtype="float16",
+                        progress=False,
+                        store=lambda meta: writers.append(MemoryWriter(meta)) or writers[-1])
+    message = str(error.value)
+    assert message.startswith("build_store: checkpoint 'epoch-0' gives gradients up to ")
+    assert "for rows [19], beyond the range of float16 storage (largest 65504)" in message
+    assert "torch.bfloat16 or torch.float32" in message
+    assert writers[0].rows_written == 2 * BATCH and len(made) == int(pipelined)

@@ -41,7 +41,7 @@ from torch import Tensor
 from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import NonFiniteGradientError
-from tracinfunc.store.codes import to_stored
+from tracinfunc.store.codes import check_peaks, overflow_limit, row_peaks, to_stored
 from tracinfunc.store.device_copy import CopyBackend, copy_backend
 from tracinfunc.store.memory.dense import MemoryWriter
 from tracinfunc.store.memory.pinned import PinnedWriter, pinned_empty
@@ -159,8 +159,9 @@ class CopyOut:
         if self.meta.quantization is not None:
             codes, scales = to_stored(rows, self.meta)
             parts = [codes, scales, norms, finite]
-        else:
-            parts = [rows.to(self.meta.torch_dtype), norms, finite]
+        else:  # with each row's peak where the cast could overflow (float16 storage)
+            peaks = [] if overflow_limit(self.meta, rows.dtype) is None else [row_peaks(rows)]
+            parts = [rows.to(self.meta.torch_dtype), norms, *peaks, finite]
         return [part.contiguous() for part in parts]
 
     def _host_views(self, index: int, parts: list[Tensor]) -> list[Tensor]:
@@ -202,7 +203,10 @@ class CopyOut:
             codes, scales, norms, _ = hosts
             self.writer.append_codes(codes, scales, norms)
         else:
-            rows, norms, _ = hosts
+            rows, norms, *peaks, _ = hosts
+            limit = overflow_limit(self.meta, peaks[0].dtype) if peaks else None
+            if limit is not None:  # peaks are float32/64: as wide as the rows they came from
+                check_peaks(peaks[0], self.meta, limit=limit, first_row=first_row)
             self.writer.append(rows, norms)
 
 

@@ -7,7 +7,8 @@ batch becomes rows; what a build promises lives here, once:
   stored before, without computing them; a batch straddling the resume point is computed
   whole, as in the first build, and its stored head dropped, so the result is bit-identical;
 - **checks**: the first computed batch is checked (the frontend's loss check) before any real
-  work; every row must be finite, or the error names the checkpoint and the rows;
+  work; every row must be finite (and stay finite cast to float16/bfloat16 storage), or the
+  error names the checkpoint and the rows;
 - **empty data** and **resuming with less data** than was stored are clear errors;
 - **overlap** (``overlap=True``, torch's ``build_store``): rows that come out on a GPU are
   checked, copied out and written on a writer thread while the next batch is computed
@@ -34,7 +35,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
-from tracinfunc.store.codes import storage_of
+from tracinfunc.store.codes import check_storable, storage_of
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.protocols import GradientStore, StoreWriter
 from tracinfunc.store.zarr.parts import StorePart
@@ -172,6 +173,7 @@ def fill_store(
                     pipeline.put(rows)
                 else:
                     check_finite(rows, meta, first_row=writer.rows_written)
+                    check_storable(rows, meta, first_row=writer.rows_written)
                     writer.append(rows, row_norms(rows))
                 if not decided:  # the first rows go serially (a writer's refusals surface as
                     # they are); where they came out decides the rest

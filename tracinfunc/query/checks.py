@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracinfunc._devices import usable_device
 from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import (
@@ -94,9 +95,10 @@ def safe_reciprocal(norms: Tensor) -> Tensor:
 
 
 def resolve_device(device: torch.device | str | None, test_grads: object) -> torch.device:
-    """``device``, else the test tensor's accelerator, else CUDA when available, else CPU."""
+    """``device`` (checked to exist and be usable here), else the test tensor's accelerator,
+    else CUDA when available, else CPU."""
     if device is not None:
-        return torch.device(device)
+        return usable_device(device)
     if isinstance(test_grads, Tensor) and test_grads.device.type != "cpu":
         return test_grads.device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -7,6 +7,8 @@ gives each rank its range.
 
 from __future__ import annotations
 
+import operator
+
 from torch import Tensor
 
 from tracinfunc._validate import current_caller, entry_point
@@ -23,17 +25,33 @@ __all__ = ["RowRange", "RowRangeViews", "check_rows", "row_range"]
 
 
 def check_rows(rows: object, n_train: int) -> tuple[int, int]:
-    """``rows`` as ``(start, stop)`` with ``0 <= start < stop <= n_train``, or a clear error."""
-    ok = (isinstance(rows, tuple | list) and len(rows) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in rows)
-          and 0 <= rows[0] < rows[1] <= n_train)
-    if not ok:
+    """``rows`` as ``(start, stop)`` with ``0 <= start < stop <= n_train``, or a clear error.
+
+    Each bound is any integer scalar (``int``, NumPy or 0-d torch integers, as
+    ``np.array_split`` gives): taken by ``operator.index``; floats and bools are refused.
+    """
+    bounds = _integer_pair(rows)
+    if bounds is None or not 0 <= bounds[0] < bounds[1] <= n_train:
         raise RowRangeError(
             f"{current_caller()}: rows must be (start, stop) with 0 <= start < stop <= n_train="
             f"{n_train}, got {rows!r}; e.g. rows=tif.distributed.rank_rows(n_train) for this "
             "rank's part."
         )
-    return int(rows[0]), int(rows[1])
+    return bounds
+
+
+def _integer_pair(rows: object) -> tuple[int, int] | None:
+    if not isinstance(rows, tuple | list) or len(rows) != 2:
+        return None
+    out = []
+    for v in rows:
+        if isinstance(v, bool) or "bool" in str(getattr(v, "dtype", "")):
+            return None
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            return None
+    return out[0], out[1]
 
 
 class RowRange:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc._validate import check_int, entry_point
+from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.value import Curvature
+from tracinfunc.errors import NonFiniteGradientError
 from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg
 from tracinfunc.query.checks import check_not_empty
 from tracinfunc.query.chunks import stream_scores
-from tracinfunc.query.merge import merge_top_k
+from tracinfunc.query.merge import merge_sorted
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.score import candidate_top_k
@@ -109,11 +110,20 @@ def _exact_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int
     """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks."""
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
+    nan_seen: Tensor | None = None  # on the scores' device: no sync per chunk
     for start, block in stream_scores(store, query, chunk_rows=chunk_rows, progress=progress):
+        nan = block.isnan().any()
+        nan_seen = nan if nan_seen is None else nan_seen | nan
         # A stable sort, not topk: equal scores keep row order, so any split of the rows
         # (chunks here, workers with rows=) merges into the same result.
         values, order = block.sort(dim=1, descending=largest, stable=True)
         part = (values[:, :k], order[:, :k] + (start + offset))
         parts = [part] if best_values is None else [(best_values, best_indices), part]
-        best_values, best_indices = merge_top_k(parts, k, largest=largest)
+        best_values, best_indices = merge_sorted(parts, k, largest=largest)
+    if nan_seen is not None and bool(nan_seen):  # NaN sorts first: top "proponents"
+        raise NonFiniteGradientError(
+            f"{current_caller()}: some scores are NaN: the store holds inf or NaN rows (e.g. "
+            "gradients beyond float16's range, 65504, stored as float16). Rebuild it with "
+            "dtype=torch.float32 (or bfloat16), or scale the loss down."
+        )
     return best_values, best_indices

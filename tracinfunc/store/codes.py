@@ -22,17 +22,19 @@ gives the same bits on any device.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from tracinfunc._validate import current_caller
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.errors import InvalidArgumentError, NonFiniteGradientError
 from tracinfunc.store.meta import QUANTIZATIONS, StoreMeta
 
-__all__ = ["FLOAT_DTYPES", "INT8_MAX", "QUANTIZATIONS", "check_codes", "code_dtype",
-           "code_width", "dequantize", "quantize", "storage_of", "stored_empty", "to_stored"]
+__all__ = ["FLOAT_DTYPES", "INT8_MAX", "QUANTIZATIONS", "check_codes", "check_peaks",
+           "check_storable", "code_dtype", "code_width", "dequantize", "overflow_limit",
+           "quantize", "row_peaks", "storage_of", "stored_empty", "to_stored"]
 
 INT8_MAX = 127  # symmetric: -128 is never used, so negating a code never overflows
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -87,6 +89,57 @@ def to_stored(rows: Tensor, meta: StoreMeta) -> tuple[Tensor, Tensor | None]:
     if meta.quantization is None:
         return rows, None
     return quantize(rows, meta.quantization)
+
+
+def overflow_limit(meta: StoreMeta, rows_dtype: torch.dtype) -> float | None:
+    """The smallest magnitude that becomes inf when rows of ``rows_dtype`` are cast to
+    ``meta``'s float storage (float16: 65520, half an ulp above its largest value 65504, as
+    round-to-nearest-even rounds it up); ``None`` where the cast cannot overflow (a dtype
+    as wide or wider, or quantised storage, whose float32 scales hold any float32 row)."""
+    if meta.quantization is not None:
+        return None
+    target = torch.finfo(meta.torch_dtype)
+    if target.max >= torch.finfo(rows_dtype).max:
+        return None
+    _, exponent = math.frexp(target.max)  # max = (1 - eps/2) * 2**exponent
+    return math.ldexp(1.0 - target.eps / 4, exponent)
+
+
+def row_peaks(rows: Tensor) -> Tensor:
+    """``max |row|`` ``[...]`` of rows ``[..., k]``, in float32 (float64 for float64 rows:
+    exact either way, as are the limits of :func:`overflow_limit` it is compared with)."""
+    peaks = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1)
+    return peaks if peaks.dtype == torch.float64 else peaks.float()
+
+
+def check_storable(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:
+    """Raise unless every value of rows ``[n_ckpt, b, k]`` (rows ``first_row`` on) stays
+    finite when cast to ``meta``'s storage dtype (see :func:`check_peaks`)."""
+    limit = overflow_limit(meta, rows.dtype)
+    if limit is not None:
+        check_peaks(row_peaks(rows), meta, limit=limit, first_row=first_row)
+
+
+def check_peaks(peaks: Tensor, meta: StoreMeta, *, limit: float, first_row: int) -> None:
+    """Raise :class:`~tracinfunc.errors.NonFiniteGradientError` naming the checkpoint, the
+    rows and the largest value where a row's peak ``[n_ckpt, b]`` reaches ``limit``: stored
+    as float16 (largest 65504) such a row would hold inf, and every score with it be NaN."""
+    over = peaks >= limit
+    if not bool(over.any()):
+        return
+    ckpt = int(over.any(dim=1).nonzero()[0])
+    bad = over[ckpt].nonzero().flatten().add(first_row).tolist()
+    name, largest = meta.torch_dtype, float(peaks[ckpt].max())
+    wider = ("torch.bfloat16 or torch.float32" if meta.torch_dtype == torch.float16
+             and largest < torch.finfo(torch.bfloat16).max else "torch.float32")
+    raise NonFiniteGradientError(
+        f"{current_caller()}: checkpoint {meta.checkpoints[ckpt].name!r} gives gradients up to "
+        f"{largest:.4g} for rows {bad[:10]}{'...' if len(bad) > 10 else ''}, beyond the range "
+        f"of {str(name).removeprefix('torch.')} storage (largest {torch.finfo(name).max:.6g}): "
+        f"stored as {str(name).removeprefix('torch.')} they would be inf and every score NaN. "
+        f"Store them as {wider} (dtype=), or scale the loss down by at least "
+        f"{largest / torch.finfo(name).max:.3g}x (scores scale with its square)."
+    )
 
 
 def check_codes(meta: StoreMeta, codes: Tensor, scales: Tensor, norms: Tensor) -> None:

@@ -27,7 +27,7 @@ from tracinfunc.errors import (
     StoreNotFoundError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.store.codes import storage_of
+from tracinfunc.store.codes import check_storable, storage_of
 from tracinfunc.store.memory.dense import MemoryStore, MemoryWriter
 from tracinfunc.store.memory.pinned import PinnedStore, PinnedWriter, QuantizedPinnedStore
 from tracinfunc.store.memory.quantized import QuantizedMemoryStore
@@ -179,6 +179,7 @@ def _copy_rows(store: GradientStore, writer: Any, target: StoreMeta, *, progress
                                 torch.stack([scales for _, scales in pairs]), norms)
         else:
             rows = torch.stack([store.read_rows(c, start, stop) for c in range(meta.n_ckpt)])
+            check_storable(rows, target, first_row=start)  # float16 from float32: no inf
             writer.append(rows, norms)
         bar.update(stop - start)
     bar.close()

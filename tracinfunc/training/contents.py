@@ -21,15 +21,15 @@ from torch import Tensor, nn
 
 from tracinfunc._validate import current_caller
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.errors import CorruptRecordingError, InvalidArgumentError
 from tracinfunc.grads.selection import selected_names
 from tracinfunc.precondition.optimizer import optimizer_param_names
 
 if TYPE_CHECKING:
     from tracinfunc.training.manifest import Recording
 
-__all__ = ["FrozenReference", "StepLrs", "current_lr", "load_checkpoint", "record_checkpoint",
-           "trained_names", "trained_state"]
+__all__ = ["FrozenReference", "StepLrs", "check_continues", "current_lr", "load_checkpoint",
+           "record_checkpoint", "trained_names", "trained_state"]
 
 
 def current_lr(optimizer: torch.optim.Optimizer, scheduler: Any = None) -> float:
@@ -130,6 +130,7 @@ def record_checkpoint(recording: Recording, model: nn.Module,
     name = f"checkpoint-{step}"
     names = trained_names(model, optimizer, select)
     fingerprint, frozen_names = frozen(model, names)
+    check_continues(recording, model, names, fingerprint)  # a resumed run: the same model
     entry = {"name": name, "step": int(step), "lr": float(lr), "weights": f"{name}.pt",
              "frozen": fingerprint, "optimizer": None, "optimizer_param_names": None}
     files = {entry["weights"]: lambda path: torch.save(trained_state(model, names), path)}
@@ -138,6 +139,56 @@ def record_checkpoint(recording: Recording, model: nn.Module,
         entry["optimizer_param_names"] = optimizer_param_names(optimizer, model)
         files[entry["optimizer"]] = lambda path: torch.save(optimizer.state_dict(), path)
     return recording.add(entry, files, frozen_names)
+
+
+def check_continues(recording: Recording, model: nn.Module, names: list[str],
+                    fingerprint: str | None) -> None:
+    """Refuse to continue a recording with another model (once per recorder, before writing).
+
+    The recording's last checkpoint fixes what a resumed run must save: the same parameter
+    and buffer names with the same shapes (read from its file's header, memory-mapped: no
+    weights are read), and the same frozen base (fingerprint). A run resumed over another
+    base or architecture would leave a recording that loads with neither model.
+
+    Raises:
+        InvalidArgumentError: the frozen base or a saved tensor's name or shape differs.
+        CorruptRecordingError: the last checkpoint's file cannot be read.
+    """
+    last = recording.last_entry
+    if last is None or recording.model_checked:
+        return
+    where = f"{str(recording.directory)!r} (last checkpoint {last['name']!r})"
+    if last.get("frozen") != fingerprint:
+        raise InvalidArgumentError(
+            f"{current_caller()}: the recording in {where} was made over another frozen base: "
+            f"its fingerprint is {last.get('frozen')}, this model's untrained parameters give "
+            f"{fingerprint}; resume with the base (and the same trainable parameters, select=) "
+            "the recording was made with, or record into another directory."
+        )
+    shapes = {n: tuple(v.shape) for n, v in trained_state(model, names).items()}
+    recorded = _recorded_shapes(recording.directory / last["weights"])
+    differ = sorted(n for n in set(shapes) | set(recorded) if shapes.get(n) != recorded.get(n))
+    if differ:
+        n = differ[0]
+        raise InvalidArgumentError(
+            f"{current_caller()}: {type(model).__name__} is not the model recorded in {where}: "
+            f"{len(differ)} saved tensors differ, e.g. {n!r} has shape "
+            f"{list(shapes[n]) if n in shapes else 'none (absent)'} here but "
+            f"{list(recorded[n]) if n in recorded else 'none (absent)'} recorded; resume with "
+            "the architecture that was trained, or record into another directory."
+        )
+    recording.model_checked = True
+
+
+def _recorded_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError) as error:
+        raise CorruptRecordingError(
+            f"{current_caller()}: the last recorded checkpoint {str(path)!r} cannot be read "
+            f"({error}); restore it, or pass overwrite=True to record anew."
+        ) from None
+    return {n: tuple(v.shape) for n, v in state.items()}
 
 
 def load_checkpoint(path: Path, entry: dict[str, Any], frozen: dict[str, list[str]],

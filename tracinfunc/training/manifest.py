@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Callable
@@ -46,6 +47,7 @@ __all__ = ["MANIFEST", "Recording", "check_options", "read_manifest", "recorded_
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
 _HASH = "blake2b"
+_FILE_NAME = re.compile(r"(checkpoint|optimizer)-\d+\.pt")  # what a recorder writes
 _FIX = ("pass resume=True to continue that run (from its last step, or from start_step=), "
         "overwrite=True to replace it (its files are removed), or choose another directory")
 
@@ -108,8 +110,41 @@ def recorded_entries(directory: Path, manifest: dict[str, Any]) -> list[dict[str
     return entries
 
 
+def check_listed_files(directory: Path, manifest: dict[str, Any]) -> set[str]:
+    """Every file the manifest lists (recorded and pending), checked to be one a recorder
+    writes: a plain ``checkpoint-<step>.pt`` or ``optimizer-<step>.pt`` inside ``directory``.
+
+    Raises:
+        CorruptRecordingError: a name that is not (``../x``, an absolute path, another name):
+            the manifest was edited, and nothing is read or removed through it.
+    """
+    pending = manifest.get("pending", [])
+    names = list(pending) if isinstance(pending, list) else [pending]
+    for entry in manifest["checkpoints"]:
+        if not isinstance(entry, dict):
+            names.append(entry)
+            continue
+        names += [n for n in (entry.get("weights"), entry.get("optimizer")) if n is not None]
+        names += list(entry.get("files", {}) if isinstance(entry.get("files"), dict) else [0])
+    bad = [n for n in names if not isinstance(n, str) or not _FILE_NAME.fullmatch(n)]
+    if bad:
+        raise CorruptRecordingError(
+            f"{current_caller()}: {str(directory / MANIFEST)!r} lists {bad[:3]!r}, which are "
+            "not files a recorder writes (checkpoint-<step>.pt or optimizer-<step>.pt in the "
+            "directory): the manifest was edited, so nothing is read or removed through it; "
+            "restore the manifest, or remove the directory yourself and record anew."
+        )
+    return {*names}
+
+
 def verified_file(directory: Path, entry: dict[str, Any], name: str) -> Path:
     """The path of ``entry``'s file ``name`` after checking its size and hash (when recorded)."""
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
+        raise CorruptRecordingError(
+            f"{current_caller()}: {entry.get('name')!r} names the file {name!r}, which is not "
+            "one a recorder writes (checkpoint-<step>.pt or optimizer-<step>.pt in the "
+            "directory); the manifest was edited; record the checkpoints again."
+        )
     path = directory / name
     expected = entry.get("files", {}).get(name) if "files" in entry else None
     if "files" in entry and expected is None:
@@ -181,7 +216,13 @@ class Recording:
         # Never inside a store, an index or any other artefact, nor over one (the one guard
         # every writer calls), before anything is created.
         check_writable(directory, "recording", overwrite=overwrite)
+        if directory.exists() and not directory.is_dir():
+            raise RecordingExistsError(
+                f"{current_caller()}: {str(directory)!r} is a file, not a directory; a recording "
+                "is a directory of checkpoints: pass a directory path (new or a recording's)."
+            )
         directory.mkdir(parents=True, exist_ok=True)
+        self.model_checked = False  # a resumed run's model is compared once (contents.py)
         try:
             self._lock = WriterLock(directory / "recording")  # .recording.lock inside it
         except StoreLockedError:
@@ -217,11 +258,9 @@ class Recording:
                 "checkpoints": [], "pending": list(manifest.get("pending", []))}
 
     def _remove(self, manifest: dict[str, Any]) -> None:
-        """Delete the files the manifest lists (recorded and pending), then the manifest."""
-        names = {*manifest.get("pending", ())}
-        for entry in manifest["checkpoints"]:
-            names.update(n for n in (entry.get("weights"), entry.get("optimizer")) if n)
-        for name in names:
+        """Delete the files the manifest lists (recorded and pending), then the manifest: all
+        of it checked first, so an edited manifest removes nothing."""
+        for name in check_listed_files(self.directory, manifest):
             path = self.directory / name
             if path.parent == self.directory and not path.is_symlink():
                 path.unlink(missing_ok=True)

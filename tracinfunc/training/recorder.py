@@ -37,9 +37,11 @@ from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.training.contents import (
     FrozenReference,
     StepLrs,
+    check_continues,
     current_lr,
     load_checkpoint,
     record_checkpoint,
+    trained_names,
 )
 from tracinfunc.training.manifest import (
     MANIFEST,
@@ -119,6 +121,13 @@ class CheckpointRecorder:
             self._recording.close()
             raise
         self._lrs, self._frozen = StepLrs(optimizer), FrozenReference()
+        if last is not None:  # resumed: refuse another model now, not at the first save
+            try:
+                names = trained_names(model, optimizer, select)
+                check_continues(self._recording, model, names, self._frozen(model, names)[0])
+            except BaseException:
+                self._recording.close()
+                raise
         # At the last recorded step, save() has nothing new to record.
         self._last = last if last is not None and last["step"] == self.steps else None
 

@@ -120,8 +120,9 @@ def build_store(
             ``functools.partial`` of ``PartWriter``) is split by ``(rank, world_size)``
             unless ``shard`` is given, and rank 0 commits after a barrier: every rank
             returns the store. In-memory stores are built whole by every rank.
-            With ``shard``, ``store`` may also be a callable ``(meta, shard) -> writer``,
-            e.g. ``functools.partial(tif.store.PartWriter, path, shard_rows=4096)``.
+            With ``shard``, ``store`` is a path or a ``functools.partial`` of
+            ``ZarrWriter`` or ``PartWriter``, e.g. ``functools.partial(tif.store.PartWriter,
+            path, shard_rows=4096)``; in-memory stores and other callables are refused.
 
     Returns:
         A read-only store of ``[n_ckpt, n_train, k]`` rows (:class:`~tracinfunc.store.MemoryStore`,

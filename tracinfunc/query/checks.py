@@ -15,7 +15,7 @@ from tracinfunc.errors import (
     NonFiniteGradientError,
 )
 from tracinfunc.store.meta import StoreMeta, check_compatible
-from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.protocols import GradientStore, store_meta
 
 __all__ = ["check_not_empty", "check_test_shape", "check_test_tensor", "check_test_type",
            "compute_dtype", "query_matrix", "resolve_device", "safe_reciprocal"]
@@ -45,6 +45,8 @@ def check_test_type(test_grads: object) -> None:
             f"[n_ckpt, n_test, k] (or a NumPy, JAX or CuPy array), got "
             f"{type(test_grads).__name__}."
         )
+    if isinstance(test_grads, GradientStore):
+        store_meta(test_grads, "test_grads")
 
 
 def check_test_tensor(meta: StoreMeta, test: Tensor) -> None:

@@ -30,7 +30,7 @@ from tracinfunc.query.contrast import Contrast
 from tracinfunc.query.control import control_rows
 from tracinfunc.query.curvature import precondition_queries
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.protocols import GradientStore, store_meta
 
 __all__ = ["PreparedQuery", "prepare_query"]
 
@@ -96,7 +96,7 @@ def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool =
         InvalidArgumentError: the store holds no rows; a contrast's control is empty, or
             paired with another number of test examples.
     """
-    meta = store.meta
+    meta = store_meta(store)
     check_not_empty(meta)
     contrast = test_grads if isinstance(test_grads, Contrast) else None
     test_grads = tensor_if_array(test_grads if contrast is None else contrast.test)

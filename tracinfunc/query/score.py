@@ -21,7 +21,7 @@ from tracinfunc.query.chunks import stream_scores
 from tracinfunc.query.prepared import prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.protocols import GradientStore, store_meta
 
 __all__ = ["candidate_top_k", "score"]
 
@@ -87,7 +87,7 @@ def score(
             ``top_k``, ``rows=``, ``score_chunks`` or ``device="cpu"``).
     """
     framework = resolve_output(output, like)
-    check_not_empty(store.meta)
+    check_not_empty(store_meta(store))
     if candidates is not None:
         return to_framework(_candidate_scores(store, test_grads, candidates, rows, normalize,
                                               device, curvature)[0], framework)

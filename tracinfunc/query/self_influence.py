@@ -12,7 +12,7 @@ from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.query.checks import check_not_empty, compute_dtype, resolve_device
 from tracinfunc.query.curvature import curvature_self_influence
 from tracinfunc.query.rows import row_range
-from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.protocols import GradientStore, store_meta
 
 __all__ = ["self_influence"]
 
@@ -56,7 +56,7 @@ def self_influence(
         ``output``/``like`` name.
     """
     framework = resolve_output(output, like)
-    check_not_empty(store.meta)
+    check_not_empty(store_meta(store))
     check_int(chunk_rows, "chunk_rows", optional=True,
               fix="pass None to let it choose")
     if rows is not None:

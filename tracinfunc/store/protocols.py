@@ -36,6 +36,7 @@ __all__ = [
     "check_block",
     "check_out_buffer",
     "check_row_range",
+    "store_meta",
 ]
 
 
@@ -164,6 +165,34 @@ class SupportsChunkAlignment(Protocol):
     def chunk_rows(self) -> int:
         """Rows per stored chunk."""
         ...
+
+
+def store_meta(store: object, name: str = "store") -> StoreMeta:
+    """The metadata of ``store``, checked to be a :class:`GradientStore` instance first (the
+    store check every function taking a store runs before reading it).
+
+    Raises:
+        InvalidTypeError: ``store`` is not a GradientStore instance (a class, a path, an
+            object whose ``meta`` is not a StoreMeta or whose readers are not methods).
+    """
+    ok = (not isinstance(store, type) and isinstance(store, GradientStore)
+          and callable(store.read_rows) and callable(store.read_norms))
+    meta = store.meta if ok else None
+    if not isinstance(meta, StoreMeta):
+        what = (f"the class {store.__name__}" if isinstance(store, type)
+                else f"{type(store).__name__} {_short(store)}")
+        hint = (" (a path: open it with tif.GradientStore.open(path))"
+                if isinstance(store, str | bytes | os.PathLike) else "")
+        raise InvalidTypeError(
+            f"{current_caller()}: {name} must be a GradientStore instance (a meta StoreMeta, "
+            f"read_rows and read_norms methods), such as tif.GradientStore.open(path) or "
+            f"build_store's result; got {what}{hint}.")
+    return meta
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def aligned_rows(store: GradientStore, rows: int) -> int:

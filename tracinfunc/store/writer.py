@@ -108,31 +108,38 @@ def make_part_writer(target: StoreTarget, meta: StoreMeta, shard: object) -> Par
     """The writer of part ``shard = (index, count)`` of the Zarr store ``store=target``.
 
     Args:
-        target: The store's path, or a callable ``(meta, shard) -> PartWriter`` such as
-            ``functools.partial(tif.store.PartWriter, path, shard_rows=4096)``.
+        target: The store's path, or a ``functools.partial`` (nested or not) of
+            :class:`ZarrWriter` (its options make the part writer) or of :class:`PartWriter`,
+            e.g. ``functools.partial(tif.store.PartWriter, path, shard_rows=4096)``: what
+            :func:`writes_to_disk` recognises as a store on disk, so a torchrun build and an
+            explicit ``shard=`` split the same targets. In-memory targets and other
+            callables (a user's own writer factory) are refused before anything is written.
         meta: Metadata of the whole store (``n_train`` the final size).
         shard: ``(index, count)``, checked here.
     """
     shard = check_shard(shard)
-    if isinstance(target, str | os.PathLike):
+    if isinstance(target, str | os.PathLike) and writes_to_disk(target):
         return PartWriter(target, meta, shard)
     decoded = _zarr_partial(target)
-    if decoded is not None and issubclass(decoded[0], ZarrWriter):
-        # A whole-store writer's options make the part writer: the same store, split.
-        _, args, keywords = decoded
-        if "path" in keywords:
-            args = (keywords.pop("path"), *args)
-        if keywords.pop("overwrite", False):
-            raise InvalidArgumentError(
-                f"{current_caller('build_store')}: a build split into parts (shard=, or "
-                "torchrun) cannot overwrite a store; remove the old one first with "
-                "tif.remove_store(path), then build."
-            )
-        return PartWriter(*args, meta, shard, **keywords)
-    if callable(target) and not isinstance(target, type):
+    if decoded is None:
+        memory = isinstance(target, str | None | type) and target in _KINDS
+        raise InvalidArgumentError(
+            f"{current_caller('build_store')}: shard= writes part of a Zarr store on disk, so "
+            "store must be its path or a functools.partial of tif.store.ZarrWriter or "
+            f"tif.store.PartWriter; got {target!r}"
+            + (" (an in-memory store cannot be split into parts)" if memory else "")
+            + ". E.g. build_store(..., store='grads.zarr', shard=(0, 4)), or drop shard= to "
+            "build the whole store in one process.")
+    cls, args, keywords = decoded
+    if issubclass(cls, PartWriter):
         return target(meta, shard)
-    raise InvalidArgumentError(
-        f"build_store: shard= writes part of a Zarr store, so store must be its path (or a "
-        f"callable (meta, shard) -> PartWriter), got {target!r}; e.g. build_store(..., "
-        "store='grads.zarr', shard=(0, 4))."
-    )
+    # A whole-store writer's options make the part writer: the same store, split.
+    if "path" in keywords:
+        args = (keywords.pop("path"), *args)
+    if keywords.pop("overwrite", False):
+        raise InvalidArgumentError(
+            f"{current_caller('build_store')}: a build split into parts (shard=, or "
+            "torchrun) cannot overwrite a store; remove the old one first with "
+            "tif.remove_store(path), then build."
+        )
+    return PartWriter(*args, meta, shard, **keywords)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import socket
@@ -28,7 +29,7 @@ from tracinfunc._validate import current_caller
 from tracinfunc.errors import StoreLockedError, StoreWriteError
 from tracinfunc.store.zarr.urls import filesystem
 
-__all__ = ["RemoteLock", "WriterLock"]
+__all__ = ["RemoteLock", "WriterLock", "live_writers"]
 
 # Locks this process holds, by lock file: how a later writer in the same process takes over
 # from one whose build raised (process-wide by nature, like the kernel's own lock table).
@@ -116,6 +117,36 @@ def _acquire(lock_file: Path, path: Path) -> int:
             return fd
         os.close(fd)
     raise StoreLockedError(f"{current_caller()}: could not lock {str(lock_file)!r}; try again.")
+
+
+def live_writers(path: Path | str) -> list[int]:
+    """Processes on this host that hold a writer lock of the local store at ``path`` (its own
+    or a part's, ``.<name>.part<i>.lock``), read from the lock files without locking them (a
+    probe would make a build starting at that moment fail). A lock file a killed build left
+    names a dead process and is not counted, nor is this process (its writers' builds ran
+    to an end or raised: this process is not writing while it asks); object storage: ``[]``."""
+    if not isinstance(path, Path):
+        return []
+    found = []
+    for lock_file in (path.parent / f".{path.name}.lock",
+                      *path.parent.glob(f".{glob.escape(path.name)}.part*.lock")):
+        try:
+            pid = int(lock_file.read_text().strip() or "0")
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and pid != os.getpid() and _alive(pid):
+            found.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 class RemoteLock:

@@ -55,7 +55,7 @@ from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.object_integrity import seal_objects
 from tracinfunc.store.zarr.part_layout import PARTS_KEY, open_or_create
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
-from tracinfunc.store.zarr.urls import is_url, location
+from tracinfunc.store.zarr.urls import is_url, location, write_location
 
 __all__ = ["PARTS_KEY", "PartWriter", "StorePart", "check_shard", "commit_store",
            "part_rows", "read_parts"]
@@ -128,13 +128,22 @@ class PartWriter:
     def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, shard: tuple[int, int],
                  *, chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None) -> None:
-        self._path = location(path)
+        self._path = write_location(path)  # a symlink to a store: the store it points to
         check_writable(self._path, "gradient store", overwrite=False)
         self.index, self.count = check_shard(shard)
         # One writer per part, as per store: a requeued task beside a still-running copy of
         # the same part is refused (other parts write beside it freely).
         lock_path = f"{self._path}.part{self.index}"
         self._lock = RemoteLock(lock_path) if is_url(self._path) else WriterLock(Path(lock_path))
+        try:  # a refusal gives the lock back (and removes its file)
+            self._open(meta, chunk_rows, shard_rows, compression)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, meta: StoreMeta, chunk_rows: int | None, shard_rows: int | None,
+              compression: str | None) -> None:
+        """Create or join the sharded store at the locked path and find this part's rows."""
         self._group = open_or_create(self._path, meta, self.count, chunk_rows=chunk_rows,
                                       shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path)

@@ -14,11 +14,11 @@ from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.protocols import GradientStore, _set_opener, aligned_rows
+from tracinfunc.store.protocols import GradientStore, _set_opener, aligned_rows, store_meta
 from tracinfunc.store.zarr.layout import open_group, read_meta
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.store import ZarrStore
-from tracinfunc.store.zarr.urls import exists, is_url, location, remove
+from tracinfunc.store.zarr.urls import exists, is_url, location, remove, write_location
 
 __all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
 
@@ -68,14 +68,20 @@ def read_store_meta(path: str | os.PathLike[str], *, allow_unsealed: bool = Fals
     return read_meta(open_group(path, mode="r"), path, allow_unsealed=allow_unsealed)
 
 
-def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:
+@entry_point("verify_store")
+def verify_store(store: GradientStore | str | os.PathLike[str], *,
+                 progress: ProgressArg = None) -> None:
     """Read every row and every norm of every checkpoint once.
+
+    ``store``: a GradientStore, or the path (or URL) of one, opened with :func:`open_store`.
 
     Zarr stores check each chunk's crc32c as it is read, so a damaged chunk raises
     :class:`~tracinfunc.errors.CorruptStoreError` naming its checkpoint and rows. Reads are whole
     stored chunks, so none is read twice.
     """
-    meta = store.meta
+    if isinstance(store, str | bytes | os.PathLike):
+        store = open_store(store)
+    meta = store_meta(store)
     step = aligned_rows(store, max(1, _VERIFY_BYTES // (meta.k * meta.torch_dtype.itemsize)))
     buffer = torch.empty(min(step, meta.n_train), meta.k, dtype=meta.torch_dtype)
     with progress_bar(progress, total=meta.n_ckpt * meta.n_train, desc="verify",
@@ -88,6 +94,7 @@ def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:
                 bar.update(stop - start)
 
 
+@entry_point("remove_store")
 def remove_store(path: str | os.PathLike[str]) -> None:
     """Delete the gradient store at ``path``, finished or not; never anything else.
 
@@ -96,9 +103,9 @@ def remove_store(path: str | os.PathLike[str]) -> None:
             is deleted).
         StoreLockedError: a build or save is writing the store (nothing is deleted).
     """
-    check_writable(path, "gradient store", overwrite=True)  # not one inside another artefact
-    read_store_meta(path)  # refuses anything that is not one of ours
-    where = location(path)
+    where = write_location(path)  # a symlink to a store: the store it points to
+    check_writable(where, "gradient store", overwrite=True)  # not one inside another artefact
+    read_store_meta(where)  # refuses anything that is not one of ours
     # Taken before deleting anything: a build in progress keeps its store.
     lock = RemoteLock(where) if is_url(where) else WriterLock(where)
     try:

@@ -29,6 +29,7 @@ same metadata and it continues from the last completed shard (see ``build_store`
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -38,10 +39,10 @@ import zarr
 from torch import Tensor
 from zarr.storage import LocalStore
 
+from tracinfunc._artifacts import enclosing_artifact
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import (
     CorruptStoreError,
-    IncompleteStoreError,
     InvalidArgumentError,
     ReadOnlyStoreError,
     StoreNotFoundError,
@@ -50,6 +51,7 @@ from tracinfunc.store.codes import code_dtype, code_width, dequantize
 from tracinfunc.store.meta import StoreMeta, norm_dtype
 from tracinfunc.store.properties import StoreProperties
 from tracinfunc.store.protocols import check_out_buffer, check_row_range
+from tracinfunc.store.zarr.incomplete import incomplete_error
 from tracinfunc.store.zarr.integrity import FileGuard
 from tracinfunc.store.zarr.layout import (
     chunk_files,
@@ -95,15 +97,12 @@ class ZarrStore(StoreProperties):
                 f"{current_caller()}: no zarr store at {str(path)!r}; write one with "
                 "tif.build_store(..., store=path) or tif.save_store(store, path)."
             )
+        _check_not_inside(path)
+        identity = _identity(path)  # before reading: a later change is then always seen
         group = open_group(path, mode="r")
         meta = read_meta(group, path, allow_unsealed=allow_unsealed)
         if not meta.complete:
-            raise IncompleteStoreError(
-                f"{current_caller()}: "
-                f"the store at {str(path)!r} is incomplete ({meta.n_train} rows "
-                "written): the build that wrote it was interrupted. Resume it by calling "
-                "build_store again with the same arguments and store=path, or delete it."
-            )
+            raise incomplete_error(path, group, meta)
         # Array metadata as sealed before zarr parses it; shard files (or objects) on their
         # first read.
         guard = _guard(path, group, meta, allow_unsealed)
@@ -122,7 +121,7 @@ class ZarrStore(StoreProperties):
                 )
         if isinstance(guard, FileGuard) and guard.files is not None:
             _check_declared_bytes(path, meta, rows, guard.files)
-        for name, value in (("_path", path), ("_identity", _identity(path)),
+        for name, value in (("_path", path), ("_identity", identity),
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
                             ("_guard", guard), ("_readers", _readers(path, rows, guard))):
@@ -185,13 +184,28 @@ class ZarrStore(StoreProperties):
 
     def _check_identity(self) -> None:
         """Refuse to read a store that was replaced at this path after it was opened: its
-        files would be read under this object's metadata, cached indices and checks."""
-        if self._identity is not None and _identity(self._path) != self._identity:
-            raise CorruptStoreError(
-                f"{current_caller()}: the store at {str(self._path)!r} was replaced (overwritten "
-                "or rebuilt) after this ZarrStore opened it, so its rows would be read under "
-                f"the old metadata; reopen it with tif.open_store({str(self._path)!r})."
-            )
+        files would be read under this object's metadata, cached indices and checks.
+
+        Two ``stat`` calls per read: the directory's ``(device, inode)`` (a store swapped in
+        by rename) and its ``zarr.json``'s ``(inode, size, mtime, ctime)``; when the latter
+        changed, the file's contents are compared with those read at open (contents replaced
+        in place, or a store rebuilt at a reused inode: its metadata and seal differ)."""
+        if self._identity is None:
+            return
+        directory, stat, digest = self._identity
+        now_directory, now_stat = _stats(self._path)
+        if (now_directory, now_stat) == (directory, stat):
+            return
+        if now_directory == directory and now_stat is not None and \
+                _digest(Path(self._path) / "zarr.json") == digest:
+            # Touched or copied over with the same contents: still this store.
+            object.__setattr__(self, "_identity", (directory, now_stat, digest))
+            return
+        raise CorruptStoreError(
+            f"{current_caller()}: the store at {str(self._path)!r} was replaced (overwritten "
+            "or rebuilt) after this ZarrStore opened it, so its rows would be read under "
+            f"the old metadata; reopen it with tif.open_store({str(self._path)!r})."
+        )
 
     def _read_stored(self, ckpt: int, start: int, stop: int, target: Tensor) -> None:
         """Rows ``[start, stop)`` of the ``rows`` array as stored (floats or codes) into
@@ -331,16 +345,46 @@ def _arrays(group: zarr.Group, kind: str, meta: StoreMeta, path: Path) -> list[z
         ) from error
 
 
-def _identity(path: Path | str) -> tuple[int, int] | None:
-    """``(device, inode)`` of a local store directory: a store swapped in by rename or rebuilt
-    has another. ``None`` for object storage (no directory to compare; see the stores page)."""
+def _identity(path: Path | str) -> tuple | None:
+    """What a local store directory is: its ``(device, inode)``, its ``zarr.json``'s
+    ``(inode, size, mtime, ctime)`` and a digest of that file. A store swapped in by rename,
+    or whose contents were replaced in place (its metadata and seal then differ), has
+    another. ``None`` for object storage (see the stores page)."""
     if is_url(path):
         return None
+    directory, stat = _stats(path)
+    return directory, stat, _digest(Path(path) / "zarr.json")
+
+
+def _stats(path: Path | str) -> tuple[tuple[int, int], tuple[int, ...] | None]:
+    """``(directory (device, inode), zarr.json (inode, size, mtime, ctime))``."""
     try:
-        info = os.stat(path)
+        directory = os.stat(path)
+        meta = os.stat(Path(path) / "zarr.json")
     except FileNotFoundError:
-        return (-1, -1)  # gone: differs from any identity taken at open
-    return (info.st_dev, info.st_ino)
+        return (-1, -1), None  # gone: differs from any identity taken at open
+    return ((directory.st_dev, directory.st_ino),
+            (meta.st_ino, meta.st_size, meta.st_mtime_ns, meta.st_ctime_ns))
+
+
+def _digest(file: Path) -> str | None:
+    try:
+        return hashlib.blake2b(file.read_bytes(), digest_size=16).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def _check_not_inside(path: Path | str) -> None:
+    """Refuse a path inside a store (``g.zarr/rows/0``, an array), naming the store to open."""
+    if is_url(path):
+        return
+    found = enclosing_artifact(path)
+    if found is not None and found[1] != Path(path).resolve():
+        raise StoreNotFoundError(
+            f"{current_caller()}: {str(path)!r} is not a store but lies inside the "
+            f"{found[0]} at {str(found[1])!r}; open that instead: "
+            f"tif.GradientStore.open({str(found[1])!r})."
+        )
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

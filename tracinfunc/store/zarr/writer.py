@@ -43,7 +43,7 @@ from tracinfunc.store.zarr.layout import (
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.object_integrity import seal_objects
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
-from tracinfunc.store.zarr.urls import exists, is_url, location, remove
+from tracinfunc.store.zarr.urls import exists, is_url, remove, write_location
 
 __all__ = ["ZarrWriter"]
 
@@ -71,13 +71,23 @@ class ZarrWriter:
     def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
                  chunk_rows: int | None = None, shard_rows: int | None = None,
                  compression: str | None = None, overwrite: bool = False) -> None:
-        self._path = location(path)  # a directory or an fsspec URL (s3://bucket/grads.zarr)
+        # A directory or an fsspec URL (s3://bucket/grads.zarr); a symlink: its target.
+        self._path = write_location(path)
         check_writable(self._path, "gradient store", overwrite=overwrite)
         self._finished = False
         # Before looking at the path: a flock locally, a conditionally created lock object
-        # on object storage.
+        # on object storage. A refusal from here on gives it back (and removes its file).
         self._lock = (RemoteLock(self._path) if is_url(self._path)
                       else WriterLock(self._path))
+        try:
+            self._open(meta, chunk_rows, shard_rows, compression, overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, meta: StoreMeta, chunk_rows: int | None, shard_rows: int | None,
+              compression: str | None, overwrite: bool) -> None:
+        """Resume, rerun, replace or create the store at the locked path."""
         self._rerun: ZarrStore | None = None  # a finished store this call would make again
         if exists(self._path) and not self._resumable(meta, overwrite):
             remove(self._path)

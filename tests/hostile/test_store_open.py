@@ -244,3 +244,15 @@ def test_held_open_refuses_inner_file_parent_and_missing(tmp_path, zstore):
     for p in (zstore / "zarr.json", tmp_path, tmp_path / "nope.zarr"):
         with pytest.raises(tif.errors.StoreNotFoundError):
             tif.GradientStore.open(p)
+
+
+def test_top_k_refuses_an_object_that_is_not_a_store_like_score():
+    """Found after the attack pass: top_k read ``store.meta`` before checking the store."""
+    class Fake:
+        meta = None
+
+    test = torch.zeros(1, 1, 4)
+    with pytest.raises(tif.errors.InvalidTypeError, match="top_k: .*GradientStore"):
+        tif.top_k(Fake(), test, 1)
+    with pytest.raises(tif.errors.InvalidTypeError, match="top_k: .*GradientStore"):
+        tif.top_k(tif.store.MemoryStore, test, 1)

@@ -16,7 +16,7 @@ from tracinfunc.query.merge import merge_sorted
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.score import candidate_top_k
-from tracinfunc.store.protocols import GradientStore
+from tracinfunc.store.protocols import GradientStore, store_meta
 
 __all__ = ["check_k", "top_k"]
 
@@ -76,7 +76,7 @@ def top_k(
         ``device``, or arrays of the framework ``output``/``like`` name.
     """
     framework = resolve_output(output, like)
-    check_not_empty(store.meta)
+    check_not_empty(store_meta(store))  # a store instance first: anything else is refused
     if candidates is not None:
         values, indices = candidate_top_k(store, test_grads, k, candidates, rows=rows,
                                           largest=largest, normalize=normalize, device=device,

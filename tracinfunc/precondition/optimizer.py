@@ -204,23 +204,31 @@ class Preconditioner:
     def check(self, shapes: Mapping[str, Sequence[int]], selected: Sequence[str]) -> None:
         """Raise unless the state fits a checkpoint's parameters and covers the selection.
 
+        State for parameters the checkpoint lacks is ignored when the selection is covered:
+        the optimizer that trained a model before some of it was frozen holds state for the
+        frozen parameters too, while ``Checkpoint.from_module`` keeps the trainable ones; the
+        subset is taken by name.
+
         Args:
             shapes: ``{name: shape}`` of the checkpoint's parameters.
             selected: Names that are differentiated (the store's layout).
 
         Raises:
             MissingParametersError: selected parameters have no optimizer state.
-            IncompatibleGradientsError: state for parameters the checkpoint lacks, or of
-                other shapes.
+            IncompatibleGradientsError: selected parameters have no state while the state
+                names parameters the checkpoint lacks (names from another model), or state
+                of other shapes.
         """
         extra = sorted(set(self.state) - set(shapes))
-        if extra:
-            raise IncompatibleGradientsError(
-                f"{current_caller()}: the preconditioner has optimizer state for {extra}, which "
-                f"the checkpoint lacks (it has {_few(shapes)}); build it from the optimizer that "
-                "trained this model, with the names in optimizer order."
-            )
         missing = sorted(set(selected) - set(self.state))
+        if missing and extra:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: the preconditioner's names do not match the checkpoint's: "
+                f"no optimizer state for selected parameters {_few(missing)}, while it has state "
+                f"for {_few(extra)}, which the checkpoint lacks; build it with the names the "
+                "checkpoint uses (Preconditioner.from_optimizer(optimizer, model) with the "
+                "model the checkpoint was taken from)."
+            )
         if missing:
             raise MissingParametersError(
                 f"{current_caller()}: the preconditioner has no optimizer state for selected "
@@ -228,7 +236,7 @@ class Preconditioner:
                 "optimizer trained, or save the optimizer state after they were stepped."
             )
         for name, s in self.state.items():
-            if tuple(s.exp_avg_sq.shape) != tuple(shapes[name]):
+            if name in shapes and tuple(s.exp_avg_sq.shape) != tuple(shapes[name]):
                 raise IncompatibleGradientsError(
                     f"{current_caller()}: optimizer state for {name!r} has shape "
                     f"{list(s.exp_avg_sq.shape)} but the parameter is {list(shapes[name])}; "

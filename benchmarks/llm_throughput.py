@@ -11,7 +11,11 @@ default) and ``all``. Methods:
 - ``kronecker vmapped``: the same rows by the per-example (vmapped) backward (before);
 - ``sjlt``: materialised per-example gradients, sparse projection;
 - ``+adam factored``: kronecker with Adam (LESS) preconditioning, second moment in
-  Adafactor form (stays factorised); ``+adam exact``: the exact diagonal (generic path);
+  Adafactor form (stays factorised) except on embedding tables, which keep the exact diagonal
+  (``as_factored()``'s default); ``+adam factored all``: every matrix factored
+  (``as_factored(exact=[])``, the form before issue 34); ``+adam exact``: the exact diagonal
+  (generic path). With ``--trained`` the state is the training run's AdamW state, else a
+  fresh Adam after two steps;
 - ``bergson`` (when ``.venv-bergson`` exists, ``make bench-setup``; ``benchmarks/
   _bergson_child.py``): per-module projection ``p x p`` (p=16 on the small model, 9 on
   GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.
@@ -43,7 +47,8 @@ import warnings
 from pathlib import Path
 
 METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
-           ("kronecker", "adam factored"), ("kronecker", "adam exact")]
+           ("kronecker", "adam factored"), ("kronecker", "adam exact"),
+           ("kronecker", "adam factored all")]
 
 
 def build(size: str, quick: bool):
@@ -97,9 +102,9 @@ def markov_chain(vocab: int):
     return chain / chain.sum(dim=1, keepdim=True)
 
 
-def train(model, config, cfg: dict) -> tuple[float, float]:
-    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``); the
-    next-token loss of the first and of the last batch."""
+def train(model, config, cfg: dict):
+    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``): the
+    next-token loss of the first and of the last batch, and the optimizer."""
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -112,7 +117,7 @@ def train(model, config, cfg: dict) -> tuple[float, float]:
         optimizer.step()
     model.eval()
     model.zero_grad(set_to_none=True)
-    return losses[0], losses[-1]
+    return (losses[0], losses[-1]), optimizer
 
 
 def matched_names(model) -> list[str]:
@@ -120,12 +125,15 @@ def matched_names(model) -> list[str]:
             if name.startswith("transformer.h.") and ".c_" in name and name.endswith("weight")]
 
 
-def adam_state(model, batches):
-    """Adam after two steps (lr small, so the weights barely move), as a Preconditioner."""
+def adam_state(model, batches, optimizer=None):
+    """The training run's optimizer state, or (``None``) Adam after two steps (lr small, so
+    the weights barely move), as a Preconditioner."""
     import torch
 
     import tracinfunc as tif
 
+    if optimizer is not None:
+        return tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     for batch in batches[:2]:
         optimizer.zero_grad()
@@ -154,8 +162,11 @@ def method_fn(model, method: str, precondition: str | None, names, state, k: int
     spec = tif.Projection(dim=k, kind=kind)
     if method == "kronecker vmapped":
         return factorized_projected_grads(loss, spec, select=names, batched=False)
-    chosen = None if precondition is None else (
-        state.as_factored() if precondition == "adam factored" else state)
+    chosen = state
+    if precondition == "adam factored":
+        chosen = state.as_factored()  # embedding tables keep the exact diagonal
+    elif precondition == "adam factored all":
+        chosen = state.as_factored(exact=[])
     return tif.projected_grads(
         loss, spec, options=tif.GradientOptions(select=names), precondition=chosen
     )
@@ -171,10 +182,10 @@ def run_config(cfg: dict) -> dict:
     """One configuration in this process: timings, peak RSS, agreement."""
     model, config = build(cfg["model"], cfg["quick"])
     markov = bool(cfg.get("trained"))
-    losses = train(model, config, cfg) if markov else None
+    losses, optimizer = train(model, config, cfg) if markov else (None, None)
     batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1, markov=markov)
     names = matched_names(model) if cfg["params"] == "matched" else None
-    state = adam_state(model, batches) if cfg["precondition"] else None
+    state = adam_state(model, batches, optimizer) if cfg["precondition"] else None
     params = {name: value.detach() for name, value in model.named_parameters()}  # no copy
     fn = method_fn(model, cfg["method"], cfg["precondition"], names, state, cfg["k"])
     with warnings.catch_warnings():
@@ -214,9 +225,10 @@ def agreement(model, config, fn, cfg, names, state, params) -> dict:
     dense = tif.per_sample_grads(loss, options=tif.GradientOptions(select=names, chunk_size=8))
     g_train, g_test = dense(params, train), dense(params, test)
     extra = {}
-    if cfg["precondition"] == "adam factored":  # the approximation alone, no projection
+    if cfg["precondition"] in ("adam factored", "adam factored all"):  # no projection
+        form = state.as_factored(exact=[] if cfg["precondition"].endswith("all") else None)
         extra["r_factored_vs_exact"] = pearson(
-            dense_scores(preconditioned(g_train, state.as_factored()), g_test),
+            dense_scores(preconditioned(g_train, form), g_test),
             dense_scores(preconditioned(g_train, state), g_test))
     if cfg["precondition"]:
         g_train = preconditioned(g_train, state)

@@ -111,7 +111,11 @@ class _Plan:
 
     def discover(self, loss: LossFn, params: Params, example: Example) -> None:
         """Find the matrix parameters applied by factorisable layers (one no-grad call)."""
-        candidates = sorted(n for n, v in params.items() if v.dim() >= 2)
+        # A matrix the preconditioner keeps exact (an embedding table) needs its per-element
+        # second moment, so its per-example gradient is materialised (the generic projector).
+        keep = self.precondition
+        candidates = sorted(n for n, v in params.items()
+                            if v.dim() >= 2 and (keep is None or keep.factorises(n)))
         ids = {id(params[name]): i for i, name in enumerate(candidates)}
         with torch.no_grad(), tapping(ids, None, None) as seen:
             loss(params, example)

@@ -153,11 +153,24 @@ def floor_step(model, batch) -> float:
     return float(loss)
 
 
-def method_fn(model, method: str, precondition: str | None, names, state, k: int):
+def functional_loss(model):
+    """A hand-written loss, the way the docs show users writing one (``--functional-loss``):
+    the model's own ``outputs.loss`` through ``torch.func.functional_call``."""
+    from torch.func import functional_call
+
+    def loss(params, example):
+        ids = example["input_ids"][None]
+        return functional_call(model, params, (), {"input_ids": ids, "labels": ids}).loss
+
+    return loss
+
+
+def method_fn(model, method: str, precondition: str | None, names, state, k: int,
+              functional: bool = False):
     import tracinfunc as tif
     from tracinfunc.grads.factorized import factorized_projected_grads
 
-    loss = tif.causal_lm_loss(model)
+    loss = functional_loss(model) if functional else tif.causal_lm_loss(model)
     kind = "sjlt" if method == "sjlt" else "kronecker"
     spec = tif.Projection(dim=k, kind=kind)
     if method == "kronecker vmapped":
@@ -187,7 +200,8 @@ def run_config(cfg: dict) -> dict:
     names = matched_names(model) if cfg["params"] == "matched" else None
     state = adam_state(model, batches, optimizer) if cfg["precondition"] else None
     params = {name: value.detach() for name, value in model.named_parameters()}  # no copy
-    fn = method_fn(model, cfg["method"], cfg["precondition"], names, state, cfg["k"])
+    fn = method_fn(model, cfg["method"], cfg["precondition"], names, state, cfg["k"],
+                   cfg.get("functional", False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fn(params, batches[0])  # warm-up: plan, projection blocks, first-batch check
@@ -233,7 +247,8 @@ def agreement(model, config, fn, cfg, names, state, params) -> dict:
     if cfg["precondition"]:
         g_train = preconditioned(g_train, state)
     exact = dense_scores(g_train, g_test)  # [n_test, n_train]
-    plain = method_fn(model, cfg["method"], None, names, None, cfg["k"])
+    plain = method_fn(model, cfg["method"], None, names, None, cfg["k"],
+                      cfg.get("functional", False))
     rows_train = torch.cat([fn(params, {"input_ids": train["input_ids"][i:i + 8]})
                             for i in range(0, n_train, 8)])
     approx = plain(params, test) @ rows_train.T
@@ -298,6 +313,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--params", nargs="+", default=["matched", "all"])
     parser.add_argument("--trained", type=int, default=0, metavar="STEPS",
                         help="train the model this many steps on Markov-chain text first")
+    parser.add_argument("--functional-loss", action="store_true",
+                        help="also a row per method with a hand-written functional_call loss")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -320,13 +337,15 @@ def configurations(args) -> list[dict]:
         methods = [("bergson", None), *methods]
     if args.methods:
         methods = [(m, p) for m, p in methods if _label(m, p) in args.methods]
+    forms = [False, True] if args.functional_loss or args.quick else [False]
     return [{"model": size, "params": params, "method": method,
              "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
              "k": args.k, "repeats": args.repeats, "quick": args.quick,
-             "trained": args.trained,
+             "trained": args.trained, "functional": functional and method != "bergson",
              "agreement": size == "small", "p": 16 if size == "small" else 9}
             for size in args.models for params in args.params[:1 if args.quick else None]
-            for method, precondition in methods]
+            for method, precondition in methods
+            for functional in forms if not (functional and method == "bergson")]
 
 
 def _label(method: str, precondition: str | None) -> str:
@@ -340,7 +359,8 @@ def bergson_python() -> str:
 
 
 def print_row(row: dict, flush: bool = False) -> None:
-    label = _label(row["method"], row["precondition"])
+    label = _label(row["method"], row["precondition"]) + (
+        " (functional)" if row.get("functional") else "")
     agree = (f"r {row['r']:.3f}  top-10 {row['top10']:.2f}" if "r" in row else "")
     if "r_factored_vs_exact" in row:
         agree += f"  (factored vs exact Adam, unprojected: r {row['r_factored_vs_exact']:.3f})"

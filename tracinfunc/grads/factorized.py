@@ -48,6 +48,7 @@ from tracinfunc.grads.layer_rules import (
     rule_sides,
     tapped_loss,
     tapping,
+    vmappable_attention,
 )
 from tracinfunc.grads.plan_cache import cached_plan
 from tracinfunc.grads.selection import Selection, check_select, selected_names
@@ -294,7 +295,9 @@ def factorized_projected_grads(
             return plan.project(selected_loss, chosen, example, order, shapes)
 
         def vmapped(batch: Batch) -> Tensor:
-            return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen, batch)
+            with vmappable_attention():
+                return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen,
+                                                                                   batch)
 
         if not batched:
             return vmapped(batch)

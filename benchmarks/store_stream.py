@@ -13,7 +13,13 @@ checkpoint, Gaussian rows):
 A pass ideally takes max(read time, matmul time) when reading overlaps compute, so the ratio
 reported is ``max(readinto time, matmul time) / score time`` (1.0 = at the ceiling).
 
+A second table (issue 34) puts a warm ``score`` pass over the float32 ZarrStore beside a
+numpy memmap + matmul of the same rows (a raw file), in process CPU time, interleaved,
+medians: the first pass after opening (every chunk's crc32c verified) and later passes
+(verified once per shard-file identity, :mod:`tracinfunc.store.zarr.local_reads`).
+
     python benchmarks/store_stream.py            # 200k x 1024 (800 MB float32), under /tmp
+    python benchmarks/store_stream.py --rows 50000 --k 4096   # issue 34's query shape
     python benchmarks/store_stream.py --quick    # 20k x 1024
 """
 
@@ -23,6 +29,7 @@ import argparse
 import importlib
 import os
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -173,6 +180,41 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
     fast = bf16["score ZarrStore bfloat16 warm"]
     slow = bf16["score ZarrStore bfloat16 warm, upcast to float32 (not default)"]
     print(f"bfloat16 matmul on the CPU vs upcast to float32: {slow / fast:.2f}x faster")
+    against_memmap(memory, zarrs["float32"].path, test, chunk, workdir, repeats)
+
+
+def against_memmap(memory, path: Path, test: torch.Tensor, chunk: int, workdir: Path,
+                   repeats: int) -> None:
+    """Warm ``score`` passes against a numpy memmap + matmul, process CPU time, medians."""
+    import numpy as np
+
+    n_rows, k = memory.n_train, memory.meta.k
+    raw = workdir / "rows.f32"
+    memory.view_rows(0, 0, n_rows).numpy().tofile(raw)
+
+    def memmap_matmul() -> None:
+        rows = torch.from_numpy(np.memmap(raw, dtype=np.float32, mode="c", shape=(n_rows, k)))
+        for begin in range(0, n_rows, chunk):
+            test[0] @ rows[begin : begin + chunk].T
+
+    kept = tif.GradientStore.open(path)
+    cases = {"numpy memmap + matmul": memmap_matmul,
+             "score, first pass after open": lambda: score_seconds(
+                 tif.GradientStore.open(path), test),
+             "score, later passes (crc verified once)": lambda: score_seconds(kept, test)}
+    times: dict[str, list[float]] = {label: [] for label in cases}
+    for fn in cases.values():
+        fn()  # warm: page cache, first verification of `kept`
+    for _ in range(max(3, repeats)):
+        for label, fn in cases.items():
+            start = time.process_time()
+            fn()
+            times[label].append(time.process_time() - start)
+    base = statistics.median(times["numpy memmap + matmul"])
+    print(f"\nwarm, {n_rows} x k={k}, {test.shape[1]} test rows; process CPU time, medians")
+    for label, values in times.items():
+        seconds = statistics.median(values)
+        print(f"{label:<44} {seconds:8.3f} s  {seconds / base:5.2f}x")
 
 
 def _cast(store: tif.store.MemoryStore, dtype: torch.dtype) -> tif.store.MemoryStore:

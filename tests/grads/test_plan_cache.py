@@ -91,3 +91,17 @@ def test_a_model_swapped_behind_the_same_loss_is_re_checked():
     assert plan_of(second) is not plan_of(first)
     expected = factorized_projected_grads(loss, SPEC, batched=False)(params, batch)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_submodule_swapped_for_one_of_the_same_type_is_proved_again():
+    model, batch = make_mlp().eval(), make_data(6)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    first = factorized_projected_grads(loss, SPEC)
+    first(params_of(model), batch)
+    model[0] = torch.nn.Linear(model[0].in_features, model[0].out_features).double()
+    params = params_of(model)
+    second = factorized_projected_grads(loss, SPEC)
+    got = second(params, batch)
+    assert plan_of(second) is not plan_of(first)
+    expected = factorized_projected_grads(loss, SPEC, batched=False)(params, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

@@ -14,13 +14,14 @@ The key must never name another loss. It holds:
   model's address reused by a new one is a miss), criterion, form and buffer names;
 - for any other callable: the callable itself (weakly), its code, the objects its closure,
   defaults and ``functools.partial`` arguments hold (by identity);
-- for every module reached that way: its structure (each submodule's name, class, forward,
-  train/eval mode and hooks), so a model changed in place is proved again;
+- for every module reached that way: its structure (each submodule's name, identity, class,
+  forward, train/eval mode and hooks), so a model changed in place is proved again;
 - the selected and frozen parameters' names, shapes and dtype, the device, the projection
   and the preconditioner (weakly).
 
-A cached plan is also re-checked cheaply before reuse: one no-grad forward of one example must
-call the same layers in the same order with the same output shapes as when it was proved.
+A cached plan for a plain callable is also re-checked cheaply before reuse: one no-grad forward
+of one example must call the same layers in the same order with the same output shapes as when
+it was proved (a ModuleLoss's module is fixed, and its submodules' identities are in the key).
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def cached_plan(loss: Callable, projection: Projection, chosen: Params, frozen: 
             entry = None
         if entry is not None:
             _plans.move_to_end(key)
-    if entry is not None and still_valid(entry[1]):
+    # A ModuleLoss's module is fixed and its structure (submodules by identity) is in the
+    # key; a plain callable may reach another model through state the key cannot see.
+    if entry is not None and (isinstance(loss, ModuleLoss) or still_valid(entry[1])):
         return entry[1]
     plan = make()
     with _lock:
@@ -132,8 +135,9 @@ def _code(fn: Any) -> Any:
 
 
 def _structure(module: nn.Module) -> tuple:
-    """Each submodule's name, class, forward, mode and hook counts (not parameter values)."""
-    return tuple((name, type(sub), sub.__dict__.get("forward"), sub.training,
+    """Each submodule's name, identity, class, forward, mode and hook counts (not parameter
+    values)."""
+    return tuple((name, id(sub), type(sub), sub.__dict__.get("forward"), sub.training,
                   len(sub._forward_hooks), len(sub._forward_pre_hooks))
                  for name, sub in module.named_modules(remove_duplicate=False))
 

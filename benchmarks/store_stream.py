@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -112,11 +113,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--quick", action="store_true", help="20k rows")
+    parser.add_argument("--memmap-only", action="store_true",
+                        help="only the table against a numpy memmap + matmul")
     args = parser.parse_args()
     n_rows = 20_000 if args.quick else args.rows
     workdir = Path(tempfile.mkdtemp(prefix="tif-store-bench-", dir=args.dir))
     try:
-        run(n_rows, args.k, args.n_test, args.repeats, workdir)
+        if args.memmap_only:
+            memory = make_store(n_rows, args.k)
+            store = tif.save_store(memory, workdir / "float32.zarr")
+            test = torch.randn(1, args.n_test, args.k)
+            chunk = score_module._chunk_rows(store, None, memory.meta, args.n_test)
+            against_memmap(memory, store.path, test, chunk, workdir, args.repeats)
+        else:
+            run(n_rows, args.k, args.n_test, args.repeats, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -197,6 +207,8 @@ def against_memmap(memory, path: Path, test: torch.Tensor, chunk: int, workdir: 
         for begin in range(0, n_rows, chunk):
             test[0] @ rows[begin : begin + chunk].T
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU time of one thread, as the issue measured
     kept = tif.GradientStore.open(path)
     cases = {"numpy memmap + matmul": memmap_matmul,
              "score, first pass after open": lambda: score_seconds(
@@ -210,8 +222,11 @@ def against_memmap(memory, path: Path, test: torch.Tensor, chunk: int, workdir: 
             start = time.process_time()
             fn()
             times[label].append(time.process_time() - start)
+    torch.set_num_threads(threads)
     base = statistics.median(times["numpy memmap + matmul"])
-    print(f"\nwarm, {n_rows} x k={k}, {test.shape[1]} test rows; process CPU time, medians")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\nwarm, {n_rows} x k={k}, {test.shape[1]} test rows; 1 thread, process CPU time, "
+          f"medians; peak RSS of the whole run {rss:.0f} MiB")
     for label, values in times.items():
         seconds = statistics.median(values)
         print(f"{label:<44} {seconds:8.3f} s  {seconds / base:5.2f}x")

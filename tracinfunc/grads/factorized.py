@@ -138,9 +138,13 @@ class _Plan:
         """Whether ``loss`` calls the same layers, in the same order and with the same output
         shapes, as when this plan was made (one no-grad forward; a shared plan's re-check)."""
         key = tuple((leaf.shape, leaf.dtype) for leaf in tree_leaves(example))
-        known = self.shapes.pop(key, None)
-        fresh = self.tap_shapes(loss, params, example)
-        return known is None or known == fresh
+        known = self.shapes.get(key)  # read only: other functions may share this plan
+        with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
+            loss(params, example)
+        order = [(i, id(m)) for i, m, _, _ in seen]
+        if known is None:  # a new example shape: the same layer objects, in the same order
+            return any(order == recorded for recorded, _ in list(self.shapes.values()))
+        return known == (order, [(out.shape, out.dtype) for *_, out in seen])
 
     def layer_sides(self, loss: LossFn, params: Params, example: Example, order, shapes):
         """``(rest grads, [(weight index, rule, left, right)])`` for one example (vmappable)."""

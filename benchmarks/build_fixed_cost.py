@@ -12,6 +12,7 @@ interleaved (floor, reused, fresh, fresh without the shared plans), medians:
 - ``fresh, plans cleared``: the same with the shared plans forgotten first (before issue 34).
 
     python benchmarks/build_fixed_cost.py            # GPT-2 4x128, matched, k=4096, b=8
+    python benchmarks/build_fixed_cost.py --model gpt2 --repeats 3   # GPT-2 small's shape
     python benchmarks/build_fixed_cost.py --quick    # a tiny GPT-2, seconds
 """
 
@@ -38,11 +39,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--model", default="small", choices=["small", "gpt2"],
+                        help="GPT-2 4x128, or GPT-2 small's shape (124M)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    model, config = lm.build("small", args.quick)
+    model, config = lm.build(args.model, args.quick)
     batch, tokens = (4, 16) if args.quick else (8, 64)
     batches = lm.token_batches(config, 3, batch, tokens, seed=1)
     names = lm.matched_names(model)
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
         times["fresh, plans cleared"].append(_cpu(lambda b=b: fresh(b, clear=True)))
     floor = statistics.median(times["floor"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"GPT-2 {'tiny' if args.quick else '4x128'} matched, k={spec.dim}, b={batch}, "
+    shape = "tiny" if args.quick else {"small": "4x128", "gpt2": "small (124M)"}[args.model]
+    print(f"GPT-2 {shape} matched, k={spec.dim}, b={batch}, "
           f"T={tokens}; 1 thread, CPU time, medians; peak RSS {rss:.0f} MiB")
     result = {}
     for label, values in times.items():

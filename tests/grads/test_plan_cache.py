@@ -105,3 +105,23 @@ def test_a_submodule_swapped_for_one_of_the_same_type_is_proved_again():
     assert plan_of(second) is not plan_of(first)
     expected = factorized_projected_grads(loss, SPEC, batched=False)(params, batch)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("change", ["train mode", "projection", "dtype"])
+def test_what_the_plan_depends_on_is_in_its_key(change):
+    model, batch = make_mlp().eval(), make_data(6)
+    loss, params = tif.loss_from_module(model, F.cross_entropy), params_of(model)
+    first = factorized_projected_grads(loss, SPEC)
+    first(params, batch)
+    spec = SPEC
+    if change == "train mode":
+        model[1].train()  # a submodule's mode (no parameters) changes
+    elif change == "projection":
+        spec = tif.Projection(dim=16, seed=4, kind="kronecker")
+    else:
+        params = {name: value.float() for name, value in params.items()}
+        batch = (batch[0].float(), batch[1])
+        model.float()
+    second = factorized_projected_grads(loss, spec)
+    second(params, batch)
+    assert plan_of(second) is not plan_of(first)

@@ -346,7 +346,7 @@ def configurations(args) -> list[dict]:
             for size in args.models for params in args.params[:1 if args.quick else None]
             for method, precondition in methods
             for functional in forms
-            if not (functional and (method == "bergson" or args.quick and precondition))]
+            if not (functional and (method == "bergson" or (args.quick and precondition)))]
 
 
 def _label(method: str, precondition: str | None) -> str:

@@ -255,4 +255,5 @@ def test_state_of_a_model_frozen_after_training_is_taken_for_the_trainable_subse
         expected = tif.build_store(
             loss, [checkpoint], data, projection=spec,
             preconditioners=[subset.as_factored() if kind.factored else subset])
-        torch.testing.assert_close(store.read_rows(0, 0, 4), expected.read_rows(0, 0, 4), rtol=0, atol=0)
+        torch.testing.assert_close(store.read_rows(0, 0, 4), expected.read_rows(0, 0, 4),
+                                   rtol=0, atol=0)

@@ -11,7 +11,11 @@ default) and ``all``. Methods:
 - ``kronecker vmapped``: the same rows by the per-example (vmapped) backward (before);
 - ``sjlt``: materialised per-example gradients, sparse projection;
 - ``+adam factored``: kronecker with Adam (LESS) preconditioning, second moment in
-  Adafactor form (stays factorised); ``+adam exact``: the exact diagonal (generic path);
+  Adafactor form (stays factorised) except on embedding tables, which keep the exact diagonal
+  (``as_factored()``'s default); ``+adam factored all``: every matrix factored
+  (``as_factored(exact=[])``, the form before issue 34); ``+adam exact``: the exact diagonal
+  (generic path). With ``--trained`` the state is the training run's AdamW state, else a
+  fresh Adam after two steps;
 - ``bergson`` (when ``.venv-bergson`` exists, ``make bench-setup``; ``benchmarks/
   _bergson_child.py``): per-module projection ``p x p`` (p=16 on the small model, 9 on
   GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.
@@ -43,7 +47,8 @@ import warnings
 from pathlib import Path
 
 METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
-           ("kronecker", "adam factored"), ("kronecker", "adam exact")]
+           ("kronecker", "adam factored"), ("kronecker", "adam exact"),
+           ("kronecker", "adam factored all")]
 
 
 def build(size: str, quick: bool):
@@ -97,9 +102,9 @@ def markov_chain(vocab: int):
     return chain / chain.sum(dim=1, keepdim=True)
 
 
-def train(model, config, cfg: dict) -> tuple[float, float]:
-    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``); the
-    next-token loss of the first and of the last batch."""
+def train(model, config, cfg: dict):
+    """``cfg["trained"]`` AdamW steps on Markov-chain batches of 8 (``--trained``): the
+    next-token loss of the first and of the last batch, and the optimizer."""
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -112,7 +117,7 @@ def train(model, config, cfg: dict) -> tuple[float, float]:
         optimizer.step()
     model.eval()
     model.zero_grad(set_to_none=True)
-    return losses[0], losses[-1]
+    return (losses[0], losses[-1]), optimizer
 
 
 def matched_names(model) -> list[str]:
@@ -120,12 +125,15 @@ def matched_names(model) -> list[str]:
             if name.startswith("transformer.h.") and ".c_" in name and name.endswith("weight")]
 
 
-def adam_state(model, batches):
-    """Adam after two steps (lr small, so the weights barely move), as a Preconditioner."""
+def adam_state(model, batches, optimizer=None):
+    """The training run's optimizer state, or (``None``) Adam after two steps (lr small, so
+    the weights barely move), as a Preconditioner."""
     import torch
 
     import tracinfunc as tif
 
+    if optimizer is not None:
+        return tif.Preconditioner.from_optimizer(optimizer, model, kind="adam")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     for batch in batches[:2]:
         optimizer.zero_grad()
@@ -145,17 +153,33 @@ def floor_step(model, batch) -> float:
     return float(loss)
 
 
-def method_fn(model, method: str, precondition: str | None, names, state, k: int):
+def functional_loss(model):
+    """A hand-written loss, the way the docs show users writing one (``--functional-loss``):
+    the model's own ``outputs.loss`` through ``torch.func.functional_call``."""
+    from torch.func import functional_call
+
+    def loss(params, example):
+        ids = example["input_ids"][None]
+        return functional_call(model, params, (), {"input_ids": ids, "labels": ids}).loss
+
+    return loss
+
+
+def method_fn(model, method: str, precondition: str | None, names, state, k: int,
+              functional: bool = False):
     import tracinfunc as tif
     from tracinfunc.grads.factorized import factorized_projected_grads
 
-    loss = tif.causal_lm_loss(model)
+    loss = functional_loss(model) if functional else tif.causal_lm_loss(model)
     kind = "sjlt" if method == "sjlt" else "kronecker"
     spec = tif.Projection(dim=k, kind=kind)
     if method == "kronecker vmapped":
         return factorized_projected_grads(loss, spec, select=names, batched=False)
-    chosen = None if precondition is None else (
-        state.as_factored() if precondition == "adam factored" else state)
+    chosen = state
+    if precondition == "adam factored":
+        chosen = state.as_factored()  # embedding tables keep the exact diagonal
+    elif precondition == "adam factored all":
+        chosen = state.as_factored(exact=[])
     return tif.projected_grads(
         loss, spec, options=tif.GradientOptions(select=names), precondition=chosen
     )
@@ -171,12 +195,13 @@ def run_config(cfg: dict) -> dict:
     """One configuration in this process: timings, peak RSS, agreement."""
     model, config = build(cfg["model"], cfg["quick"])
     markov = bool(cfg.get("trained"))
-    losses = train(model, config, cfg) if markov else None
+    losses, optimizer = train(model, config, cfg) if markov else (None, None)
     batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1, markov=markov)
     names = matched_names(model) if cfg["params"] == "matched" else None
-    state = adam_state(model, batches) if cfg["precondition"] else None
+    state = adam_state(model, batches, optimizer) if cfg["precondition"] else None
     params = {name: value.detach() for name, value in model.named_parameters()}  # no copy
-    fn = method_fn(model, cfg["method"], cfg["precondition"], names, state, cfg["k"])
+    fn = method_fn(model, cfg["method"], cfg["precondition"], names, state, cfg["k"],
+                   cfg.get("functional", False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fn(params, batches[0])  # warm-up: plan, projection blocks, first-batch check
@@ -214,14 +239,16 @@ def agreement(model, config, fn, cfg, names, state, params) -> dict:
     dense = tif.per_sample_grads(loss, options=tif.GradientOptions(select=names, chunk_size=8))
     g_train, g_test = dense(params, train), dense(params, test)
     extra = {}
-    if cfg["precondition"] == "adam factored":  # the approximation alone, no projection
+    if cfg["precondition"] in ("adam factored", "adam factored all"):  # no projection
+        form = state.as_factored(exact=[] if cfg["precondition"].endswith("all") else None)
         extra["r_factored_vs_exact"] = pearson(
-            dense_scores(preconditioned(g_train, state.as_factored()), g_test),
+            dense_scores(preconditioned(g_train, form), g_test),
             dense_scores(preconditioned(g_train, state), g_test))
     if cfg["precondition"]:
         g_train = preconditioned(g_train, state)
     exact = dense_scores(g_train, g_test)  # [n_test, n_train]
-    plain = method_fn(model, cfg["method"], None, names, None, cfg["k"])
+    plain = method_fn(model, cfg["method"], None, names, None, cfg["k"],
+                      cfg.get("functional", False))
     rows_train = torch.cat([fn(params, {"input_ids": train["input_ids"][i:i + 8]})
                             for i in range(0, n_train, 8)])
     approx = plain(params, test) @ rows_train.T
@@ -286,6 +313,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--params", nargs="+", default=["matched", "all"])
     parser.add_argument("--trained", type=int, default=0, metavar="STEPS",
                         help="train the model this many steps on Markov-chain text first")
+    parser.add_argument("--functional-loss", action="store_true",
+                        help="also a row per method with a hand-written functional_call loss")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -308,13 +337,16 @@ def configurations(args) -> list[dict]:
         methods = [("bergson", None), *methods]
     if args.methods:
         methods = [(m, p) for m, p in methods if _label(m, p) in args.methods]
+    forms = [False, True] if args.functional_loss or args.quick else [False]
     return [{"model": size, "params": params, "method": method,
              "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
              "k": args.k, "repeats": args.repeats, "quick": args.quick,
-             "trained": args.trained,
+             "trained": args.trained, "functional": functional and method != "bergson",
              "agreement": size == "small", "p": 16 if size == "small" else 9}
             for size in args.models for params in args.params[:1 if args.quick else None]
-            for method, precondition in methods]
+            for method, precondition in methods
+            for functional in forms
+            if not (functional and (method == "bergson" or (args.quick and precondition)))]
 
 
 def _label(method: str, precondition: str | None) -> str:
@@ -328,7 +360,8 @@ def bergson_python() -> str:
 
 
 def print_row(row: dict, flush: bool = False) -> None:
-    label = _label(row["method"], row["precondition"])
+    label = _label(row["method"], row["precondition"]) + (
+        " (functional)" if row.get("functional") else "")
     agree = (f"r {row['r']:.3f}  top-10 {row['top10']:.2f}" if "r" in row else "")
     if "r_factored_vs_exact" in row:
         agree += f"  (factored vs exact Adam, unprojected: r {row['r_factored_vs_exact']:.3f})"

@@ -13,7 +13,13 @@ checkpoint, Gaussian rows):
 A pass ideally takes max(read time, matmul time) when reading overlaps compute, so the ratio
 reported is ``max(readinto time, matmul time) / score time`` (1.0 = at the ceiling).
 
+A second table (issue 34) puts a warm ``score`` pass over the float32 ZarrStore beside a
+numpy memmap + matmul of the same rows (a raw file), in process CPU time, interleaved,
+medians: the first pass after opening (every chunk's crc32c verified) and later passes
+(verified once per shard-file identity, :mod:`tracinfunc.store.zarr.local_reads`).
+
     python benchmarks/store_stream.py            # 200k x 1024 (800 MB float32), under /tmp
+    python benchmarks/store_stream.py --rows 50000 --k 4096   # issue 34's query shape
     python benchmarks/store_stream.py --quick    # 20k x 1024
 """
 
@@ -22,7 +28,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -105,11 +113,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--quick", action="store_true", help="20k rows")
+    parser.add_argument("--memmap-only", action="store_true",
+                        help="only the table against a numpy memmap + matmul")
     args = parser.parse_args()
     n_rows = 20_000 if args.quick else args.rows
     workdir = Path(tempfile.mkdtemp(prefix="tif-store-bench-", dir=args.dir))
     try:
-        run(n_rows, args.k, args.n_test, args.repeats, workdir)
+        if args.memmap_only:
+            memory = make_store(n_rows, args.k)
+            store = tif.save_store(memory, workdir / "float32.zarr")
+            test = torch.randn(1, args.n_test, args.k)
+            chunk = score_module._chunk_rows(store, None, memory.meta, args.n_test)
+            against_memmap(memory, store.path, test, chunk, workdir, args.repeats)
+        else:
+            run(n_rows, args.k, args.n_test, args.repeats, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -173,6 +190,46 @@ def run(n_rows: int, k: int, n_test: int, repeats: int, workdir: Path) -> None:
     fast = bf16["score ZarrStore bfloat16 warm"]
     slow = bf16["score ZarrStore bfloat16 warm, upcast to float32 (not default)"]
     print(f"bfloat16 matmul on the CPU vs upcast to float32: {slow / fast:.2f}x faster")
+    against_memmap(memory, zarrs["float32"].path, test, chunk, workdir, repeats)
+
+
+def against_memmap(memory, path: Path, test: torch.Tensor, chunk: int, workdir: Path,
+                   repeats: int) -> None:
+    """Warm ``score`` passes against a numpy memmap + matmul, process CPU time, medians."""
+    import numpy as np
+
+    n_rows, k = memory.n_train, memory.meta.k
+    raw = workdir / "rows.f32"
+    memory.view_rows(0, 0, n_rows).numpy().tofile(raw)
+
+    def memmap_matmul() -> None:
+        rows = torch.from_numpy(np.memmap(raw, dtype=np.float32, mode="c", shape=(n_rows, k)))
+        for begin in range(0, n_rows, chunk):
+            test[0] @ rows[begin : begin + chunk].T
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU time of one thread, as the issue measured
+    kept = tif.GradientStore.open(path)
+    cases = {"numpy memmap + matmul": memmap_matmul,
+             "score, first pass after open": lambda: score_seconds(
+                 tif.GradientStore.open(path), test),
+             "score, later passes (crc verified once)": lambda: score_seconds(kept, test)}
+    times: dict[str, list[float]] = {label: [] for label in cases}
+    for fn in cases.values():
+        fn()  # warm: page cache, first verification of `kept`
+    for _ in range(max(3, repeats)):
+        for label, fn in cases.items():
+            start = time.process_time()
+            fn()
+            times[label].append(time.process_time() - start)
+    torch.set_num_threads(threads)
+    base = statistics.median(times["numpy memmap + matmul"])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\nwarm, {n_rows} x k={k}, {test.shape[1]} test rows; 1 thread, process CPU time, "
+          f"medians; peak RSS of the whole run {rss:.0f} MiB")
+    for label, values in times.items():
+        seconds = statistics.median(values)
+        print(f"{label:<44} {seconds:8.3f} s  {seconds / base:5.2f}x")
 
 
 def _cast(store: tif.store.MemoryStore, dtype: torch.dtype) -> tif.store.MemoryStore:

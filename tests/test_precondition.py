@@ -235,3 +235,25 @@ def test_resuming_a_plain_zarr_build_with_a_preconditioner_is_refused(tmp_path):
     ):
         tif.build_store(loss, ckpts, make_data(4), projection=projection,
                         store=str(tmp_path / "i.zarr"), preconditioners=[precondition])
+
+
+def test_state_of_a_model_frozen_after_training_is_taken_for_the_trainable_subset():
+    """The optimizer stepped every parameter, then the first layer was frozen:
+    ``Checkpoint.from_module`` keeps the trainable ones, and the state's subset is used."""
+    model, optimizer, _ = _trained()
+    model[0].requires_grad_(False)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    checkpoint = tif.Checkpoint.from_module(model)
+    assert sorted(checkpoint.params) == ["2.bias", "2.weight"]
+    precondition = tif.Preconditioner.from_optimizer(optimizer, model)
+    assert len(precondition.names) == 4
+    subset = tif.Preconditioner("adam", {name: precondition.state[name]
+                                         for name in checkpoint.params})
+    data, spec = make_data(4), tif.Projection(dim=4)
+    for kind in (precondition, precondition.as_factored()):
+        store = tif.build_store(loss, [checkpoint], data, projection=spec, preconditioners=[kind])
+        expected = tif.build_store(
+            loss, [checkpoint], data, projection=spec,
+            preconditioners=[subset.as_factored() if kind.factored else subset])
+        torch.testing.assert_close(store.read_rows(0, 0, 4), expected.read_rows(0, 0, 4),
+                                   rtol=0, atol=0)

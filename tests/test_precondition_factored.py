@@ -187,3 +187,58 @@ def test_the_factored_form_of_vectors_only_is_the_exact_one():
                             projection=tif.Projection(dim=4), preconditioners=[factored],
                             options=tif.GradientOptions(select=biases))
     assert store.meta.preconditioner == "adam"  # vectors keep the exact diagonal
+
+
+# ---- issue 34: embedding tables keep the exact diagonal in the factored form ----
+
+def _trained_gpt2(steps=2):
+    from tests.lm_helpers import tiny_gpt2, token_batch
+
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=BETAS, eps=EPS)
+    for seed in range(steps):
+        optimizer.zero_grad()
+        ids = token_batch(n=2, seed=seed)["input_ids"]
+        logits = model(input_ids=ids).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        optimizer.step()
+    return model.eval(), optimizer
+
+
+def test_embedding_tables_keep_the_exact_diagonal_and_rows_equal_the_brute_force():
+    from tests.lm_helpers import hf_loop_grads, token_batch
+
+    model, optimizer = _trained_gpt2()
+    exact = tif.Preconditioner.from_optimizer(optimizer, model)
+    assert exact.embeddings == {"transformer.wte.weight", "transformer.wpe.weight"}
+    factored = exact.as_factored()
+    assert factored.exact == exact.embeddings  # the tied head shares wte's name
+    g = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    for name in factored.exact:  # the same map as the exact preconditioner
+        torch.testing.assert_close(factored.apply({name: g[name]})[name],
+                                   exact.apply({name: g[name]})[name], rtol=0, atol=0)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    batch, spec = token_batch(n=3, seed=9), tif.Projection(dim=16, seed=2, kind="kronecker")
+    grads = hf_loop_grads(model, params, batch)
+    preconditioned = {name: torch.stack([factored.apply({name: x[i]})[name]
+                                         for i in range(x.shape[0])])
+                      for name, x in grads.items()}
+    expected = explicit_kronecker(preconditioned, spec)
+    fast = tif.projected_grads(tif.causal_lm_loss(model), spec, precondition=factored)(
+        params, batch)
+    torch.testing.assert_close(fast, expected, rtol=1e-9, atol=1e-11)
+    everything = exact.as_factored(exact=[])  # the old form: every matrix factored
+    assert everything.exact == frozenset() and everything.factorises("transformer.wte.weight")
+    old = tif.projected_grads(tif.causal_lm_loss(model), spec, precondition=everything)(
+        params, batch)
+    assert not torch.allclose(old, fast)
+
+
+def test_exact_names_must_have_state():
+    model, optimizer = trained(steps=1)
+    exact = tif.Preconditioner.from_optimizer(optimizer, model)
+    assert exact.embeddings == frozenset()  # an MLP has no embedding table
+    with pytest.raises(tif.errors.InvalidArgumentError, match=r"exact names \['nope'\]"):
+        tif.Preconditioner("adam", exact.state, factored=True, exact=["nope"])
+    with pytest.raises(tif.errors.InvalidTypeError, match="collection of parameter names"):
+        tif.Preconditioner("adam", exact.state, factored=True, exact="0.weight")

@@ -213,8 +213,9 @@ def test_llm_throughput_benchmark_quick_mode_runs(capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     rows = module.main(["--quick"])
-    assert [(r["method"], r["precondition"]) for r in rows] == [
-        ("kronecker", None), ("kronecker", "adam factored")]
+    assert [(r["method"], r["precondition"], r["functional"]) for r in rows] == [
+        ("kronecker", None, False), ("kronecker", None, True),
+        ("kronecker", "adam factored", False)]
     assert all(r["tool_s"] > 0 and r["floor_s"] > 0 and -1 <= r["r"] <= 1 for r in rows)
     assert "x floor" in capsys.readouterr().out
 

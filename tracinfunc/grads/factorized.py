@@ -48,7 +48,9 @@ from tracinfunc.grads.layer_rules import (
     rule_sides,
     tapped_loss,
     tapping,
+    vmappable_attention,
 )
+from tracinfunc.grads.plan_cache import cached_plan
 from tracinfunc.grads.selection import Selection, check_select, selected_names
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.precondition.factored import preconditioned_sides
@@ -110,7 +112,11 @@ class _Plan:
 
     def discover(self, loss: LossFn, params: Params, example: Example) -> None:
         """Find the matrix parameters applied by factorisable layers (one no-grad call)."""
-        candidates = sorted(n for n, v in params.items() if v.dim() >= 2)
+        # A matrix the preconditioner keeps exact (an embedding table) needs its per-element
+        # second moment, so its per-example gradient is materialised (the generic projector).
+        keep = self.precondition
+        candidates = sorted(n for n, v in params.items()
+                            if v.dim() >= 2 and (keep is None or keep.factorises(n)))
         ids = {id(params[name]): i for i, name in enumerate(candidates)}
         with torch.no_grad(), tapping(ids, None, None) as seen:
             loss(params, example)
@@ -127,6 +133,18 @@ class _Plan:
             self.shapes[key] = ([(i, id(m)) for i, m, _, _ in seen],
                                 [(out.shape, out.dtype) for *_, out in seen])
         return self.shapes[key]
+
+    def same_layer_calls(self, loss: LossFn, params: Params, example: Example) -> bool:
+        """Whether ``loss`` calls the same layers, in the same order and with the same output
+        shapes, as when this plan was made (one no-grad forward; a shared plan's re-check)."""
+        key = tuple((leaf.shape, leaf.dtype) for leaf in tree_leaves(example))
+        known = self.shapes.get(key)  # read only: other functions may share this plan
+        with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
+            loss(params, example)
+        order = [(i, id(m)) for i, m, _, _ in seen]
+        if known is None:  # a new example shape: the same layer objects, in the same order
+            return any(order == recorded for recorded, _ in list(self.shapes.values()))
+        return known == (order, [(out.shape, out.dtype) for *_, out in seen])
 
     def layer_sides(self, loss: LossFn, params: Params, example: Example, order, shapes):
         """``(rest grads, [(weight index, rule, left, right)])`` for one example (vmappable)."""
@@ -190,22 +208,38 @@ class _Plan:
 
 
 def _plan_for(plans: dict, loss: LossFn, projection: Projection, params: Params,
-              example: Example, precondition: Preconditioner | None = None) -> _Plan:
+              example: Example, precondition: Preconditioner | None = None, *,
+              shared: tuple[LossFn, Params] | None = None) -> _Plan:
+    """This function's plan for the layout of ``params``; with ``shared=(user loss, frozen
+    params)`` one already proved for the same loss and layout is reused
+    (:mod:`~tracinfunc.grads.plan_cache`)."""
     first = next(iter(params.values()))
     key = (canonical_layout(params), first.device, first.dtype)
     if key not in plans:
-        plan = _Plan(projection, params, precondition)
-        plan.discover(loss, params, example)
-        plan.check(loss, params, example)
-        if not plan.weights:
-            warnings.warn(
-                "projected_grads: kind='kronecker' factorised no layer (no nn.Linear, HF "
-                "Conv1D, nn.Conv2d or nn.Embedding applies a parameter of params); every "
-                "gradient is materialised per example and projected by the same Kronecker "
-                "matrices. Dense Kronecker blocks need a larger k than sjlt for the same "
-                "accuracy; kind='sjlt' is the better choice for such a loss.", stacklevel=4)
-        plans[key] = plan
+        def make() -> _Plan:
+            return _new_plan(loss, projection, params, example, precondition)
+
+        def still_valid(plan: _Plan) -> bool:
+            return plan.same_layer_calls(loss, params, example)
+
+        plans[key] = make() if shared is None else cached_plan(
+            shared[0], projection, params, shared[1], precondition, make, still_valid)
     return plans[key]
+
+
+def _new_plan(loss: LossFn, projection: Projection, params: Params, example: Example,
+              precondition: Preconditioner | None) -> _Plan:
+    plan = _Plan(projection, params, precondition)
+    plan.discover(loss, params, example)
+    plan.check(loss, params, example)
+    if not plan.weights:
+        warnings.warn(
+            "projected_grads: kind='kronecker' factorised no layer (no nn.Linear, HF "
+            "Conv1D, nn.Conv2d or nn.Embedding applies a parameter of params); every "
+            "gradient is materialised per example and projected by the same Kronecker "
+            "matrices. Dense Kronecker blocks need a larger k than sjlt for the same "
+            "accuracy; kind='sjlt' is the better choice for such a loss.", stacklevel=5)
+    return plan
 
 
 def factorized_projected_grads(
@@ -257,14 +291,17 @@ def factorized_projected_grads(
         if precondition is not None:
             precondition.check({n: tuple(v.shape) for n, v in params.items()}, names)
         example = tree_map(lambda leaf: leaf[0], batch)
-        plan = _plan_for(plans, selected_loss, projection, chosen, example, precondition)
+        plan = _plan_for(plans, selected_loss, projection, chosen, example, precondition,
+                         shared=(loss, frozen))
         order, shapes = plan.tap_shapes(selected_loss, chosen, example)
 
         def one_example(chosen: Params, example: Example) -> Tensor:
             return plan.project(selected_loss, chosen, example, order, shapes)
 
         def vmapped(batch: Batch) -> Tensor:
-            return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen, batch)
+            with vmappable_attention():
+                return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen,
+                                                                                   batch)
 
         if not batched:
             return vmapped(batch)

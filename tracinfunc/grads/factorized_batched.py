@@ -34,7 +34,12 @@ from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc.grads.factorized_forward import forward_sides
-from tracinfunc.grads.layer_rules import layer_rule, rule_sides, tapped_loss
+from tracinfunc.grads.layer_rules import (
+    layer_rule,
+    rule_sides,
+    tapped_loss,
+    vmappable_attention,
+)
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["BatchedPathWarning", "batched_or_vmapped", "batched_rows"]
@@ -78,7 +83,7 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
         shifted = {name: rest[name] + shift for name, shift in shifts.items()}
         return tapped_loss(loss, {**consts, **shifted}, example, ids, taps, order, modules)
 
-    with torch.enable_grad():
+    with torch.enable_grad(), vmappable_attention():
         values, inputs = vmap(one_loss)(taps, shifts, batch)  # [b], per call [b, *in_shape]
         grads = torch.autograd.grad(values.sum(), [*taps, *shifts.values()],
                                     allow_unused=True, materialize_grads=True)

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import ParameterSelectionError
+from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.offload import ActivationStash
 from tracinfunc.grads.precision import mixed_precision_context, with_mixed_precision
 from tracinfunc.grads.stages import Stage, Stages, split_batch, stage_params
@@ -165,6 +166,7 @@ def _stage_backward(
         return tuple(part for part in parts if part is not None)
 
     mapped = vmap(one_example, in_dims=(None, 0, 0), chunk_size=chunk_size)
-    parts = list(mapped(selected, activation, cotangent))
+    with vmappable_attention():
+        parts = list(mapped(selected, activation, cotangent))
     out = parts.pop(0) if names else None
     return out, (parts.pop(0) if need_input else None)

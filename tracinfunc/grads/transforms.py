@@ -35,6 +35,7 @@ from tracinfunc.errors import (
     TrainModeError,
 )
 from tracinfunc.grads.factorized import factorized_projected_grads
+from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.precision import loss_scaled_grad, with_mixed_precision
 from tracinfunc.grads.staged import staged_grads
@@ -239,7 +240,8 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
     fn = _selected_loss(loss, params, options)
     grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision)
     batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
-    return _call_loss_transform(batched, selected, frozen, batch)
+    with vmappable_attention():
+        return _call_loss_transform(batched, selected, frozen, batch)
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
@@ -254,7 +256,8 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
         return project(grad_fn(selected, frozen, example))
 
     batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
-    return _call_loss_transform(batched, selected, frozen, batch)
+    with vmappable_attention():
+        return _call_loss_transform(batched, selected, frozen, batch)
 
 
 def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,

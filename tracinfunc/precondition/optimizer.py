@@ -96,16 +96,24 @@ class Preconditioner:
     ``factored=True`` (:meth:`as_factored`) matrix parameters use Adam's second moment in
     Adafactor's row/column form (:mod:`tracinfunc.precondition.factored`), which keeps the
     factorised path (vectors keep the exact diagonal); every path gives the same rows.
+    Parameters named in ``exact`` keep the exact diagonal too: by default the embedding
+    tables, whose factored form loses the ranking (see :meth:`as_factored`).
 
     Attributes:
         kind: ``"adam"`` or ``"trackstar"``.
         state: ``{parameter name: AdamState}``, read-only.
         factored: Matrix parameters use the factored second moment (an approximation).
+        exact: Matrix parameters that keep the exact diagonal when ``factored``.
+        embeddings: The names of embedding tables (``nn.Embedding`` weights, tied heads
+            included) of the module the state was read with; :meth:`as_factored`'s default
+            ``exact``.
     """
 
     kind: str
     state: Mapping[str, AdamState]
     factored: bool = False
+    exact: frozenset[str] = frozenset()
+    embeddings: frozenset[str] = frozenset()
 
     @entry_point("Preconditioner")
     def __post_init__(self) -> None:
@@ -128,6 +136,20 @@ class Preconditioner:
                     f"{type(value).__name__}."
                 )
         object.__setattr__(self, "state", MappingProxyType(dict(self.state)))
+        for field_name in ("exact", "embeddings"):
+            names = getattr(self, field_name)
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise InvalidTypeError(
+                    f"Preconditioner: {field_name} must be a collection of parameter names, "
+                    f"got {names!r}; e.g. exact=['transformer.wte.weight']."
+                )
+            object.__setattr__(self, field_name, frozenset(names))
+        unknown = sorted(self.exact - set(self.state))
+        if unknown:
+            raise InvalidArgumentError(
+                f"Preconditioner: exact names {unknown[:5]} have no optimizer state (it covers "
+                f"{_few(self.state)}); name parameters of the state."
+            )
         # State copied to the gradients' device/dtype once, not on every call (a cache only).
         object.__setattr__(self, "_moved", {})
 
@@ -148,9 +170,33 @@ class Preconditioner:
         return (f"Preconditioner(kind={self.kind!r}, {len(states)} parameters, "
                 f"{values:,} values, {step}, {shown})")
 
-    def as_factored(self) -> Preconditioner:
-        """The same state with ``factored=True`` (Adafactor-style second moment on matrices)."""
-        return Preconditioner(self.kind, self.state, factored=True)
+    def as_factored(self, *, exact: Sequence[str] | None = None) -> Preconditioner:
+        """The same state with ``factored=True`` (Adafactor-style second moment on matrices).
+
+        The factored LESS direction leaves out the example's own ``(1 - b2) g**2`` term of the
+        new second moment (see :mod:`tracinfunc.precondition.factored`). Where an example's
+        gradient is large against the saved ``v`` (an embedding row of a token the optimizer
+        has rarely seen) the exact direction saturates near ``(1 - b1) / sqrt(1 - b2)`` while
+        the factored one grows as ``g / sqrt(v)``: on an embedding table it dominates the
+        scores and loses the ranking (GPT-2 4x128, all parameters: Pearson 0.23 with exact
+        Adam on ``wte`` alone, ``benchmarks/llm_throughput.py``). Embedding tables therefore
+        keep the exact diagonal by default (their per-example gradients are materialised);
+        the transformer blocks' matrices, where the form agrees (r >= 0.98), stay factored.
+
+        Args:
+            exact: Matrix parameters kept exact; ``None``: :attr:`embeddings` (known when
+                the state was read with its module: :meth:`from_optimizer`,
+                :meth:`from_state_dict` or :meth:`load` given the module), ``[]``: none.
+        """
+        keep = self.embeddings if exact is None else frozenset(exact)
+        return Preconditioner(self.kind, self.state, factored=True,
+                              exact=keep & set(self.state), embeddings=self.embeddings)
+
+    def factorises(self, name: str) -> bool:
+        """Whether parameter ``name`` uses the factored second moment (a matrix, ``factored``,
+        not in :attr:`exact`)."""
+        return (self.factored and name not in self.exact
+                and is_factored(self.state[name].exp_avg_sq.shape))
 
     def factored_terms(self, name: str, like: Tensor) -> FactoredTerms:
         """``(a [r], b [c], g_scale, offset)`` of matrix parameter ``name`` (see
@@ -187,7 +233,7 @@ class Preconditioner:
 
     def _one(self, name: str, g: Tensor) -> Tensor:
         s = self.state[name]
-        if self.factored and is_factored(s.exp_avg_sq.shape):
+        if self.factorises(name):
             return apply_factored(self.factored_terms(name, g), g)
         if self.kind == "trackstar":
             (inv_root,) = self._constants(name, g)
@@ -205,23 +251,31 @@ class Preconditioner:
     def check(self, shapes: Mapping[str, Sequence[int]], selected: Sequence[str]) -> None:
         """Raise unless the state fits a checkpoint's parameters and covers the selection.
 
+        State for parameters the checkpoint lacks is ignored when the selection is covered:
+        the optimizer that trained a model before some of it was frozen holds state for the
+        frozen parameters too, while ``Checkpoint.from_module`` keeps the trainable ones; the
+        subset is taken by name.
+
         Args:
             shapes: ``{name: shape}`` of the checkpoint's parameters.
             selected: Names that are differentiated (the store's layout).
 
         Raises:
             MissingParametersError: selected parameters have no optimizer state.
-            IncompatibleGradientsError: state for parameters the checkpoint lacks, or of
-                other shapes.
+            IncompatibleGradientsError: selected parameters have no state while the state
+                names parameters the checkpoint lacks (names from another model), or state
+                of other shapes.
         """
         extra = sorted(set(self.state) - set(shapes))
-        if extra:
-            raise IncompatibleGradientsError(
-                f"{current_caller()}: the preconditioner has optimizer state for {extra}, which "
-                f"the checkpoint lacks (it has {_few(shapes)}); build it from the optimizer that "
-                "trained this model, with the names in optimizer order."
-            )
         missing = sorted(set(selected) - set(self.state))
+        if missing and extra:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: the preconditioner's names do not match the checkpoint's: "
+                f"no optimizer state for selected parameters {_few(missing)}, while it has state "
+                f"for {_few(extra)}, which the checkpoint lacks; build it with the names the "
+                "checkpoint uses (Preconditioner.from_optimizer(optimizer, model) with the "
+                "model the checkpoint was taken from)."
+            )
         if missing:
             raise MissingParametersError(
                 f"{current_caller()}: the preconditioner has no optimizer state for selected "
@@ -229,7 +283,7 @@ class Preconditioner:
                 "optimizer trained, or save the optimizer state after they were stepped."
             )
         for name, s in self.state.items():
-            if tuple(s.exp_avg_sq.shape) != tuple(shapes[name]):
+            if name in shapes and tuple(s.exp_avg_sq.shape) != tuple(shapes[name]):
                 raise IncompatibleGradientsError(
                     f"{current_caller()}: optimizer state for {name!r} has shape "
                     f"{list(s.exp_avg_sq.shape)} but the parameter is {list(shapes[name])}; "
@@ -263,14 +317,16 @@ class Preconditioner:
             if entry is None:
                 continue  # never stepped (frozen or unused): selecting it fails in check()
             result[name] = _adam_state(entry, group, eps, name)
-        return cls(kind, result)
+        embeddings = _embedding_names(names) if isinstance(names, nn.Module) else frozenset()
+        return cls(kind, result, embeddings=embeddings & set(result))
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, module: nn.Module, *,
                        kind: str = "adam", eps: float | None = None) -> Preconditioner:
         """Read a live optimizer, naming its parameters by identity with ``module``'s."""
         names = optimizer_param_names(optimizer, module)
-        return cls.from_state_dict(optimizer.state_dict(), names, kind=kind, eps=eps)
+        made = cls.from_state_dict(optimizer.state_dict(), names, kind=kind, eps=eps)
+        return cls(made.kind, made.state, embeddings=_embedding_names(module) & set(made.state))
 
     @classmethod
     def load(cls, path: str | PathLike, names: Sequence[str] | nn.Module, *,
@@ -292,6 +348,13 @@ def optimizer_param_names(optimizer: torch.optim.Optimizer, module: nn.Module) -
             f"parameters of {type(module).__name__}; pass the module the optimizer trains."
         )
     return [by_id[id(p)] for p in params]
+
+
+def _embedding_names(module: nn.Module) -> frozenset[str]:
+    """Names of ``module``'s parameters that some ``nn.Embedding`` uses as its table (a
+    weight tied to a head keeps the name ``named_parameters`` gives it)."""
+    tables = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
+    return frozenset(name for name, p in module.named_parameters() if id(p) in tables)
 
 
 def trainer_param_names(model: nn.Module) -> list[str]:

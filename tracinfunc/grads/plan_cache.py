@@ -42,7 +42,7 @@ from tracinfunc.types import Params
 __all__ = ["cached_plan", "clear_plans"]
 
 _MAX_PLANS = 8  # plans hold projection factors: a few MiB each at most
-_plans: OrderedDict[tuple, tuple[list, Any]] = OrderedDict()  # key -> (referents, plan)
+_PLANS: OrderedDict[tuple, tuple[list, Any]] = OrderedDict()  # key -> (referents, plan)
 _lock = threading.Lock()
 
 
@@ -64,29 +64,29 @@ def cached_plan(loss: Callable, projection: Projection, chosen: Params, frozen: 
     if precondition is not None:
         referents = [*referents, _ref(precondition)]
     with _lock:
-        entry = _plans.get(key)
+        entry = _PLANS.get(key)
         if entry is not None and not _alive(entry[0]):
-            del _plans[key]
+            del _PLANS[key]
             entry = None
         if entry is not None:
-            _plans.move_to_end(key)
+            _PLANS.move_to_end(key)
     # A ModuleLoss's module is fixed and its structure (submodules by identity) is in the
     # key; a plain callable may reach another model through state the key cannot see.
     if entry is not None and (isinstance(loss, ModuleLoss) or still_valid(entry[1])):
         return entry[1]
     plan = make()
     with _lock:
-        _plans[key] = (referents, plan)
-        _plans.move_to_end(key)
-        while len(_plans) > _MAX_PLANS:
-            _plans.popitem(last=False)
+        _PLANS[key] = (referents, plan)
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
     return plan
 
 
 def clear_plans() -> None:
     """Forget every shared plan (the next gradient function discovers and proves again)."""
     with _lock:
-        _plans.clear()
+        _PLANS.clear()
 
 
 def _identity(loss: Callable) -> tuple[tuple, list] | None:

@@ -41,8 +41,10 @@ from tracinfunc.precondition.factored import (
     is_factored,
 )
 
-__all__ = ["PRECONDITIONER_KINDS", "AdamState", "Preconditioner", "check_preconditioners",
-           "optimizer_param_names", "recorded_kind", "trainer_param_names"]
+# Public: the optimizer state and its preconditioner. check_preconditioners is build_store's
+# helper (importable by build/, not part of the API).
+__all__ = ["PRECONDITIONER_KINDS", "AdamState", "Preconditioner", "optimizer_param_names",
+           "trainer_param_names"]
 
 PRECONDITIONER_KINDS = ("adam", "trackstar")
 
@@ -448,7 +450,7 @@ def _few(names: Mapping[str, Any] | Sequence[str]) -> str:
     return str(shown[:6])[:-1] + (f", … ({len(shown)} in all)]" if len(shown) > 6 else "]")
 
 
-def recorded_kind(precondition: Preconditioner, has_matrix: bool) -> str:
+def _recorded_kind(precondition: Preconditioner, has_matrix: bool) -> str:
     """What a store records for ``precondition``: its kind, ``"-factored"`` added when its
     second moment is in Adafactor form (``factored=True``) and a differentiated parameter is a
     matrix (vectors keep the exact diagonal, so the form changes nothing without one)."""
@@ -462,7 +464,7 @@ def check_preconditioners(
     selected: Sequence[str],
 ) -> str | None:
     """Check one preconditioner per checkpoint, all of one kind; return what the store
-    records (:func:`recorded_kind`: ``"adam"``, ``"adam-factored"``, ...) or None.
+    records (:func:`_recorded_kind`: ``"adam"``, ``"adam-factored"``, ...) or None.
 
     Args:
         preconditioners: ``n_ckpt`` preconditioners, or ``None`` (plain gradients).
@@ -486,7 +488,7 @@ def check_preconditioners(
         )
     has_matrix = any(is_factored(tuple(params[0][name].shape)) for name in selected
                      if name in params[0])
-    kinds = sorted({recorded_kind(p, has_matrix) for p in preconditioners})
+    kinds = sorted({_recorded_kind(p, has_matrix) for p in preconditioners})
     if len(kinds) > 1:
         raise InvalidArgumentError(
             f"{current_caller()}: preconditioners mix kinds {kinds}; the store records one kind, "

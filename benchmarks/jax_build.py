@@ -11,8 +11,8 @@ both alike:
   counted, for the baseline (a new ``jax.jit``) as for tracinfunc.
 
 Models: the digits MLP of the issue (64-32-10, p=2410, n=1000 in batches of 200; ``--quick``:
-n=100, one trial, no LM) and a small Flax linen transformer LM. With ``--curvature``, ``fit_curvature`` from JAX
-against the torch fit on the torch twin of the MLP.
+n=100, one trial, no LM) and a small Flax linen transformer LM. (``fit_curvature`` from JAX
+against torch is not timed here yet; its equality is tested in tests/jax/.)
 
 Usage: ``python benchmarks/jax_build.py [--quick] [--repeats R]``.
 """

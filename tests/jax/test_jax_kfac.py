@@ -273,3 +273,19 @@ def test_a_nan_input_is_named_by_its_index(kind):
                          projection=PROJECTION, mapping=tj.ParamMapping.flax(model),
                          sampler=tj.classification_sampler(
                              lambda p, x: nnx.merge(graphdef, p)(x)))
+
+
+def test_ekfac_from_a_generator_is_refused_not_a_key_error():
+    model = nnx.Sequential(nnx.Linear(6, 3, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(model, nnx.Param)
+
+    def loss(params, example):
+        return -jax.nn.log_softmax(nnx.merge(graphdef, params)(example[0]))[example[1]]
+
+    x, y = _data(n=8)
+    with pytest.raises(tif.errors.InvalidArgumentError, match="generator"):
+        tj.fit_curvature(loss, [tj.Checkpoint.flax(model)], ((x[i:i + 4], y[i:i + 4])
+                                                             for i in (0, 4)),
+                         kind="ekfac", mapping=tj.ParamMapping.flax(model),
+                         sampler=tj.classification_sampler(
+                             lambda p, x: nnx.merge(graphdef, p)(x)))

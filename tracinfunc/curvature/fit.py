@@ -244,9 +244,16 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
     estimate.update(kfac.eigenbases(estimate, layers))
     corrected: dict[str, Tensor] = {}
     sampler.start = sampler.size = 0  # data indices in messages restart with the pass
+    again = 0.0
     for batch in batches():  # EK-FAC's second pass: eigenvalues in the fitted eigenbases
         labelled, weights = sample(batch)
         kfac.accumulate_eigenvalues(corrected, io_fn(labelled), layers, weights, estimate)
+        again += float(weights.sum())
+    if round(again) != round(seen):
+        raise InvalidArgumentError(
+            f"{current_caller()}: kind='ekfac' reads data twice, but the second pass gave "
+            f"{round(again)} examples and the first {round(seen)}; pass a list or a "
+            "DataLoader (data that can be iterated again), not a generator.")
     estimate.update({key: value / seen for key, value in corrected.items()})
     return estimate, kfac.ekfac_mean_eigenvalue(estimate, layers), round(seen), layers
 

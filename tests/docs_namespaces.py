@@ -248,7 +248,7 @@ def flax(workdir: Path, page: str) -> dict[str, Any]:
     rows = jnp.asarray(torch.stack([test.read_rows(c, 0, N_TEST) for c in range(2)]).numpy())
     torch_loss = tif.loss_from_module(_TorchMLP(), F.cross_entropy)
     return dict(torch_loss=torch_loss, jax=jax, jnp=jnp, tif=tif, tj=tj, torch=torch,
-                variables=variables,
+                variables=variables, logits=lambda v, x: net.apply(v, x),
                 snapshots=snapshots, loss=loss, jax_loss=loss, x=x_train, y=y_train,
                 x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, mapping=mapping,
                 ckpts=ckpts, jax_ckpts=ckpts, store=store, jax_store=store, test=test,

@@ -53,7 +53,7 @@ def _accepts_or_explains(call, want):
         msg = str(e)
         assert "int(" in msg or "numpy" in msg.lower() or "python int" in msg.lower(), msg
         return
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         np.testing.assert_array_equal(_arr(g), _arr(w))
 
 
@@ -86,7 +86,7 @@ def test_a_contrast_passed_as_the_store_is_a_clear_error(setup):
     argument order, or self_influence(contrast)) it raises a raw AttributeError
     ('Contrast' object has no attribute 'meta') instead of a TracInFuncError naming the
     store argument."""
-    store, q, ctrl, _ = setup
+    _store, q, ctrl, _ = setup
     with pytest.raises(TracInFuncError):
         tif.score(tif.Contrast(q, ctrl), q)
     with pytest.raises(TracInFuncError):

@@ -283,7 +283,7 @@ def test_held_hostile_strings_are_inert_in_chromium_and_rows_equal_top_k(setup):
 def test_held_report_paths_never_land_on_artifacts(setup, tmp_path):
     """HELD: an existing file, a directory, a path inside a store/index/recording/curvature
     or through a symlink into a store are refused, and nothing there changes."""
-    d, store, q = setup
+    _d, store, q = setup
     p = tif.write_report(tmp_path / "a.html", store, q, k=3, outliers=0)
     before = open(p, "rb").read()
     with pytest.raises(TracInFuncError):

@@ -55,13 +55,6 @@ def test_jax_fit_equals_the_torch_fit_on_the_twin(pair, kind, exact):
     assert float((have - want).abs().max() / want.abs().max()) <= 1e-5
 
 
-def test_kfac_from_jax_is_refused_with_the_way_out(pair):
-    _, _, jax_loss, jax_ckpts, mapping, train, _ = pair
-    with pytest.raises(tif.errors.InvalidArgumentError, match="torch twin"):
-        tj.fit_curvature(jax_loss, jax_ckpts, to_jax_batch(train), kind="kfac",
-                         mapping=mapping, sampler=tj.classification_sampler(flax_logits))
-
-
 def test_empty_data_and_bad_sampler_are_refused(pair):
     _, _, jax_loss, jax_ckpts, mapping, _, _ = pair
     with pytest.raises(tif.errors.EmptyDataError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +193,33 @@ def test_kronecker_mlp_factors_and_projected_grads_equal_torch():
         got = np.asarray(tj.projected_grads(jax_loss, projection, mapping=mapping)(
             jax_ckpt.params, to_jax_batch(train)))
         assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize(("projection", "cache_bytes", "stacked"), [
+    (tif.Projection(dim=33, seed=3), 2**30, True),
+    (tif.Projection(dim=33, seed=3), 0, False),  # streamed: no [p, k] matrix held
+    (tif.Projection(dim=33, seed=3, kind="sjlt", nnz=4), 2**30, False),
+    (tif.Projection(dim=33, seed=3, kind="kronecker"), 2**30, False),
+], ids=["rademacher", "rademacher-streamed", "sjlt", "kronecker"])
+def test_one_stacked_rademacher_matrix_holds_the_torch_blocks_bit_for_bit(projection,
+                                                                         cache_bytes, stacked):
+    grads = _grads()
+    layout = tif.projection.canonical_layout(grads)
+    project = tj.make_projector(projection, layout, cache_bytes=cache_bytes)
+    assert project.concatenated is stacked
+    if not stacked:
+        return
+    (matrix,) = project.blocks.values()
+    # The stacked matrix is the torch blocks, in layout order, bit for bit (scale applied after).
+    expected = torch.cat([torch_projection.rademacher_block(projection, name, shape, 0,
+                                                          math.prod(shape))
+                          for name, shape in layout])
+    np.testing.assert_array_equal(np.asarray(matrix), expected.numpy())
+    jax_grads = {name: jnp.asarray(g.numpy()) for name, g in grads.items()}
+    per_weight = tj.make_projector(projection, layout, cache_bytes=cache_bytes)
+    object.__setattr__(per_weight, "concatenated", False)
+    per_weight.blocks = {name: tj.rademacher_block(projection, name, shape, 0, math.prod(shape))
+                         for name, shape in layout}
+    np.testing.assert_allclose(np.asarray(project(jax_grads)),
+                               np.asarray(per_weight.apply(per_weight.blocks, jax_grads)),
+                               rtol=1e-6, atol=1e-6)

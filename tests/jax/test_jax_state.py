@@ -167,6 +167,27 @@ def test_nnx_module_state_and_pure_dict_map_the_same():
     assert not any(name.endswith("value") or "mean" in name for name, _ in layout)
 
 
+def _variable_dict(state):
+    """A plain nested dict of nnx.Variable leaves: what Flax says will replace nnx.State."""
+    return {key: _variable_dict(value) if isinstance(value, (dict, nnx.State)) else value
+            for key, value in state.items()}
+
+
+def test_a_dict_of_nnx_variables_is_detected_as_nnx_state():
+    model = _nnx_model()
+    plain = _variable_dict(nnx.state(model))
+    assert type(plain) is dict
+    # Before: detected by the State type only, so batch statistics mapped as parameters
+    # ("bn.mean.value") and kernels were left untransposed.
+    assert tj.ParamMapping.flax(plain).layout == tj.ParamMapping.flax(model).layout
+    with pytest.raises(tif.errors.InvalidArgumentError, match=r"BatchStat.*Checkpoint.flax"):
+        tj.Checkpoint(plain)
+    ckpt = tj.Checkpoint.flax(plain)
+    assert ckpt.state is not None
+    assert tj.Checkpoint.flax(model).to_torch(tj.ParamMapping.flax(model)).fingerprint == \
+        ckpt.to_torch(tj.ParamMapping.flax(plain)).fingerprint
+
+
 def test_nnx_rows_equal_the_pure_dict_path_and_brute_force():
     models = [_nnx_model(seed) for seed in range(2)]
     graphdef = nnx.split(models[0], nnx.Param, ...)[0]

@@ -18,6 +18,7 @@ batch becomes rows; what a build promises lives here, once:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,26 @@ from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.protocols import GradientStore, StoreWriter
 from tracinfunc.store.zarr.parts import StorePart
 
-__all__ = ["checkpoint_list", "fill_store", "new_store_meta"]
+__all__ = ["RowBlock", "checkpoint_list", "fill_store", "new_store_meta"]
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows with their norms and finiteness already computed (where the rows were made, e.g.
+    in the JAX frontend's compiled program), so the loop makes no pass over them itself.
+
+    Attributes:
+        rows: ``[n_ckpt, b, k]``.
+        norms: ``[n_ckpt, b]``, as :func:`tracinfunc._norms.row_norms` gives them.
+        finite: ``[n_ckpt, b]`` bool, whether each row is free of NaN/inf.
+    """
+
+    rows: Tensor
+    norms: Tensor
+    finite: Tensor
+
+    def __getitem__(self, index: tuple) -> RowBlock:  # [:, lo:hi]: the same rows of all three
+        return RowBlock(self.rows[index], self.norms[index], self.finite[index])
 
 
 def checkpoint_list(checkpoints: Any, kind: type, *, name: str) -> list[Any]:
@@ -116,7 +136,8 @@ def fill_store(
     Args:
         writer: Where rows go; one holding ``rows_written > 0`` rows is resumed.
         batches: ``(b, batch)`` pairs, ``b`` the batch's number of examples.
-        rows_of: ``batch -> [n_ckpt, b, k]`` rows (a tensor, any float dtype).
+        rows_of: ``batch -> [n_ckpt, b, k]`` rows (a tensor, any float dtype), or a
+            :class:`RowBlock` of them with their norms and finiteness.
         meta: The store's metadata (names checkpoints in errors).
         check_first: Called with the first batch to be computed, before ``rows_of``.
         progress, total: The progress bar over examples (``total`` when known).
@@ -158,8 +179,8 @@ def fill_store(
                 if any(first <= row < seen for row in proofs):  # stored before: same data?
                     computed = rows_of(batch)
                     lo = max(first, own)  # this writer's rows only: a part's start, or 0
-                    check_same_data(writer, computed[:, lo - first : resume_at - first], meta,
-                                    start=lo)
+                    check_same_data(writer, _rows(computed)[:, lo - first : resume_at - first],
+                                    meta, start=lo)
                 if size == 0 or seen <= resume_at:  # stored before the interruption: skip
                     continue
                 if not checked:
@@ -169,7 +190,11 @@ def fill_store(
                 # in a one-process build, and cut: the rows are bit-identical.
                 computed = rows_of(batch) if computed is None else computed
                 rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
-                if pipeline is not None:
+                if isinstance(rows, RowBlock):
+                    check_finite_flags(rows.finite, meta, first_row=writer.rows_written)
+                    writer.append(rows.rows, rows.norms)
+                    rows = rows.rows
+                elif pipeline is not None:
                     pipeline.put(rows)
                 else:
                     check_finite(rows, meta, first_row=writer.rows_written)
@@ -203,6 +228,10 @@ def fill_store(
             "DataLoader)."
         )
     return writer.finish()
+
+
+def _rows(computed: Tensor | RowBlock) -> Tensor:
+    return computed.rows if isinstance(computed, RowBlock) else computed
 
 
 def check_finite(rows: Tensor, meta: StoreMeta, *, first_row: int) -> None:

@@ -203,12 +203,34 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
     def selected_loss(chosen: Params, example) -> Tensor:
         return loss({**frozen, **chosen}, example)
 
+    def capture(labelled: Batch):
+        layers = find_layers(selected_loss, selected, first_example(labelled))
+        return layers, layer_io(selected_loss, selected, layers, first_example(labelled))
+
+    return _fit_factors(lambda batch: sampler(loss, params, batch, generator), batches,
+                        capture, sampler, eigen=eigen)
+
+
+def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedSampler,
+                 *, eigen: bool) -> tuple[dict[str, Tensor], float, int, list]:
+    """K-FAC's factors (and EK-FAC's eigenvalues) from layer inputs and output gradients.
+
+    Shared by the torch and JAX frontends: only how a labelled batch becomes per-layer
+    ``(x, delta)`` differs.
+
+    Args:
+        sample: ``batch -> (labelled batch, weights [b'])``.
+        batches: ``() -> iterator of batches`` (called twice for EK-FAC).
+        capture: ``labelled batch -> (layers, io)`` (called once, on the first batch), with
+            ``io(labelled) -> [(x, delta) per layer]`` as ``capture.layer_io`` returns.
+        sampler: The checked sampler, for refusals naming the data index.
+        eigen: Refit the eigenvalues (EK-FAC) in a second pass.
+    """
     sums, seen, io_fn, layers = {}, 0.0, None, []
     for batch in batches():
-        labelled, weights = sampler(loss, params, batch, generator)
+        labelled, weights = sample(batch)
         if io_fn is None:
-            layers = find_layers(selected_loss, selected, first_example(labelled))
-            io_fn = layer_io(selected_loss, selected, layers, first_example(labelled))
+            layers, io_fn = capture(labelled)
         kfac.accumulate_factors(sums, io_fn(labelled), layers, weights)
         if not all(bool(value.isfinite().all()) for value in sums.values()):
             sampler.refuse("a layer's input or output gradient")
@@ -222,9 +244,16 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
     estimate.update(kfac.eigenbases(estimate, layers))
     corrected: dict[str, Tensor] = {}
     sampler.start = sampler.size = 0  # data indices in messages restart with the pass
+    again = 0.0
     for batch in batches():  # EK-FAC's second pass: eigenvalues in the fitted eigenbases
-        labelled, weights = sampler(loss, params, batch, generator)
+        labelled, weights = sample(batch)
         kfac.accumulate_eigenvalues(corrected, io_fn(labelled), layers, weights, estimate)
+        again += float(weights.sum())
+    if round(again) != round(seen):
+        raise InvalidArgumentError(
+            f"{current_caller()}: kind='ekfac' reads data twice, but the second pass gave "
+            f"{round(again)} examples and the first {round(seen)}; pass a list or a "
+            "DataLoader (data that can be iterated again), not a generator.")
     estimate.update({key: value / seen for key, value in corrected.items()})
     return estimate, kfac.ekfac_mean_eigenvalue(estimate, layers), round(seen), layers
 

@@ -21,7 +21,7 @@ from jax import tree_util
 
 from tracinfunc import checkpoint as torch_checkpoint
 from tracinfunc._validate import entry_point
-from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.build.loop import RowBlock, checkpoint_list, fill_store, new_store_meta
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     InvalidArgumentError,
@@ -29,7 +29,7 @@ from tracinfunc.errors import (
     LossFunctionError,
 )
 from tracinfunc.interop import as_tensor
-from tracinfunc.jax.grads import as_jax_tree, pad_rows, projected_grads
+from tracinfunc.jax.grads import as_jax_tree, checked_projected_grads, pad_rows
 from tracinfunc.jax.layout import ParamMapping, path_name
 from tracinfunc.jax.state import is_nnx_module, refuse_state, split_params
 from tracinfunc.progress import ProgressArg
@@ -182,20 +182,24 @@ def build_store(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
         mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint)
     same = not projection.per_checkpoint  # one function (one program, one projector) for all
-    grads_fns = [projected_grads(loss, projection.for_checkpoint(c.name), mapping=mapping,
-                                 chunk_size=chunk_size)
+    grads_fns = [checked_projected_grads(loss, projection.for_checkpoint(c.name),
+                                         mapping=mapping, chunk_size=chunk_size)
                  for c in meta.checkpoints[:1 if same else None]]
     grads_fns = grads_fns * len(checkpoints) if same else grads_fns
     writer = make_writer(store, meta)
     padded_to: list[int] = []  # the first batch's size: smaller batches are padded to it
 
-    def rows_of(batch: Any) -> torch.Tensor:  # [n_ckpt, b, k]
+    def rows_of(batch: Any) -> RowBlock:  # [n_ckpt, b, k], norms and flags [n_ckpt, b]
         b = _batch_size(batch)
         size = padded_to[0] if padded_to and b < padded_to[0] else b
         padded_to[:] = padded_to or [b]
         batch = tree_util.tree_map(lambda leaf: pad_rows(leaf, size), batch)
-        return torch.stack([host_tensor(grads_fn(*ckpt.args, batch)[:b])
-                            for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)])
+        # Dispatch every checkpoint before reading any (the programs run asynchronously),
+        # then cut the padding on the host side: views, no device op.
+        outs = [grads_fn(*ckpt.args, batch)
+                for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)]
+        return RowBlock(*(torch.stack([host_tensor(out[part])[:b] for out in outs])
+                          for part in range(3)))
 
     batches = ((_batch_size(batch), batch) for batch in iter_batches(data))
     return fill_store(writer, batches, rows_of, meta=meta,

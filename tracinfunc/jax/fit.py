@@ -8,9 +8,10 @@ torch names and layout (``"dense"``), or projected with the torch path's matrice
 (``"projected"``). The curvature is bound to the checkpoints' torch-layout fingerprints, so it
 serves JAX-written and torch-written stores of the same weights alike.
 
-K-FAC and EK-FAC need each layer's inputs and output gradients, which a JAX loss does not
-expose; they are not fitted here (fit them with torch on the torch twin, or use
-``"projected"``).
+K-FAC and EK-FAC need each layer's inputs and output gradients: they are captured where the
+loss calls its Flax layers (:mod:`tracinfunc.jax.capture`: linen ``Dense``/``Embed``, NNX
+``Linear``/``Embed``), named through the mapping, and reduced by the torch path's own loop
+(:func:`tracinfunc.curvature.fit._fit_factors`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,24 @@ from jax import tree_util
 
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
-from tracinfunc.curvature.fit import _blocks, _check_dense_size, _check_kind, _fit_matrix
+from tracinfunc.curvature.fit import (
+    _blocks,
+    _check_dense_size,
+    _check_kind,
+    _fit_factors,
+    _fit_matrix,
+)
 from tracinfunc.curvature.flat import flatten
+from tracinfunc.curvature.samplers import CheckedSampler
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, LossFunctionError
+from tracinfunc.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    LossFunctionError,
+    NonFiniteGradientError,
+)
 from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
+from tracinfunc.jax.capture import kfac_io
 from tracinfunc.jax.grads import per_sample_grads, projected_grads
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.projection import Projection
@@ -66,7 +80,15 @@ class ClassificationSampler:
                 f"{current_caller()}: logits(params, x) must return [n_classes] for one input, "
                 f"got {list(logits.shape[1:])}; pass sampler= your own for other outputs."
             )
-        probs = torch.from_numpy(np.asarray(logits, np.float64)).softmax(-1)  # [b, C]
+        logits = torch.from_numpy(np.asarray(logits, np.float64))  # [b, C]
+        finite = logits.isfinite().all(1)
+        if not bool(finite.all()):
+            error = NonFiniteGradientError(
+                f"{current_caller()}: the model's logits are NaN or infinite; labels cannot be "
+                "drawn from them.")
+            error.rows = torch.nonzero(~finite).reshape(-1).tolist()
+            raise error
+        probs = logits.softmax(-1)  # [b, C]
         b, n_classes = probs.shape
         if self.exact:
             labels = torch.arange(n_classes).repeat(b)
@@ -136,8 +158,11 @@ def fit_curvature(
         sampler: Draws labels from the model: :func:`classification_sampler` (``logits``
             in JAX), or ``sampler(checkpoint, batch, generator) -> (labelled batch,
             weights [b'] float64 torch)``.
-        kind: ``"projected"`` (``[k, k]`` in ``projection``'s space) or ``"dense"`` (the
-            exact ``[p, p]`` matrix, small models).
+        kind: ``"projected"`` (``[k, k]`` in ``projection``'s space), ``"dense"`` (the
+            exact ``[p, p]`` matrix, small models), or ``"kfac"``/``"ekfac"`` (per-layer
+            Kronecker factors: every parameter the kernel or bias of a Flax ``Dense``/
+            ``nnx.Linear`` or the table of an ``Embed`` the loss calls, see
+            :mod:`tracinfunc.jax.capture`; ``"ekfac"`` iterates ``data`` twice).
         projection: The store's projection (``store.projection``), for ``"projected"``.
         mapping: The store's :class:`ParamMapping` (default: identity).
         damping, max_examples, chunk_size, seed, block_diagonal: As for
@@ -148,18 +173,15 @@ def fit_curvature(
         :func:`tracinfunc.jax.preconditioned_test_grads`.
 
     Raises:
-        InvalidArgumentError: ``"kfac"``/``"ekfac"`` (named: not from JAX), unknown kind,
-            missing projection.
+        InvalidArgumentError: unknown kind, missing projection; ``"kfac"``/``"ekfac"`` with
+            parameters no supported Flax layer applies (named).
+        IncompatibleGradientsError: a mapping that does not give a layer torch's layout.
+        NonFiniteGradientError: an example's input, logits or layer values are NaN/inf
+            (named by its index in ``data``, with the checkpoint).
         MemoryBudgetError: ``"dense"`` over ``MAX_DENSE_PARAMS`` parameters.
         EmptyDataError: ``data`` holds no examples.
     """
     kind = _check_kind(kind)
-    if kind in ("kfac", "ekfac"):
-        raise InvalidArgumentError(
-            f"tracinfunc.jax.fit_curvature: kind={kind!r} needs each layer's inputs and output "
-            "gradients, which a JAX loss does not expose; fit it with tracinfunc.fit_curvature "
-            "on the torch twin (Checkpoint.to_torch(mapping) gives its checkpoints), or use "
-            "kind='projected' or 'dense' from JAX.")
     damping = check_damping(Damping() if damping is None else damping)
     checkpoints = _check_checkpoints(checkpoints)
     if kind == "projected":
@@ -178,20 +200,68 @@ def fit_curvature(
                                  c.to_torch(mapping).fingerprint)
                   for i, c in enumerate(checkpoints))
     batches = partial(_limited, data, max_examples)
-    estimates, dampings, seen = [], [], 0
+    estimates, dampings, layers, seen = [], [], [], 0
+    captured: list = []  # one compiled capture serves every checkpoint (same shapes)
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
-        rows = _rows_fn(loss, kind, mapping, chunk_size,
-                        None if projection is None else projection.for_checkpoint(meta.name))
-        estimate, mean, seen = _fit_matrix(
-            lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches,
-            lambda _loss, c, batch, generator: sampler(c, batch, generator), loss,
-            torch.Generator().manual_seed(seed + position), blocks)
+        checked = _JaxCheckedSampler(sampler, meta.name)
+        generator = torch.Generator().manual_seed(seed + position)
+        if kind in ("kfac", "ekfac"):
+            estimate, mean, seen, layers = _fit_factors(
+                lambda batch, c=ckpt, g=generator, s=checked: s(loss, c, batch, g), batches,
+                lambda labelled, c=ckpt: _capture(loss, mapping, c, labelled, captured), checked,
+                eigen=kind == "ekfac")
+        else:
+            rows = _rows_fn(loss, kind, mapping, chunk_size,
+                            None if projection is None else projection.for_checkpoint(meta.name))
+            estimate, mean, seen = _fit_matrix(
+                lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches, checked,
+                loss, generator, blocks)
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed, "frontend": "jax",
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
     return Curvature(kind, metas, layout, projection if kind == "projected" else None,
-                     tuple(dampings), tuple(estimates), (), info, blocks)
+                     tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
+
+
+def _capture(loss: Callable, mapping: ParamMapping, checkpoint: Checkpoint, labelled: Any,
+             captured: list):
+    """``(layers, io(labelled))`` for the K-FAC loop, at ``checkpoint``; the layers are found
+    (and the capture compiled) at the first checkpoint only, kept in ``captured``."""
+    if not captured:
+        first = tree_util.tree_map(lambda leaf: leaf[0], labelled)
+        captured.append(kfac_io(loss, mapping, checkpoint.args, first))
+    layers, io = captured[0]
+    return layers, lambda batch: io(*checkpoint.args, batch)
+
+
+class _JaxCheckedSampler(CheckedSampler):
+    """:class:`~tracinfunc.curvature.samplers.CheckedSampler` for JAX batches and samplers
+    ``sampler(checkpoint, batch, generator)``: NaN/inf inputs, logits and weights are refused
+    by their index in the data."""
+
+    def __call__(self, loss: Any, checkpoint: Checkpoint, batch: Any,
+                 generator: torch.Generator) -> tuple[Any, torch.Tensor]:
+        self.start += self.size
+        leaves = tree_util.tree_leaves(batch)
+        self.size = int(np.shape(leaves[0])[0])
+        finite = np.ones(self.size, dtype=bool)
+        for leaf in leaves:
+            leaf = np.asarray(leaf)
+            if leaf.dtype.kind in "fc" and leaf.ndim and leaf.shape[0] == self.size:
+                finite &= np.isfinite(leaf.reshape(self.size, -1)).all(1)
+        if not finite.all():
+            self.refuse("the input", (np.flatnonzero(~finite) + self.start).tolist())
+        try:
+            labelled, weights = self.sampler(checkpoint, batch, generator)
+        except NonFiniteGradientError as error:
+            rows = getattr(error, "rows", None)
+            if rows is None:
+                raise
+            self.refuse("the model's output", [self.start + r for r in rows])
+        if not bool(torch.isfinite(torch.as_tensor(weights)).all()):
+            self.refuse("the sampler's weights")
+        return labelled, weights
 
 
 def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch.Tensor]:

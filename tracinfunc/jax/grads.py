@@ -92,6 +92,20 @@ def projected_grads(
     check_projection(projection)
     check_int(chunk_size, "chunk_size", optional=True)
 
+    return _held_programs(loss, projection, mapping, has_aux, chunk_size, checks=False)
+
+
+def checked_projected_grads(loss: Callable, projection: Projection, *,
+                            mapping: ParamMapping | None, chunk_size: int | None
+                            ) -> Callable[..., tuple[Any, Any, Any]]:
+    """:func:`projected_grads` for a build: ``fn(params, batch) -> (rows [b, k], norms [b],
+    finite [b] bool)``, the rows' norms (as :func:`tracinfunc._norms.row_norms`) and
+    finiteness computed in the same compiled program, so the build loop does no pass over
+    the rows of its own."""
+    return _held_programs(loss, projection, mapping, False, chunk_size, checks=True)
+
+
+def _held_programs(loss, projection, mapping, has_aux, chunk_size, *, checks: bool):
     held: dict[Any, Callable] = {}  # this function's programs by parameter structure
 
     def projected_grads_fn(params: Any, *args: Any) -> Any:
@@ -101,11 +115,32 @@ def projected_grads(
         if key not in held:
             mapped = mapping or ParamMapping.identity(params)
             project = _projector(projection, mapped.layout, jnp.result_type(*leaves))
-            held[key] = partial(_program(loss, has_aux, chunk_size, mapped, project),
+            held[key] = partial(_program(loss, has_aux, chunk_size, mapped, project, checks),
                                 project.blocks)
         return held[key](params, args[:-1], args[-1])
 
     return projected_grads_fn
+
+
+def row_norms(rows: jax.Array) -> jax.Array:
+    """``[..., k] -> [...]`` Euclidean norms of rows rescaled by a power of two near their
+    largest entry (exact, so no underflow or overflow), as :func:`tracinfunc._norms.row_norms`
+    computes them in torch (equal up to the summation order).
+
+    The power of two ``2**e`` and its inverse are built from the peak's exponent bits (a few
+    integer ops; ``frexp`` compiles to many), with ``e`` kept where both are normal numbers:
+    XLA on the CPU flushes subnormals to zero, so dividing by ``2**127`` (a subnormal
+    reciprocal) would give 0.
+    """
+    info = jnp.finfo(rows.dtype)
+    as_int = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[rows.dtype.itemsize]
+    bias, mantissa = info.maxexp - 1, info.nmant  # float32: 127, 23
+    peak = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)  # [..., 1]; NaN propagates
+    exponent = (lax.bitcast_convert_type(peak, as_int) >> mantissa) & (2 * bias + 1)
+    exponent = jnp.clip(exponent, 1, 2 * bias - 1).astype(as_int)
+    scale = lax.bitcast_convert_type(exponent << mantissa, rows.dtype)  # 2**(e - bias)
+    inverse = lax.bitcast_convert_type((2 * bias - exponent) << mantissa, rows.dtype)
+    return jnp.sqrt(jnp.sum(jnp.square(rows * inverse), axis=-1)) * scale[..., 0]
 
 
 def as_jax_tree(tree: Any) -> Any:
@@ -126,10 +161,11 @@ _PROJECTOR_CACHE = 8
 
 
 def _program(loss: Callable, has_aux: bool, chunk_size: int | None, mapping: ParamMapping,
-             project: Projector) -> Callable:
-    """``jit(fn(blocks, params, args, batch) -> [b, k])``, one per loss and static settings."""
+             project: Projector, checks: bool = False) -> Callable:
+    """``jit(fn(blocks, params, args, batch) -> [b, k])``, one per loss and static settings
+    (``-> (rows, norms [b], finite [b])`` with ``checks``)."""
     key = (has_aux, chunk_size, mapping, project.plan.projection, project.layout,
-           str(project.dtype), frozenset(project.blocks))
+           str(project.dtype), frozenset(project.blocks), checks)
     try:
         programs = _PROGRAMS.setdefault(loss, {})
     except TypeError:  # not weak-referenceable (a bound method made anew): no reuse
@@ -145,7 +181,11 @@ def _program(loss: Callable, has_aux: bool, chunk_size: int | None, mapping: Par
             return (rows, aux) if has_aux else rows
 
         def batched(blocks, params, args, batch):
-            return _batched(partial(one_example, blocks), chunk_size, params, args, batch)
+            rows = _batched(partial(one_example, blocks), chunk_size, params, args, batch)
+            if not checks:
+                return rows
+            norms = row_norms(rows)  # NaN/inf in a row make its norm NaN/inf: the flag
+            return rows, norms, jnp.isfinite(norms)
 
         programs[key] = jax.jit(batched)
     return programs[key]

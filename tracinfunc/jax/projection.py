@@ -47,6 +47,7 @@ __all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block
 
 _M1, _M2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
 _LOW16 = np.uint32(0xFFFF)
+_CONCATENATED = "<all weights>"  # the key of the stacked [p, k] Rademacher matrix
 _SLICE_ELEMENTS = 2**22  # hash elements per streamed slice of a block over the cache budget
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -292,6 +293,7 @@ class Projector:
         self._strategies = ({} if plan.projection.kind == "identity" else
                             {name: _strategy(plan, name) for name, _ in plan.layout})
         self.blocks = self._generate(cache_bytes)
+        self.concatenated = self._concatenate()
         self._apply_jit = jax.jit(self.apply)
 
     def __repr__(self) -> str:
@@ -310,6 +312,11 @@ class Projector:
         if not self._strategies:  # identity: every entry, in sorted-name order
             return jnp.concatenate([jnp.ravel(grads[name]) for name, _ in self.layout])
         dtype = jnp.result_type(*(grads[name] for name, _ in self.layout))
+        if self.concatenated:  # the same matrix, stacked: one matmul instead of one per weight
+            flat = jnp.concatenate([jnp.ravel(grads[name]).astype(dtype)
+                                    for name, shape in self.layout if math.prod(shape) > 0])
+            total = _DENSE.apply_block(flat, blocks[_CONCATENATED], self.plan)
+            return total * jnp.asarray(self.plan.scale, dtype)
         total = None
         for name, shape in self.layout:  # canonical order fixes the float summation order
             if math.prod(shape) > 0:
@@ -335,6 +342,17 @@ class Projector:
                 blocks[name] = strategy.generate(self.plan.keys[name], shape, self.plan,
                                                  self.dtype)
         return blocks
+
+    def _concatenate(self) -> bool:
+        """Stack every Rademacher block, in layout order, into one ``[p, k]`` matrix when all
+        are cached: the same entries as the per-weight blocks (and the torch path's), one
+        matmul for the whole gradient; only the float summation order differs."""
+        names = [name for name, shape in self.layout if math.prod(shape) > 0]
+        if not names or any(self._strategies.get(name) is not _DENSE or name not in self.blocks
+                            for name in names):
+            return False
+        self.blocks = {_CONCATENATED: jnp.concatenate([self.blocks[name] for name in names])}
+        return True
 
     def _check(self, grads: Mapping[str, Any]) -> None:
         if not isinstance(grads, Mapping):

@@ -38,8 +38,13 @@ def is_nnx_module(obj: Any) -> bool:
 
 
 def is_nnx_state(obj: Any) -> bool:
-    """``obj`` is a Flax NNX ``State`` (what ``nnx.split`` and ``nnx.state`` return)."""
-    return _nnx_kind(obj, "State")
+    """``obj`` is a Flax NNX ``State`` (what ``nnx.split`` and ``nnx.state`` return), or a
+    plain dict holding ``nnx.Variable`` leaves (what Flax says will replace ``State``)."""
+    if _nnx_kind(obj, "State"):
+        return True
+    return isinstance(obj, Mapping) and any(
+        _nnx_kind(leaf, "Variable")
+        for leaf in tree_util.tree_leaves(obj, is_leaf=lambda x: _nnx_kind(x, "Variable")))
 
 
 def _linen_collections(tree: Any) -> list[str]:
@@ -53,7 +58,8 @@ def _nnx_split(obj: Any) -> tuple[Any, Any]:
     from flax import nnx  # present: obj is a Flax object
 
     if is_nnx_state(obj):
-        params, rest = nnx.filter_state(obj, nnx.Param, ...)
+        state = obj if isinstance(obj, nnx.State) else nnx.State(obj)  # a dict of Variables
+        params, rest = nnx.filter_state(state, nnx.Param, ...)
     else:
         _, params, rest = nnx.split(obj, nnx.Param, ...)
     return params, rest
@@ -63,6 +69,7 @@ def _nnx_state_kinds(state: Any) -> list[str]:
     """Sorted names of the non-``Param`` variable types in an NNX state."""
     from flax import nnx
 
+    state = state if isinstance(state, nnx.State) else nnx.State(state)  # a dict of Variables
     _, rest = nnx.filter_state(state, nnx.Param, ...)
     kinds = set()
     for _, leaf in nnx.to_flat_state(rest):

@@ -282,6 +282,10 @@ def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
             f"{current_caller()}: rows and norms must be floating point, got {rows.dtype} and "
             f"{norms.dtype}; pass the projected gradients as computed (e.g. float32)."
         )
+    if rows.numel() and norms.numel():  # one pass, no [n_ckpt, b, k] mask: NaN propagates
+        low, high = torch.aminmax(rows)
+        if bool(torch.isfinite(low) & torch.isfinite(high) & torch.isfinite(norms).all()):
+            return
     finite = torch.isfinite(rows).all(dim=-1) & torch.isfinite(norms)  # [n_ckpt, b]
     if not bool(finite.all()):
         ckpt, row = (~finite).nonzero()[0].tolist()

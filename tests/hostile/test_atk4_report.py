@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ def test_report_of_a_contrast_says_it_is_a_contrast(setup):
     ctrl = tif.build_store(T.LOSS, T.CKPTS, (T.X[:8], T.Y[:8]), projection=T.PROJ)
     query = tif.Contrast(q, ctrl, name="generic")
     p = tif.write_report(d / "contrast.html", store, query, k=3, outliers=0)
-    html = open(p, encoding="utf-8").read()
+    html = Path(p).read_text(encoding="utf-8")
     _, i = tif.top_k(store, query, 3)
     assert _rows(html)[0][0] == list(np.asarray(i[0]))  # rows are right (held) ...
     assert "generic" in html and "contrast" in html.lower()  # ... but nothing says so
@@ -131,7 +132,7 @@ def test_report_tensor_labels_show_numbers_not_reprs(setup):
     'tensor(0)' (NumPy labels read '0')."""
     d, store, q = setup
     p = tif.write_report(d / "tlabels.html", store, q, k=3, train_labels=T.Y, outliers=0)
-    label = _first_label(open(p, encoding="utf-8").read())
+    label = _first_label(Path(p).read_text(encoding="utf-8"))
     assert "tensor" not in label
     _, i = tif.top_k(store, q, 3)
     assert label == str(int(T.Y[int(i[0][0])]))
@@ -146,7 +147,7 @@ def test_report_mapping_labels_are_not_read_as_their_keys(setup):
                              train_labels={i: "a" for i in range(40)})
     except TracInFuncError:
         return
-    assert _first_label(open(p, encoding="utf-8").read()) == "a"
+    assert _first_label(Path(p).read_text(encoding="utf-8")) == "a"
 
 
 def test_report_image_shape_mismatch_is_a_clear_error(setup):
@@ -167,7 +168,7 @@ def test_report_lone_surrogate_label_is_shown_not_a_crash(setup):
         p = tif.write_report(d / "surr.html", store, q, k=3, outliers=0, train_labels=["\ud800"] * 40)
     except TracInFuncError:
         return
-    assert "U+D800" in open(p, encoding="utf-8").read()
+    assert "U+D800" in Path(p).read_text(encoding="utf-8")
 
 
 def test_report_label_length_error_names_the_argument(setup):
@@ -262,7 +263,7 @@ def test_held_hostile_strings_are_inert_in_chromium_and_rows_equal_top_k(setup):
     p = tif.write_report(d / "hostile.html", store, q, k=5, train=texts, train_labels=labels,
                          queries=[HOSTILE[i] for i in range(5)],
                          query_labels=[HOSTILE[i + 5] for i in range(5)], outliers=5)
-    html = open(p, encoding="utf-8").read()
+    html = Path(p).read_text(encoding="utf-8")
     assert "<script" not in html.lower() and "\u202e" not in html and "U+202E" in html
     assert not re.search(r'(?:src|href)\s*=\s*["\']?(?:https?:)?//', html)
     assert "@import" not in html and "@font-face" not in html

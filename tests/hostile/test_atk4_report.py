@@ -286,10 +286,10 @@ def test_held_report_paths_never_land_on_artifacts(setup, tmp_path):
     or through a symlink into a store are refused, and nothing there changes."""
     _d, store, q = setup
     p = tif.write_report(tmp_path / "a.html", store, q, k=3, outliers=0)
-    before = open(p, "rb").read()
+    before = Path(p).read_bytes()
     with pytest.raises(TracInFuncError):
         tif.write_report(p, store, q, k=3)
-    assert open(p, "rb").read() == before
+    assert Path(p).read_bytes() == before
     zs = tmp_path / "s.zarr"
     T.build(store=str(zs))
     before = T.files(zs)
@@ -312,7 +312,7 @@ def test_held_cli_contrast_scores_are_exact_and_recorded(cli):
     r = run("score", f"{d}/g.zarr", "--spec", f"{d}/spec.py:make", "--test", "test",
             "--contrast", "generic", "--contrast-weight", "0.5", "--output", f"{d}/c.json")
     assert r.returncode == 0, r.stderr
-    out = json.load(open(d / "c.json"))
+    out = json.loads((d / "c.json").read_text())
     assert out["contrast"]["control"] == "generic" and out["contrast"]["weight"] == 0.5
     st = tif.GradientStore.open(str(d / "g.zarr"))
     q = tif.build_store(T.LOSS, T.CKPTS, (T.XT, T.YT), projection=st.projection)

@@ -13,6 +13,7 @@ used (the steps since the previous checkpoint), as docs/concepts/checkpoints.md 
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,15 +22,15 @@ from torch import Tensor, nn
 
 from tracinfunc._validate import current_caller
 from tracinfunc.checkpoint import Checkpoint, params_fingerprint
-from tracinfunc.errors import InvalidArgumentError
+from tracinfunc.errors import CorruptRecordingError, InvalidArgumentError
 from tracinfunc.grads.selection import selected_names
 from tracinfunc.precondition.optimizer import optimizer_param_names
 
 if TYPE_CHECKING:
     from tracinfunc.training.manifest import Recording
 
-__all__ = ["FrozenReference", "StepLrs", "current_lr", "load_checkpoint", "record_checkpoint",
-           "trained_names", "trained_state"]
+__all__ = ["FrozenReference", "StepLrs", "current_lr", "load_checkpoint", "load_recorded_file",
+           "record_checkpoint", "trained_names", "trained_state"]
 
 
 def current_lr(optimizer: torch.optim.Optimizer, scheduler: Any = None) -> float:
@@ -140,6 +141,27 @@ def record_checkpoint(recording: Recording, model: nn.Module,
     return recording.add(entry, files, frozen_names)
 
 
+def load_recorded_file(path: Path, *, device: torch.device | str = "cpu") -> Any:
+    """``torch.load`` of a recording's file, tensors only (``weights_only``: a pickle that
+    would run code is never executed).
+
+    Raises:
+        CorruptRecordingError: the file is not a tensors-only PyTorch file (crafted, or
+            damaged although its manifest hash matches: a resealed manifest), naming it.
+    """
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, IndexError,
+            AttributeError, TypeError) as error:
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise CorruptRecordingError(
+            f"{current_caller()}: the recorded file {str(path)!r} is not a tensors-only "
+            f"PyTorch file ({type(error).__name__}: {first}); it was crafted or damaged and "
+            "was not loaded (nothing in it ran). Record the run again or restore the file from "
+            "a copy; never load it with weights_only=False."
+        ) from None
+
+
 def load_checkpoint(path: Path, entry: dict[str, Any], frozen: dict[str, list[str]],
                     model: nn.Module, checked: set[str], *, device: torch.device) -> Checkpoint:
     """One manifest entry (its weights at ``path``) as a whole :class:`Checkpoint` of
@@ -149,7 +171,7 @@ def load_checkpoint(path: Path, entry: dict[str, Any], frozen: dict[str, list[st
     ``model`` the values they had when recorded (checked once per fingerprint, whether or
     not ``model`` trains them); trainable ones the file lacks are taken from ``model``.
     """
-    state = torch.load(path, map_location=device, weights_only=True)
+    state = load_recorded_file(path, device=device)
     named = dict(model.named_parameters())
     fingerprint = entry.get("frozen")
     names = frozen.get(fingerprint, []) if fingerprint else []

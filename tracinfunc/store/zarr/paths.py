@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
-from tracinfunc._artifacts import check_writable
+from tracinfunc._artifacts import check_removable
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
@@ -88,15 +89,25 @@ def verify_store(store: GradientStore, *, progress: ProgressArg = None) -> None:
                 bar.update(stop - start)
 
 
+@entry_point("remove_store")
 def remove_store(path: str | os.PathLike[str]) -> None:
     """Delete the gradient store at ``path``, finished or not; never anything else.
+
+    ``path`` is resolved first, as every writer's path is: a symbolic link to a store removes
+    the store it points to, then the link (so no dangling link is left).
 
     Raises:
         StoreNotFoundError, CorruptStoreError: ``path`` is not a tracinfunc store (nothing
             is deleted).
+        ForeignArtifactError: ``path`` lies inside another artefact, or is the file system
+            root, the home or the working directory (nothing is deleted).
         StoreLockedError: a build or save is writing the store (nothing is deleted).
     """
-    check_writable(path, "gradient store", overwrite=True)  # not one inside another artefact
+    link = None
+    if not is_url(path):
+        resolved = check_removable(path, "gradient store")  # not inside another artefact
+        link = Path(path) if Path(path).is_symlink() else None
+        path = resolved
     read_store_meta(path)  # refuses anything that is not one of ours
     where = location(path)
     # Taken before deleting anything: a build in progress keeps its store.
@@ -105,4 +116,5 @@ def remove_store(path: str | os.PathLike[str]) -> None:
         remove(where)
     finally:
         lock.release()
-
+    if link is not None:
+        link.unlink()

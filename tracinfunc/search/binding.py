@@ -249,15 +249,18 @@ class CandidateSketch:
     def add(self, ckpt: int, rows: torch.Tensor, norms: torch.Tensor | None) -> None:
         """Fold in checkpoint ``ckpt``'s rows ``[u, k]`` (``norms`` ``[u]``: normalised
         index, as :func:`~tracinfunc.search.rows.weighted_rows`)."""
-        scale = torch.full((rows.shape[0],), self._weights[ckpt], dtype=torch.float64,
+        # float32 at least: its rounding (~1e-7 of a row's scale) is far inside the tolerance.
+        dtype = torch.promote_types(rows.dtype, torch.float32)
+        scale = torch.full((rows.shape[0],), self._weights[ckpt], dtype=dtype,
                            device=rows.device)
         if norms is not None:
             norms = norms.to(scale)
             scale = scale * torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
-        weighted = rows.to(torch.float64) * scale[:, None]  # [u, k]
-        part = self._directions[ckpt * self._k:(ckpt + 1) * self._k]  # [k, SKETCH_SIZE]
-        self._now += (weighted @ torch.from_numpy(part).to(weighted.device)).cpu().numpy()
-        self._squares += weighted.square().sum(1).cpu().numpy()
+        part = torch.from_numpy(self._directions[ckpt * self._k:(ckpt + 1) * self._k])
+        projected = (rows.to(dtype) @ part.to(rows.device, dtype)) * scale[:, None]  # [u, 8]
+        self._now += projected.double().cpu().numpy()
+        squares = torch.linalg.vector_norm(rows, dim=1, dtype=dtype).double() * scale.double()
+        self._squares += squares.square().cpu().numpy()
 
     def mismatch(self) -> str | None:
         """As :func:`sketch_mismatch`, for the rows added."""

@@ -13,7 +13,6 @@ used (the steps since the previous checkpoint), as docs/concepts/checkpoints.md 
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,8 +150,9 @@ def load_recorded_file(path: Path, *, device: torch.device | str = "cpu") -> Any
     """
     try:
         return torch.load(path, map_location=device, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, IndexError,
-            AttributeError, TypeError) as error:
+    except (OSError, MemoryError):  # the file system's own errors stay what they are
+        raise
+    except Exception as error:  # UnpicklingError (weights_only refused it), EOFError, ...
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         raise CorruptRecordingError(
             f"{current_caller()}: the recorded file {str(path)!r} is not a tensors-only "

@@ -29,8 +29,8 @@ from tracinfunc._jsonfile import read_json
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import CorruptStoreError, ForeignArtifactError, InvalidArgumentError
 
-__all__ = ["FILE_KINDS", "KINDS", "ArtifactKind", "artifact_kind", "check_writable",
-           "enclosing_artifact"]
+__all__ = ["FILE_KINDS", "KINDS", "ArtifactKind", "artifact_kind", "check_removable",
+           "check_writable", "enclosing_artifact"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,47 @@ def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool,
     _check_over(target, resolved, kind, overwrite=overwrite, caller=caller)
 
 
+def check_removable(path: str | os.PathLike[str], kind: str, *,
+                    caller: str | None = None) -> Path:
+    """Raise unless the remover of ``kind`` may delete ``path``; return what to delete.
+
+    The guard for deleting, phrased for it: ``path`` (resolved, so a symlink counts as where
+    it points) must not lie inside another artefact, nor be the file system root, the home
+    directory or the working directory (or hold it). Whether it *is* a ``kind`` is the
+    caller's check (it reads the artefact's own metadata).
+
+    Returns:
+        The resolved path, the directory to delete.
+
+    Raises:
+        ForeignArtifactError: as above; nothing is deleted.
+    """
+    caller = caller or current_caller()
+    target = Path(path)
+    resolved = target.resolve()
+    for parent in resolved.parents:
+        found = artifact_kind(parent)
+        if found is not None:
+            raise ForeignArtifactError(
+                f"{caller}: {str(target)!r} is or lies inside the {found} at {str(parent)!r}, "
+                f"not a {kind} of its own; removing it would damage that {found}, so nothing "
+                f"was removed. Pass the path of a {kind} (remove the {found} as a whole with "
+                "its own remover).")
+    if _protected(resolved):
+        raise ForeignArtifactError(
+            f"{caller}: {str(target)!r} is the file system root, the home directory or the "
+            f"working directory (or holds it), never a {kind} to remove; nothing was removed. "
+            f"Pass the path of the {kind} itself (a folder below it).")
+    found = artifact_kind(resolved)
+    held = _children(resolved) if found is None and resolved.is_dir() else []
+    if (found is not None and found != kind) or held:
+        what = f"is the {found}" if found else f"holds the {held[0][0]} at {str(held[0][1])!r}"
+        raise ForeignArtifactError(
+            f"{caller}: {str(target)!r} {what}, not a {kind}; nothing was removed. Pass the "
+            f"path of a {kind}.")
+    return resolved
+
+
 def _check_over(target: Path, resolved: Path, kind: str, *, overwrite: bool,
                 caller: str) -> None:
     """Refuse replacing what exists at ``target`` unless it is a ``kind`` (or a plain file
@@ -167,6 +208,11 @@ def _check_over(target: Path, resolved: Path, kind: str, *, overwrite: bool,
         raise ForeignArtifactError(
             f"{caller}: {str(target)!r} is the {found} at {str(resolved)!r}, not a "
             f"{kind}; writing a {kind} there would destroy it. Choose another path.")
+    if kind in KINDS and resolved.exists() and not resolved.is_dir():
+        # Refused here, before the writer creates its lock file beside the user's file.
+        raise ForeignArtifactError(
+            f"{caller}: {str(target)!r} is a file, not a {kind}; a {kind} is a directory "
+            "and never replaces a file (overwrite or not). Choose a new path.")
     if overwrite and _protected(resolved):
         raise ForeignArtifactError(
             f"{caller}: {str(target)!r} is the file system root, the home directory or the "

@@ -267,9 +267,13 @@ _FITTERS = {"dense": _fit_dense, "projected": _fit_projected, "kfac": _fit_kfac,
 
 
 def _limited(data: Batch | Iterable[Batch], max_examples: int | None) -> Iterator[Batch]:
-    """The batches of ``data``, cut after ``max_examples`` inputs."""
+    """The batches of ``data``, cut after ``max_examples`` inputs; empty batches are skipped
+    (so data of 0 examples is the EmptyDataError of the fitters, not a reshape error)."""
     left = max_examples
     for batch in iter_batches(data):
+        leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor) and leaf.dim()]
+        if leaves and leaves[0].shape[0] == 0:
+            continue
         if left is not None:
             size = _batch_len(batch)
             if left <= 0:

@@ -15,7 +15,9 @@ or tensor is refused on load, as is a truncated or swapped file.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import tempfile
 from os import PathLike
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from tracinfunc.errors import CorruptStoreError, StoreExistsError, StoreNotFound
 from tracinfunc.projection.spec import Projection
 from tracinfunc.store.meta import CheckpointMeta
 from tracinfunc.store.zarr.integrity import FileGuard, check_digest, seal
+from tracinfunc.store.zarr.lock import WriterLock
 
 __all__ = ["ATTRIBUTE", "load_curvature", "save_curvature"]
 
@@ -48,20 +51,47 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
                    overwrite: bool = False) -> Path:
     """Write ``curvature`` as a sealed Zarr group at ``path``.
 
+    The group is written beside ``path`` and renamed into place once sealed, under the path's
+    one-writer lock (``.<name>.lock``, as ``save_store``), so a reader never sees half a
+    curvature and a failed save leaves the old one as it was.
+
     Raises:
         StoreExistsError: ``path`` exists and ``overwrite`` is false.
+        StoreLockedError: another process is saving to ``path`` right now.
         ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
             kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
     """
     curvature = check_curvature(curvature)
     root = Path(path)
     check_writable(root, "saved curvature", overwrite=overwrite)
-    if root.exists():
-        if not overwrite:
-            raise StoreExistsError(
-                f"save_curvature: {str(root)!r} exists; pass overwrite=True or another path."
-            )
-        shutil.rmtree(root)
+    _refuse_existing(root, overwrite)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    lock = WriterLock(root)  # one writer per path, as save_store: the others are told so
+    scratch = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.resolve().parent))
+    try:
+        # Again under the lock: another writer may have finished there meanwhile.
+        check_writable(root, "saved curvature", overwrite=overwrite)
+        _refuse_existing(root, overwrite)
+        fresh = scratch / root.name
+        _write(curvature, fresh)
+        if root.exists():
+            os.rename(root, scratch / "replaced")  # only now is the old curvature let go
+        os.rename(fresh, root)  # readers never see a half-written curvature
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        lock.release()
+    return root
+
+
+def _refuse_existing(root: Path, overwrite: bool) -> None:
+    if root.exists() and not overwrite:
+        raise StoreExistsError(
+            f"save_curvature: {str(root)!r} exists; pass overwrite=True or another path."
+        )
+
+
+def _write(curvature: Curvature, root: Path) -> None:
+    """Write and seal ``curvature`` as a new Zarr group at ``root``."""
     group = zarr.open_group(str(root), mode="w-")
     tensors = {}
     for c, estimate in enumerate(curvature.estimates):
@@ -73,7 +103,6 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
     meta = {**curvature.metadata(), "format": FORMAT if curvature.blocks else 1,
             "digest": curvature.digest, "tensors": tensors}
     group.attrs[ATTRIBUTE] = seal(root, meta)
-    return root
 
 
 @entry_point("load_curvature")

@@ -16,9 +16,15 @@ import torch
 import zarr
 from torch import Tensor
 
-from tracinfunc._jsonfile import check_json_file
 from tracinfunc.errors import CorruptStoreError, InvalidArgumentError, InvalidTypeError
-from tracinfunc.evaluate.runs import ATTRS_KEY, checked_rows, open_run, read_run, save_row
+from tracinfunc.evaluate.runs import (
+    ATTRS_KEY,
+    check_run_json,
+    checked_rows,
+    open_run,
+    read_run,
+    save_row,
+)
 from tracinfunc.progress import ProgressArg, progress_bar
 
 __all__ = ["RetrainResult", "draw_subsets", "load_retrain", "retrain_subsets"]
@@ -116,7 +122,7 @@ def load_retrain(path: str | Path) -> RetrainResult:
             or the saved subsets are not those the run's settings draw.
     """
     path = Path(path)
-    check_json_file(path / "zarr.json", what="retraining run metadata")
+    check_run_json(path)
     try:
         group = zarr.open_group(path, mode="r")
         config = dict(group.attrs[ATTRS_KEY])

@@ -27,7 +27,8 @@ from tracinfunc._artifacts import check_writable
 from tracinfunc._jsonfile import check_json_file
 from tracinfunc.errors import InvalidArgumentError
 
-__all__ = ["ATTRS_KEY", "checked_rows", "open_run", "read_run", "row_checksum", "save_row"]
+__all__ = ["ATTRS_KEY", "check_run_json", "checked_rows", "open_run", "read_run", "row_checksum",
+           "save_row"]
 
 ATTRS_KEY = "tracinfunc_retrain"
 
@@ -46,7 +47,7 @@ def open_run(path: Path, config: dict[str, Any]) -> Any:
         group = zarr.open_group(path, mode="w")
         group.attrs[ATTRS_KEY] = config
         return group
-    check_json_file(path / "zarr.json", what="retraining run metadata")
+    check_run_json(path)
     group = zarr.open_group(path, mode="r+")
     saved = dict(group.attrs.get(ATTRS_KEY, {}))
     if saved != config:
@@ -56,6 +57,15 @@ def open_run(path: Path, config: dict[str, Any]) -> Any:
             "to start a new run."
         )
     return group
+
+
+def check_run_json(path: Path) -> None:
+    """Read every ``zarr.json`` of the run at ``path`` (the group's and each array's) with the
+    bounded reader before zarr parses one: a crafted file is a CorruptStoreError naming it."""
+    check_json_file(path / "zarr.json", what="retraining run metadata")
+    if path.is_dir():
+        for child in sorted(path.iterdir()):
+            check_json_file(child / "zarr.json", what="retraining run array metadata")
 
 
 def read_run(group: Any, n_subsets: int) -> tuple[np.ndarray | None, np.ndarray]:

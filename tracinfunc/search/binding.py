@@ -30,7 +30,8 @@ from tracinfunc.search.rows import index_rows
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["NORM_ATOL", "NORM_RTOL", "SKETCH_SIZE", "meta_fingerprint", "norms_mismatch",
+__all__ = ["NORM_ATOL", "NORM_RTOL", "SKETCH_SIZE", "CandidateSketch", "meta_fingerprint",
+           "norms_mismatch",
            "rows_to_check", "sketch_check", "sketch_mismatch", "sketch_projection", "sketch_rows",
            "store_fingerprint", "store_norms"]
 
@@ -221,3 +222,47 @@ def sketch_check(store: GradientStore, norms: np.ndarray, sketch: np.ndarray, se
         now[start:start + step] = sketch_rows(block, directions)
         row_norms[start:start + step] = np.sqrt(np.einsum("ij,ij->i", block, block))
     return sketch_mismatch(sketch, now, row_norms, rows, directions)
+
+
+class CandidateSketch:
+    """The sketch of rows a query reads anyway (re-ranked candidates), built checkpoint by
+    checkpoint as they are read: about ``SKETCH_SIZE`` multiply-adds per element read, so
+    every row that can reach a result is compared with the index's recorded sketch, not only
+    the rows :func:`rows_to_check` samples on load.
+
+    Args:
+        sketch: ``[n_train, SKETCH_SIZE]`` recorded with the index.
+        seed: Its seed.
+        lrs: The store's ``n_ckpt`` learning rates.
+        k: The store's ``k``.
+        rows: The rows read, sorted unique int64 ``[u]``.
+    """
+
+    def __init__(self, sketch: np.ndarray, seed: int, lrs: list[float], k: int,
+                 rows: torch.Tensor) -> None:
+        self._recorded, self._k, self._rows = sketch, k, rows.cpu().numpy()
+        self._weights = [abs(float(lr)) ** 0.5 for lr in lrs]  # training rows: sqrt|lr_c|
+        self._directions = sketch_projection(len(lrs) * k, seed)  # [n_ckpt * k, SKETCH_SIZE]
+        self._now = np.zeros((len(self._rows), SKETCH_SIZE))
+        self._squares = np.zeros(len(self._rows))
+
+    def add(self, ckpt: int, rows: torch.Tensor, norms: torch.Tensor | None) -> None:
+        """Fold in checkpoint ``ckpt``'s rows ``[u, k]`` (``norms`` ``[u]``: normalised
+        index, as :func:`~tracinfunc.search.rows.weighted_rows`)."""
+        # float32 at least: its rounding (~1e-7 of a row's scale) is far inside the tolerance.
+        dtype = torch.promote_types(rows.dtype, torch.float32)
+        scale = torch.full((rows.shape[0],), self._weights[ckpt], dtype=dtype,
+                           device=rows.device)
+        if norms is not None:
+            norms = norms.to(scale)
+            scale = scale * torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
+        part = torch.from_numpy(self._directions[ckpt * self._k:(ckpt + 1) * self._k])
+        projected = (rows.to(dtype) @ part.to(rows.device, dtype)) * scale[:, None]  # [u, 8]
+        self._now += projected.double().cpu().numpy()
+        squares = torch.linalg.vector_norm(rows, dim=1, dtype=dtype).double() * scale.double()
+        self._squares += squares.square().cpu().numpy()
+
+    def mismatch(self) -> str | None:
+        """As :func:`sketch_mismatch`, for the rows added."""
+        return sketch_mismatch(self._recorded, self._now, np.sqrt(self._squares), self._rows,
+                               self._directions)

@@ -14,7 +14,7 @@ from tracinfunc.query.checks import check_not_empty
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import check_rows
 from tracinfunc.query.top_k import check_k
-from tracinfunc.search.binding import meta_fingerprint
+from tracinfunc.search.binding import CandidateSketch, meta_fingerprint
 from tracinfunc.search.index import SearchIndex, import_faiss
 from tracinfunc.store.gather import norms_at, read_rows_at
 from tracinfunc.store.protocols import GradientStore
@@ -113,8 +113,8 @@ def indexed_top_k(
         found = torch.from_numpy(found)  # [b, n_candidates], -1 where lists ran out
         _check_enough(found, k, nprobe, index.nlist, start)
         found = found.to(query.device)
-        scores = _exact_scores(store, query.rows[:, start:stop], found, normalize=normalize,
-                               largest=largest)
+        scores = _exact_scores(store, query.rows[:, start:stop], found, index,
+                               normalize=normalize, largest=largest)
         best, order = scores.topk(k, dim=1, largest=largest, sorted=True)
         values.append(best)
         indices.append(found.gather(1, order))
@@ -134,27 +134,37 @@ def _search_queries(query: PreparedQuery) -> Tensor:
     return rows.to(torch.float32).permute(1, 0, 2).reshape(query.n_test, -1).contiguous()
 
 
-def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, *, normalize: bool,
-                  largest: bool) -> Tensor:
+def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, index: SearchIndex, *,
+                  normalize: bool, largest: bool) -> Tensor:
     """TracIn scores ``[b, candidates]`` of each test row against its own candidate rows.
 
     ``test`` is ``[n_ckpt, b, k]`` with lr (and the test norm) folded in; missing candidates
     (``-1``) score ``-inf`` (``+inf`` for opponents), so the final topk never picks them.
+    The candidate rows read are compared with the index's sketch (format 4) on the way: a
+    row replaced since the index was built is refused, wherever it lies in the store.
     """
     meta, dtype, device = store.meta, test.dtype, test.device
     valid = found >= 0
     unique = torch.unique(found[valid]).cpu()  # sorted: read in store order, each row once
     position = torch.searchsorted(unique.to(device), found.clamp(min=0))  # [b, candidates]
     total = torch.zeros(found.shape, dtype=dtype, device=device)
+    sketch = (None if index.sketch is None else
+              CandidateSketch(index.sketch, index.sketch_seed, meta.lrs, meta.k, unique))
     for ckpt in range(meta.n_ckpt):
         rows = read_rows_at(store, ckpt, unique).to(device, dtype)  # [u, k]
         gathered = rows[position]  # [b, candidates, k]
         product = torch.bmm(gathered, test[ckpt][:, :, None]).squeeze(2)  # [b, candidates]
+        norms = norms_at(store, ckpt, unique).to(device, dtype) if normalize else None
         if normalize:
-            norms = norms_at(store, ckpt, unique).to(device, dtype)
             inverse = torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
             product = product * inverse[position]
+        if sketch is not None:
+            sketch.add(ckpt, rows, norms)
         total += product
+    if sketch is not None and (problem := sketch.mismatch()) is not None:
+        raise IncompatibleGradientsError(
+            f"{current_caller()}: candidate {problem}; rebuild the index with "
+            "tif.build_index(store, overwrite=True) or pass the store it was built from.")
     return total.masked_fill(~valid, -torch.inf if largest else torch.inf)
 
 

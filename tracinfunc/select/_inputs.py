@@ -24,10 +24,16 @@ __all__ = ["as_python_int", "as_python_real", "check_finite", "first_positions",
 _LABELS = "a list, tuple or 1-D array of int or str labels, one per validation row"
 
 
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
 def _as_numpy(value: Any) -> np.ndarray | None:
     """``value`` as an ndarray when it is an array (NumPy, torch, JAX, ...), else ``None``."""
     if isinstance(value, Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if value.is_floating_point() and value.dtype not in _NUMPY_FLOATS:
+            value = value.double()  # bfloat16, float8: no NumPy dtype; exact in float64
+        return value.numpy()
     if isinstance(value, np.ndarray | np.generic) or hasattr(value, "__array__"):
         return np.asarray(value)
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +123,9 @@ class TopExamples:
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write :meth:`records` as ``.json`` (a list) or ``.csv``, atomically.
 
+        JSON has no infinity: a +-inf score is written as ``null`` there (its rank keeps its
+        place in the order); CSV writes ``inf``/``-inf``.
+
         Raises:
             OutputPathError: ``path`` exists (without ``overwrite``), its directory is missing,
                 or the suffix is neither ``.json`` nor ``.csv``.
@@ -148,7 +152,8 @@ class TopExamples:
         try:
             with os.fdopen(handle, "w", newline="", encoding="utf-8") as file:
                 if path.suffix == ".json":
-                    json.dump(records, file, indent=1, ensure_ascii=False)
+                    json.dump(_json_safe(records), file, indent=1, ensure_ascii=False,
+                              allow_nan=False)
                 else:
                     writer = csv.DictWriter(file, fieldnames=list(records[0]) if records else [])
                     writer.writeheader()
@@ -158,6 +163,12 @@ class TopExamples:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return path
+
+
+def _json_safe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records with a +-inf score written as ``null``: JSON (RFC 8259) has no infinity, and
+    strict parsers refuse Python's ``Infinity``. The rank keeps its place in the order."""
+    return [{**r, "score": r["score"] if math.isfinite(r["score"]) else None} for r in records]
 
 
 def _as_tensor(value: Any, name: str) -> Tensor:
@@ -188,6 +199,12 @@ def _values(values: Any) -> Tensor:
 
 def _indices(indices: Any) -> Tensor:
     """Training rows as an integer tensor: floats would be truncated to other rows."""
+    if _holds_bool(indices):  # [[True, 2]] would become the int array [[1, 2]]
+        raise InvalidTypeError(
+            "TopExamples: indices must be integer training rows, got a list holding a bool "
+            "(True/False would be read as rows 1/0); pass the rows as ints, e.g. tif.top_k's "
+            "second output."
+        )
     indices = _as_tensor(indices, "indices")
     if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
         raise InvalidTypeError(
@@ -196,6 +213,18 @@ def _indices(indices: Any) -> Tensor:
             "Pass the indices as integers (e.g. indices.long() after checking they are whole)."
         )
     return indices
+
+
+def _holds_bool(value: Any) -> bool:
+    """Whether a (nested) list or tuple holds a Python or NumPy bool (checked iteratively)."""
+    stack = [value] if isinstance(value, list | tuple) else []
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool | np.bool_):
+            return True
+        if isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
 
 
 def _check_rows(indices: Tensor, n: int) -> None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tracinfunc.training.manifest import Recording
 
 __all__ = ["FrozenReference", "StepLrs", "check_continues", "current_lr", "load_checkpoint",
+           "load_recorded_file",
            "record_checkpoint", "trained_names", "trained_state"]
 
 
@@ -191,6 +192,28 @@ def _recorded_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {n: tuple(v.shape) for n, v in state.items()}
 
 
+def load_recorded_file(path: Path, *, device: torch.device | str = "cpu") -> Any:
+    """``torch.load`` of a recording's file, tensors only (``weights_only``: a pickle that
+    would run code is never executed).
+
+    Raises:
+        CorruptRecordingError: the file is not a tensors-only PyTorch file (crafted, or
+            damaged although its manifest hash matches: a resealed manifest), naming it.
+    """
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (OSError, MemoryError):  # the file system's own errors stay what they are
+        raise
+    except Exception as error:  # UnpicklingError (weights_only refused it), EOFError, ...
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise CorruptRecordingError(
+            f"{current_caller()}: the recorded file {str(path)!r} is not a tensors-only "
+            f"PyTorch file ({type(error).__name__}: {first}); it was crafted or damaged and "
+            "was not loaded (nothing in it ran). Record the run again or restore the file from "
+            "a copy; never load it with weights_only=False."
+        ) from None
+
+
 def load_checkpoint(path: Path, entry: dict[str, Any], frozen: dict[str, list[str]],
                     model: nn.Module, checked: set[str], *, device: torch.device) -> Checkpoint:
     """One manifest entry (its weights at ``path``) as a whole :class:`Checkpoint` of
@@ -200,7 +223,7 @@ def load_checkpoint(path: Path, entry: dict[str, Any], frozen: dict[str, list[st
     ``model`` the values they had when recorded (checked once per fingerprint, whether or
     not ``model`` trains them); trainable ones the file lacks are taken from ``model``.
     """
-    state = torch.load(path, map_location=device, weights_only=True)
+    state = load_recorded_file(path, device=device)
     named = dict(model.named_parameters())
     fingerprint = entry.get("frozen")
     names = frozen.get(fingerprint, []) if fingerprint else []

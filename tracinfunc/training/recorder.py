@@ -40,6 +40,7 @@ from tracinfunc.training.contents import (
     check_continues,
     current_lr,
     load_checkpoint,
+    load_recorded_file,
     record_checkpoint,
     trained_names,
 )
@@ -241,9 +242,9 @@ def load_recorded_preconditioners(directory: str | PathLike, model: nn.Module, *
                 f"{unknown[:5]}, which {type(model).__name__} lacks; pass the model that was "
                 "trained."
             )
-    return [Preconditioner.load(verified_file(directory, e, e["optimizer"]),
-                                e["optimizer_param_names"],
-                                kind=kind, eps=eps) for e in entries]
+    return [Preconditioner.from_state_dict(
+        load_recorded_file(verified_file(directory, e, e["optimizer"])),
+        e["optimizer_param_names"], kind=kind, eps=eps) for e in entries]
 
 
 def _entries(directory: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:

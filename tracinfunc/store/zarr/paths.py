@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from tracinfunc._artifacts import check_writable
+from tracinfunc._artifacts import check_removable
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import StoreNotFoundError
 from tracinfunc.progress import ProgressArg, progress_bar
@@ -18,7 +18,7 @@ from tracinfunc.store.protocols import GradientStore, _set_opener, aligned_rows,
 from tracinfunc.store.zarr.layout import open_group, read_meta
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.store import ZarrStore
-from tracinfunc.store.zarr.urls import exists, is_url, location, remove, write_location
+from tracinfunc.store.zarr.urls import exists, is_url, location, remove
 
 __all__ = ["open_store", "read_store_meta", "remove_store", "verify_store"]
 
@@ -98,13 +98,22 @@ def verify_store(store: GradientStore | str | os.PathLike[str], *,
 def remove_store(path: str | os.PathLike[str]) -> None:
     """Delete the gradient store at ``path``, finished or not; never anything else.
 
+    ``path`` is resolved first, as every writer's path is: a symbolic link to a store removes
+    the store it points to, then the link (so no dangling link is left).
+
     Raises:
         StoreNotFoundError, CorruptStoreError: ``path`` is not a tracinfunc store (nothing
             is deleted).
+        ForeignArtifactError: ``path`` lies inside another artefact, or is the file system
+            root, the home or the working directory (nothing is deleted).
         StoreLockedError: a build or save is writing the store (nothing is deleted).
     """
-    where = write_location(path)  # a symlink to a store: the store it points to
-    check_writable(where, "gradient store", overwrite=True)  # not one inside another artefact
+    where = location(path)  # str, bytes, ~ and file:// URLs decoded in one place
+    link = None
+    if not is_url(where):
+        resolved = check_removable(where, "gradient store")  # not inside another artefact
+        link = where if where.is_symlink() else None  # removed too: nothing left dangling
+        where = resolved
     read_store_meta(where)  # refuses anything that is not one of ours
     # Taken before deleting anything: a build in progress keeps its store.
     lock = RemoteLock(where) if is_url(where) else WriterLock(where)
@@ -112,4 +121,5 @@ def remove_store(path: str | os.PathLike[str]) -> None:
         remove(where)
     finally:
         lock.release()
-
+    if link is not None:
+        link.unlink()

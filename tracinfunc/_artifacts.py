@@ -121,8 +121,7 @@ def enclosing_artifact(path: str | os.PathLike[str]) -> tuple[str, Path] | None:
     return None
 
 
-def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool,
-                   caller: str | None = None) -> None:
+def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool) -> None:
     """Raise unless the writer of ``kind`` may write at ``path`` (call before creating anything).
 
     Args:
@@ -130,7 +129,6 @@ def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool,
             those in :data:`FILE_KINDS`). A URL is not checked.
         kind: The kind the writer writes: a key of :data:`KINDS` or one of :data:`FILE_KINDS`.
         overwrite: Whether the writer was told it may replace what is at ``path``.
-        caller: The public function named in errors (default: the current entry point).
 
     Raises:
         ForeignArtifactError: ``path`` lies inside an artefact, is one of another kind, or is
@@ -143,7 +141,7 @@ def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool,
             f"{kind!r}; register a new artefact kind in tracinfunc._artifacts.KINDS.")
     if "://" in str(path):
         return
-    caller = caller or current_caller()
+    caller = current_caller()  # the public function the user called
     target = Path(path)
     resolved = target.resolve()
     for parent in resolved.parents:
@@ -155,11 +153,10 @@ def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool,
                 f"{str(parent)!r} (beside it, not in it).")
     if not (resolved.exists() or target.is_symlink()):
         return
-    _check_over(target, resolved, kind, overwrite=overwrite, caller=caller)
+    _check_over(target, resolved, kind, overwrite=overwrite)
 
 
-def check_removable(path: str | os.PathLike[str], kind: str, *,
-                    caller: str | None = None) -> Path:
+def check_removable(path: str | os.PathLike[str], kind: str) -> Path:
     """Raise unless the remover of ``kind`` may delete ``path``; return what to delete.
 
     The guard for deleting, phrased for it: ``path`` (resolved, so a symlink counts as where
@@ -173,7 +170,7 @@ def check_removable(path: str | os.PathLike[str], kind: str, *,
     Raises:
         ForeignArtifactError: as above; nothing is deleted.
     """
-    caller = caller or current_caller()
+    caller = current_caller()  # the public function the user called
     target = Path(path)
     resolved = target.resolve()
     for parent in resolved.parents:
@@ -199,10 +196,10 @@ def check_removable(path: str | os.PathLike[str], kind: str, *,
     return resolved
 
 
-def _check_over(target: Path, resolved: Path, kind: str, *, overwrite: bool,
-                caller: str) -> None:
+def _check_over(target: Path, resolved: Path, kind: str, *, overwrite: bool) -> None:
     """Refuse replacing what exists at ``target`` unless it is a ``kind`` (or a plain file
     for a file kind)."""
+    caller = current_caller()
     found = artifact_kind(resolved)
     if found is not None and found != kind:
         raise ForeignArtifactError(

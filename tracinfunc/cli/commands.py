@@ -368,7 +368,8 @@ def _shard(text: str) -> tuple[int, int]:
 def _check_build_out(path: Path, *, resume: bool, overwrite: bool) -> None:
     """Fail before the spec is loaded unless --out can take the store (see docs/cli.md)."""
     caller, shown = "tracinfunc build", str(path)
-    check_writable(path, "gradient store", overwrite=overwrite, caller=caller)
+    with calling(caller):
+        check_writable(path, "gradient store", overwrite=overwrite)
     check_writable_directory(path.resolve().parent, what="the directory of --out")
     if not path.exists():
         return

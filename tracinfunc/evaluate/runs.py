@@ -25,6 +25,7 @@ import zarr
 
 from tracinfunc._artifacts import check_writable
 from tracinfunc._jsonfile import check_json_file
+from tracinfunc._validate import calling
 from tracinfunc.errors import InvalidArgumentError
 
 __all__ = ["ATTRS_KEY", "check_run_json", "checked_rows", "open_run", "read_run", "row_checksum",
@@ -35,7 +36,8 @@ ATTRS_KEY = "tracinfunc_retrain"
 
 def open_run(path: Path, config: dict[str, Any]) -> Any:
     """The run's group at ``path``: a new one, or a previous run's with the same ``config``."""
-    check_writable(path, "retraining run", overwrite=False, caller="retrain_subsets")
+    with calling("retrain_subsets"):  # an enclosing entry point speaks first
+        check_writable(path, "retraining run", overwrite=False)
     if not (path / "zarr.json").exists():
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             # mode="w" would clear the directory: never delete what this harness did not write

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tracinfunc._artifacts import check_writable
-from tracinfunc._validate import entry_point
+from tracinfunc._validate import calling, entry_point
 from tracinfunc.errors import InvalidArgumentError, OutputPathError
 from tracinfunc.lm.tokens import TokenScores
 from tracinfunc.query import self_influence, top_k
@@ -101,7 +101,8 @@ def check_report_path(path: Any, *, overwrite: bool) -> Path:
     if path.suffix.lower() not in (".html", ".htm"):
         raise OutputPathError(f"write_report: {str(path)!r} must end in .html.")
     # The one writer guard: never inside or over a store, an index, a recording, ...
-    check_writable(path, "report file", overwrite=overwrite, caller="write_report")
+    with calling("write_report"):
+        check_writable(path, "report file", overwrite=overwrite)
     if path.is_dir() or (path.exists() and not overwrite):
         raise OutputPathError(
             f"write_report: {str(path)!r} exists; choose another path or pass overwrite=True "

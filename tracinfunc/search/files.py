@@ -29,7 +29,7 @@ import numpy as np
 
 from tracinfunc._artifacts import artifact_kind, check_writable
 from tracinfunc._jsonfile import read_json
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import calling, current_caller
 from tracinfunc.errors import (
     CorruptStoreError,
     InvalidArgumentError,
@@ -59,7 +59,8 @@ def check_index_target(target: Path, store_path: object, *, overwrite: bool) -> 
         overwrite: Whether an index already at ``target`` may be replaced.
     """
     caller = current_caller("build_index")
-    check_writable(target, "search index", overwrite=overwrite, caller=caller)
+    with calling(caller):
+        check_writable(target, "search index", overwrite=overwrite)
     if isinstance(store_path, Path) and _overlaps(target, store_path):
         kind, where = "store", store_path
         raise InvalidArgumentError(

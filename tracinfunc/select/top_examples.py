@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tracinfunc._artifacts import check_writable
+from tracinfunc._validate import calling
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, OutputPathError
 from tracinfunc.select._inputs import first_positions
 
@@ -133,7 +134,8 @@ class TopExamples:
                 kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
         """
         path = Path(path)
-        check_writable(path, "selection file", overwrite=overwrite, caller="TopExamples.save")
+        with calling("TopExamples.save"):
+            check_writable(path, "selection file", overwrite=overwrite)
         if path.suffix not in (".json", ".csv"):
             raise OutputPathError(
                 f"TopExamples.save: {str(path)!r} must end in .json or .csv."

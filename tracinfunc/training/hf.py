@@ -6,7 +6,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from tracinfunc._validate import current_caller, entry_point
+from tracinfunc._validate import calling, current_caller, entry_point
 from tracinfunc.errors import MissingDependencyError, RecordingExistsError
 from tracinfunc.training.contents import FrozenReference, StepLrs, current_lr, record_checkpoint
 from tracinfunc.training.manifest import Recording, check_options
@@ -57,7 +57,8 @@ def trainer_callback(directory: str | PathLike, *, every: int | None = None,
             "trainer_callback: needs transformers; install it with "
             "pip install 'tracinfunc[hf]'."
         ) from error
-    check_options("trainer_callback", every=every, resume=resume, overwrite=overwrite)
+    with calling("trainer_callback"):
+        check_options(every=every, resume=resume, overwrite=overwrite)
     recording = Recording(Path(directory), resume=resume, overwrite=overwrite)
 
     class TracInCheckpointCallback(TrainerCallback):

@@ -175,9 +175,9 @@ def verified_file(directory: Path, entry: dict[str, Any], name: str) -> Path:
     return path
 
 
-def check_options(caller: str, *, every: Any, resume: Any, overwrite: Any,
-                   start_step: Any = None) -> None:
+def check_options(*, every: Any, resume: Any, overwrite: Any, start_step: Any = None) -> None:
     """The recorder options both front ends share, checked before touching the directory."""
+    caller = current_caller()
     if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                               or every < 1):
         raise InvalidArgumentError(

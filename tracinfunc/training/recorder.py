@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tracinfunc._devices import module_device
-from tracinfunc._validate import current_caller, entry_point
+from tracinfunc._validate import calling, current_caller, entry_point
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, RecordingExistsError
 from tracinfunc.precondition.optimizer import Preconditioner
@@ -104,8 +104,9 @@ class CheckpointRecorder:
                  optimizer: torch.optim.Optimizer, *, every: int = 1, scheduler: Any = None,
                  save_optimizer_state: bool = True, select: Any = None, resume: bool = False,
                  overwrite: bool = False, start_step: int | None = None) -> None:
-        check_options("CheckpointRecorder", every=every, resume=resume, overwrite=overwrite,
-                       start_step=start_step)
+        with calling("CheckpointRecorder"):
+            check_options(every=every, resume=resume, overwrite=overwrite,
+                           start_step=start_step)
         if not isinstance(model, nn.Module):
             raise InvalidTypeError(
                 f"CheckpointRecorder: model must be a torch.nn.Module, got "

@@ -30,8 +30,14 @@ from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.fit import _blocks, _check_dense_size, _check_kind, _fit_matrix
 from tracinfunc.curvature.flat import flatten
+from tracinfunc.curvature.samplers import CheckedSampler, _check_logits
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, LossFunctionError
+from tracinfunc.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    LossFunctionError,
+    NonFiniteGradientError,
+)
 from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
 from tracinfunc.jax.grads import per_sample_grads, projected_grads
 from tracinfunc.jax.layout import ParamMapping
@@ -66,7 +72,9 @@ class ClassificationSampler:
                 f"{current_caller()}: logits(params, x) must return [n_classes] for one input, "
                 f"got {list(logits.shape[1:])}; pass sampler= your own for other outputs."
             )
-        probs = torch.from_numpy(np.asarray(logits, np.float64)).softmax(-1)  # [b, C]
+        logits = torch.from_numpy(np.asarray(logits, np.float64))
+        _check_logits(logits)  # NaN/inf logits: refused by example, not torch.multinomial's error
+        probs = logits.softmax(-1)  # [b, C]
         b, n_classes = probs.shape
         if self.exact:
             labels = torch.arange(n_classes).repeat(b)
@@ -152,6 +160,8 @@ def fit_curvature(
             missing projection.
         MemoryBudgetError: ``"dense"`` over ``MAX_DENSE_PARAMS`` parameters.
         EmptyDataError: ``data`` holds no examples.
+        NonFiniteGradientError: an example's input, logits or gradient is NaN/inf (named by
+            its index in ``data`` and the checkpoint), as :func:`tracinfunc.fit_curvature`.
     """
     kind = _check_kind(kind)
     if kind in ("kfac", "ekfac"):
@@ -184,7 +194,7 @@ def fit_curvature(
                         None if projection is None else projection.for_checkpoint(meta.name))
         estimate, mean, seen = _fit_matrix(
             lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches,
-            lambda _loss, c, batch, generator: sampler(c, batch, generator), loss,
+            _CheckedJaxSampler(sampler, meta.name), loss,
             torch.Generator().manual_seed(seed + position), blocks)
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
@@ -210,11 +220,43 @@ def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch
     return rows
 
 
+class _CheckedJaxSampler(CheckedSampler):
+    """:class:`CheckedSampler` for JAX batches and a JAX sampler ``(checkpoint, batch,
+    generator)``: a NaN/inf input or logit is refused by its index in the data and the
+    checkpoint, as torch's fit_curvature refuses it."""
+
+    def __call__(self, loss: Any, checkpoint: Checkpoint, batch: Any,
+                 generator: torch.Generator) -> tuple[Any, torch.Tensor]:
+        self.start += self.size
+        leaves = tree_util.tree_leaves(batch)
+        self.size = int(leaves[0].shape[0])
+        finite = np.ones(self.size, bool)
+        for leaf in leaves:
+            if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.ndim and (
+                    leaf.shape[0] == self.size):
+                finite &= np.asarray(jnp.isfinite(leaf.reshape(self.size, -1)).all(1))
+        if not finite.all():
+            self.refuse("the input", (np.flatnonzero(~finite) + self.start).tolist())
+        try:
+            labelled, weights = self.sampler(checkpoint, batch, generator)
+        except NonFiniteGradientError as error:
+            rows = getattr(error, "rows", None)
+            if rows is None:
+                raise
+            self.refuse("the model's output", [self.start + r for r in rows])
+        if not bool(torch.isfinite(weights).all()):
+            self.refuse("the sampler's weights")
+        return labelled, weights
+
+
 def _limited(data: Any, max_examples: int | None) -> Iterator[Any]:
-    """The JAX batches of ``data``, cut after ``max_examples`` inputs."""
+    """The non-empty JAX batches of ``data``, cut after ``max_examples`` inputs (no batch at
+    all for empty data: the fit refuses it with EmptyDataError)."""
     left = max_examples
     for batch in iter_batches(data):
         size = tree_util.tree_leaves(batch)[0].shape[0]
+        if size == 0:
+            continue
         if left is not None:
             if left <= 0:
                 return

@@ -54,6 +54,16 @@ def test_non_finite_lr_is_the_same_error(paired, lr):
     assert type(t.value) is type(j.value)
 
 
+@pytest.mark.parametrize("lr", [1e39, 1e-320, 1e-39, 10**400])
+def test_lr_outside_float32_is_the_same_error(paired, lr):
+    """Scores are float32: 1e39 would make them inf, 1e-320 (0 in float32) all zero."""
+    for checkpoint, params in ((tif.Checkpoint, paired[1][0].params),
+                               (tj.Checkpoint, paired[3][0].params)):
+        with pytest.raises(tif.errors.InvalidArgumentError, match=r"lr must lie in float32"):
+            checkpoint(params, lr=lr)
+    assert tif.Checkpoint(paired[1][0].params, lr=3e38).lr == 3e38  # in range: kept exactly
+
+
 @pytest.mark.parametrize("lr", ["0.1", True, None])
 def test_non_numeric_lr_is_the_same_error(paired, lr):
     with pytest.raises(tif.errors.InvalidTypeError, match="lr must be a number"):

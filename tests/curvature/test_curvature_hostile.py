@@ -195,3 +195,15 @@ def test_causal_lm_non_finite_logits_are_named():
                        match=r"^fit_curvature: the model's output for data example\(s\) 4 is"):
         fit_curvature(loss, ckpts, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                       kind="kfac")
+
+
+@pytest.mark.parametrize("kind", ["dense", "kfac"])
+def test_preconditioned_test_grads_name_a_non_finite_test_example(setup, kind):
+    """One check (marked_store) for the torch and JAX frontends: before, a NaN row of scores."""
+    _, loss, ckpts, (x, y) = setup
+    curvature = fit_curvature(loss, ckpts, (x, y), kind=kind)
+    xt = x[:6].clone()
+    xt[2, 1] = float("inf")
+    with pytest.raises(NonFiniteGradientError, match=r"checkpoint 'a'.*examples \[2\]"):
+        tif.preconditioned_test_grads(loss, ckpts, (xt, y[:6]), curvature,
+                                      projection=PROJECTION)

@@ -130,10 +130,14 @@ def test_held_jax_fit_equals_torch_twin(setup, kind):
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
-def test_held_kfac_from_jax_refused_with_fix(setup, kind):
+def test_held_kfac_from_a_loss_without_flax_layers_is_refused_with_fix(setup, kind):
+    """K-FAC and EK-FAC now fit from JAX for Flax Dense/Embed layers (tests/jax/
+    test_jax_kfac.py checks them against the torch twin); this loss is hand-written matrix
+    products, which K-FAC cannot see as layers: refused naming the parameters and the fixes."""
     ckpts, mapping, _, _ = setup
     x, y = _data()
-    with pytest.raises(TracInFuncError, match="to_torch"):
+    with pytest.raises(TracInFuncError, match=r"not the kernel or bias of a Flax layer.*torch "
+                                              r"twin"):
         tj.fit_curvature(_loss, ckpts, (x, y), kind=kind, projection=P, mapping=mapping,
                          sampler=tj.classification_sampler(_logits))
 

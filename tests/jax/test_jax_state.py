@@ -238,3 +238,11 @@ def test_a_mapping_of_another_model_is_refused():
     with pytest.raises(tif.errors.IncompatibleGradientsError, match="structure differs"):
         tj.build_store(linen_loss, tj.Checkpoint.flax(variables), _data(),
                        projection=IDENTITY, mapping=other)
+
+
+def test_integer_parameter_leaf_points_to_state():
+    params = {"w": jnp.ones((3, 2)), "step": jnp.array(3)}
+    with pytest.raises(tif.errors.InvalidTypeError, match=r"\['step \(int32\)'\].*state="):
+        tj.Checkpoint(params, lr=0.1)
+    ckpt = tj.Checkpoint({"w": params["w"]}, lr=0.1, state={"step": params["step"]})
+    assert ckpt.args[1]["step"] == 3

@@ -24,7 +24,7 @@ from torch.func import vmap
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc._version import __version__
 from tracinfunc.batches import iter_batches
-from tracinfunc.build.loop import checkpoint_list
+from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.capture import KfacLayer, first_example, layer_io
@@ -103,8 +103,13 @@ def preconditioned_test_grads(
 def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature
                  ) -> MemoryStore:
     """Preconditioned rows (``[n_test, k]`` per checkpoint) as a store marked with the
-    curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends)."""
+    curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends).
+
+    Raises:
+        NonFiniteGradientError: a row is NaN/inf (names the checkpoint and test examples).
+    """
     rows = torch.stack(list(per_ckpt)).cpu()  # [n_ckpt, n_test, k]
+    check_finite(rows, meta, first_row=0)
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
                         extra={MARK: {"kind": curvature.kind, "digest": curvature.digest}})
     return MemoryStore(meta, rows, rows.norm(dim=-1))

@@ -20,7 +20,7 @@ import torch
 from jax import tree_util
 
 from tracinfunc import checkpoint as torch_checkpoint
-from tracinfunc._validate import entry_point
+from tracinfunc._validate import calling, entry_point
 from tracinfunc.build.loop import RowBlock, checkpoint_list, fill_store, new_store_meta
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -31,7 +31,12 @@ from tracinfunc.errors import (
 from tracinfunc.interop import as_tensor
 from tracinfunc.jax.grads import as_jax_tree, checked_projected_grads, pad_rows
 from tracinfunc.jax.layout import ParamMapping, path_name
-from tracinfunc.jax.state import is_nnx_module, refuse_state, split_params
+from tracinfunc.jax.state import (
+    is_nnx_module,
+    refuse_params_in_state,
+    refuse_state,
+    split_params,
+)
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
@@ -73,7 +78,10 @@ class Checkpoint:
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
-        refuse_state(self.params, "tracinfunc.jax.Checkpoint")
+        with calling("tracinfunc.jax.Checkpoint"):
+            refuse_state(self.params)
+            if self.state is not None:
+                refuse_params_in_state(self.state)
         if self.state is not None and is_nnx_module(self.state):
             raise InvalidTypeError(
                 "tracinfunc.jax.Checkpoint: state must be a pytree of arrays (the nnx.State "
@@ -81,6 +89,7 @@ class Checkpoint:
                 "tracinfunc.jax.Checkpoint.flax(model, lr=...)."
             )
         object.__setattr__(self, "params", as_jax_tree(self.params))
+        _refuse_integer_leaves(self.params)
         if self.state is not None:
             object.__setattr__(self, "state", as_jax_tree(self.state))
         object.__setattr__(self, "lr", lr)
@@ -209,10 +218,26 @@ def build_store(
 
 def host_tensor(array: Any) -> torch.Tensor:
     """A torch tensor of a JAX array: shared through DLPack, or gathered to the host first
-    when the array is sharded over several devices (DLPack exports one buffer only)."""
+    when the array is sharded over several devices (DLPack exports one buffer only; the
+    gathered copy is made writable, as torch.from_numpy expects)."""
     if isinstance(array, jax.Array) and len(array.sharding.device_set) > 1:
-        return torch.from_numpy(np.asarray(array))
+        host = np.asarray(array)
+        return torch.from_numpy(host if host.flags.writeable else host.copy())
     return as_tensor(array)
+
+
+def _refuse_integer_leaves(params: Any) -> None:
+    """Gradients need floating parameters; integer leaves (a step counter) belong in state."""
+    bad = [f"{path_name(path)} ({jnp.asarray(leaf).dtype})"
+           for path, leaf in tree_util.tree_flatten_with_path(params)[0]
+           if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)]
+    if bad:
+        raise InvalidTypeError(
+            f"tracinfunc.jax.Checkpoint: the parameter leaves {bad} are not floating point; "
+            "only floating leaves can be differentiated. Move them to state= (with "
+            "loss(params, state, example)), or drop them from params (Equinox: "
+            "eqx.partition(model, eqx.is_inexact_array))."
+        )
 
 
 def _batch_size(batch: Any) -> int:

@@ -26,7 +26,13 @@ from tracinfunc.build.loop import new_store_meta
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.test_grads import GradientPreconditioner, marked_store
 from tracinfunc.errors import EmptyDataError
-from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
+from tracinfunc.jax.build import (
+    Checkpoint,
+    _batch_size,
+    _check_checkpoints,
+    host_tensor,
+    iter_batches,
+)
 from tracinfunc.jax.grads import per_sample_grads, projected_grads
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.projection import Projection
@@ -69,6 +75,7 @@ def preconditioned_test_grads(
         IncompatibleGradientsError: the curvature was fitted at other checkpoints, over
             other parameters (names, torch shapes), or in another projected space.
         EmptyDataError: ``data`` holds no examples.
+        NonFiniteGradientError: a test example's gradient is NaN/inf (named by its index).
     """
     curvature = check_curvature(curvature)
     check_projection(projection)
@@ -78,7 +85,7 @@ def preconditioned_test_grads(
         [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
         mapping.layout, projection, torch.float32, None)
     check_bound(curvature, meta)
-    batches = list(iter_batches(data))
+    batches = [batch for batch in iter_batches(data) if _batch_size(batch)]
     if not batches:
         raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
     per_ckpt = []

@@ -180,6 +180,8 @@ def fit_curvature(
             (named by its index in ``data``, with the checkpoint).
         MemoryBudgetError: ``"dense"`` over ``MAX_DENSE_PARAMS`` parameters.
         EmptyDataError: ``data`` holds no examples.
+        NonFiniteGradientError: an example's input, logits or gradient is NaN/inf (named by
+            its index in ``data`` and the checkpoint), as :func:`tracinfunc.fit_curvature`.
     """
     kind = _check_kind(kind)
     damping = check_damping(Damping() if damping is None else damping)
@@ -281,10 +283,13 @@ def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch
 
 
 def _limited(data: Any, max_examples: int | None) -> Iterator[Any]:
-    """The JAX batches of ``data``, cut after ``max_examples`` inputs."""
+    """The non-empty JAX batches of ``data``, cut after ``max_examples`` inputs (no batch at
+    all for empty data: the fit refuses it with EmptyDataError)."""
     left = max_examples
     for batch in iter_batches(data):
         size = tree_util.tree_leaves(batch)[0].shape[0]
+        if size == 0:
+            continue
         if left is not None:
             if left <= 0:
                 return

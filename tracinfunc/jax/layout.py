@@ -119,6 +119,7 @@ class ParamMapping:
         """
         nnx = is_nnx_state(variables) or is_nnx_module(variables)
         tree = param_tree(variables)
+        _check_collection(tree, collection)
         return cls._build(tree, lambda path, shape: _flax_rule(_strip_value(path, nnx), shape,
                                                                 collection), rename)
 
@@ -127,7 +128,8 @@ class ParamMapping:
         paths_leaves, treedef = tree_util.tree_flatten_with_path(tree)
         if not paths_leaves:
             raise InvalidArgumentError("ParamMapping: the parameter tree has no leaves.")
-        leaves = []
+        leaves, raw_names = [], []
+        _check_rename_type(rename)
         for key_path, leaf in paths_leaves:
             if not hasattr(leaf, "shape"):
                 raise InvalidTypeError(
@@ -137,10 +139,13 @@ class ParamMapping:
                 )
             parts = tuple(_key_str(key) for key in key_path)
             name, axes = rule(parts, tuple(leaf.shape))
+            raw_names.append(name)
             name = _apply_rename(name, rename)
             shape = tuple(int(s) for s in leaf.shape)
             torch_shape = tuple(shape[a] for a in axes) if axes else shape
             leaves.append(LeafMap("/".join(parts), name, axes, torch_shape))
+        if isinstance(rename, Mapping):
+            _check_rename_keys(rename, raw_names)
         return cls(treedef, tuple(leaves))
 
     @property
@@ -270,11 +275,47 @@ def _flax_rule(path: tuple[str, ...], shape: tuple[int, ...], collection: str):
 def _apply_rename(name: str, rename) -> str:
     if rename is None:
         return name
-    if isinstance(rename, Mapping):
-        return rename.get(name, name)
-    if callable(rename):
-        return rename(name)
-    raise InvalidTypeError(
-        f"ParamMapping: rename must be a dict or a function of the torch name, got "
-        f"{type(rename).__name__}."
-    )
+    new = rename.get(name, name) if isinstance(rename, Mapping) else rename(name)
+    if not isinstance(new, str):
+        raise InvalidTypeError(
+            f"ParamMapping: rename must give each parameter a torch name that is a str, got "
+            f"{type(new).__name__} ({new!r}) for {name!r}; return the new name as text."
+        )
+    if not new:
+        raise InvalidArgumentError(
+            f"ParamMapping: rename gave {name!r} the empty name ''; a torch parameter name "
+            "must be non-empty (e.g. 'fc1.weight')."
+        )
+    return new
+
+
+def _check_rename_type(rename) -> None:
+    if rename is not None and not isinstance(rename, Mapping) and not callable(rename):
+        raise InvalidTypeError(
+            f"ParamMapping: rename must be a dict or a function of the torch name, got "
+            f"{type(rename).__name__}."
+        )
+
+
+def _check_rename_keys(rename: Mapping, names: list[str]) -> None:
+    """A rename key matching no parameter is a typo that would silently keep the old name."""
+    unknown = sorted(str(key) for key in rename if key not in names)
+    if unknown:
+        raise InvalidArgumentError(
+            f"ParamMapping: rename= names {unknown}, which match no parameter; the names "
+            f"before renaming are {names}. Fix the keys (they are the names before rename)."
+        )
+
+
+def _check_collection(tree: Any, collection: str) -> None:
+    """An explicitly named collection must be there: else the whole tree would be mapped."""
+    if collection == "params":  # the default: dropped when present, the params subtree accepted
+        return
+    keys = sorted(str(key) for key in tree) if isinstance(tree, Mapping) else None
+    if keys is None or collection not in tree:
+        raise InvalidArgumentError(
+            f"ParamMapping.flax: collection={collection!r} is not a top-level key of the "
+            f"parameter tree (its keys: {keys}); state collections such as 'batch_stats' are "
+            "never mapped (only 'params' is). Pass the tree holding that collection, or leave "
+            "collection='params'."
+        )

@@ -20,11 +20,18 @@ from typing import Any
 
 from jax import tree_util
 
+from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["is_nnx_module", "is_nnx_state", "param_tree", "refuse_state", "split_params"]
+__all__ = ["is_nnx_module", "is_nnx_state", "param_tree", "refuse_params_in_state",
+           "refuse_state", "split_params"]
 
 PARAMS = "params"
+# Running statistics as Flax (linen batch_stats, NNX BatchStat) and torch name them; a dict of
+# arrays holding a pair of these beside a BatchNorm's "scale"/"bias"/"weight" is a norm layer's
+# statistics, not parameters (a pure-dict restore of a whole NNX state loses the Variable types).
+_STAT_PAIRS = (("mean", "var"), ("running_mean", "running_var"))
+_NORM_PARAMS = ("scale", "bias", "weight")
 
 
 def _nnx_kind(obj: Any, name: str) -> bool:
@@ -114,7 +121,7 @@ def param_tree(obj: Any) -> Any:
     return obj
 
 
-def refuse_state(tree: Any, caller: str) -> None:
+def refuse_state(tree: Any) -> None:
     """Raise when ``tree``, passed as parameters, holds Flax state (or is an NNX Module).
 
     Raises:
@@ -122,6 +129,7 @@ def refuse_state(tree: Any, caller: str) -> None:
         InvalidArgumentError: linen collections beside ``"params"``, or an NNX state holding
             non-``Param`` variables.
     """
+    caller = current_caller()
     if is_nnx_module(tree):
         raise InvalidTypeError(
             f"{caller}: got an nnx.Module as parameters; split it into parameters and state: "
@@ -139,6 +147,16 @@ def refuse_state(tree: Any, caller: str) -> None:
             "loss(params, state, example), and build the mapping with "
             "ParamMapping.flax(variables)."
         )
+    stats = [] if is_nnx_state(tree) else _running_stat_paths(tree)
+    if stats:
+        raise InvalidArgumentError(
+            f"{caller}: the parameter tree holds BatchNorm running statistics {stats} (leaves "
+            "named mean/var beside scale/bias, e.g. a pure dict of a whole nnx.state(model) "
+            "as orbax restores it); they are state, not parameters, and must not be "
+            "differentiated. Restore them into the model (nnx.replace_by_pure_dict(state, "
+            "tree); nnx.update(model, state)) and use tracinfunc.jax.Checkpoint.flax(model, "
+            "lr=...), or pass the statistics as state=."
+        )
     if is_nnx_state(tree):
         kinds = _nnx_state_kinds(tree)
         if kinds:
@@ -152,3 +170,46 @@ def refuse_state(tree: Any, caller: str) -> None:
 
 def _has_leaves(tree: Any) -> bool:
     return bool(tree_util.tree_leaves(tree))
+
+
+def refuse_params_in_state(state: Any) -> None:
+    """Raise when ``state`` holds the differentiated parameters themselves.
+
+    Linen ``variables`` passed whole as state would put a second ``"params"`` collection in
+    the loss's ``{"params": params, **state}``, overriding the differentiated one: every
+    gradient would be 0. An NNX state holding ``nnx.Param`` variables does the same.
+    """
+    caller = current_caller()
+    if isinstance(state, Mapping) and PARAMS in state:
+        raise InvalidArgumentError(
+            f"{caller}: state holds the collection 'params'; state must not contain the "
+            "differentiated parameters (in loss {'params': params, **state} its copy would "
+            "override them and every gradient would be 0). Pass only the other collections, "
+            "state={k: v for k, v in variables.items() if k != 'params'}, or use "
+            "tracinfunc.jax.Checkpoint.flax(variables, lr=...)."
+        )
+    if is_nnx_state(state):
+        from flax import nnx  # present: state is a Flax object
+
+        params, _ = nnx.filter_state(state, nnx.Param, ...)
+        if _has_leaves(params):
+            raise InvalidArgumentError(
+                f"{caller}: state holds nnx.Param variables; state must not contain the "
+                "differentiated parameters. Use tracinfunc.jax.Checkpoint.flax(model, lr=...) "
+                "(or nnx.split(model, nnx.Param, ...)'s two states)."
+            )
+
+
+def _running_stat_paths(tree: Any, prefix: str = "") -> list[str]:
+    """Paths of the dicts (in nested dicts) holding a running-statistics pair of array leaves
+    beside a norm layer's parameter: ``["bn"]`` for ``{"bn": {"mean", "var", "scale"}}``."""
+    if not isinstance(tree, Mapping):
+        return []
+    found = []
+    arrays = {key for key, value in tree.items() if hasattr(value, "shape")}
+    if any(pair[0] in arrays and pair[1] in arrays for pair in _STAT_PAIRS) and any(
+            key in arrays for key in _NORM_PARAMS):
+        found.append(prefix or "<root>")
+    for key, value in tree.items():
+        found += _running_stat_paths(value, f"{prefix}.{key}" if prefix else str(key))
+    return found

@@ -62,7 +62,9 @@ def check_lr(lr: Any) -> float:
     Raises:
         InvalidTypeError: not a real scalar (``True``/``False``, complex, an array with
             elements, a traced value inside ``jax.jit`` included).
-        InvalidArgumentError: NaN, infinite, zero or negative.
+        InvalidArgumentError: NaN, infinite, zero or negative, or outside float32's normal range
+            (scores are float32: a larger lr makes them inf/NaN, a smaller one rounds them to 0
+            or to a few bits of precision).
     """
     value = _real_scalar(lr)
     if value is None:
@@ -75,7 +77,7 @@ def check_lr(lr: Any) -> float:
             f"checkpoint), got {got}; e.g. lr=0.1, "
             "or lr=float(schedule(step)) outside jax.jit."
         )
-    if not math.isfinite(value):
+    if not math.isfinite(value) and not isinstance(lr, int):  # a huge int: the range check
         raise InvalidArgumentError(
             f"{current_caller()}: lr must be finite, got {value}; e.g. lr=0.1.")
     if value <= 0:  # documented positive: a zero or negative weight silently flips or drops scores
@@ -83,13 +85,31 @@ def check_lr(lr: Any) -> float:
             f"{current_caller()}: lr must be positive (the learning rate at this checkpoint), got "
             f"{value}; e.g. lr=0.1."
         )
+    if not _F32_TINY <= value <= _F32_MAX:
+        raise InvalidArgumentError(
+            f"{current_caller()}: lr must lie in float32's normal range [{_F32_TINY:.3g}, "
+            f"{_F32_MAX:.4g}] (scores are computed in float32, where it would be "
+            f"{'inf' if value > _F32_MAX else '0 or subnormal'}), got {_short(lr)}; rescale "
+            "the learning rates (TracIn scores are relative), e.g. lr=0.1."
+        )
     return value
+
+
+def _short(lr: Any) -> str:
+    text = repr(lr)
+    return text if len(text) <= 40 else f"{text[:12]}... ({len(text)} characters)"
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 
 
 def _real_scalar(lr: Any) -> float | None:
     """``lr`` as a float when it is a real scalar of any framework, else ``None``."""
     if isinstance(lr, bool) or type(lr).__name__ == "bool_":
         return None
+    if isinstance(lr, int) and abs(lr) > _F32_MAX:
+        return math.inf if lr > 0 else -math.inf  # float(10**400) would raise OverflowError
     if isinstance(lr, int | float):
         return float(lr)
     shape, dtype = getattr(lr, "shape", None), getattr(lr, "dtype", None)
@@ -103,6 +123,8 @@ def _real_scalar(lr: Any) -> float | None:
         return None
     try:
         return float(lr)
+    except OverflowError:  # a huge integer array value
+        return math.inf
     except Exception:  # a jax tracer: not concrete inside jit
         return None
 

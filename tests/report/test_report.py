@@ -178,7 +178,10 @@ def test_hostile_strings_are_escaped_in_the_file(tmp_path):
 def test_nan_scores_k_beyond_the_rows_and_paths(tmp_path):
     store, test, x, _ = digits_setup(n_train=6)
     rows = torch.stack([test.read_rows(0, 0, 4)])
-    path = tif.write_report(tmp_path / "n.html", store, rows, k=50)  # k > n_train: all rows
+    with pytest.raises(InvalidArgumentError, match=r"k must be an int in \[1, 6\]"):
+        tif.write_report(tmp_path / "n.html", store, rows, k=50)  # k > n_train: refused
+    assert not (tmp_path / "n.html").exists()
+    path = tif.write_report(tmp_path / "n.html", store, rows, k=6)  # k = n_train: all rows
     page = path.read_text()
     assert page.count('class="pro"') == 4 * 6 + 4  # 6 rows per query (+ each table's class)
     bad = rows.clone()
@@ -196,7 +199,7 @@ def test_nan_scores_k_beyond_the_rows_and_paths(tmp_path):
     with pytest.raises(InvalidArgumentError, match="k must be"):
         tif.write_report(tmp_path / "k.html", store, rows, k=0)
     with pytest.raises(InvalidArgumentError, match="train has 5 items"):
-        tif.write_report(tmp_path / "k.html", store, rows, train=x[:5])
+        tif.write_report(tmp_path / "k.html", store, rows, train=x[:5], image_shape=(8, 8))
     fake = tif.TokenScores(torch.zeros(1, 1, 3), torch.ones(1, 3, dtype=torch.bool),
                            torch.zeros(1, 3, dtype=torch.long), torch.tensor([99]))
     with pytest.raises(InvalidArgumentError, match="explains row 99"):

@@ -49,10 +49,12 @@ def add_attribution_commands(commands: argparse._SubParsersAction,
         "report", parents=[common],
         help="one self-contained HTML page: queries, proponents, opponents, outliers")
     _query_arguments(report)
-    report.add_argument("--top-k", type=positive_int, default=10,
-                        help="proponents and opponents per test row (default 10)")
-    report.add_argument("--outliers", type=int, default=20,
-                        help="rows of highest self-influence listed (default 20; 0: none)")
+    report.add_argument("--top-k", type=positive_int, default=None,
+                        help="proponents and opponents per test row, at most the store's "
+                             "rows (default 10, or all rows if fewer)")
+    report.add_argument("--outliers", type=int, default=None,
+                        help="rows of highest self-influence listed, at most the store's "
+                             "rows (default 20, or all rows if fewer; 0: none)")
     report.add_argument("--image-shape", type=_shape, metavar="HxW",
                         help="show training inputs as images of this shape, e.g. 8x8")
     report.add_argument("--output", required=True, type=Path, help=".html")
@@ -145,8 +147,8 @@ def _write_json(path: Path, records: list) -> None:
 def _report(args: argparse.Namespace) -> int:
     check_report_path(args.output, overwrite=args.overwrite)
     store, spec, queries, test = _setup(args)
-    train_items, train_labels = _shown(spec.train)
-    query_items, query_labels = _shown(queries)
+    train_items, train_labels = _shown(spec.train, args.image_shape)
+    query_items, query_labels = _shown(queries, args.image_shape)
     write_report(args.output, store, test, k=args.top_k, train=train_items,
                  train_labels=train_labels, queries=query_items, query_labels=query_labels,
                  image_shape=args.image_shape, outliers=args.outliers,
@@ -155,11 +157,17 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shown(data: Any) -> tuple[Any, Any]:
-    """Items and labels of a spec's batch: ``(x, y)`` pairs, token batches, else nothing."""
+def _shown(data: Any, image_shape: tuple[int, ...] | None) -> tuple[Any, Any]:
+    """Items and labels of a spec's batch: ``(x, y)`` pairs, token batches, else nothing.
+
+    Float inputs are shown as images with ``--image-shape`` or when they are images
+    ``[n, H, W]`` / ``[n, H, W, 3]``; other (tabular) rows are shown by row id and label.
+    """
     if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], Tensor):
         inputs, labels = data
-        items = inputs if inputs.is_floating_point() else None
+        images = image_shape is not None or inputs.dim() == 3 or (
+            inputs.dim() == 4 and inputs.shape[-1] == 3)
+        items = inputs if inputs.is_floating_point() and images else None
         return items, [str(v) for v in labels.tolist()] if labels.dim() == 1 else None
     if isinstance(data, Mapping) and "input_ids" in data:
         return dict(data), None

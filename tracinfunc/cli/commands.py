@@ -49,6 +49,7 @@ from tracinfunc.curvature.test_grads import preconditioned_test_grads
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.distributed import init_from_environment
 from tracinfunc.errors import (
+    EmptyDataError,
     IncompleteStoreError,
     InvalidArgumentError,
     InvalidProjectionError,
@@ -84,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if getattr(args, "contrast_weight", None) is not None and args.contrast is None:
+        parser.error("score: --contrast-weight W goes with --contrast NAME (the control set "
+                     "it weighs); pass --contrast NAME or drop --contrast-weight.")
     try:
         # Errors name the command the user typed (``tracinfunc build: ...``), also those
         # raised inside the public functions it calls.
@@ -192,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--contrast", metavar="NAME",
                        help="a contrastive query: subtract the mean gradient of the spec's "
                             "test set NAME (docs/rerank.md); recorded in .json/.zarr output")
-    score.add_argument("--contrast-weight", type=float, default=1.0, metavar="W",
+    score.add_argument("--contrast-weight", type=float, default=None, metavar="W",
                        help="with --contrast: how much of the control to subtract (1.0)")
     score.add_argument("--curvature", type=Path, metavar="PATH",
                        help="curvature-aware TracIn with a curvature saved by save_curvature")
@@ -470,8 +474,14 @@ def _score(args: argparse.Namespace) -> int:
     if args.contrast is not None:
         if args.spec is None:
             raise SpecError("score: --contrast NAME names a test set of the spec; pass --spec.")
-        test = Contrast(test, _test_gradients(args, store, curvature, name=args.contrast),
-                        weight=args.contrast_weight, name=args.contrast)
+        try:
+            control = _test_gradients(args, store, curvature, name=args.contrast)
+        except EmptyDataError as error:
+            raise EmptyDataError(f"score: the control set {args.contrast!r} of --contrast "
+                                 f"holds no examples ({error}); name a non-empty test set "
+                                 "of the spec.") from None
+        weight = 1.0 if args.contrast_weight is None else args.contrast_weight
+        test = Contrast(test, control, weight=weight, name=args.contrast)
         recorded["contrast"] = {"control": args.contrast, "weight": test.weight,
                                 "description": test.describe()}
     if args.top_k is not None:

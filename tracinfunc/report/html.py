@@ -8,9 +8,10 @@ import re
 
 __all__ = ["PAGE", "number", "text", "token_span"]
 
-# Bidi controls (Trojan-source reordering) and C0/C1 controls are shown, never obeyed.
+# Bidi controls (Trojan-source reordering) and C0/C1 controls are shown, never obeyed; lone
+# surrogates (e.g. from a bad decode) cannot be written as UTF-8 and are shown too.
 _CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c\x00-\x08\x0b\x0c"
-                       "\x0e-\x1f\x7f-\x9f]")
+                       "\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def text(value: object, *, limit: int = 400) -> str:

@@ -12,12 +12,13 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["calling", "check_bool", "check_int", "current_caller", "entry_point"]
+__all__ = ["as_int", "calling", "check_bool", "check_int", "current_caller", "entry_point"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("tracinfunc_caller",
@@ -93,9 +94,12 @@ def check_int(value: Any, name: str, *, minimum: int = 1,
               maximum: int | None = None, maximum_label: str = "", optional: bool = False,
               fix: str = "", wanted: str | None = None,
               error: type[Exception] = InvalidArgumentError) -> Any:
-    """``value`` if it is an int in ``[minimum, maximum]`` (or ``None`` when ``optional``).
+    """``value`` as a Python ``int`` if it is an integral scalar in ``[minimum, maximum]``
+    (or ``None`` when ``optional``).
 
-    ``True``/``False`` are refused: they are ints to Python but never a meaningful size.
+    NumPy integers and 0-d integer arrays of torch, NumPy or JAX are accepted and returned as
+    a Python ``int`` (callers use the returned value). ``True``/``False`` are refused: they are
+    ints to Python but never a meaningful size; floats are refused even when whole.
 
     Args:
         maximum_label: How the message names the maximum (``"n_train"`` gives
@@ -109,8 +113,8 @@ def check_int(value: Any, name: str, *, minimum: int = 1,
     """
     if value is None and optional:
         return None
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if not is_int or value < minimum or (maximum is not None and value > maximum):
+    number = as_int(value)
+    if number is None or number < minimum or (maximum is not None and number > maximum):
         if wanted is None:
             wanted = ("a positive int" if minimum == 1 else
                       "a non-negative int" if minimum == 0 else f"an int >= {minimum}")
@@ -121,7 +125,25 @@ def check_int(value: Any, name: str, *, minimum: int = 1,
             f"{current_caller()}: {name} must be {wanted}"
             f"{' or None' if optional else ''}, got {value!r}{'; ' + fix if fix else ''}."
         )
-    return value
+    return number
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as a Python ``int`` when it is an integral scalar, else ``None``.
+
+    Integral scalars are Python ints, NumPy integers and 0-d integer arrays of torch, NumPy
+    and JAX (anything with ``__index__`` and no elements beyond one 0-d value). Refused
+    (``None``): bools of any framework, floats (even whole ones) and arrays with a shape.
+    """
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    shape = getattr(value, "shape", ())
+    if shape is None or tuple(shape) != ():
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_bool(value: Any, name: str, *, error: type[Exception] = InvalidTypeError) -> bool:

@@ -85,7 +85,7 @@ def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
     Batches are split and merged (concatenated along the batch dimension) as needed; the
     order of examples is kept.
     """
-    check_int(batch_size, "batch_size", optional=True)
+    batch_size = check_int(batch_size, "batch_size", optional=True)
     pending: list[Batch] = []
     count = 0
     for batch in iter_batches(data):

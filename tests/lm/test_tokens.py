@@ -186,7 +186,9 @@ def test_a_one_token_document_and_k_beyond_the_windows():
     _, ckpts, loss, _, store, test = small_setup()
     one = tif.token_scores(store, test, loss, ckpts, {"input_ids": torch.tensor([[5]])})
     assert one.values.shape == (1, 1, 1) and (one.values == 0).all()
-    assert len(tif.top_spans(one, width=8, k=10)) == 1  # k > windows: all there are
+    assert len(tif.top_spans(one, width=1, k=10)) == 1  # k > windows: all there are
+    with pytest.raises(InvalidArgumentError, match=r"width must be an int in \[1, T=1\]"):
+        tif.top_spans(one, width=8, k=10)  # a window longer than the documents: refused
 
 
 def test_the_docs_example_runs_as_written():

@@ -213,7 +213,8 @@ def test_an_empty_store_gives_one_error_everywhere(setup, name):
 
 
 @pytest.mark.parametrize("name", ["top_k", "indexed_top_k"])
-@pytest.mark.parametrize("k", [0, 51, -1, 2.0, True, np.int64(3)])
+@pytest.mark.parametrize("k", [0, 51, -1, 2.0, True, np.float64(3.0), np.bool_(True),
+                               np.array([3]), np.int64(51)])
 def test_bad_k_gives_one_error_everywhere(setup, name, k):
     store, tests, _, index, _ = setup
     call = {"top_k": lambda: tif.top_k(store, tests, k),
@@ -221,6 +222,21 @@ def test_bad_k_gives_one_error_everywhere(setup, name, k):
     with pytest.raises(tif.errors.InvalidArgumentError,
                        match=rf"^{name}: k must be an int in \[1, n_train=50\]"):
         call()
+
+
+@pytest.mark.parametrize("name", ["top_k", "indexed_top_k"])
+def test_an_integer_scalar_k_is_a_python_int(setup, name):
+    """NumPy, torch and JAX integer scalars are ints: the same result as k=3."""
+    jnp = pytest.importorskip("jax.numpy")
+    store, tests, _, index, _ = setup
+    call = {"top_k": lambda k: tif.top_k(store, tests, k),
+            "indexed_top_k": lambda k: tif.indexed_top_k(store, tests, k, index=index)}[name]
+    want = call(3)
+    for k in (np.int64(3), np.uint8(3), np.array(3), torch.tensor(3), jnp.asarray(3)):
+        got = call(k)
+        assert got[1].shape == want[1].shape == (want[1].shape[0], 3)
+        torch.testing.assert_close(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0])
 
 
 QUERIES = ("score", "top_k", "score_chunks", "indexed_top_k")

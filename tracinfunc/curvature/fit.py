@@ -116,7 +116,7 @@ def fit_curvature(
     checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint")
     if kind == "projected":
         check_projection(projection)
-    check_int(max_examples, "max_examples", optional=True)
+    max_examples = check_int(max_examples, "max_examples", optional=True)
     sampler = default_sampler(loss) if sampler is None else _check_sampler(sampler)
     names = selected_names(checkpoints[0].params, select)
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})

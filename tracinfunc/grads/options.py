@@ -57,8 +57,12 @@ class GradientOptions:
     @entry_point("GradientOptions")  # or the public function that made them, if any
     def __post_init__(self) -> None:
         caller = current_caller()
-        check_int(self.chunk_size, "chunk_size", optional=True)
+        # Integer scalars of any framework are kept as the Python ints check_int returns.
+        object.__setattr__(self, "chunk_size",
+                           check_int(self.chunk_size, "chunk_size", optional=True))
         check_memory_budget(self.memory_budget, self.chunk_size)
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", int(self.memory_budget))
         if self.stages is not None and not isinstance(self.stages, Stages):
             raise InvalidTypeError(
                 f"{caller}: stages must be a tracinfunc.grads.Stages, got "

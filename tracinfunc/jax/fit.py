@@ -188,7 +188,7 @@ def fit_curvature(
     checkpoints = _check_checkpoints(checkpoints)
     if kind == "projected":
         check_projection(projection)
-    check_int(max_examples, "max_examples", optional=True)
+    max_examples = check_int(max_examples, "max_examples", optional=True)
     if not callable(sampler):
         raise InvalidTypeError(
             f"tracinfunc.jax.fit_curvature: sampler must be callable, got "

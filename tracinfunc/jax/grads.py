@@ -50,7 +50,7 @@ def per_sample_grads(
         ``has_aux``). Torch tensors in the arguments are imported through DLPack. Compiled
         once per argument shapes (padded chunks never recompile).
     """
-    check_int(chunk_size, "chunk_size", optional=True)
+    chunk_size = check_int(chunk_size, "chunk_size", optional=True)
     one = jax.grad(loss, has_aux=has_aux)
     batched = jax.jit(partial(_batched, one, chunk_size))
 
@@ -90,7 +90,7 @@ def projected_grads(
         the params' dtype.
     """
     check_projection(projection)
-    check_int(chunk_size, "chunk_size", optional=True)
+    chunk_size = check_int(chunk_size, "chunk_size", optional=True)
 
     return _held_programs(loss, projection, mapping, has_aux, chunk_size, checks=False)
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.func import jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tracinfunc._validate import entry_point
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -190,9 +190,7 @@ def token_scores(store: GradientStore, test_grads: GradientStore | Tensor, loss:
             f"token_scores: the store is preconditioned ({store.meta.preconditioner!r}); "
             "per-token scores need a plain store. Build one without preconditioners."
         )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidArgumentError(
-            f"token_scores: chunk_size must be a positive int, got {chunk_size!r}.")
+    chunk_size = check_int(chunk_size, "chunk_size")
     _check_checkpoints(store, checkpoints)
     test = check_test_grads(store, test_grads)  # [n_ckpt, n_test, k]
     documents = check_documents(loss.module, documents)

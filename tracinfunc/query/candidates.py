@@ -94,7 +94,7 @@ def _as_rows(candidates: object) -> Tensor:
                     f"of a top-k result, got dtypes ({items[0].dtype}, {items[1].dtype}); "
                     f"pass the indices alone as candidates.")
             return _integer(items[1], "the indices of candidates")
-        rows = [_integer(item, f"candidates[{i}]") for i, item in enumerate(items)]
+        rows = [_integer(item, f"candidates[{i}]", at=(i,)) for i, item in enumerate(items)]
         lengths = {tuple(row.shape) for row in rows}
         if len(lengths) != 1 or len(next(iter(lengths))) != 1:
             raise InvalidArgumentError(
@@ -105,12 +105,15 @@ def _as_rows(candidates: object) -> Tensor:
     return _integer(candidates, "candidates")
 
 
-def _integer(value: object, what: str) -> Tensor:
+def _integer(value: object, what: str, at: tuple[int, ...] = ()) -> Tensor:
+    """``value`` as an integer tensor; ``at``: its position inside ``candidates``."""
     if isinstance(value, np.ndarray) and value.dtype.kind == "u" and value.size \
             and int(value.max()) > torch.iinfo(torch.int64).max:
-        raise InvalidArgumentError(  # would wrap to a negative int64
-            f"{current_caller()}: {what} hold {int(value.max())}, beyond any store row; "
-            f"{_FIX}.")
+        huge = value > torch.iinfo(torch.int64).max  # would wrap to a negative int64
+        where = at + tuple(int(i) for i in np.unravel_index(int(np.argmax(huge)), value.shape))
+        raise InvalidArgumentError(
+            f"{current_caller()}: {what} hold {int(value[where[len(at):]])}, beyond any store "
+            f"row, at {list(where)}; {_FIX}.")
     if isinstance(value, list | tuple) and not value:
         raise InvalidArgumentError(f"{current_caller()}: {what} are empty; give one row of "
                                    f"candidates per test example; {_FIX}.")

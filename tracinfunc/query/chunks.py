@@ -182,7 +182,7 @@ def _matmul_dtype(storage: torch.dtype, compute: torch.dtype, device: torch.devi
 def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
                 n_test: int) -> int:
     if chunk_rows is not None:
-        check_int(chunk_rows, "chunk_rows", optional=True,
+        chunk_rows = check_int(chunk_rows, "chunk_rows", optional=True,
                   fix="pass None to let it choose from its memory budget")
         return min(chunk_rows, max(1, meta.n_train))
     in_memory = isinstance(store, SupportsRowViews)

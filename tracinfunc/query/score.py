@@ -142,7 +142,7 @@ def candidate_top_k(store: GradientStore, test_grads: object, k: int, candidates
     the store; equal scores by row, as ``top_k`` over the whole store orders them."""
     check_candidates_alone(rows)
     chosen = check_candidates(candidates, store.meta.n_train)
-    check_int(k, "k", maximum=chosen.shape[1], maximum_label="M",
+    k = check_int(k, "k", maximum=chosen.shape[1], maximum_label="M",
               fix="candidates hold only M rows per test example; retrieve more or lower k")
     query = prepare_query(store, test_grads, normalize=normalize, device=device,
                           curvature=curvature)

@@ -57,7 +57,7 @@ def self_influence(
     """
     framework = resolve_output(output, like)
     check_not_empty(store_meta(store))
-    check_int(chunk_rows, "chunk_rows", optional=True,
+    chunk_rows = check_int(chunk_rows, "chunk_rows", optional=True,
               fix="pass None to let it choose")
     if rows is not None:
         store = row_range(store, rows)

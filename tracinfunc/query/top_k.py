@@ -84,7 +84,7 @@ def top_k(
         return to_framework(values, framework), to_framework(indices, framework)
     part = store if rows is None else row_range(store, rows)
     offset = 0 if rows is None else part.start
-    check_k(k, part.meta.n_train)
+    k = check_k(k, part.meta.n_train)
     query = prepare_query(store, test_grads, normalize=normalize, device=device,
                           curvature=curvature)
     options = {"largest": largest, "chunk_rows": chunk_rows, "progress": progress}
@@ -98,8 +98,8 @@ def top_k(
 
 
 def check_k(k: object, n_rows: int) -> int:
-    """``k`` if it is an int in ``[1, n_rows]``: the same error from ``top_k`` and
-    ``indexed_top_k``."""
+    """``k`` as a Python int if it is an integral scalar in ``[1, n_rows]``: the same error
+    from ``top_k`` and ``indexed_top_k``."""
     return check_int(k, "k", maximum=n_rows, maximum_label="n_train",
                      fix="for every training example use tif.score and sort")
 

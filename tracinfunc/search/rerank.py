@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc._validate import current_caller, entry_point
+from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import Array, resolve_output, to_framework
@@ -93,7 +93,8 @@ def indexed_top_k(
     faiss = import_faiss()
     check_not_empty(store.meta)
     span = (0, store.meta.n_train) if rows is None else check_rows(rows, store.meta.n_train)
-    nprobe, n_candidates = _check_args(store, index, k, nprobe, n_candidates, normalize, span)
+    k, nprobe, n_candidates = _check_args(store, index, k, nprobe, n_candidates, normalize,
+                                          span)
     query = prepare_query(store, test_grads, normalize=normalize, device=device,
                           curvature=curvature)
     # FAISS searches on the CPU; the exact side takes the prepared (lr-weighted) rows.
@@ -182,7 +183,8 @@ def _check_enough(found: Tensor, k: int, nprobe: int, nlist: int, offset: int) -
 
 def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
                 n_candidates: int | None, normalize: bool, span: tuple[int, int]
-                ) -> tuple[int, int]:
+                ) -> tuple[int, int, int]:
+    """``(k, nprobe, n_candidates)`` checked, as Python ints, defaults filled in."""
     meta = store.meta
     if not isinstance(index, SearchIndex):
         raise InvalidTypeError(
@@ -204,17 +206,15 @@ def _check_args(store: GradientStore, index: object, k: int, nprobe: int | None,
             f"with tif.build_index(store, normalize={normalize})."
         )
     n_rows = span[1] - span[0]
-    check_k(k, n_rows)
+    k = check_k(k, n_rows)
     nprobe = index.nprobe if nprobe is None else nprobe
-    _check_range("nprobe", nprobe, 1, index.nlist, "nlist searches every cluster")
+    nprobe = _check_range("nprobe", nprobe, 1, index.nlist, "nlist searches every cluster")
     if n_candidates is None:
         n_candidates = min(index.candidates(k), n_rows)
-    _check_range("n_candidates", n_candidates, k, n_rows, "more candidates raise recall")
-    return nprobe, n_candidates
+    n_candidates = _check_range("n_candidates", n_candidates, k, n_rows,
+                                "more candidates raise recall")
+    return k, nprobe, n_candidates
 
 
-def _check_range(name: str, value: object, low: int, high: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidArgumentError(
-            f"{current_caller()}: {name} must be an int in [{low}, {high}], got {value!r}; {hint}."
-        )
+def _check_range(name: str, value: object, low: int, high: int, hint: str) -> int:
+    return check_int(value, name, minimum=low, maximum=high, fix=hint)

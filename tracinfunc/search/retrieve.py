@@ -163,8 +163,8 @@ def rerank(
         InvalidArgumentError: ``k`` or ``n_candidates`` out of range; as ``top_k`` for the rest.
     """
     n_train = _check_pair(retriever, store)
-    check_int(k, "k", maximum=n_train, maximum_label="n_train")
-    check_int(n_candidates, "n_candidates", minimum=k, maximum=n_train,
+    k = check_int(k, "k", maximum=n_train, maximum_label="n_train")
+    n_candidates = check_int(n_candidates, "n_candidates", minimum=k, maximum=n_train,
               maximum_label="n_train", fix="more candidates raise recall")
     if retriever.index is not None:
         found = indexed_top_k(retriever.store, retriever.test_grads, n_candidates,

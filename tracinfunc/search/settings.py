@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from tracinfunc._validate import check_int
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.store.meta import StoreMeta
 
@@ -42,10 +43,10 @@ def build_settings(meta: StoreMeta, kind: str, nlist: int | None, m: int | None,
         )
     n_train, dim = meta.n_train, meta.n_ckpt * meta.k
     nlist = default_nlist(n_train) if nlist is None else nlist
-    _check_int("nlist", nlist, 1, n_train, "fewer clusters than rows")
+    nlist = _check_int("nlist", nlist, 1, n_train, "fewer clusters than rows")
     m = _default_m(dim) if m is None else m
     if kind == "ivf_pq":
-        _check_int("m", m, 1, dim, "a divisor of n_ckpt * k")
+        m = _check_int("m", m, 1, dim, "a divisor of n_ckpt * k")
         if dim % m:
             raise InvalidArgumentError(
                 f"build_index: m must divide n_ckpt * k = {dim}, got m={m}; pick a divisor "
@@ -60,7 +61,7 @@ def build_settings(meta: StoreMeta, kind: str, nlist: int | None, m: int | None,
     advised = _FAISS_ADVISED * _PQ_CENTROIDS if kind == "ivf_pq" else 0
     default = min(n_train, max(_TRAIN_PER_LIST * nlist, least, advised))
     train_size = default if train_size is None else train_size
-    _check_int("train_size", train_size, least, n_train,
+    train_size = _check_int("train_size", train_size, least, n_train,
                "at least nlist (and 256 for ivf_pq) rows")
     return nlist, m, train_size
 
@@ -81,12 +82,9 @@ def quiet_clustering(index: Any, kind: str, nlist: int, train_size: int, *,
             "here) or raise train_size.", UserWarning, stacklevel=3)
 
 
-def _check_int(name: str, value: object, low: int, high: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidArgumentError(
-            f"build_index: {name} must be an int in [{low}, {high}], got {value!r}; use "
-            f"{hint}, or leave it None for the default."
-        )
+def _check_int(name: str, value: object, low: int, high: int, hint: str) -> int:
+    return check_int(value, name, minimum=low, maximum=high,
+                     fix=f"use {hint}, or leave it None for the default")
 
 
 def _default_m(dim: int) -> int:

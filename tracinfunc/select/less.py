@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tracinfunc._validate import current_caller, entry_point
+from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.select._inputs import as_python_int, as_python_real, check_finite, task_labels
 from tracinfunc.select.top_examples import TopExamples, dataset_length
@@ -167,12 +167,8 @@ def _count(n_train: int, fraction: float | None, k: int | None) -> int:
             f"one; got k={k!r}, fraction={fraction!r}. E.g. fraction=0.05 as in LESS."
         )
     if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
-            raise InvalidArgumentError(
-                f"select_training_data: k must be an int in [1, {n_train}] (the training rows), "
-                f"got {k!r}; pass at most n_train={n_train} rows, or fraction=... instead."
-            )
-        return k
+        return check_int(k, "k", maximum=n_train,
+                         fix=f"pass at most n_train={n_train} training rows, or fraction=...")
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not (
             0 < fraction <= 1):  # NaN fails the range too
         raise InvalidArgumentError(

@@ -181,13 +181,36 @@ def store_meta(store: object, name: str = "store") -> StoreMeta:
     if not isinstance(meta, StoreMeta):
         what = (f"the class {store.__name__}" if isinstance(store, type)
                 else f"{type(store).__name__} {_short(store)}")
-        hint = (" (a path: open it with tif.GradientStore.open(path))"
-                if isinstance(store, str | bytes | os.PathLike) else "")
+        hint = _store_hint(store)
         raise InvalidTypeError(
             f"{current_caller()}: {name} must be a GradientStore instance (a meta StoreMeta, "
             f"read_rows and read_norms methods), such as tif.GradientStore.open(path) or "
             f"build_store's result; got {what}{hint}.")
     return meta
+
+
+@runtime_checkable
+class _ContrastLike(Protocol):
+    """The shape of a contrastive query (``tif.Contrast``), known here without importing
+    the query layer: test and control gradients and a weight."""
+
+    test: object
+    control: object
+    weight: float
+    paired: bool
+
+
+def _store_hint(store: object) -> str:
+    """Why ``store`` is not a store, for the objects passed there by mistake."""
+    if isinstance(store, str | bytes | os.PathLike):
+        return " (a path: open it with tif.GradientStore.open(path))"
+    if isinstance(store, _ContrastLike):
+        return ("; the store comes first; a Contrast goes where test_grads go, e.g. "
+                "tif.score(store, tif.Contrast(test_grads, control))")
+    if hasattr(store, "shape") and hasattr(store, "dtype"):
+        return ("; the store comes first; an array of test gradients [n_ckpt, n_test, k] goes "
+                "where test_grads go, e.g. tif.score(store, test_grads)")
+    return ""
 
 
 def _short(value: object) -> str:

@@ -25,19 +25,14 @@ LAM = 0.05
 
 
 def _damped(a, s, lam):
-    """``(A + pi sqrt(l) I, S + sqrt(l) / pi I)`` (Martens & Grosse's split; ``A`` may be a
-    diagonal given as a vector)."""
-    mean_a = (a.sum() if a.dim() == 1 else a.trace()) / a.shape[0]
-    pi = (mean_a / (s.trace() / s.shape[0])).sqrt()
-    a_full = torch.diag(a) if a.dim() == 1 else a
-    eye = torch.eye
-    return (a_full + pi * lam ** 0.5 * eye(a_full.shape[0], dtype=a.dtype),
-            s + lam ** 0.5 / pi * eye(s.shape[0], dtype=s.dtype))
+    """``(A, S, lambda)``: the factors (``A`` may be a diagonal given as a vector)."""
+    return (torch.diag(a) if a.dim() == 1 else a), s, lam
 
 
-def _solve(g, a_damped, s_damped):
-    """``(S' (x) A')^-1 vec(G)`` for ``G [b, d_out, d_a]``, row-major vec."""
-    explicit = torch.linalg.inv(torch.kron(s_damped, a_damped))
+def _solve(g, a, s, lam):
+    """``(S (x) A + lambda I)^-1 vec(G)`` for ``G [b, d_out, d_a]``, row-major vec."""
+    eye = torch.eye(s.shape[0] * a.shape[0], dtype=torch.float64)
+    explicit = torch.linalg.inv(torch.kron(s, a) + lam * eye)
     return (g.reshape(g.shape[0], -1) @ explicit.T).reshape(g.shape)
 
 

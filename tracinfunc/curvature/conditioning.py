@@ -13,9 +13,9 @@ for ``"dense"`` and ``"projected"``).
 
 Each system solved on its own has its own ``kappa``: the whole matrix (``"dense"``,
 ``"projected"``), each per-layer block (block-diagonal ``"projected"``), each layer's
-``(S + lambda_S I) (x) (A + lambda_A I)`` (``"kfac"``: the product of the factors' condition
-numbers) or ``eigen + lambda`` (``"ekfac"``). A cheap bound (the largest eigenvalue is at most
-the trace) settles the usual case without an eigendecomposition.
+``S (x) A + lambda I`` (``"kfac"``: eigenvalues ``s_i a_j + lambda``) or ``eigen + lambda``
+(``"ekfac"``). A cheap bound (the largest eigenvalue is at most the trace) settles the usual
+case without an eigendecomposition.
 """
 
 from __future__ import annotations
@@ -117,16 +117,10 @@ def _eigen_system(eigen: Tensor) -> System:
 
 
 def _kron_system(a: Tensor, s: Tensor) -> System:
-    """K-FAC's ``(S + sqrt(l)/pi I) (x) (A + sqrt(l) pi I)``, as :func:`kfac.factor_inverses`
-    damps it: its condition number is the product of the factors'."""
+    """K-FAC's ``S (x) A + lambda I``: eigenvalues ``s_i a_j``, so its condition number is
+    ``(s_max a_max + lambda) / (s_min a_min + lambda)`` (both factors are PSD)."""
     trace_a = float(a.sum() if a.dim() == 1 else a.trace())
     trace_s = float(s.trace())
-    mean_a, mean_s = trace_a / a.shape[0], trace_s / s.shape[0]
-    pi = math.sqrt(mean_a / mean_s) if mean_a > 0 and mean_s > 0 else 1.0
-
-    def kappa(a_range, s_range, damping: float) -> float:
-        root = math.sqrt(damping)
-        return _ratio(*s_range, root / pi) * _ratio(*a_range, root * pi)
 
     @functools.cache
     def exact() -> Callable[[float], float]:
@@ -134,11 +128,11 @@ def _kron_system(a: Tensor, s: Tensor) -> System:
             return lambda damping: math.inf
         values_a = a if a.dim() == 1 else _eigenvalues(a)
         values_s = _eigenvalues(s)
-        a_range = (float(values_a.min()), float(values_a.max()))
-        s_range = (float(values_s[0]), float(values_s[-1]))
-        return lambda damping: kappa(a_range, s_range, damping)
+        products = torch.outer(values_s, values_a)
+        low, high = float(products.min()), float(products.max())
+        return lambda damping: _ratio(low, high, damping)
 
-    return (lambda damping: kappa((0.0, trace_a), (0.0, trace_s), damping)), exact
+    return (lambda damping: _ratio(0.0, trace_a * trace_s, damping)), exact
 
 
 def _eigenvalues(matrix: Tensor) -> Tensor:

@@ -6,14 +6,12 @@ training rows and preconditioned test rows, so the training store stays as built
 - ``kind="projected"`` acts on projected rows: ``score(store, test_grads, curvature=c)``
   preconditions plain test gradients itself (:mod:`tracinfunc.query.curvature`).
 - ``"dense"``, ``"kfac"`` and ``"ekfac"`` act on full gradients, before the projection:
-  :func:`preconditioned_test_grads` computes them (for ``"kfac"`` with a Kronecker projection
-  without forming a layer's gradient: ``(delta S^-1 P_out)^T (x A^-1 P_in)``), marked with the
-  curvature's digest, and ``score(..., curvature=c)`` checks the mark.
+  :func:`preconditioned_test_grads` computes them, marked with the curvature's digest, and
+  ``score(..., curvature=c)`` checks the mark.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -27,18 +25,16 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
-from tracinfunc.curvature.capture import KfacLayer, first_example, layer_io
-from tracinfunc.curvature.kfac import augmented
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import EmptyDataError
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
-from tracinfunc.projection import Projection, canonical_layout, kronecker_factors, make_projector
+from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
-from tracinfunc.types import Batch, LossFn, Params
+from tracinfunc.types import Batch, LossFn
 
 __all__ = ["MARK", "GradientPreconditioner", "marked_store", "preconditioned_test_grads"]
 
@@ -140,52 +136,6 @@ def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projectio
     if curvature.kind == "projected":
         fn = projected_grads(loss, projection, options=options)
         return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
-    if curvature.kind == "kfac" and projection.kind == "kronecker" and all(
-            layer.rule != "embedding" for layer in curvature.layers):  # ids, not features
-        return _factored_kfac(loss, curvature, ckpt, names, projection)
     psg = per_sample_grads(loss, options=options)
     precondition = GradientPreconditioner(curvature, ckpt, projection, options.chunk_size)
     return lambda params, batch: precondition(psg(params, batch))
-
-
-def _factored_kfac(loss, curvature: Curvature, ckpt: int, names, projection: Projection):
-    """K-FAC with a Kronecker projection: ``(delta S'^-1 P_r)^T (x A'^-1 P_c)`` per layer,
-    the layer's gradient never formed; biases through the projector's vector blocks."""
-    scale = 1 / math.sqrt(projection.dim)
-
-    def rows(params: Params, batch: Batch) -> Tensor:
-        selected = {name: params[name] for name in names}
-        frozen = {n: v for n, v in params.items() if n not in selected}
-
-        def selected_loss(chosen: Params, example) -> Tensor:
-            return loss({**frozen, **chosen}, example)
-
-        layers = list(curvature.layers)
-        io = layer_io(selected_loss, selected, layers, first_example(batch))(batch)
-        total, biases = 0, {}
-        for layer, (x, delta) in zip(layers, io, strict=True):
-            s_inv, a_inv = (m.to(x.device) for m in curvature.factor_inverses(ckpt, layer))
-            d_pre = delta.double() @ s_inv  # [b, T, d_out]
-            x_pre = augmented(x, layer) @ a_inv  # [b, T, d_a]
-            total = total + _kronecker_block(layer, d_pre, x_pre[..., :layer.d_in], projection,
-                                             tuple(params[layer.weight].shape)) * scale
-            if layer.bias is not None:
-                biases[layer.bias] = torch.einsum("bto,bt->bo", d_pre, x_pre[..., layer.d_in])
-        dtype = next(iter(params.values())).dtype
-        if biases:
-            project = make_projector(projection, canonical_layout(
-                {n: g[0] for n, g in biases.items()}), dtype=torch.float64, device=x.device)
-            total = total + vmap(project)(biases)
-        return total.to(dtype)
-
-    return rows
-
-
-def _kronecker_block(layer: KfacLayer, delta: Tensor, x: Tensor, projection: Projection,
-                     shape: tuple[int, ...]) -> Tensor:
-    """``(left @ P_r)^T (right @ P_c)`` flattened, ``[b, k]`` (unscaled)."""
-    p_rows, p_cols = kronecker_factors(projection, layer.weight, shape, device=x.device,
-                                       dtype=torch.float64)
-    left, right = (delta, x) if layer.rule in ("linear", "conv2d") else (x, delta)
-    block = torch.einsum("btr,btc->brc", left @ p_rows, right @ p_cols)  # [b, k_r, k_c]
-    return block.reshape(block.shape[0], -1)

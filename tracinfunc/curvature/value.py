@@ -172,7 +172,7 @@ class Curvature:
         rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
         damped = replace(self, damping=values, info={**self.info, "damping": rule})
         damped._cache.update({key: value for key, value in self._cache.items()
-                              if key[0] == "systems"})  # spectra do not depend on damping
+                              if key[0] in ("systems", "systems-kron")})  # spectra: undamped
         damped.check_conditioned()
         return damped
 
@@ -242,11 +242,9 @@ class Curvature:
         out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
-            if self.kind == "kfac":
-                matrix = kfac.precondition_kfac(matrix, self.factor_inverses(ckpt, layer))
-            else:
-                matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
-                                                 self.damping[ckpt])
+            estimate = self.kron_eigensystem(ckpt, layer) if self.kind == "kfac" \
+                else self.estimates[ckpt]
+            matrix = kfac.precondition_ekfac(matrix, estimate, layer, self.damping[ckpt])
             out.update(split_layer(matrix, layer, shapes[layer.weight]))
         return {name: _cast(value, dtype) for name, value in out.items()}
 
@@ -279,13 +277,13 @@ class Curvature:
             out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
         return _cast(out, rows.dtype)
 
-    def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
-        """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
-        self.check_conditioned(ckpt)
-        key = ("factors", ckpt, layer.weight)
+    def kron_eigensystem(self, ckpt: int, layer: KfacLayer) -> dict[str, Tensor]:
+        """``"kfac"``: one layer's ``S (x) A`` in its Kronecker eigenbasis at checkpoint
+        ``ckpt`` (:func:`tracinfunc.curvature.kfac.kron_eigensystem`; independent of the
+        damping, so kept by :meth:`with_damping`)."""
+        key = ("systems-kron", ckpt, layer.weight)
         if key not in self._cache:
-            self._cache[key] = kfac.factor_inverses(self.estimates[ckpt], layer,
-                                                    self.damping[ckpt])
+            self._cache[key] = kfac.kron_eigensystem(self.estimates[ckpt], layer)
         return self._cache[key]
 
     def _inverse(self, ckpt: int, name: str = "matrix") -> Tensor:

@@ -27,7 +27,12 @@ from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.binding import check_curvature
 from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import CorruptStoreError, StoreExistsError, StoreNotFoundError
+from tracinfunc.errors import (
+    CorruptStoreError,
+    InvalidArgumentError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
 from tracinfunc.projection.spec import Projection
 from tracinfunc.store.meta import CheckpointMeta
 from tracinfunc.store.zarr.integrity import FileGuard, check_digest, seal
@@ -48,8 +53,15 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
 
     Raises:
         StoreExistsError: ``path`` exists and ``overwrite`` is false.
+        InvalidArgumentError: a refined curvature (its refinement holds training batches,
+            which are not saved).
     """
     curvature = check_curvature(curvature)
+    if curvature.refinement is not None:
+        raise InvalidArgumentError(
+            "save_curvature: the curvature is refined (with_refinement), and its refinement "
+            "holds training batches that a saved curvature does not keep; save "
+            "curvature.without_refinement() and call with_refinement(data) after loading.")
     root = Path(path)
     if root.exists():
         if not overwrite:

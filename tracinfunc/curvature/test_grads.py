@@ -25,8 +25,10 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
+from tracinfunc.curvature.refine import fisher_product, pcg, warn_unconverged
+from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import EmptyDataError
+from tracinfunc.errors import EmptyDataError, InvalidArgumentError
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
@@ -34,9 +36,10 @@ from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
-from tracinfunc.types import Batch, LossFn
+from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["MARK", "GradientPreconditioner", "marked_store", "preconditioned_test_grads"]
+__all__ = ["MARK", "GradientPreconditioner", "RefinedSolve", "marked_store",
+           "preconditioned_test_grads"]
 
 MARK = "curvature"  # StoreMeta.extra key: {"kind", "digest"} of the curvature applied
 
@@ -84,25 +87,38 @@ def preconditioned_test_grads(
     meta = StoreMeta(projection=projection, checkpoints=metas, layout=layout, n_train=0,
                      k=projection.output_dim(layout), library_version=__version__)
     check_bound(curvature, meta)
-    per_ckpt = []
+    if curvature.refinement is not None:
+        curvature.check_refinable()
+    sampler = None if curvature.refinement is None else (
+        curvature.refinement.sampler or default_sampler(loss))
+    per_ckpt, residuals = [], []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
-        rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
-                           projection.for_checkpoint(ckpt_meta.name), options)
         params = dict(ckpt.params)
+        solve = None if sampler is None else RefinedSolve(
+            loss_at(loss, ckpt), curvature, c, names, params, sampler)
+        rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
+                           projection.for_checkpoint(ckpt_meta.name), options, solve)
         parts = [rows_fn(params, batch) for batch in iter_batches(data)]
         if not parts:
             raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
         per_ckpt.append(torch.cat(parts))
-    return marked_store(meta, per_ckpt, curvature)
+        if solve is not None:
+            residuals.append(solve.finish(ckpt_meta.name))
+    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
 
 
-def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature
-                 ) -> MemoryStore:
+def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature, *,
+                 residuals: list[list[float]] | None = None) -> MemoryStore:
     """Preconditioned rows (``[n_test, k]`` per checkpoint) as a store marked with the
-    curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends)."""
+    curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends).
+    A refined curvature's ``residuals`` (per checkpoint, the worst relative residual after
+    each conjugate-gradient step) are kept in the mark."""
     rows = torch.stack(list(per_ckpt)).cpu()  # [n_ckpt, n_test, k]
+    mark = {"kind": curvature.kind, "digest": curvature.digest}
+    if residuals is not None:
+        mark["residuals"] = residuals
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
-                        extra={MARK: {"kind": curvature.kind, "digest": curvature.digest}})
+                        extra={MARK: mark})
     return MemoryStore(meta, rows, rows.norm(dim=-1))
 
 
@@ -115,13 +131,21 @@ class GradientPreconditioner:
     """
 
     def __init__(self, curvature: Curvature, ckpt: int, projection: Projection,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, solve: RefinedSolve | None = None) -> None:
+        if curvature.refinement is not None and solve is None:
+            raise InvalidArgumentError(
+                f"{current_caller()}: the curvature is refined (with_refinement), which needs "
+                "torch Fisher-vector products of the loss; this frontend has none. Pass "
+                "curvature.without_refinement(), or make the test gradients with "
+                "tif.preconditioned_test_grads and a torch loss.")
         self.curvature, self.ckpt, self.projection = curvature, ckpt, projection
         self.chunk_size = chunk_size
+        self.solve = solve
         self._projectors: dict = {}
 
     def __call__(self, grads: dict[str, Tensor]) -> Tensor:
-        grads = self.curvature.precondition(self.ckpt, grads)
+        grads = (self.curvature.precondition(self.ckpt, grads) if self.solve is None
+                 else self.solve(grads))
         first = next(iter(grads.values()))
         key = (first.dtype, first.device)
         if key not in self._projectors:
@@ -130,12 +154,44 @@ class GradientPreconditioner:
         return vmap(self._projectors[key], chunk_size=self.chunk_size)(grads)
 
 
+class RefinedSolve:
+    """``grads {name: [b, *shape]} -> (H_c + lambda_c I)^-1 grads`` by preconditioned
+    conjugate gradient (:mod:`tracinfunc.curvature.refine`), over the refinement's batches
+    labelled once; keeps the worst relative residual after each step."""
+
+    def __init__(self, loss: LossFn, curvature: Curvature, ckpt: int, names, params: Params,
+                 sampler) -> None:
+        refinement = curvature.refinement
+        checked = CheckedSampler(sampler, curvature.checkpoints[ckpt].name)
+        generator = torch.Generator().manual_seed(refinement.seed + ckpt)
+        labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
+        self.product = fisher_product(loss, params, list(names), labelled)
+        self.curvature, self.ckpt = curvature, ckpt
+        self.history: list[Tensor] = []
+
+    def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        dtype = next(iter(grads.values())).dtype
+        solution, residuals = pcg(self.product,
+                                  lambda v: self.curvature.precondition(self.ckpt, v),
+                                  self.curvature.damping[self.ckpt], grads,
+                                  self.curvature.refinement.steps)
+        self.history.append(residuals)
+        return {name: value.to(dtype) for name, value in solution.items()}
+
+    def finish(self, name: str) -> list[float]:
+        """Per step, the worst residual over every query solved; warns if not converged."""
+        residuals = torch.cat(self.history, dim=1) if self.history else torch.zeros(1, 0)
+        warn_unconverged(residuals, self.curvature.refinement.tolerance, name)
+        return [float(r.max()) if r.numel() else 0.0 for r in residuals]
+
+
 def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projection,
-             options: GradientOptions):
+             options: GradientOptions, solve: RefinedSolve | None = None):
     """``fn(params, batch) -> [b, k]`` preconditioned, projected test rows at checkpoint c."""
     if curvature.kind == "projected":
         fn = projected_grads(loss, projection, options=options)
         return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
     psg = per_sample_grads(loss, options=options)
-    precondition = GradientPreconditioner(curvature, ckpt, projection, options.chunk_size)
+    precondition = GradientPreconditioner(curvature, ckpt, projection, options.chunk_size,
+                                          solve)
     return lambda params, batch: precondition(psg(params, batch))

@@ -86,7 +86,7 @@ def test_conv2d_kfac_equals_the_explicit_kronecker_inverse(conv):
     model, loss, ckpts, (x, y) = conv
     select = ["0.weight", "0.bias"]
     curvature = fit_curvature(loss, ckpts, (x[:8], y[:8]), kind="kfac", damping=LAM,
-                              sampler=EXACT, select=select)
+                              sampler=EXACT, options=tif.GradientOptions(select=select))
     a, s = _conv_factors(model, x[:8])
     torch.testing.assert_close(curvature.estimates[0]["0.weight:A"], a)
     torch.testing.assert_close(curvature.estimates[0]["0.weight:S"], s)
@@ -116,9 +116,9 @@ def _ekfac_matches_dense(loss, ckpts, data, select, order):
     """EK-FAC's eigenvalues are the exact Fisher's diagonal in K-FAC's eigenbasis."""
     once = Damping(1.0)
     dense = fit_curvature(loss, ckpts, data, kind="dense", sampler=EXACT, damping=once,
-                          select=select)
+                          options=tif.GradientOptions(select=select))
     ekfac = fit_curvature(loss, ckpts, data, kind="ekfac", sampler=EXACT, damping=once,
-                          select=select)
+                          options=tif.GradientOptions(select=select))
     estimate = ekfac.estimates[0]
     name = next(n for n in select if n.endswith("weight"))
     q_s = estimate[f"{name}:QS"].contiguous()
@@ -182,7 +182,7 @@ def test_embedding_kfac_equals_the_explicit_kronecker_inverse(embedding):
     model, loss, ckpts, (ids, y) = embedding
     select = ["0.weight"]
     curvature = fit_curvature(loss, ckpts, (ids[:10], y[:10]), kind="kfac", damping=LAM,
-                              sampler=EXACT, select=select)
+                              sampler=EXACT, options=tif.GradientOptions(select=select))
     a, s = _embedding_factors(model, ids[:10])
     assert curvature.estimates[0]["0.weight:A"].shape == (VOCAB,)  # diagonal, as a vector
     torch.testing.assert_close(curvature.estimates[0]["0.weight:A"], a)

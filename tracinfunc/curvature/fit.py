@@ -11,6 +11,7 @@ refitting the eigenvalues). ``lambda_c`` follows from ``damping``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 
@@ -36,7 +37,7 @@ from tracinfunc.errors import (
     MemoryBudgetError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
-from tracinfunc.grads.options import GradientOptions
+from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import Selection, selected_names
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
@@ -59,6 +60,7 @@ def fit_curvature(
     projection: Projection | None = None,
     damping: Damping | float | None = None,
     sampler: Sampler | None = None,
+    options: GradientOptions | None = None,
     select: Selection | None = None,
     max_examples: int | None = None,
     batch_size: int | None = None,
@@ -88,7 +90,10 @@ def fit_curvature(
         sampler: Draws labels from the model (see :mod:`tracinfunc.curvature.samplers`);
             default: chosen for :func:`~tracinfunc.loss_from_module` classifiers and
             :func:`~tracinfunc.causal_lm_loss`.
-        select: The store's parameter selection.
+        options: The store's gradient options; only ``options.select`` (the parameter
+            selection) and ``options.chunk_size`` are used, so the selection is given once,
+            as for ``build_store`` and ``preconditioned_test_grads``.
+        select: Deprecated (removed in 1.0): ``options=GradientOptions(select=...)``.
         max_examples: Use only the first this many inputs of ``data`` (``None``: all).
         batch_size: Regroup ``data`` into batches of this many inputs.
         chunk_size: Examples differentiated at once inside vmap.
@@ -117,6 +122,7 @@ def fit_curvature(
     if kind == "projected":
         check_projection(projection)
     check_int(max_examples, "max_examples", optional=True)
+    select, chunk_size = _selection(options, select, chunk_size)
     sampler = default_sampler(loss) if sampler is None else _check_sampler(sampler)
     names = selected_names(checkpoints[0].params, select)
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
@@ -257,6 +263,23 @@ def _batch_len(batch: Batch) -> int:
 
 def _take(batch: Batch, n: int) -> Batch:
     return tree_map(lambda leaf: leaf[:n] if isinstance(leaf, Tensor) else leaf, batch)
+
+
+def _selection(options: object, select: Selection | None, chunk_size: int | None):
+    """``(select, chunk_size)`` from ``options`` (the one way) or the deprecated ``select=``;
+    both given and different is refused."""
+    options = gradient_options(options)
+    if select is not None:
+        warnings.warn(f"{current_caller()}: select= is deprecated and will be removed in 1.0; "
+                      "pass options=GradientOptions(select=...), the store's options.",
+                      DeprecationWarning, stacklevel=4)
+        if options.select is not None and list(options.select) != list(select):
+            raise InvalidArgumentError(
+                f"{current_caller()}: the selection is given twice and differs (select= "
+                f"{select!r}, options.select={options.select!r}); pass it once, as "
+                "options=GradientOptions(select=...).")
+    return (options.select if select is None else select,
+            options.chunk_size if chunk_size is None else chunk_size)
 
 
 def _check_kind(kind: object) -> str:

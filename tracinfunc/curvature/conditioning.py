@@ -29,7 +29,12 @@ from torch import Tensor
 
 from tracinfunc.curvature.capture import KfacLayer
 
-__all__ = ["MAX_CONDITION", "System", "condition", "minimal_damping", "round_up", "systems"]
+__all__ = ["MAX_CONDITION", "RANK_TOLERANCE", "System", "condition", "minimal_damping",
+           "rank_mean", "round_up", "spectrum", "systems"]
+
+# An eigenvalue counts towards the rank above this fraction of the largest one (float64
+# spectra of float32-sized data: what is below is rounding).
+RANK_TOLERANCE = 1e-10
 
 MAX_CONDITION = 1 / torch.finfo(torch.float32).eps  # 8.39e6
 
@@ -88,6 +93,35 @@ def round_up(value: float) -> float:
         return value
     digits = 10.0 ** (math.floor(math.log10(value)) - 1)
     return float(f"{math.ceil(value / digits * (1 - 1e-12)) * digits:.2g}") or value
+
+
+def spectrum(kind: str, estimate: Mapping[str, Tensor], layers: Sequence[KfacLayer],
+             n_blocks: int) -> Tensor:
+    """Every eigenvalue of one checkpoint's undamped estimate, ``[dim]`` float64: the matrix's
+    (or each block's), K-FAC's ``s_i a_j`` per layer, or EK-FAC's refitted ones."""
+    if kind == "ekfac":
+        return torch.cat([estimate[f"{layer.weight}:eigen"].reshape(-1) for layer in layers])
+    if kind == "kfac":
+        parts = []
+        for layer in layers:
+            a, s = estimate[f"{layer.weight}:A"], estimate[f"{layer.weight}:S"]
+            values_a = a if a.dim() == 1 else _eigenvalues(a)
+            parts.append(torch.outer(_eigenvalues(s), values_a).reshape(-1))
+        return torch.cat(parts)
+    names = [f"block:{i}" for i in range(n_blocks)] if n_blocks else ["matrix"]
+    return torch.cat([_eigenvalues(estimate[name]) for name in names])
+
+
+def rank_mean(values: Tensor) -> tuple[float, int]:
+    """``(trace / rank, rank)``: the mean of the eigenvalues above ``RANK_TOLERANCE`` times the
+    largest (``(0.0, 0)`` for a zero estimate, ``(nan, 0)`` for a non-finite one)."""
+    if not bool(values.isfinite().all()):
+        return math.nan, 0
+    top = float(values.max()) if values.numel() else 0.0
+    if top <= 0:
+        return 0.0, 0
+    kept = values[values > RANK_TOLERANCE * top]
+    return float(kept.sum()) / kept.numel(), int(kept.numel())
 
 
 def _ratio(low: float, high: float, shift: float) -> float:

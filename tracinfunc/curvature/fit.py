@@ -10,6 +10,7 @@ refitting the eigenvalues). ``lambda_c`` follows from ``damping``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -149,8 +150,13 @@ def fit_curvature(
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
             "preconditioner": None,  # raw gradients: binding.py refuses a preconditioned store
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
-    return Curvature(kind, metas, layout, projection if kind == "projected" else None,
-                     tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
+    fitted = Curvature(kind, metas, layout, projection if kind == "projected" else None,
+                       tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
+    if isinstance(damping, Damping) and damping.over == "rank":  # needs the spectra
+        ranked = tuple(resolve(damping, mean, kind)
+                       for mean in fitted.mean_eigenvalues("rank"))
+        fitted = dataclasses.replace(fitted, damping=ranked)  # checked at first use
+    return fitted
 
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,

@@ -25,7 +25,9 @@ from tracinfunc.curvature.conditioning import (
     MAX_CONDITION,
     condition,
     minimal_damping,
+    rank_mean,
     round_up,
+    spectrum,
     systems,
 )
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
@@ -149,9 +151,12 @@ class Curvature:
             self._cache["digest"] = h.hexdigest()
         return self._cache["digest"]
 
-    def mean_eigenvalues(self) -> tuple[float, ...]:
-        """Per checkpoint, the mean eigenvalue of the undamped estimate (``tr(H_c) / dim``):
+    def mean_eigenvalues(self, over: str = "dimension") -> tuple[float, ...]:
+        """Per checkpoint, the mean eigenvalue of the undamped estimate: ``tr(H_c) / dim``
+        (``over="dimension"``) or ``tr(H_c) / rank(H_c)`` (``"rank"``, from its spectrum):
         what a :class:`~tracinfunc.curvature.Damping` multiplies."""
+        if over == "rank":
+            return tuple(self._rank_mean(c)[0] for c in range(self.n_ckpt))
         if self.blocks:
             return tuple(sum(float(e[f"block:{i}"].trace()) for i in range(len(self.blocks)))
                          / self.dim for e in self.estimates)
@@ -175,11 +180,12 @@ class Curvature:
                 :meth:`check_conditioned`); the message gives the damping that fixes it.
         """
         damping = check_damping(damping)
-        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues())
+        over = damping.over if isinstance(damping, Damping) else "dimension"
+        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues(over))
         rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
         damped = replace(self, damping=values, info={**self.info, "damping": rule})
         damped._cache.update({key: value for key, value in self._cache.items()
-                              if key[0] in ("systems", "systems-kron", "largest")})  # undamped
+                              if key[0].startswith("systems") or key[0] == "largest"})
         damped.check_conditioned()
         if damped.refinement is not None:
             damped.check_refinable()
@@ -247,6 +253,18 @@ class Curvature:
                                                              self.layers)
             refine.check_refinable(self._cache[key], self.damping[c],
                                    self.checkpoints[c].name, MAX_CONDITION)
+
+    def ranks(self) -> tuple[int, ...]:
+        """Per checkpoint, the estimate's numerical rank (eigenvalues above
+        ``RANK_TOLERANCE`` times the largest)."""
+        return tuple(self._rank_mean(c)[1] for c in range(self.n_ckpt))
+
+    def _rank_mean(self, ckpt: int) -> tuple[float, int]:
+        key = ("systems-rank", ckpt)
+        if key not in self._cache:
+            self._cache[key] = rank_mean(spectrum(self.kind, self.estimates[ckpt], self.layers,
+                                                  len(self.blocks)))
+        return self._cache[key]
 
     def condition_numbers(self) -> tuple[float, ...]:
         """Per checkpoint, the largest condition number of the damped systems solved

@@ -70,6 +70,35 @@ class LanguageModelTask(Task):
         return batch["attention_mask"]
 
 
+class Pairs(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class ClassificationTask(Task):
+    """``benchmarks/curvature.py``'s digits: cross-entropy to train (labels drawn from the
+    model for the true Fisher) and to explain (the test example's own label), as tracinfunc's
+    test gradients there."""
+
+    def compute_train_loss(self, batch, model, sample: bool = False) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        if sample:
+            with torch.no_grad():
+                y = torch.multinomial(logits.detach().softmax(-1), 1).squeeze(1)
+        return F.cross_entropy(logits, y, reduction="sum")
+
+    def compute_measurement(self, batch, model) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="sum")
+
+
 def mean_eigenvalue(factors) -> float:
     """EK-FAC's mean eigenvalue over every module (sum of eigenvalues / their count): what a
     multiple of the mean eigenvalue multiplies, as in tracinfunc's ``Damping``."""
@@ -88,16 +117,27 @@ def main() -> None:
     torch.manual_seed(0)  # the label draws
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
-    config = transformers.LlamaConfig(**payload["config"])
-    train, test = Sequences(payload["train"]), Sequences(payload["test"])
-    task = LanguageModelTask()
+    if payload.get("task") == "classification":  # a pickled nn.Sequential of torch modules
+        task = ClassificationTask()
+        train, test = Pairs(*payload["train"]), Pairs(*payload["test"])
+
+        def make_model():
+            return torch.load(payload["model"], weights_only=False)
+    else:
+        config = transformers.LlamaConfig(**payload["config"])
+        train, test = Sequences(payload["train"]), Sequences(payload["test"])
+        task = LanguageModelTask()
+
+        def make_model():
+            return transformers.LlamaForCausalLM._from_config(config,
+                                                              attn_implementation="sdpa")
     per_ckpt, fit_s, seconds = [], [], {}
     for c, state in enumerate(payload["checkpoints"]):  # every checkpoint, as tracinfunc
-        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        model = make_model()
         model.load_state_dict(state)
         model.eval()
         model = prepare_model(model, task)
-        analyzer = Analyzer(f"quality_lm_{c}", model, task, cpu=True, disable_tqdm=True,
+        analyzer = Analyzer(f"checkpoint_{c}", model, task, cpu=True, disable_tqdm=True,
                             output_dir=workdir)
         start = time.perf_counter()
         analyzer.fit_all_factors("ekfac", dataset=train, per_device_batch_size=payload["batch"],

@@ -95,3 +95,40 @@ def test_refinement_reaches_every_scoring_path_through_curvature(setup):
     # The unrefined curvature does not accept refined queries, nor the reverse.
     with pytest.raises(IncompatibleGradientsError, match="another curvature"):
         tif.score(store, queries, curvature=refined.without_refinement())
+
+
+def test_cli_score_refines_like_the_api(tmp_path, capsys):
+    from pathlib import Path
+
+    import numpy as np
+
+    from tracinfunc.cli import main
+    from tracinfunc.cli.spec import load_spec
+
+    spec_path = str(Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny_spec.py")
+    spec = load_spec(f"{spec_path}:make")
+    projection = tif.Projection(dim=16, seed=2)
+    store = tif.build_store(spec.loss, spec.checkpoints, spec.train, projection=projection,
+                            store=str(tmp_path / "grads.zarr"), progress=False)
+    curvature = tif.fit_curvature(spec.loss, spec.checkpoints, spec.train, kind="ekfac")
+    tif.save_curvature(curvature, tmp_path / "curvature.zarr")
+    out = tmp_path / "scores.npy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        code = main(["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
+                     "--curvature", str(tmp_path / "curvature.zarr"), "--refine-steps", "2",
+                     "--refine-examples", "8", "--output", str(out), "--quiet"])
+        assert code == 0
+        refined = curvature.with_refinement(spec.train, steps=2, max_examples=8)
+        queries = tif.preconditioned_test_grads(spec.loss, spec.checkpoints, spec.test["test"],
+                                                refined, projection=projection)
+    expected = tif.score(store, queries, curvature=refined)
+    np.testing.assert_allclose(np.load(out), expected.numpy(), rtol=1e-5, atol=1e-6)
+    plain = tif.preconditioned_test_grads(spec.loss, spec.checkpoints, spec.test["test"],
+                                          curvature, projection=projection)
+    assert not np.allclose(tif.score(store, plain, curvature=curvature).numpy(),
+                           expected.numpy())
+    code = main(["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
+                 "--refine-steps", "2", "--output", str(tmp_path / "x.npy"), "--quiet"])
+    assert code != 0 and "--refine-steps needs --curvature" in capsys.readouterr().err
+    assert not (tmp_path / "x.npy").exists()

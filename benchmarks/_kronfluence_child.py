@@ -136,6 +136,8 @@ def main() -> None:
         model = make_model()
         model.load_state_dict(state)
         model.eval()
+        if payload.get("task") == "classification":  # a bare nn.Linear as the root module
+            model = torch.nn.Sequential(model)  # sends prepare_model into endless recursion
         model = prepare_model(model, task)
         analyzer = Analyzer(f"checkpoint_{c}", model, task, cpu=True, disable_tqdm=True,
                             output_dir=workdir)

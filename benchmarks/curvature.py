@@ -20,7 +20,7 @@ EK-FAC query (process CPU time, interleaved); kronfluence's EK-FAC at every chec
 summed (its own venv, ``_kronfluence_child.py``), over the same multiples; peak RSS.
 
     python benchmarks/curvature.py --quick          # seconds; tests/ runs it
-    python benchmarks/curvature.py --medium         # 600 train / 150 test, 40 subsets, no k sweep
+    python benchmarks/curvature.py --medium         # 500 train / 100 test, 30 subsets, no k sweep
     python benchmarks/curvature.py                  # 1000 train / 300 test, 60 subsets
 
 Prints a markdown table per model, writes ``--out``/curvature.json and curvature.png (LDS
@@ -63,7 +63,7 @@ from tracinfunc.errors import IllConditionedError
 SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 QUICK_SCALES = (0.3, 1.0, 10.0)
 FULL = quality.Sizes(1000, 300, 60, 24, 4, (256, 1024, 4096), 200)
-MEDIUM = quality.Sizes(600, 150, 40, 24, 4, (), 200)
+MEDIUM = quality.Sizes(500, 100, 30, 24, 6, (), 200)
 QUICK = quality.Sizes(100, 20, 6, 3, 1, (64,), 20)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def validation_split(sizes: quality.Sizes, x_train: torch.Tensor, n_val: int):
 
 
 def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path, *,
-                   refine_examples: int, refine_steps: int) -> dict:
+                   refine_examples: int, refine_steps: int, heldout: bool = True) -> dict:
     make = MODELS[name]
     (x, y), (x_test, y_test), _, _ = quality.load_digits(sizes)
     validation = validation_split(sizes, x, sizes.n_test)
@@ -130,6 +130,8 @@ def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path, *,
     test = (x_test, y_test)
 
     def choose(label, kind, fitted):
+        if not heldout:
+            return
         start = time.perf_counter()
         choice = choose_damping(fitted, loss, ckpts, (x, y), validation, scales=scales)
         choices.append({"config": label, "kind": kind, "heldout": choice.scale,
@@ -433,8 +435,9 @@ def main() -> None:
     start = time.perf_counter()
     results = [evaluate_model(name, sizes, scales, args.out,
                               refine_examples=args.refine_examples,
-                              refine_steps=args.refine_steps)
+                              refine_steps=args.refine_steps, heldout=not args.medium)
                for name in args.model or MODELS]
+    (args.out / "curvature.json").write_text(json.dumps(results, indent=1))
     for result in results:
         print_table(result, scales)
         print_choices(result)
@@ -442,8 +445,10 @@ def main() -> None:
     (args.out / "curvature.json").write_text(json.dumps(results, indent=1))
     save_plot(results, scales, args.out / "curvature.png")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"\nwrote {args.out / 'curvature.png'} and curvature.json in "
-          f"{time.perf_counter() - start:.0f} s; peak RSS {peak:.0f} MiB (this process)")
+          f"{time.perf_counter() - start:.0f} s; peak RSS {peak:.0f} MiB (this process), "
+          f"{child:.0f} MiB (largest child: kronfluence)")
 
 
 if __name__ == "__main__":

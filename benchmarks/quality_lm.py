@@ -510,14 +510,17 @@ def main() -> None:
     save_plot(result, args.out / "quality_lm.png")
     print(f"\nwrote {args.out / 'quality_lm.png'} and quality_lm.json in "
           f"{time.perf_counter() - start:.0f} s (retraining {result['retrain_s']:.0f} s); peak "
-          f"RSS {peak_rss_mib():.0f} MiB (this process; kronfluence's child not counted)")
+          f"RSS {peak_rss_mib():.0f} MiB (this process), {peak_rss_mib(children=True):.0f} MiB "
+          "(largest child: kronfluence)")
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident set size, MiB (Linux reports KiB)."""
+def peak_rss_mib(*, children: bool = False) -> float:
+    """This process's (or its largest finished child's) peak resident set size, MiB (Linux
+    reports KiB)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+    return resource.getrusage(who).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

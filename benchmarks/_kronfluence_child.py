@@ -163,9 +163,13 @@ def main() -> None:
         per_ckpt.append(scores)
     scores = per_ckpt
     torch.save(scores, out_path)
+    import resource
+
     import kronfluence
 
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
     print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": sum(fit_s),
+                                  "peak_rss_mib": peak,
                                   "score_s": seconds}), flush=True)
 
 

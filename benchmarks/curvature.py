@@ -299,7 +299,7 @@ def kronfluence_rows(make, ckpts, train, test, scales, measure) -> dict:
         measure(f"{kind}-last{suffix}", kind, None, scale, parts[-1], info["fit_s"], "last")
         measure(f"{kind}-all{suffix}", kind, None, scale, sum(parts), info["fit_s"], "all")
     return {"name": "kronfluence", "status": "ran", "version": info["version"],
-            "fit_s": info["fit_s"]}
+            "fit_s": info["fit_s"], "peak_rss_mib": info.get("peak_rss_mib")}
 
 
 def print_table(result: dict, scales) -> None:
@@ -377,8 +377,10 @@ def print_fair(result: dict) -> None:
               f"{cost['plain_s']:.2f} s); worst relative residual {cost['first_residual']:.3g}"
               f" -> {cost['final_residual']:.3g}")
     peer = result.get("peer") or {}
+    rss = peer.get("peak_rss_mib")
     print(f"\npeer kronfluence: {peer.get('status')} {peer.get('version', '')}"
-          f"{' (' + peer['reason'] + ')' if 'reason' in peer else ''}")
+          f"{' (' + peer['reason'] + ')' if 'reason' in peer else ''}"
+          + ("" if rss is None else f" (its process's peak RSS {rss:.0f} MiB)"))
 
 
 def _best(rows, which):
@@ -445,10 +447,8 @@ def main() -> None:
     (args.out / "curvature.json").write_text(json.dumps(results, indent=1))
     save_plot(results, scales, args.out / "curvature.png")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"\nwrote {args.out / 'curvature.png'} and curvature.json in "
-          f"{time.perf_counter() - start:.0f} s; peak RSS {peak:.0f} MiB (this process), "
-          f"{child:.0f} MiB (largest child: kronfluence)")
+          f"{time.perf_counter() - start:.0f} s; peak RSS {peak:.0f} MiB (this process)")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,7 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
 
     picks = {"all": ckpts, "last": ckpts[-1:]}
     costs: dict = {}
+    defaults: dict = {}  # EK-FAC at its default damping, per pick: also over the k-store
     options = tif.GradientOptions(select=select)
     for which, chosen in picks.items():
         exact = tif.Projection(kind="identity")
@@ -225,6 +226,7 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                         tif.score(store, queries, curvature=curvature), fit_s,
                         default=scale == DEFAULT_SCALES[kind])
                 if kind == "ekfac" and scale == DEFAULT_SCALES[kind]:
+                    defaults[which] = curvature
                     refined_row(loss, chosen, train_set, test_set, store, curvature, options,
                                 measure, which, queries, costs)
                 if which == "all" and kind == "ekfac":  # the terms, beside kronfluence's
@@ -238,6 +240,12 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
             tests_k = tif.build_store(loss, chosen, test_set, projection=store_k.projection,
                                       options=options, progress=False)
             measure(f"tracin-{which}-k{k}", "tracin", which, k, None, tif.score(store_k, tests_k))
+            # EK-FAC queries projected to k: the exact store need not be held (issue 33)
+            queries_k = tif.preconditioned_test_grads(loss, chosen, test_set, defaults[which],
+                                                      projection=store_k.projection,
+                                                      options=options)
+            measure(f"ekfac-{which}-k{k}", "ekfac-k-store", which, k, None,
+                    tif.score(store_k, queries_k, curvature=defaults[which]))
             start = time.perf_counter()
             fitted = fit_curvature(loss, chosen, train_set, kind="projected", options=options,
                                    projection=store_k.projection, damping=Damping(1.0),
@@ -331,7 +339,8 @@ def kronfluence_rows(sizes, ckpts, train_set, test_set, measure) -> dict:
                     f"kronfluence-ekfac-{which}", kind, which, None, scale, total,
                     info["fit_s"])
     return {"name": "kronfluence", "status": "ran", "version": info["version"],
-            "fit_s": info["fit_s"], "score_s": info["score_s"]}
+            "fit_s": info["fit_s"], "score_s": info["score_s"],
+            "peak_rss_mib": info.get("peak_rss_mib")}
 
 
 def per_checkpoint(store, queries) -> list[torch.Tensor]:
@@ -398,8 +407,10 @@ def print_tables(result: dict) -> None:
         if peer["status"] != "ran":
             print(f"\npeer {peer['name']}: {peer['status']} ({peer['reason']})")
         else:
+            rss = peer.get("peak_rss_mib")
             print(f"\npeer {peer['name']} {peer['version']}: ran (EK-FAC fit "
-                  f"{peer['fit_s']:.1f} s)")
+                  f"{peer['fit_s']:.1f} s" + ("" if rss is None else f", peak RSS {rss:.0f} MiB")
+                  + ")")
     if not result["dense"]:
         print(f"\ndense: not run ({result['n_selected']:,} parameters > {DENSE_LIMIT:,}: a "
               "[p, p] float64 inverse per checkpoint)")
@@ -510,17 +521,14 @@ def main() -> None:
     save_plot(result, args.out / "quality_lm.png")
     print(f"\nwrote {args.out / 'quality_lm.png'} and quality_lm.json in "
           f"{time.perf_counter() - start:.0f} s (retraining {result['retrain_s']:.0f} s); peak "
-          f"RSS {peak_rss_mib():.0f} MiB (this process), {peak_rss_mib(children=True):.0f} MiB "
-          "(largest child: kronfluence)")
+          f"RSS {peak_rss_mib():.0f} MiB (this process)")
 
 
-def peak_rss_mib(*, children: bool = False) -> float:
-    """This process's (or its largest finished child's) peak resident set size, MiB (Linux
-    reports KiB)."""
+def peak_rss_mib() -> float:
+    """This process's peak resident set size, MiB (Linux reports KiB)."""
     import resource
 
-    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
-    return resource.getrusage(who).ru_maxrss / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 Run by ``quality_lm.py`` with ``.venv-kronfluence/bin/python`` (``make bench-setup``);
 imports neither tracinfunc nor the benchmark. Reads the payload the parent saved (the Llama
-config, the trained weights of the checkpoint to explain, the train and test batches), rebuilds
-the same model, fits kronfluence's EK-FAC factors on the training sequences (true Fisher: next
-tokens sampled from the model) and computes pairwise scores ``[n_test, n_train]`` of the test
-sequences' loss for each ``damping_factor`` asked. The loss is the benchmark's: each sequence's
-mean next-token cross-entropy over its non-padding targets (summed over a batch, as kronfluence
-wants). Saves ``{damping name: scores}`` with torch.save and prints ``RESULT {json}``.
+config, the weights of every checkpoint, the train and test batches), rebuilds the same model
+at each checkpoint, fits kronfluence's EK-FAC factors there on the training sequences (true
+Fisher: next tokens sampled from the model) and computes pairwise scores ``[n_test, n_train]``
+of the test sequences' loss for each ``damping_factor`` asked (named absolute values, and
+``scales``: multiples of that checkpoint's mean EK-FAC eigenvalue, tracinfunc's sweep). The
+loss is the benchmark's: each sequence's mean next-token cross-entropy over its non-padding
+targets (summed over a batch, as kronfluence wants). Saves ``[{damping name: scores}]`` (one
+per checkpoint) with torch.save and prints ``RESULT {json}``.
 
     python _kronfluence_child.py PAYLOAD.pt OUT.pt WORKDIR
 """
@@ -68,6 +70,46 @@ class LanguageModelTask(Task):
         return batch["attention_mask"]
 
 
+class Pairs(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class ClassificationTask(Task):
+    """``benchmarks/curvature.py``'s digits: cross-entropy to train (labels drawn from the
+    model for the true Fisher) and to explain (the test example's own label), as tracinfunc's
+    test gradients there."""
+
+    def compute_train_loss(self, batch, model, sample: bool = False) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        if sample:
+            with torch.no_grad():
+                y = torch.multinomial(logits.detach().softmax(-1), 1).squeeze(1)
+        return F.cross_entropy(logits, y, reduction="sum")
+
+    def compute_measurement(self, batch, model) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="sum")
+
+
+def mean_eigenvalue(factors) -> float:
+    """EK-FAC's mean eigenvalue over every module (sum of eigenvalues / their count): what a
+    multiple of the mean eigenvalue multiplies, as in tracinfunc's ``Damping``."""
+    total, count = 0.0, 0
+    lambdas, processed = factors["lambda_matrix"], factors["num_lambda_processed"]
+    for module, matrix in lambdas.items():
+        total += float(matrix.double().sum() / processed[module].double())
+        count += matrix.numel()
+    return total / count
+
+
 def main() -> None:
     payload_path, out_path, workdir = sys.argv[1:4]
     payload = torch.load(payload_path, weights_only=False)
@@ -75,35 +117,59 @@ def main() -> None:
     torch.manual_seed(0)  # the label draws
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
-    config = transformers.LlamaConfig(**payload["config"])
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-    model.load_state_dict(payload["state_dict"])
-    model.eval()
-    task = LanguageModelTask()
-    model = prepare_model(model, task)
-    analyzer = Analyzer("quality_lm", model, task, cpu=True, disable_tqdm=True,
-                        output_dir=workdir)
-    train, test = Sequences(payload["train"]), Sequences(payload["test"])
-    start = time.perf_counter()
-    analyzer.fit_all_factors("ekfac", dataset=train, per_device_batch_size=payload["batch"],
-                             factor_args=FactorArguments(strategy="ekfac",
-                                                         use_empirical_fisher=False),
-                             overwrite_output_dir=True)
-    fit_s = time.perf_counter() - start
-    scores, seconds = {}, {}
-    for name, damping in payload["dampings"].items():
+    if payload.get("task") == "classification":  # a pickled nn.Sequential of torch modules
+        task = ClassificationTask()
+        train, test = Pairs(*payload["train"]), Pairs(*payload["test"])
+
+        def make_model():
+            return torch.load(payload["model"], weights_only=False)
+    else:
+        config = transformers.LlamaConfig(**payload["config"])
+        train, test = Sequences(payload["train"]), Sequences(payload["test"])
+        task = LanguageModelTask()
+
+        def make_model():
+            return transformers.LlamaForCausalLM._from_config(config,
+                                                              attn_implementation="sdpa")
+    per_ckpt, fit_s, seconds = [], [], {}
+    for c, state in enumerate(payload["checkpoints"]):  # every checkpoint, as tracinfunc
+        model = make_model()
+        model.load_state_dict(state)
+        model.eval()
+        if payload.get("task") == "classification":  # a bare nn.Linear as the root module
+            model = torch.nn.Sequential(model)  # sends prepare_model into endless recursion
+        model = prepare_model(model, task)
+        analyzer = Analyzer(f"checkpoint_{c}", model, task, cpu=True, disable_tqdm=True,
+                            output_dir=workdir)
         start = time.perf_counter()
-        analyzer.compute_pairwise_scores(
-            f"scores-{name}", "ekfac", query_dataset=test, train_dataset=train,
-            per_device_query_batch_size=payload["batch"],
-            per_device_train_batch_size=payload["batch"],
-            score_args=ScoreArguments(damping_factor=damping), overwrite_output_dir=True)
-        scores[name] = analyzer.load_pairwise_scores(f"scores-{name}")["all_modules"].double()
-        seconds[name] = time.perf_counter() - start
+        analyzer.fit_all_factors("ekfac", dataset=train, per_device_batch_size=payload["batch"],
+                                 factor_args=FactorArguments(strategy="ekfac",
+                                                             use_empirical_fisher=False),
+                                 overwrite_output_dir=True)
+        fit_s.append(time.perf_counter() - start)
+        mean = mean_eigenvalue(analyzer.load_all_factors("ekfac"))
+        dampings = dict(payload["dampings"])  # named absolute values (None: its heuristic)
+        dampings.update({f"{scale:g}x": scale * mean for scale in payload.get("scales", ())})
+        scores = {}
+        for name, damping in dampings.items():
+            start = time.perf_counter()
+            analyzer.compute_pairwise_scores(
+                f"scores-{name}", "ekfac", query_dataset=test, train_dataset=train,
+                per_device_query_batch_size=payload["batch"],
+                per_device_train_batch_size=payload["batch"],
+                score_args=ScoreArguments(damping_factor=damping), overwrite_output_dir=True)
+            scores[name] = analyzer.load_pairwise_scores(f"scores-{name}")["all_modules"].double()
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+        per_ckpt.append(scores)
+    scores = per_ckpt
     torch.save(scores, out_path)
+    import resource
+
     import kronfluence
 
-    print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": fit_s,
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": sum(fit_s),
+                                  "peak_rss_mib": peak,
                                   "score_s": seconds}), flush=True)
 
 

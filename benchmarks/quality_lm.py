@@ -55,7 +55,7 @@ import tracinfunc as tif  # noqa: E402
 import tracinfunc.evaluate as ev  # noqa: E402
 from tracinfunc.curvature import DEFAULT_SCALES, Damping, fit_curvature  # noqa: E402
 
-SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 LR = 3e-3
 BATCH = 16
 DENSE_LIMIT = 5000  # parameters: dense fits and inverts a [p, p] float64 matrix per checkpoint
@@ -78,6 +78,10 @@ class Sizes:
 
 FULL = Sizes(256, 64, 100, 12, 3, 32, 32, (1024,), SCALES, 200, True)
 QUICK = Sizes(40, 8, 6, 2, 1, 16, 8, (64,), (0.3, 3.0), 20, False)
+# A reduced run for a shared 2-core machine (issue 33's measurements): minutes, not an hour.
+MEDIUM = Sizes(96, 24, 24, 6, 2, 24, 16, (256,), (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0), 200,
+               False)
+REFINE_EXAMPLES, REFINE_STEPS = 32, 3  # the refined EK-FAC row: CG over this many sequences
 
 
 def llama_config(sizes: Sizes) -> dict:
@@ -188,6 +192,8 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                      "high": result.high, "fit_s": fit_s})
 
     picks = {"all": ckpts, "last": ckpts[-1:]}
+    costs: dict = {}
+    defaults: dict = {}  # EK-FAC at its default damping, per pick: also over the k-store
     options = tif.GradientOptions(select=select)
     for which, chosen in picks.items():
         exact = tif.Projection(kind="identity")
@@ -196,6 +202,9 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
         tests = tif.build_store(loss, chosen, test_set, projection=exact, options=options,
                                 progress=False)
         measure(f"tracin-{which}", "tracin", which, None, None, tif.score(store, tests))
+        if which == "all":
+            for c, part in enumerate(per_checkpoint(store, tests)):
+                measure(f"tracin-ckpt{c}", "tracin", f"ckpt{c}", None, None, part)
         if which == "all":
             every_param = tif.build_store(loss, chosen, train_set, projection=exact,
                                           progress=False)
@@ -206,7 +215,7 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
         kinds = ["kfac", "ekfac"] + (["dense"] if n_selected <= DENSE_LIMIT else [])
         for kind in kinds:
             start = time.perf_counter()
-            fitted = fit_curvature(loss, chosen, train_set, kind=kind, select=select,
+            fitted = fit_curvature(loss, chosen, train_set, kind=kind, options=options,
                                    damping=Damping(1.0), batch_size=BATCH)
             fit_s = time.perf_counter() - start
             for scale in sorted({*sizes.scales, DEFAULT_SCALES[kind]}):
@@ -216,6 +225,14 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                 measure(f"{kind}-{which}", kind, which, None, scale,
                         tif.score(store, queries, curvature=curvature), fit_s,
                         default=scale == DEFAULT_SCALES[kind])
+                if kind == "ekfac" and scale == DEFAULT_SCALES[kind]:
+                    defaults[which] = curvature
+                    refined_row(loss, chosen, train_set, test_set, store, curvature, options,
+                                measure, which, queries, costs)
+                if which == "all" and kind == "ekfac":  # the terms, beside kronfluence's
+                    for c, part in enumerate(per_checkpoint(store, queries)):
+                        measure(f"{kind}-ckpt{c}", kind, f"ckpt{c}", None, scale, part, fit_s,
+                                default=scale == DEFAULT_SCALES[kind])
         for k in sizes.ks:
             projection = tif.Projection(dim=k, seed=0)
             store_k = tif.build_store(loss, chosen, train_set, projection=projection,
@@ -223,8 +240,14 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
             tests_k = tif.build_store(loss, chosen, test_set, projection=store_k.projection,
                                       options=options, progress=False)
             measure(f"tracin-{which}-k{k}", "tracin", which, k, None, tif.score(store_k, tests_k))
+            # EK-FAC queries projected to k: the exact store need not be held (issue 33)
+            queries_k = tif.preconditioned_test_grads(loss, chosen, test_set, defaults[which],
+                                                      projection=store_k.projection,
+                                                      options=options)
+            measure(f"ekfac-{which}-k{k}", "ekfac-k-store", which, k, None,
+                    tif.score(store_k, queries_k, curvature=defaults[which]))
             start = time.perf_counter()
-            fitted = fit_curvature(loss, chosen, train_set, kind="projected", select=select,
+            fitted = fit_curvature(loss, chosen, train_set, kind="projected", options=options,
                                    projection=store_k.projection, damping=Damping(1.0),
                                    batch_size=BATCH)
             fit_s = time.perf_counter() - start
@@ -232,11 +255,33 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                 measure(f"projected-{which}-k{k}", "projected", which, k, scale,
                         tif.score(store_k, tests_k, curvature=with_scale(fitted, scale)), fit_s,
                         default=scale == DEFAULT_SCALES["projected"])
-    peers = [kronfluence_rows(sizes, model, train_set, test_set, measure), BERGSON]
+    peers = [kronfluence_rows(sizes, ckpts, train_set, test_set, measure), BERGSON]
     return {"sizes": dataclasses.asdict(sizes), "rows": rows, "peers": peers,
             "train_loss": train_loss, "test_loss": test_loss, "ceiling": ceiling,
             "n_selected": n_selected, "n_params": n_all, "n_checkpoints": len(ckpts),
-            "retrain_s": retrain_s, "dense": n_selected <= DENSE_LIMIT}
+            "retrain_s": retrain_s, "dense": n_selected <= DENSE_LIMIT, "refine_cost": costs}
+
+
+def refined_row(loss, chosen, train_set, test_set, store, curvature, options, measure, which,
+                plain, costs) -> None:
+    """EK-FAC refined by conjugate gradient on the Fisher of ``REFINE_EXAMPLES`` training
+    sequences; its LDS and its query cost against the plain EK-FAC query (CPU time)."""
+    exact = tif.Projection(kind="identity")
+    refined = curvature.with_refinement(train_set, steps=REFINE_STEPS,
+                                        max_examples=REFINE_EXAMPLES)
+    seconds = {}
+    for label, value in (("plain", curvature), ("refined", refined)):
+        start = time.process_time()
+        with warnings.catch_warnings(record=True):
+            queries = tif.preconditioned_test_grads(loss, chosen, test_set, value,
+                                                    projection=exact, options=options)
+        seconds[label] = time.process_time() - start
+    residuals = queries.meta.extra["curvature"]["residuals"]
+    measure(f"ekfac-{which}-refined", "ekfac-refined", which, None, None,
+            tif.score(store, queries, curvature=refined))
+    costs[which] = {"ratio": seconds["refined"] / max(seconds["plain"], 1e-9), **seconds,
+                    "steps": REFINE_STEPS, "examples": REFINE_EXAMPLES,
+                    "residual": [max(r[0] for r in residuals), max(r[-1] for r in residuals)]}
 
 
 def kronfluence_python() -> str:
@@ -254,19 +299,24 @@ BERGSON = {"name": "bergson", "status": "not run",
                      "character-tokenised in-memory Llama is not wired through it yet"}
 
 
-def kronfluence_rows(sizes, model, train_set, test_set, measure) -> dict:
-    """kronfluence's EK-FAC at the last checkpoint (the trained model), in its own process."""
+def kronfluence_rows(sizes, ckpts, train_set, test_set, measure) -> dict:
+    """kronfluence's EK-FAC at every checkpoint, in its own process: per-checkpoint rows, the
+    last checkpoint, and the lr-weighted sum over all (as tracinfunc sums), each at its two
+    named dampings and at the benchmark's multiples of the mean eigenvalue (the same sweep)."""
     python = kronfluence_python()
     if not Path(python).exists():
         return {"name": "kronfluence", "status": "unavailable",
                 "reason": f"no kronfluence environment at {python} (make bench-setup, or set "
                           "KRONFLUENCE_PYTHON)"}
     dampings = {"default-1e-8": 1e-8, "heuristic-0.1x": None}
+    states = [{name: value.detach().cpu() for name, value in ckpt.params.items()}
+              for ckpt in ckpts]
     with tempfile.TemporaryDirectory(prefix="kronfluence-") as tmp:
         payload, result = Path(tmp, "payload.pt"), Path(tmp, "scores.pt")
-        torch.save({"config": llama_config(sizes), "state_dict": model.state_dict(),
+        torch.save({"config": llama_config(sizes), "checkpoints": states,
                     "train": train_set, "test": test_set, "batch": BATCH,
-                    "dampings": dampings, "threads": torch.get_num_threads()}, payload)
+                    "dampings": dampings, "scales": list(sizes.scales),
+                    "threads": torch.get_num_threads()}, payload)
         done = subprocess.run([python, str(Path(__file__).with_name("_kronfluence_child.py")),
                                str(payload), str(result), str(Path(tmp, "work"))],
                               capture_output=True, text=True, timeout=3600)
@@ -276,12 +326,28 @@ def kronfluence_rows(sizes, model, train_set, test_set, measure) -> dict:
                     f"exit {done.returncode}"}
         info = json.loads(next(line[7:] for line in done.stdout.splitlines()
                                if line.startswith("RESULT ")))
-        scores = torch.load(result)
-    for name in dampings:
-        measure(f"kronfluence-ekfac-last-{name}", "kronfluence-ekfac", "last", None, None,
-                scores[name], info["fit_s"])
+        per_ckpt = torch.load(result)
+    for name in per_ckpt[0]:
+        scale = None if name in dampings else float(name[:-1])
+        kind = "kronfluence-ekfac"
+        parts = [ckpt.lr * scores[name] for ckpt, scores in zip(ckpts, per_ckpt, strict=True)]
+        for c, part in enumerate(parts):
+            measure(f"kronfluence-ekfac-ckpt{c}-{name}" if scale is None else
+                    f"kronfluence-ekfac-ckpt{c}", kind, f"ckpt{c}", None, scale, part)
+        for which, total in (("last", parts[-1]), ("all", sum(parts))):
+            measure(f"kronfluence-ekfac-{which}-{name}" if scale is None else
+                    f"kronfluence-ekfac-{which}", kind, which, None, scale, total,
+                    info["fit_s"])
     return {"name": "kronfluence", "status": "ran", "version": info["version"],
-            "fit_s": info["fit_s"], "score_s": info["score_s"]}
+            "fit_s": info["fit_s"], "score_s": info["score_s"],
+            "peak_rss_mib": info.get("peak_rss_mib")}
+
+
+def per_checkpoint(store, queries) -> list[torch.Tensor]:
+    """``lr_c <test_c, train_c>`` per checkpoint ``[n_test, n_train]``: the terms of the sum."""
+    return [lr * queries.read_rows(c, 0, queries.meta.n_train).double()
+            @ store.read_rows(c, 0, store.meta.n_train).double().T
+            for c, lr in enumerate(store.meta.lrs)]
 
 
 def default_rows(result: dict) -> list[dict]:
@@ -313,7 +379,7 @@ def print_tables(result: dict) -> None:
         base = reference(result, row)
         damping = ("-" if row["scale"] is None else f"{row['scale']:g}x mean eig (default)")
         if row["kind"] == "kronfluence-ekfac":
-            damping = row["config"].rsplit("-last-", 1)[1]
+            damping = row["config"].split(f"-{row['checkpoints']}-", 1)[1]
         delta, ratio = row["lds"] - base["lds"], row["lds"] / base["lds"]
         print(f"| {row['config']} | {row['kind']} | {row['checkpoints']} | {row['k'] or 'p'} | "
               f"{damping} | {row['lds']:.3f} | [{row['low']:.3f}, {row['high']:.3f}] | "
@@ -331,15 +397,56 @@ def print_tables(result: dict) -> None:
         best = max(cell["lds"] for cell in cells.values())
         print(f"| {config} | " + " | ".join(f"{cells[s]['lds']:.3f}" for s in scales)
               + f" | {best - base['lds']:+.3f} |")
+    print_fair(result)
+    for which, cost in result.get("refine_cost", {}).items():
+        print(f"\nrefined EK-FAC ({which}, {cost['steps']} CG steps over {cost['examples']} "
+              f"sequences): query cost {cost['ratio']:.1f}x the plain EK-FAC query (CPU "
+              f"{cost['refined']:.1f} s vs {cost['plain']:.1f} s); worst relative residual "
+              f"{cost['residual'][0]:.3g} -> {cost['residual'][1]:.3g}")
     for peer in result["peers"]:
         if peer["status"] != "ran":
             print(f"\npeer {peer['name']}: {peer['status']} ({peer['reason']})")
         else:
+            rss = peer.get("peak_rss_mib")
             print(f"\npeer {peer['name']} {peer['version']}: ran (EK-FAC fit "
-                  f"{peer['fit_s']:.1f} s)")
+                  f"{peer['fit_s']:.1f} s" + ("" if rss is None else f", peak RSS {rss:.0f} MiB")
+                  + ")")
     if not result["dense"]:
         print(f"\ndense: not run ({result['n_selected']:,} parameters > {DENSE_LIMIT:,}: a "
               "[p, p] float64 inverse per checkpoint)")
+
+
+def print_fair(result: dict) -> None:
+    """Like for like: per checkpoint, the last, and the sum over all, tracinfunc's EK-FAC and
+    kronfluence's at the same checkpoints, data and damping sweep (best multiple, and each at
+    its default: ours ``DEFAULT_SCALES``, kronfluence's 0.1x heuristic)."""
+    rows = result["rows"]
+    picks = sorted({r["checkpoints"] for r in rows if r["kind"] == "kronfluence-ekfac"},
+                   key=lambda w: (w == "all", w == "last", w))
+    if not picks:
+        return
+    print("\n#### Like for like: EK-FAC, tracinfunc vs kronfluence (same checkpoints, data, "
+          "damping sweep)\n")
+    print("| checkpoints | TracIn | ours default | ours best (multiple) | kronfluence 0.1x "
+          "heuristic | kronfluence best (multiple) |")
+    print("|---|---:|---:|---:|---:|---:|")
+
+    def best(kind, which):
+        sweep = [r for r in rows if r["kind"] == kind and r["checkpoints"] == which
+                 and r["scale"] is not None]
+        top = max(sweep, key=lambda r: r["lds"]) if sweep else None
+        return "-" if top is None else f"{top['lds']:.3f} ({top['scale']:g}x)"
+
+    def one(config, *, default=None):
+        found = [r for r in rows if r["config"] == config
+                 and (default is None or r["default"] == default)]
+        return f"{found[0]['lds']:.3f}" if found else "-"
+
+    for which in picks:
+        ours = f"ekfac-{which}"
+        print(f"| {which} | {one(f'tracin-{which}')} | {one(ours, default=True)} | "
+              f"{best('ekfac', which)} | {one(f'kronfluence-ekfac-{which}-heuristic-0.1x')} | "
+              f"{best('kronfluence-ekfac', which)} |")
 
 
 def save_plot(result: dict, path: Path) -> None:
@@ -359,8 +466,9 @@ def save_plot(result: dict, path: Path) -> None:
         style = "-" if rows[0]["checkpoints"] == "all" else "--"
         ax.plot([r["scale"] for r in rows], [r["lds"] for r in rows], style, marker="o",
                 color=color, label=config)
-        default = next(r for r in rows if r["default"])
-        ax.plot(default["scale"], default["lds"], marker="*", markersize=14, color=color)
+        default = next((r for r in rows if r["default"]), None)
+        if default is not None:
+            ax.plot(default["scale"], default["lds"], marker="*", markersize=14, color=color)
     for row in flat:
         style = "-" if row["checkpoints"] == "all" else "--"
         color = "black" if row["kind"] == "tracin" else "firebrick"
@@ -392,12 +500,13 @@ def check(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--medium", action="store_true", help="reduced sizes (minutes)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/output/quality_lm"))
     parser.add_argument("--subsets", type=int, help="retrained half-subsets (default: 100)")
     parser.add_argument("--no-ceiling", action="store_true",
                         help="skip the second-seed retraining (halves the retraining time)")
     args = parser.parse_args()
-    sizes = QUICK if args.quick else FULL
+    sizes = QUICK if args.quick else MEDIUM if args.medium else FULL
     if args.subsets is not None:
         sizes = dataclasses.replace(sizes, n_subsets=args.subsets)
     if args.no_ceiling:
@@ -411,7 +520,15 @@ def main() -> None:
     (args.out / "quality_lm.json").write_text(json.dumps(result, indent=1))
     save_plot(result, args.out / "quality_lm.png")
     print(f"\nwrote {args.out / 'quality_lm.png'} and quality_lm.json in "
-          f"{time.perf_counter() - start:.0f} s (retraining {result['retrain_s']:.0f} s)")
+          f"{time.perf_counter() - start:.0f} s (retraining {result['retrain_s']:.0f} s); peak "
+          f"RSS {peak_rss_mib():.0f} MiB (this process)")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size, MiB (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def test_curvature_of_other_checkpoints_is_refused(setup):
 
 def test_curvature_of_another_layout_is_refused(setup):
     _, loss, ckpts, data, store, _ = setup
-    other = fit_curvature(loss, ckpts, data, projection=PROJECTION, select=["2.*"])
+    other = fit_curvature(loss, ckpts, data, projection=PROJECTION,
+                          options=tif.GradientOptions(select=["2.*"]))
     with pytest.raises(IncompatibleGradientsError, match="other parameters.*missing '0.bias'"):
         tif.self_influence(store, curvature=other)
 
@@ -107,9 +108,11 @@ def test_kfac_names_the_parameters_it_cannot_cover():
     loss = tif.loss_from_module(model, F.cross_entropy)
     ckpts = [tif.Checkpoint.from_module(model)]
     data = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
-    with pytest.raises(InvalidArgumentError, match=r"'1.weight' \(LayerNorm\).*Select only"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"'1.weight' \(LayerNorm\).*build the store AND fit"):
         fit_curvature(loss, ckpts, data, kind="kfac")
-    ok = fit_curvature(loss, ckpts, data, kind="kfac", select=["0.*", "2.*"])
+    ok = fit_curvature(loss, ckpts, data, kind="kfac",
+                       options=tif.GradientOptions(select=["0.*", "2.*"]))
     assert [layer.weight for layer in ok.layers] == ["0.weight", "2.weight"]
 
 
@@ -218,7 +221,7 @@ def test_causal_lm_curvature_end_to_end():
     for kind, select in (("projected", None), ("kfac", ["head.*"]), ("kfac", None),
                          ("ekfac", None)):
         curvature = fit_curvature(loss, ckpts, data, kind=kind, projection=projection,
-                                  select=select)
+                                  options=tif.GradientOptions(select=select))
         store = tif.build_store(
             loss,
             ckpts,

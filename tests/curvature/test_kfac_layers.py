@@ -25,19 +25,14 @@ LAM = 0.05
 
 
 def _damped(a, s, lam):
-    """``(A + pi sqrt(l) I, S + sqrt(l) / pi I)`` (Martens & Grosse's split; ``A`` may be a
-    diagonal given as a vector)."""
-    mean_a = (a.sum() if a.dim() == 1 else a.trace()) / a.shape[0]
-    pi = (mean_a / (s.trace() / s.shape[0])).sqrt()
-    a_full = torch.diag(a) if a.dim() == 1 else a
-    eye = torch.eye
-    return (a_full + pi * lam ** 0.5 * eye(a_full.shape[0], dtype=a.dtype),
-            s + lam ** 0.5 / pi * eye(s.shape[0], dtype=s.dtype))
+    """``(A, S, lambda)``: the factors (``A`` may be a diagonal given as a vector)."""
+    return (torch.diag(a) if a.dim() == 1 else a), s, lam
 
 
-def _solve(g, a_damped, s_damped):
-    """``(S' (x) A')^-1 vec(G)`` for ``G [b, d_out, d_a]``, row-major vec."""
-    explicit = torch.linalg.inv(torch.kron(s_damped, a_damped))
+def _solve(g, a, s, lam):
+    """``(S (x) A + lambda I)^-1 vec(G)`` for ``G [b, d_out, d_a]``, row-major vec."""
+    eye = torch.eye(s.shape[0] * a.shape[0], dtype=torch.float64)
+    explicit = torch.linalg.inv(torch.kron(s, a) + lam * eye)
     return (g.reshape(g.shape[0], -1) @ explicit.T).reshape(g.shape)
 
 
@@ -91,7 +86,7 @@ def test_conv2d_kfac_equals_the_explicit_kronecker_inverse(conv):
     model, loss, ckpts, (x, y) = conv
     select = ["0.weight", "0.bias"]
     curvature = fit_curvature(loss, ckpts, (x[:8], y[:8]), kind="kfac", damping=LAM,
-                              sampler=EXACT, select=select)
+                              sampler=EXACT, options=tif.GradientOptions(select=select))
     a, s = _conv_factors(model, x[:8])
     torch.testing.assert_close(curvature.estimates[0]["0.weight:A"], a)
     torch.testing.assert_close(curvature.estimates[0]["0.weight:S"], s)
@@ -121,9 +116,9 @@ def _ekfac_matches_dense(loss, ckpts, data, select, order):
     """EK-FAC's eigenvalues are the exact Fisher's diagonal in K-FAC's eigenbasis."""
     once = Damping(1.0)
     dense = fit_curvature(loss, ckpts, data, kind="dense", sampler=EXACT, damping=once,
-                          select=select)
+                          options=tif.GradientOptions(select=select))
     ekfac = fit_curvature(loss, ckpts, data, kind="ekfac", sampler=EXACT, damping=once,
-                          select=select)
+                          options=tif.GradientOptions(select=select))
     estimate = ekfac.estimates[0]
     name = next(n for n in select if n.endswith("weight"))
     q_s = estimate[f"{name}:QS"].contiguous()
@@ -187,7 +182,7 @@ def test_embedding_kfac_equals_the_explicit_kronecker_inverse(embedding):
     model, loss, ckpts, (ids, y) = embedding
     select = ["0.weight"]
     curvature = fit_curvature(loss, ckpts, (ids[:10], y[:10]), kind="kfac", damping=LAM,
-                              sampler=EXACT, select=select)
+                              sampler=EXACT, options=tif.GradientOptions(select=select))
     a, s = _embedding_factors(model, ids[:10])
     assert curvature.estimates[0]["0.weight:A"].shape == (VOCAB,)  # diagonal, as a vector
     torch.testing.assert_close(curvature.estimates[0]["0.weight:A"], a)

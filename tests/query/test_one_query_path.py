@@ -157,7 +157,8 @@ def test_preconditioned_test_grads_take_options_and_default_to_the_curvatures_se
     options = tif.GradientOptions(select=["2.*"])
     store = tif.build_store(loss, ckpts, (x, y), projection=PROJECTION, options=options,
                             dtype=torch.float64, progress=False)
-    curvature = tif.fit_curvature(loss, ckpts, (x, y), kind="kfac", select=["2.*"])
+    curvature = tif.fit_curvature(loss, ckpts, (x, y), kind="kfac",
+                                  options=tif.GradientOptions(select=["2.*"]))
     chosen = tif.preconditioned_test_grads(loss, ckpts, (x[:4], y[:4]), curvature,
                                            projection=PROJECTION, options=options)
     default = tif.preconditioned_test_grads(loss, ckpts, (x[:4], y[:4]), curvature,

@@ -200,6 +200,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --contrast: how much of the control to subtract (1.0)")
     score.add_argument("--curvature", type=Path, metavar="PATH",
                        help="curvature-aware TracIn with a curvature saved by save_curvature")
+    score.add_argument("--refine-steps", type=_positive_int, metavar="N",
+                       help="with --curvature: refine each query by N conjugate-gradient steps "
+                            "on the Fisher of the spec's training data")
+    score.add_argument("--refine-examples", type=_positive_int, metavar="M",
+                       help="with --refine-steps: use the first M training examples")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
     score.add_argument("--overwrite", action="store_true", help="replace an existing output")
     score.set_defaults(run=_score)
@@ -469,6 +474,7 @@ def _score(args: argparse.Namespace) -> int:
     check_result_format(args.output, 1 if args.top_k is None else 2)
     store = open_store(str(args.store))
     curvature = None if args.curvature is None else load_curvature(args.curvature)
+    curvature = _refined(args, curvature)
     test = _test_gradients(args, store, curvature)
     recorded = {}
     if args.contrast is not None:
@@ -496,6 +502,20 @@ def _score(args: argparse.Namespace) -> int:
         write_results(args.output, {"scores": scores}, columns="matrix", attributes=recorded)
     print(f"wrote {args.output}" + (f" ({test.describe()})" if recorded else ""))
     return 0
+
+
+def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature | None:
+    """``curvature`` refined on the spec's training data when ``--refine-steps`` asks."""
+    if args.refine_steps is None:
+        if args.refine_examples is not None:
+            raise SpecError("score: --refine-examples needs --refine-steps N.")
+        return curvature
+    if curvature is None or args.spec is None or args.test_store is not None:
+        raise SpecError("score: --refine-steps needs --curvature PATH and --spec (with --test "
+                        "NAME): the queries are refined on the spec's training data, so "
+                        "precomputed --test-store gradients cannot be.")
+    return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
+                                     max_examples=args.refine_examples)
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,

@@ -197,11 +197,17 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
             problems.append(f"applied by several layer calls (tied weights): {repeated}")
         if rest:
             problems.append(f"not the weight or bias of a layer: {rest[:6]}")
+        coverable = sorted({name for layer in layers for name in (layer.weight, layer.bias)
+                            if name is not None} - set(repeated))
+        shown = coverable if len(coverable) <= 30 else [*coverable[:30], "..."]
         raise InvalidArgumentError(
             f"{current_caller()}: kind='kfac'/'ekfac' covers the weights and biases of "
             f"{', '.join(SUPPORTED)} layers called once per example, but some selected "
-            f"parameters are {'; '.join(problems)}. Select only supported layers "
-            "(select=[...]), or use kind='projected' (any model) or 'dense' (small models)."
+            f"parameters are {'; '.join(problems)}. A K-FAC curvature can only score a store "
+            f"of exactly the parameters it covers: build the store AND fit the curvature with "
+            f"options=GradientOptions(select={shown}) ({len(coverable)} parameters); to keep a "
+            "store of these parameters, fit kind='projected' with projection=store.projection "
+            "(any model), or 'dense' (small models)."
         )
     return layers
 

@@ -13,9 +13,9 @@ for ``"dense"`` and ``"projected"``).
 
 Each system solved on its own has its own ``kappa``: the whole matrix (``"dense"``,
 ``"projected"``), each per-layer block (block-diagonal ``"projected"``), each layer's
-``(S + lambda_S I) (x) (A + lambda_A I)`` (``"kfac"``: the product of the factors' condition
-numbers) or ``eigen + lambda`` (``"ekfac"``). A cheap bound (the largest eigenvalue is at most
-the trace) settles the usual case without an eigendecomposition.
+``S (x) A + lambda I`` (``"kfac"``: eigenvalues ``s_i a_j + lambda``) or ``eigen + lambda``
+(``"ekfac"``). A cheap bound (the largest eigenvalue is at most the trace) settles the usual
+case without an eigendecomposition.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from torch import Tensor
 
 from tracinfunc.curvature.capture import KfacLayer
 
-__all__ = ["MAX_CONDITION", "System", "condition", "minimal_damping", "round_up", "systems"]
+__all__ = ["MAX_CONDITION", "RANK_TOLERANCE", "System", "condition", "minimal_damping",
+           "rank_mean", "round_up", "spectrum", "systems"]
+
+# An eigenvalue counts towards the rank above this fraction of the largest one (float64
+# spectra of float32-sized data: what is below is rounding).
+RANK_TOLERANCE = 1e-10
 
 MAX_CONDITION = 1 / torch.finfo(torch.float32).eps  # 8.39e6
 
@@ -90,6 +95,35 @@ def round_up(value: float) -> float:
     return float(f"{math.ceil(value / digits * (1 - 1e-12)) * digits:.2g}") or value
 
 
+def spectrum(kind: str, estimate: Mapping[str, Tensor], layers: Sequence[KfacLayer],
+             n_blocks: int) -> Tensor:
+    """Every eigenvalue of one checkpoint's undamped estimate, ``[dim]`` float64: the matrix's
+    (or each block's), K-FAC's ``s_i a_j`` per layer, or EK-FAC's refitted ones."""
+    if kind == "ekfac":
+        return torch.cat([estimate[f"{layer.weight}:eigen"].reshape(-1) for layer in layers])
+    if kind == "kfac":
+        parts = []
+        for layer in layers:
+            a, s = estimate[f"{layer.weight}:A"], estimate[f"{layer.weight}:S"]
+            values_a = a if a.dim() == 1 else _eigenvalues(a)
+            parts.append(torch.outer(_eigenvalues(s), values_a).reshape(-1))
+        return torch.cat(parts)
+    names = [f"block:{i}" for i in range(n_blocks)] if n_blocks else ["matrix"]
+    return torch.cat([_eigenvalues(estimate[name]) for name in names])
+
+
+def rank_mean(values: Tensor) -> tuple[float, int]:
+    """``(trace / rank, rank)``: the mean of the eigenvalues above ``RANK_TOLERANCE`` times the
+    largest (``(0.0, 0)`` for a zero estimate, ``(nan, 0)`` for a non-finite one)."""
+    if not bool(values.isfinite().all()):
+        return math.nan, 0
+    top = float(values.max()) if values.numel() else 0.0
+    if top <= 0:
+        return 0.0, 0
+    kept = values[values > RANK_TOLERANCE * top]
+    return float(kept.sum()) / kept.numel(), int(kept.numel())
+
+
 def _ratio(low: float, high: float, shift: float) -> float:
     denominator = low + shift
     if math.isnan(low) or math.isnan(high) or math.isinf(high):
@@ -117,16 +151,10 @@ def _eigen_system(eigen: Tensor) -> System:
 
 
 def _kron_system(a: Tensor, s: Tensor) -> System:
-    """K-FAC's ``(S + sqrt(l)/pi I) (x) (A + sqrt(l) pi I)``, as :func:`kfac.factor_inverses`
-    damps it: its condition number is the product of the factors'."""
+    """K-FAC's ``S (x) A + lambda I``: eigenvalues ``s_i a_j``, so its condition number is
+    ``(s_max a_max + lambda) / (s_min a_min + lambda)`` (both factors are PSD)."""
     trace_a = float(a.sum() if a.dim() == 1 else a.trace())
     trace_s = float(s.trace())
-    mean_a, mean_s = trace_a / a.shape[0], trace_s / s.shape[0]
-    pi = math.sqrt(mean_a / mean_s) if mean_a > 0 and mean_s > 0 else 1.0
-
-    def kappa(a_range, s_range, damping: float) -> float:
-        root = math.sqrt(damping)
-        return _ratio(*s_range, root / pi) * _ratio(*a_range, root * pi)
 
     @functools.cache
     def exact() -> Callable[[float], float]:
@@ -134,11 +162,11 @@ def _kron_system(a: Tensor, s: Tensor) -> System:
             return lambda damping: math.inf
         values_a = a if a.dim() == 1 else _eigenvalues(a)
         values_s = _eigenvalues(s)
-        a_range = (float(values_a.min()), float(values_a.max()))
-        s_range = (float(values_s[0]), float(values_s[-1]))
-        return lambda damping: kappa(a_range, s_range, damping)
+        products = torch.outer(values_s, values_a)
+        low, high = float(products.min()), float(products.max())
+        return lambda damping: _ratio(low, high, damping)
 
-    return (lambda damping: kappa((0.0, trace_a), (0.0, trace_s), damping)), exact
+    return (lambda damping: _ratio(0.0, trace_a * trace_s, damping)), exact
 
 
 def _eigenvalues(matrix: Tensor) -> Tensor:

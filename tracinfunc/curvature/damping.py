@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["DEFAULT_SCALES", "Damping", "check_damping"]
+__all__ = ["DEFAULT_SCALES", "RANK_DEFAULT_SCALES", "Damping", "check_damping"]
 
 # Measured on digits LR and MLP (benchmarks/curvature.py, docs/curvature.md): per kind, the
 # multiple of the mean eigenvalue with the best LDS averaged over the two models (and k = 256,
@@ -25,19 +25,36 @@ __all__ = ["DEFAULT_SCALES", "Damping", "check_damping"]
 DEFAULT_SCALES = {"dense": 3.0, "projected": 1.0, "kfac": 0.1, "ekfac": 0.3}
 
 
+# The same for the mean over the rank (``over="rank"``): the dimension rule's multiples for now.
+# Issue 33's reduced runs (benchmarks/RESULTS.md) measured the curves of both rules but did not
+# settle a better default; "kfac" above was measured while it was pi-damped (see kfac.py).
+RANK_DEFAULT_SCALES = {"dense": 3.0, "projected": 1.0, "kfac": 0.1, "ekfac": 0.3}
+
+OVER = ("dimension", "rank")
+
+
 @dataclass(frozen=True)
 class Damping:
-    """``lambda_c = scale * mean eigenvalue of H_c`` (``tr(H_c) / dim``), per checkpoint.
+    """``lambda_c = scale * mean eigenvalue of H_c``, per checkpoint.
 
     Attributes:
         scale: The multiple, a positive finite float; ``None`` (default): the measured best
-            for the curvature's kind, ``DEFAULT_SCALES`` (dense 3, projected 1, kfac 0.1,
-            ekfac 0.3).
+            for the curvature's kind and ``over`` (``DEFAULT_SCALES``, ``RANK_DEFAULT_SCALES``).
+        over: ``"dimension"`` (default): the mean is ``tr(H_c) / dim``; ``"rank"``:
+            ``tr(H_c) / rank(H_c)``, the mean of the non-zero eigenvalues, which a
+            rank-deficient estimate (``k`` above ``p``, fewer samples than dimensions) does
+            not pull down.
     """
 
     scale: float | None = None
+    over: str = "dimension"
 
     def __post_init__(self) -> None:
+        if self.over not in OVER:
+            raise InvalidArgumentError(
+                f"Damping: over must be one of {list(OVER)}, got {self.over!r}; e.g. "
+                "Damping(over='rank') for the mean eigenvalue over the estimate's rank."
+            )
         scale = self.scale
         if scale is None:
             return
@@ -52,7 +69,9 @@ class Damping:
 
     def scale_for(self, kind: str) -> float:
         """The multiple used for a curvature of ``kind``."""
-        return DEFAULT_SCALES[kind] if self.scale is None else self.scale
+        if self.scale is not None:
+            return self.scale
+        return (RANK_DEFAULT_SCALES if self.over == "rank" else DEFAULT_SCALES)[kind]
 
     def value(self, mean_eigenvalue: float, kind: str) -> float:
         """``lambda`` for a ``kind`` curvature whose mean eigenvalue is ``mean_eigenvalue``."""
@@ -61,7 +80,8 @@ class Damping:
         return scale * mean_eigenvalue if mean_eigenvalue > 0 else scale
 
     def describe(self, kind: str) -> str:
-        return f"{self.scale_for(kind):g} x mean eigenvalue"
+        over = "" if self.over == "dimension" else " over the rank"
+        return f"{self.scale_for(kind):g} x mean eigenvalue{over}"
 
 
 def check_damping(damping: object) -> Damping | float:

@@ -10,6 +10,7 @@ refitting the eigenvalues). ``lambda_c`` follows from ``damping``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
@@ -36,8 +37,8 @@ from tracinfunc.errors import (
     MemoryBudgetError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
-from tracinfunc.grads.options import GradientOptions
-from tracinfunc.grads.selection import Selection, selected_names
+from tracinfunc.grads.options import GradientOptions, gradient_options
+from tracinfunc.grads.selection import selected_names
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.meta import CheckpointMeta
@@ -59,10 +60,9 @@ def fit_curvature(
     projection: Projection | None = None,
     damping: Damping | float | None = None,
     sampler: Sampler | None = None,
-    select: Selection | None = None,
+    options: GradientOptions | None = None,
     max_examples: int | None = None,
     batch_size: int | None = None,
-    chunk_size: int | None = None,
     seed: int = 0,
     block_diagonal: bool = False,
 ) -> Curvature:
@@ -88,10 +88,11 @@ def fit_curvature(
         sampler: Draws labels from the model (see :mod:`tracinfunc.curvature.samplers`);
             default: chosen for :func:`~tracinfunc.loss_from_module` classifiers and
             :func:`~tracinfunc.causal_lm_loss`.
-        select: The store's parameter selection.
+        options: The store's gradient options; only ``options.select`` (the parameter
+            selection) and ``options.chunk_size`` are used, so the selection is given once,
+            as for ``build_store`` and ``preconditioned_test_grads``.
         max_examples: Use only the first this many inputs of ``data`` (``None``: all).
         batch_size: Regroup ``data`` into batches of this many inputs.
-        chunk_size: Examples differentiated at once inside vmap.
         seed: Seeds the label draws (results are a function of the arguments).
         block_diagonal: ``"projected"`` only: keep each layer's block of the ``k x k`` Fisher
             and invert the blocks alone (``sum_l k_l^2`` numbers instead of ``k^2``); needs a
@@ -117,6 +118,8 @@ def fit_curvature(
     if kind == "projected":
         check_projection(projection)
     max_examples = check_int(max_examples, "max_examples", optional=True)
+    options = gradient_options(options)  # the store's: the selection is given once
+    select, chunk_size = options.select, options.chunk_size
     sampler = default_sampler(loss) if sampler is None else _check_sampler(sampler)
     names = selected_names(checkpoints[0].params, select)
     layout = canonical_layout({name: checkpoints[0].params[name] for name in names})
@@ -143,8 +146,13 @@ def fit_curvature(
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
             "preconditioner": None,  # raw gradients: binding.py refuses a preconditioned store
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
-    return Curvature(kind, metas, layout, projection if kind == "projected" else None,
-                     tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
+    fitted = Curvature(kind, metas, layout, projection if kind == "projected" else None,
+                       tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
+    if isinstance(damping, Damping) and damping.over == "rank":  # needs the spectra
+        ranked = tuple(resolve(damping, mean, kind)
+                       for mean in fitted.mean_eigenvalues("rank"))
+        fitted = dataclasses.replace(fitted, damping=ranked)  # checked at first use
+    return fitted
 
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,

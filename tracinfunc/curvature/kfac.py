@@ -1,12 +1,14 @@
 """K-FAC and EK-FAC: per-layer Kronecker factors of the Fisher and their damped inverses.
 
 For a layer with per-example gradient ``G = delta^T [x, 1]`` ``[d_out, d_a]`` (``d_a = d_in``
-plus a bias column), K-FAC approximates the layer's block of the Fisher by ``A (x) S`` with
-``A = E[x x^T]`` (mean over tokens) and ``S = E[sum_t delta delta^T]``, so that
-``(A (x) S)^-1 vec(G) = vec(S^-1 G A^-1)``. Damping ``lambda`` is split between the factors as
-``(A + pi sqrt(lambda) I) (x) (S + sqrt(lambda) / pi I)`` with ``pi^2 = (tr A / d_a) /
-(tr S / d_out)`` (Martens & Grosse, 2015), which keeps the Kronecker form: a query is
-preconditioned as ``(delta S'^-1)^T (x A'^-1)``, so a Kronecker projection stays factored.
+plus a bias column), K-FAC approximates the layer's block of the Fisher by ``S (x) A`` with
+``A = E[x x^T]`` (mean over tokens) and ``S = E[sum_t delta delta^T]`` (row-major ``vec(G)``).
+Damping means what it means for every kind, ``(S (x) A + lambda I)^-1``, solved exactly in the
+Kronecker eigenbasis: with ``A = Q_A diag(a) Q_A^T`` and ``S = Q_S diag(s) Q_S^T``,
+``G -> Q_S [(Q_S^T G Q_A) / (s_i a_j + lambda)] Q_A^T`` (two small eigendecompositions per layer,
+cached). Martens & Grosse's factored Tikhonov damping ``(S + sqrt(lambda)/pi I) (x) (A + pi
+sqrt(lambda) I)`` kept the Kronecker form but solved another system (0.51 off ``(H + lambda
+I)^-1`` on digits, issue 33), so it is not used.
 
 An ``nn.Embedding`` is a Linear layer on one-hot inputs: its ``A`` is diagonal (the weighted
 token frequencies), stored as a vector ``[d_in]`` and inverted elementwise, and its eigenbasis
@@ -19,15 +21,13 @@ damps them exactly: ``G -> Q_S [(Q_S^T G Q_A) / (L + lambda)] Q_A^T``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from tracinfunc.curvature.capture import KfacLayer
 
 __all__ = ["accumulate_eigenvalues", "accumulate_factors", "augmented", "ekfac_mean_eigenvalue",
-           "factor_inverses", "kfac_mean_eigenvalue", "precondition_ekfac", "precondition_kfac"]
+           "kfac_mean_eigenvalue", "kron_eigensystem", "precondition_ekfac"]
 
 
 def augmented(x: Tensor, layer: KfacLayer) -> Tensor:
@@ -103,32 +103,40 @@ def ekfac_mean_eigenvalue(estimate: dict[str, Tensor], layers: list[KfacLayer]) 
         layer.d_a * layer.d_out for layer in layers)
 
 
-def factor_inverses(estimate: dict[str, Tensor], layer: KfacLayer, damping: float
-                    ) -> tuple[Tensor, Tensor]:
-    """``((S + lambda_S I)^-1 [d_out, d_out], (A + lambda_A I)^-1 [d_a, d_a])``, float64."""
+def kron_eigensystem(estimate: dict[str, Tensor], layer: KfacLayer) -> dict[str, Tensor]:
+    """K-FAC's ``S (x) A`` in its Kronecker eigenbasis, in EK-FAC's keys: ``{weight:QS
+    [d_out, d_out], weight:QA [d_a, d_a] (not for an embedding's diagonal A: Q_A = I),
+    weight:eigen [d_out, d_a] = s_i a_j}``, float64."""
     a, s = estimate[f"{layer.weight}:A"], estimate[f"{layer.weight}:S"]
-    mean_a, mean_s = _trace(a) / a.shape[0], _trace(s) / s.shape[0]
-    pi = math.sqrt(mean_a / mean_s) if mean_a > 0 and mean_s > 0 else 1.0
-    root = math.sqrt(damping)
-    eye_s = torch.eye(s.shape[0], dtype=s.dtype)
-    s_inv = torch.linalg.inv(s + (root / pi) * eye_s)
-    if a.dim() == 1:  # an embedding's diagonal A: [d_in], inverted elementwise
-        return s_inv, 1 / (a + root * pi)
-    return s_inv, torch.linalg.inv(a + (root * pi) * torch.eye(a.shape[0], dtype=a.dtype))
+    values_s, q_s = _eigh(s)
+    out = {f"{layer.weight}:QS": q_s}
+    if a.dim() == 1:  # an embedding's diagonal A: its own eigenvalues, eigenbasis I
+        values_a = a
+    else:
+        values_a, out[f"{layer.weight}:QA"] = _eigh(a)
+    out[f"{layer.weight}:eigen"] = torch.outer(values_s, values_a)
+    return out
 
 
-def precondition_kfac(matrix: Tensor, inverses: tuple[Tensor, Tensor]) -> Tensor:
-    """``S'^-1 G A'^-1`` for ``G [b, d_out, d_a]`` (``A'^-1`` a vector ``[d_a]`` if diagonal)."""
-    s_inv, a_inv = (m.to(matrix.device) for m in inverses)
-    return s_inv @ matrix * a_inv if a_inv.dim() == 1 else s_inv @ matrix @ a_inv
+def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues and eigenvectors of a symmetric factor; NaN ones where it is not finite
+    (refused by the conditioning check, never a raw LinAlgError)."""
+    if bool(torch.isfinite(matrix).all()):
+        try:
+            return torch.linalg.eigh(matrix)
+        except torch.linalg.LinAlgError:
+            pass
+    nan = torch.full((matrix.shape[0],), torch.nan, dtype=matrix.dtype)
+    return nan, torch.eye(matrix.shape[0], dtype=matrix.dtype)
 
 
 def precondition_ekfac(matrix: Tensor, estimate: dict[str, Tensor], layer: KfacLayer,
                        damping: float) -> Tensor:
-    """``Q_S [(Q_S^T G Q_A) / (eigen + lambda)] Q_A^T`` for ``G [b, d_out, d_a]``."""
+    """``Q_S [(Q_S^T G Q_A) / (eigen + lambda)] Q_A^T`` for ``G [b, d_out, d_a]``: EK-FAC's
+    estimate, or K-FAC's in its Kronecker eigenbasis (:func:`kron_eigensystem`)."""
     q_s = estimate[f"{layer.weight}:QS"].to(matrix.device)
     eigen = estimate[f"{layer.weight}:eigen"].to(matrix.device)
-    if layer.rule == "embedding":  # Q_A = I
+    if f"{layer.weight}:QA" not in estimate:  # an embedding: Q_A = I
         return q_s @ ((q_s.T @ matrix) / (eigen + damping))
     q_a = estimate[f"{layer.weight}:QA"].to(matrix.device)
     rotated = q_s.T @ matrix @ q_a

@@ -31,7 +31,12 @@ from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.curvature.binding import check_curvature
 from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import CorruptStoreError, StoreExistsError, StoreNotFoundError
+from tracinfunc.errors import (
+    CorruptStoreError,
+    InvalidArgumentError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
 from tracinfunc.projection.spec import Projection
 from tracinfunc.store.meta import CheckpointMeta
 from tracinfunc.store.zarr.integrity import FileGuard, check_digest, seal
@@ -60,8 +65,15 @@ def save_curvature(curvature: Curvature, path: str | PathLike, *,
         StoreLockedError: another process is saving to ``path`` right now.
         ForeignArtifactError: ``path`` is, lies inside, or holds an artefact of another
             kind (a store, index, curvature, recording...; see docs/concepts/stores.md).
+        InvalidArgumentError: a refined curvature (its refinement holds training batches,
+            which are not saved).
     """
     curvature = check_curvature(curvature)
+    if curvature.refinement is not None:
+        raise InvalidArgumentError(
+            "save_curvature: the curvature is refined (with_refinement), and its refinement "
+            "holds training batches that a saved curvature does not keep; save "
+            "curvature.without_refinement() and call with_refinement(data) after loading.")
     root = Path(path)
     check_writable(root, "saved curvature", overwrite=overwrite)
     _refuse_existing(root, overwrite)

@@ -6,14 +6,12 @@ training rows and preconditioned test rows, so the training store stays as built
 - ``kind="projected"`` acts on projected rows: ``score(store, test_grads, curvature=c)``
   preconditions plain test gradients itself (:mod:`tracinfunc.query.curvature`).
 - ``"dense"``, ``"kfac"`` and ``"ekfac"`` act on full gradients, before the projection:
-  :func:`preconditioned_test_grads` computes them (for ``"kfac"`` with a Kronecker projection
-  without forming a layer's gradient: ``(delta S^-1 P_out)^T (x A^-1 P_in)``), marked with the
-  curvature's digest, and ``score(..., curvature=c)`` checks the mark.
+  :func:`preconditioned_test_grads` computes them, marked with the curvature's digest, and
+  ``score(..., curvature=c)`` checks the mark.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -27,20 +25,21 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
-from tracinfunc.curvature.capture import KfacLayer, first_example, layer_io
-from tracinfunc.curvature.kfac import augmented
+from tracinfunc.curvature.refine import fisher_product, pcg, warn_unconverged
+from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import EmptyDataError
+from tracinfunc.errors import EmptyDataError, InvalidArgumentError
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
-from tracinfunc.projection import Projection, canonical_layout, kronecker_factors, make_projector
+from tracinfunc.projection import Projection, canonical_layout, make_projector
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.memory.dense import MemoryStore
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["MARK", "GradientPreconditioner", "marked_store", "preconditioned_test_grads"]
+__all__ = ["MARK", "GradientPreconditioner", "RefinedSolve", "marked_store",
+           "preconditioned_test_grads"]
 
 MARK = "curvature"  # StoreMeta.extra key: {"kind", "digest"} of the curvature applied
 
@@ -88,30 +87,43 @@ def preconditioned_test_grads(
     meta = StoreMeta(projection=projection, checkpoints=metas, layout=layout, n_train=0,
                      k=projection.output_dim(layout), library_version=__version__)
     check_bound(curvature, meta)
-    per_ckpt = []
+    if curvature.refinement is not None:
+        curvature.check_refinable()
+    sampler = None if curvature.refinement is None else (
+        curvature.refinement.sampler or default_sampler(loss))
+    per_ckpt, residuals = [], []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
-        rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
-                           projection.for_checkpoint(ckpt_meta.name), options)
         params = dict(ckpt.params)
+        solve = None if sampler is None else RefinedSolve(
+            loss_at(loss, ckpt), curvature, c, names, params, sampler)
+        rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
+                           projection.for_checkpoint(ckpt_meta.name), options, solve)
         parts = [rows_fn(params, batch) for batch in iter_batches(data)]
         if not parts:
             raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
         per_ckpt.append(torch.cat(parts))
-    return marked_store(meta, per_ckpt, curvature)
+        if solve is not None:
+            residuals.append(solve.finish(ckpt_meta.name))
+    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
 
 
-def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature
-                 ) -> MemoryStore:
+def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature, *,
+                 residuals: list[list[float]] | None = None) -> MemoryStore:
     """Preconditioned rows (``[n_test, k]`` per checkpoint) as a store marked with the
     curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends).
+    A refined curvature's ``residuals`` (per checkpoint, the worst relative residual after
+    each conjugate-gradient step) are kept in the mark.
 
     Raises:
         NonFiniteGradientError: a row is NaN/inf (names the checkpoint and test examples).
     """
     rows = torch.stack(list(per_ckpt)).cpu()  # [n_ckpt, n_test, k]
     check_finite(rows, meta, first_row=0)
+    mark = {"kind": curvature.kind, "digest": curvature.digest}
+    if residuals is not None:
+        mark["residuals"] = residuals
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
-                        extra={MARK: {"kind": curvature.kind, "digest": curvature.digest}})
+                        extra={MARK: mark})
     return MemoryStore(meta, rows, rows.norm(dim=-1))
 
 
@@ -124,13 +136,21 @@ class GradientPreconditioner:
     """
 
     def __init__(self, curvature: Curvature, ckpt: int, projection: Projection,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, solve: RefinedSolve | None = None) -> None:
+        if curvature.refinement is not None and solve is None:
+            raise InvalidArgumentError(
+                f"{current_caller()}: the curvature is refined (with_refinement), which needs "
+                "torch Fisher-vector products of the loss; this frontend has none. Pass "
+                "curvature.without_refinement(), or make the test gradients with "
+                "tif.preconditioned_test_grads and a torch loss.")
         self.curvature, self.ckpt, self.projection = curvature, ckpt, projection
         self.chunk_size = chunk_size
+        self.solve = solve
         self._projectors: dict = {}
 
     def __call__(self, grads: dict[str, Tensor]) -> Tensor:
-        grads = self.curvature.precondition(self.ckpt, grads)
+        grads = (self.curvature.precondition(self.ckpt, grads) if self.solve is None
+                 else self.solve(grads))
         first = next(iter(grads.values()))
         key = (first.dtype, first.device)
         if key not in self._projectors:
@@ -139,58 +159,44 @@ class GradientPreconditioner:
         return vmap(self._projectors[key], chunk_size=self.chunk_size)(grads)
 
 
+class RefinedSolve:
+    """``grads {name: [b, *shape]} -> (H_c + lambda_c I)^-1 grads`` by preconditioned
+    conjugate gradient (:mod:`tracinfunc.curvature.refine`), over the refinement's batches
+    labelled once; keeps the worst relative residual after each step."""
+
+    def __init__(self, loss: LossFn, curvature: Curvature, ckpt: int, names, params: Params,
+                 sampler) -> None:
+        refinement = curvature.refinement
+        checked = CheckedSampler(sampler, curvature.checkpoints[ckpt].name)
+        generator = torch.Generator().manual_seed(refinement.seed + ckpt)
+        labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
+        self.product = fisher_product(loss, params, list(names), labelled)
+        self.curvature, self.ckpt = curvature, ckpt
+        self.history: list[Tensor] = []
+
+    def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        dtype = next(iter(grads.values())).dtype
+        solution, residuals = pcg(self.product,
+                                  lambda v: self.curvature.precondition(self.ckpt, v),
+                                  self.curvature.damping[self.ckpt], grads,
+                                  self.curvature.refinement.steps)
+        self.history.append(residuals)
+        return {name: value.to(dtype) for name, value in solution.items()}
+
+    def finish(self, name: str) -> list[float]:
+        """Per step, the worst residual over every query solved; warns if not converged."""
+        residuals = torch.cat(self.history, dim=1) if self.history else torch.zeros(1, 0)
+        warn_unconverged(residuals, self.curvature.refinement.tolerance, name)
+        return [float(r.max()) if r.numel() else 0.0 for r in residuals]
+
+
 def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projection,
-             options: GradientOptions):
+             options: GradientOptions, solve: RefinedSolve | None = None):
     """``fn(params, batch) -> [b, k]`` preconditioned, projected test rows at checkpoint c."""
     if curvature.kind == "projected":
         fn = projected_grads(loss, projection, options=options)
         return lambda params, batch: curvature.precondition_rows(ckpt, fn(params, batch))
-    if curvature.kind == "kfac" and projection.kind == "kronecker" and all(
-            layer.rule != "embedding" for layer in curvature.layers):  # ids, not features
-        return _factored_kfac(loss, curvature, ckpt, names, projection)
     psg = per_sample_grads(loss, options=options)
-    precondition = GradientPreconditioner(curvature, ckpt, projection, options.chunk_size)
+    precondition = GradientPreconditioner(curvature, ckpt, projection, options.chunk_size,
+                                          solve)
     return lambda params, batch: precondition(psg(params, batch))
-
-
-def _factored_kfac(loss, curvature: Curvature, ckpt: int, names, projection: Projection):
-    """K-FAC with a Kronecker projection: ``(delta S'^-1 P_r)^T (x A'^-1 P_c)`` per layer,
-    the layer's gradient never formed; biases through the projector's vector blocks."""
-    scale = 1 / math.sqrt(projection.dim)
-
-    def rows(params: Params, batch: Batch) -> Tensor:
-        selected = {name: params[name] for name in names}
-        frozen = {n: v for n, v in params.items() if n not in selected}
-
-        def selected_loss(chosen: Params, example) -> Tensor:
-            return loss({**frozen, **chosen}, example)
-
-        layers = list(curvature.layers)
-        io = layer_io(selected_loss, selected, layers, first_example(batch))(batch)
-        total, biases = 0, {}
-        for layer, (x, delta) in zip(layers, io, strict=True):
-            s_inv, a_inv = (m.to(x.device) for m in curvature.factor_inverses(ckpt, layer))
-            d_pre = delta.double() @ s_inv  # [b, T, d_out]
-            x_pre = augmented(x, layer) @ a_inv  # [b, T, d_a]
-            total = total + _kronecker_block(layer, d_pre, x_pre[..., :layer.d_in], projection,
-                                             tuple(params[layer.weight].shape)) * scale
-            if layer.bias is not None:
-                biases[layer.bias] = torch.einsum("bto,bt->bo", d_pre, x_pre[..., layer.d_in])
-        dtype = next(iter(params.values())).dtype
-        if biases:
-            project = make_projector(projection, canonical_layout(
-                {n: g[0] for n, g in biases.items()}), dtype=torch.float64, device=x.device)
-            total = total + vmap(project)(biases)
-        return total.to(dtype)
-
-    return rows
-
-
-def _kronecker_block(layer: KfacLayer, delta: Tensor, x: Tensor, projection: Projection,
-                     shape: tuple[int, ...]) -> Tensor:
-    """``(left @ P_r)^T (right @ P_c)`` flattened, ``[b, k]`` (unscaled)."""
-    p_rows, p_cols = kronecker_factors(projection, layer.weight, shape, device=x.device,
-                                       dtype=torch.float64)
-    left, right = (delta, x) if layer.rule in ("linear", "conv2d") else (x, delta)
-    block = torch.einsum("btr,btc->brc", left @ p_rows, right @ p_cols)  # [b, k_r, k_c]
-    return block.reshape(block.shape[0], -1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -17,22 +17,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tracinfunc._validate import current_caller, entry_point
-from tracinfunc.curvature import kfac
+from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc.curvature import kfac, refine
 from tracinfunc.curvature.blocks import Block, block_index
 from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.curvature.conditioning import (
     MAX_CONDITION,
     condition,
     minimal_damping,
+    rank_mean,
     round_up,
+    spectrum,
     systems,
 )
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten, layer_matrix, split_layer, unflatten
+from tracinfunc.curvature.refine import Refinement
 from tracinfunc.errors import IllConditionedError, InvalidArgumentError, NonFiniteGradientError
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.meta import CheckpointMeta
+from tracinfunc.types import Batch
 
 __all__ = ["CURVATURE_KINDS", "Curvature"]
 
@@ -59,6 +63,8 @@ class Curvature:
         blocks: ``"projected"`` with ``block_diagonal=True`` only: the per-layer blocks
             (:mod:`tracinfunc.curvature.blocks`); the estimates are then one
             ``"block:<i>"`` matrix ``[k_l, k_l]`` per block instead of ``"matrix"`` ``[k, k]``.
+        refinement: Queries refined by conjugate gradient on the Fisher itself
+            (:meth:`with_refinement`, :mod:`tracinfunc.curvature.refine`); ``None``: not.
     """
 
     kind: str
@@ -70,6 +76,7 @@ class Curvature:
     layers: tuple[KfacLayer, ...] = ()
     info: Mapping[str, Any] = field(default_factory=dict)
     blocks: tuple[Block, ...] = ()
+    refinement: Refinement | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CURVATURE_KINDS:
@@ -117,6 +124,8 @@ class Curvature:
         so a curvature without them has the metadata and digest it had before blocks)."""
         blocks = {"blocks": [[layer, [list(span) for span in spans]]
                              for layer, spans in self.blocks]} if self.blocks else {}
+        if self.refinement is not None:  # only then, so digests of the others are unchanged
+            blocks["refinement"] = self.refinement.describe()
         return {
             "kind": self.kind,
             "checkpoints": [{"name": c.name, "lr": c.lr, "fingerprint": c.fingerprint}
@@ -142,9 +151,12 @@ class Curvature:
             self._cache["digest"] = h.hexdigest()
         return self._cache["digest"]
 
-    def mean_eigenvalues(self) -> tuple[float, ...]:
-        """Per checkpoint, the mean eigenvalue of the undamped estimate (``tr(H_c) / dim``):
+    def mean_eigenvalues(self, over: str = "dimension") -> tuple[float, ...]:
+        """Per checkpoint, the mean eigenvalue of the undamped estimate: ``tr(H_c) / dim``
+        (``over="dimension"``) or ``tr(H_c) / rank(H_c)`` (``"rank"``, from its spectrum):
         what a :class:`~tracinfunc.curvature.Damping` multiplies."""
+        if over == "rank":
+            return tuple(self._rank_mean(c)[0] for c in range(self.n_ckpt))
         if self.blocks:
             return tuple(sum(float(e[f"block:{i}"].trace()) for i in range(len(self.blocks)))
                          / self.dim for e in self.estimates)
@@ -168,13 +180,91 @@ class Curvature:
                 :meth:`check_conditioned`); the message gives the damping that fixes it.
         """
         damping = check_damping(damping)
-        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues())
+        over = damping.over if isinstance(damping, Damping) else "dimension"
+        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues(over))
         rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
         damped = replace(self, damping=values, info={**self.info, "damping": rule})
         damped._cache.update({key: value for key, value in self._cache.items()
-                              if key[0] == "systems"})  # spectra do not depend on damping
+                              if key[0].startswith("systems") or key[0] == "largest"})
         damped.check_conditioned()
+        if damped.refinement is not None:
+            damped.check_refinable()
         return damped
+
+    @entry_point("Curvature.with_refinement")
+    def with_refinement(self, data: Batch | Iterable[Batch], *, steps: int = 5,
+                        max_examples: int | None = None, sampler: Any = None, seed: int = 0,
+                        tolerance: float = 1e-2) -> Curvature:
+        """The same curvature, its queries refined by preconditioned conjugate gradient.
+
+        Each query ``g`` is solved on ``(H_c + lambda_c I) x = g`` with ``H_c`` the Fisher of
+        the training examples in ``data`` (labels drawn by ``sampler``, as in
+        :func:`~tracinfunc.fit_curvature`), starting from this curvature's answer and
+        preconditioned by it; ``steps`` conjugate-gradient steps, each one Fisher-vector
+        product (a jvp and a vjp per training example) for a batch of queries. Applied by
+        :func:`~tracinfunc.preconditioned_test_grads` (so ``score``, ``top_k``,
+        ``indexed_top_k`` and the CLI get it through ``curvature=``).
+
+        Args:
+            data: Training batches (or a sample of them), kept in memory.
+            steps: Conjugate-gradient steps, ``>= 1``.
+            max_examples: Keep only the first this many inputs of ``data``.
+            sampler: Draws labels (``None``: the loss's default sampler).
+            seed: Seeds the label draws (``seed + checkpoint position``).
+            tolerance: Final relative residuals above this are reported (a
+                ``RuntimeWarning``); every residual is in the test gradients' metadata.
+
+        Raises:
+            InvalidArgumentError: ``kind="projected"`` (its space has no Fisher-vector
+                product), ``steps < 1``, a bad tolerance, or no examples in ``data``.
+            IllConditionedError: a zero, tiny or huge damping (:func:`refine.check_refinable`).
+        """
+        steps = check_int(steps, "steps", minimum=1)
+        if self.kind == "projected":
+            raise InvalidArgumentError(
+                f"{current_caller()}: refinement needs Fisher-vector products in parameter "
+                "space, but a 'projected' curvature acts on projected rows; fit kind='ekfac' "
+                "(or 'kfac', 'dense') and refine that.")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) \
+                or not math.isfinite(tolerance) or tolerance <= 0:
+            raise InvalidArgumentError(
+                f"{current_caller()}: tolerance must be a positive finite float, got "
+                f"{tolerance!r}; e.g. tolerance=1e-2.")
+        batches = refine.kept_batches(data, check_int(max_examples, "max_examples",
+                                                      optional=True, minimum=1))
+        refined = replace(self, refinement=refine.Refinement(
+            steps, batches, sampler, seed, float(tolerance), refine.data_digest(batches)))
+        refined._cache.update({key: value for key, value in self._cache.items()
+                               if key[0] != "digest"})
+        refined.check_refinable()
+        return refined
+
+    def without_refinement(self) -> Curvature:
+        """The same curvature with plain (unrefined) queries."""
+        return replace(self, refinement=None)
+
+    def check_refinable(self) -> None:
+        """Raise unless every checkpoint's damping suits refinement
+        (:func:`tracinfunc.curvature.refine.check_refinable`)."""
+        for c in range(self.n_ckpt):
+            key = ("largest", c)
+            if key not in self._cache:
+                self._cache[key] = refine.largest_eigenvalue(self.kind, self.estimates[c],
+                                                             self.layers)
+            refine.check_refinable(self._cache[key], self.damping[c],
+                                   self.checkpoints[c].name, MAX_CONDITION)
+
+    def ranks(self) -> tuple[int, ...]:
+        """Per checkpoint, the estimate's numerical rank (eigenvalues above
+        ``RANK_TOLERANCE`` times the largest)."""
+        return tuple(self._rank_mean(c)[1] for c in range(self.n_ckpt))
+
+    def _rank_mean(self, ckpt: int) -> tuple[float, int]:
+        key = ("systems-rank", ckpt)
+        if key not in self._cache:
+            self._cache[key] = rank_mean(spectrum(self.kind, self.estimates[ckpt], self.layers,
+                                                  len(self.blocks)))
+        return self._cache[key]
 
     def condition_numbers(self) -> tuple[float, ...]:
         """Per checkpoint, the largest condition number of the damped systems solved
@@ -242,11 +332,9 @@ class Curvature:
         out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
-            if self.kind == "kfac":
-                matrix = kfac.precondition_kfac(matrix, self.factor_inverses(ckpt, layer))
-            else:
-                matrix = kfac.precondition_ekfac(matrix, self.estimates[ckpt], layer,
-                                                 self.damping[ckpt])
+            estimate = self.kron_eigensystem(ckpt, layer) if self.kind == "kfac" \
+                else self.estimates[ckpt]
+            matrix = kfac.precondition_ekfac(matrix, estimate, layer, self.damping[ckpt])
             out.update(split_layer(matrix, layer, shapes[layer.weight]))
         return {name: _cast(value, dtype) for name, value in out.items()}
 
@@ -279,13 +367,13 @@ class Curvature:
             out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
         return _cast(out, rows.dtype)
 
-    def factor_inverses(self, ckpt: int, layer: KfacLayer) -> tuple[Tensor, Tensor]:
-        """K-FAC's damped ``(S'^-1, A'^-1)`` of one layer at checkpoint ``ckpt``."""
-        self.check_conditioned(ckpt)
-        key = ("factors", ckpt, layer.weight)
+    def kron_eigensystem(self, ckpt: int, layer: KfacLayer) -> dict[str, Tensor]:
+        """``"kfac"``: one layer's ``S (x) A`` in its Kronecker eigenbasis at checkpoint
+        ``ckpt`` (:func:`tracinfunc.curvature.kfac.kron_eigensystem`; independent of the
+        damping, so kept by :meth:`with_damping`)."""
+        key = ("systems-kron", ckpt, layer.weight)
         if key not in self._cache:
-            self._cache[key] = kfac.factor_inverses(self.estimates[ckpt], layer,
-                                                    self.damping[ckpt])
+            self._cache[key] = kfac.kron_eigensystem(self.estimates[ckpt], layer)
         return self._cache[key]
 
     def _inverse(self, ckpt: int, name: str = "matrix") -> Tensor:

@@ -1,0 +1,263 @@
+"""Iterative refinement: preconditioned conjugate gradient on ``(H_c + lambda_c I) x = g``.
+
+A fitted curvature (K-FAC, EK-FAC, dense) is an approximation of the Gauss-Newton (true
+Fisher) matrix ``H_c``; its damped inverse is cheap and close. Refinement solves the damped
+system of the Fisher itself, over a fixed sample of training batches with labels drawn once
+by the same sampler :func:`~tracinfunc.fit_curvature` uses, by a few steps of conjugate
+gradient preconditioned by the fitted inverse (starting from its answer). Fisher-vector
+products are computed functionally, never forming ``H``:
+``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` with ``g_j . v`` a ``torch.func.jvp`` of the
+per-example losses and the sum a ``torch.func.vjp``, both ``vmap``-ed over the test examples
+(one product serves a whole batch of queries).
+
+Made by :meth:`Curvature.with_refinement`; applied by :func:`preconditioned_test_grads` (hence
+``score``, ``top_k``, ``indexed_top_k`` and the CLI, through the marked test gradients).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import jvp, vjp, vmap
+from torch.utils._pytree import tree_leaves, tree_map
+
+from tracinfunc._validate import current_caller
+from tracinfunc.batches import iter_batches
+from tracinfunc.errors import EmptyDataError, IllConditionedError, NonFiniteGradientError
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["Refinement", "check_refinable", "data_digest", "fisher_product", "kept_batches",
+           "largest_eigenvalue", "pcg", "warn_unconverged"]
+
+Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
+
+
+@dataclass(frozen=True, eq=False)
+class Refinement:
+    """How queries are refined (held by a :class:`~tracinfunc.Curvature`).
+
+    Attributes:
+        steps: Conjugate-gradient steps per query (``>= 1``).
+        batches: The training batches the Fisher-vector products average over (a list).
+        sampler: Draws their labels (``None``: the loss's default sampler).
+        seed: Seeds the label draws (``seed + checkpoint position``).
+        tolerance: A final relative residual ``||g - (H + l I) x|| / ||g||`` above this is
+            reported (a ``RuntimeWarning``) as not converged.
+        digest: SHA-256 of the batches' tensors (part of the curvature's digest).
+    """
+
+    steps: int
+    batches: tuple[Batch, ...]
+    sampler: Any = None
+    seed: int = 0
+    tolerance: float = 1e-2
+    digest: str = field(default="")
+
+    def describe(self) -> dict[str, Any]:
+        """JSON types for the curvature's metadata (no tensors)."""
+        return {"steps": self.steps, "n_batches": len(self.batches), "seed": self.seed,
+                "tolerance": self.tolerance, "data": self.digest,
+                "sampler": None if self.sampler is None else repr(self.sampler)}
+
+
+def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
+                 ) -> tuple[Batch, ...]:
+    """The batches of ``data`` (cut after ``max_examples`` inputs) as a tuple; refuses none."""
+    kept, left = [], max_examples
+    for batch in iter_batches(data):
+        size = next(leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)).shape[0]
+        if left is not None:
+            if left <= 0:
+                break
+            if size > left:
+                batch = tree_map(lambda x, n=left: x[:n] if isinstance(x, Tensor) else x, batch)
+            left -= min(size, left)
+        kept.append(batch)
+    if not kept:
+        raise EmptyDataError(f"{current_caller()}: data holds no training examples to refine "
+                             "with; pass training batches (or a sample of them).")
+    return tuple(kept)
+
+
+def data_digest(batches: Iterable[Batch]) -> str:
+    """SHA-256 over every tensor leaf's shape, dtype and bytes (other leaves by ``repr``)."""
+    h = hashlib.sha256()
+    for batch in batches:
+        for leaf in tree_leaves(batch):
+            if isinstance(leaf, Tensor):
+                value = leaf.detach().cpu().contiguous()
+                h.update(f"{tuple(value.shape)}|{value.dtype}|".encode())
+                h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(leaf).encode())
+    return h.hexdigest()
+
+
+def fisher_product(loss: LossFn, params: Params, names: list[str],
+                   labelled: list[tuple[Batch, Tensor]]) -> Callable[[Vectors], Vectors]:
+    """``v -> H v`` for ``t`` vectors at once, ``H = sum_j w_j g_j g_j^T / sum_j w_j``.
+
+    Args:
+        loss: The per-example loss (one example -> a scalar).
+        params: The checkpoint's parameters; ``names`` are differentiated.
+        labelled: ``(batch, weights [b])`` pairs from the sampler.
+
+    Returns:
+        ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64.
+    """
+    selected = {name: params[name] for name in names}
+    frozen = {name: value for name, value in params.items() if name not in selected}
+    dtype = next(iter(selected.values())).dtype
+    total_weight = float(sum(float(w.sum()) for _, w in labelled))
+
+    def product(vectors: Vectors) -> Vectors:
+        out = {name: torch.zeros_like(value, dtype=torch.float64)
+               for name, value in vectors.items()}
+        tangents = {name: value.to(dtype) for name, value in vectors.items()}
+        for batch, weights in labelled:
+            def losses(chosen: Params, batch=batch) -> Tensor:  # [b]
+                return vmap(lambda example: loss({**frozen, **chosen}, example))(batch)
+
+            def along(tangent: Params) -> Tensor:  # g_j . v for every j: [b]
+                return jvp(losses, (selected,), (tangent,))[1]
+
+            directional = vmap(along)(tangents)  # [t, b]
+            _, pullback = vjp(losses, selected)
+            cotangents = directional * weights.to(directional)[None, :]
+            summed = vmap(pullback)(cotangents)[0]  # {name: [t, *shape]}
+            for name in out:
+                out[name] += summed[name].double()
+        return {name: value / total_weight for name, value in out.items()}
+
+    return product
+
+
+def pcg(product: Callable[[Vectors], Vectors], precondition: Callable[[Vectors], Vectors],
+        damping: float, rhs: Vectors, steps: int) -> tuple[Vectors, Tensor]:
+    """Preconditioned conjugate gradient on ``(H + damping I) x = rhs``, ``t`` systems at once.
+
+    Starts from ``x_0 = M rhs`` (``M``: the fitted damped inverse), so zero steps return the
+    fitted curvature's answer.
+
+    Returns:
+        ``(x {name: [t, *shape]} float64, residuals [steps + 1, t])``: the relative residual
+        ``||rhs - (H + l I) x_i|| / ||rhs||`` after each step (``0`` for a zero ``rhs``).
+
+    Raises:
+        NonFiniteGradientError: a product or the solution is NaN or infinite.
+    """
+    rhs = {name: value.double() for name, value in rhs.items()}
+    norm = _norm(rhs)
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+
+    def apply(x: Vectors) -> Vectors:
+        return _axpy(damping, x, product(x))
+
+    x = precondition(rhs)
+    residual = _axpy(-1.0, apply(x), rhs)
+    history = [_norm(residual) / safe]
+    z = precondition(residual)
+    direction, rz = z, _dot(residual, z)
+    for _ in range(steps):
+        applied = apply(direction)
+        curvature = _dot(direction, applied)
+        alpha = torch.where(curvature > 0, rz / torch.where(curvature > 0, curvature, 1.0), 0.0)
+        x = _axpy(alpha, direction, x)
+        residual = _axpy(-alpha, applied, residual)
+        history.append(_norm(residual) / safe)
+        z = precondition(residual)
+        rz_next = _dot(residual, z)
+        beta = torch.where(rz > 0, rz_next / torch.where(rz > 0, rz, 1.0), 0.0)
+        direction, rz = _axpy(beta, direction, z), rz_next
+    residuals = torch.stack(history)
+    if not (bool(residuals.isfinite().all()) and all(bool(v.isfinite().all())
+                                                      for v in x.values())):
+        raise NonFiniteGradientError(
+            f"{current_caller()}: the refined solve produced NaN or infinite values (a "
+            "Fisher-vector product over the refinement data is not finite); check that data "
+            "and the model at this checkpoint, or refine with other data.")
+    return x, residuals
+
+
+def warn_unconverged(residuals: Tensor, tolerance: float, checkpoint: str) -> None:
+    """A ``RuntimeWarning`` naming the worst final residual when it is above ``tolerance``."""
+    worst = float(residuals[-1].max()) if residuals.numel() else 0.0
+    if worst > tolerance:
+        warnings.warn(
+            f"{current_caller()}: refinement at checkpoint {checkpoint!r} stopped at a relative "
+            f"residual of {worst:.3g} after {residuals.shape[0] - 1} steps (first "
+            f"{float(residuals[0].max()):.3g}), above the tolerance {tolerance:g}; more steps "
+            "(with_refinement(steps=...)) or a larger damping converge further.",
+            RuntimeWarning, stacklevel=3)
+
+
+def largest_eigenvalue(kind: str, estimate: Mapping[str, Tensor], layers) -> float:
+    """The largest eigenvalue of a fitted estimate (``nan`` if it is not finite)."""
+    if kind == "dense":
+        return float(torch.linalg.eigvalsh(estimate["matrix"])[-1])
+    if kind == "ekfac":
+        return max(float(estimate[f"{layer.weight}:eigen"].max()) for layer in layers)
+    top = []
+    for layer in layers:
+        a, s = estimate[f"{layer.weight}:A"], estimate[f"{layer.weight}:S"]
+        top_a = float(a.max()) if a.dim() == 1 else float(torch.linalg.eigvalsh(a)[-1])
+        top.append(top_a * float(torch.linalg.eigvalsh(s)[-1]))
+    return max(top)
+
+
+def check_refinable(largest: float, damping: float, checkpoint: str,
+                    max_condition: float) -> None:
+    """Refuse a damping the refined system cannot use.
+
+    The sampled Fisher is rank-deficient (a finite sample; a softmax's shift direction), so
+    its damped system's condition number is ``(s_max + lambda) / lambda``: above
+    ``max_condition`` (``lambda`` zero or tiny) the conjugate-gradient answer is rounding;
+    with ``lambda * eps32 > s_max`` (huge) the curvature is below float32 rounding of
+    ``lambda I`` and refinement changes nothing.
+    """
+    eps = torch.finfo(torch.float32).eps
+    if not math.isfinite(largest):
+        raise IllConditionedError(
+            f"{current_caller()}: the curvature at checkpoint {checkpoint!r} holds NaN or "
+            "infinite values, so refining with it is meaningless; fit it again on finite data.")
+    if damping <= 0 or (largest + damping) / damping > max_condition:
+        need = largest / (max_condition - 1)
+        raise IllConditionedError(
+            f"{current_caller()}: refinement solves (H + lambda I) x = g with the sampled "
+            f"Fisher H, which is rank-deficient, so lambda must be positive: at checkpoint "
+            f"{checkpoint!r} lambda = {damping:.3g} gives a condition number of "
+            f"{(largest + damping) / damping if damping > 0 else math.inf:.3g} (largest "
+            f"eigenvalue {largest:.3g}), above {max_condition:.3g}; use with_damping("
+            f"{need:.2g}) or more, or Damping() for the default.")
+    if damping * eps > largest:
+        raise IllConditionedError(
+            f"{current_caller()}: at checkpoint {checkpoint!r} lambda = {damping:.3g} is so "
+            f"large that the curvature (largest eigenvalue {largest:.3g}) is below the float32 "
+            f"rounding of lambda I: refinement would change nothing. Lower the damping (at "
+            f"most {largest / eps:.2g}), or score without refinement.")
+
+
+def _dot(a: Vectors, b: Mapping[str, Tensor]) -> Tensor:
+    """Per vector ``<a_t, b_t>``, ``[t]``."""
+    return sum((a[n] * b[n]).reshape(a[n].shape[0], -1).sum(1) for n in a)
+
+
+def _norm(a: Vectors) -> Tensor:
+    return _dot(a, a).clamp_min(0).sqrt()
+
+
+def _axpy(alpha: Tensor | float, x: Vectors, y: Mapping[str, Tensor]) -> Vectors:
+    """``alpha x + y`` per vector (``alpha`` a float or ``[t]``)."""
+    def scaled(value: Tensor) -> Tensor:
+        if isinstance(alpha, Tensor):
+            return alpha.reshape(-1, *([1] * (value.dim() - 1))) * value
+        return alpha * value
+
+    return {n: scaled(x[n]) + y[n] for n in x}

@@ -89,7 +89,7 @@ def test_held_curvature_of_another_space_is_refused(fitted, other):
     _m, loss, ck, X, Y, s, t, _c = fitted
     kw = {"seed": dict(projection=tif.Projection(dim=16, seed=1)),
           "kind": dict(projection=tif.Projection(dim=16, seed=0, kind="sjlt")),
-          "select": dict(projection=P, select=["2.*"])}[other]
+          "select": dict(projection=P, options=tif.GradientOptions(select=["2.*"]))}[other]
     with pytest.raises(IncompatibleGradientsError):
         tif.score(s, t, curvature=tif.fit_curvature(loss, ck, (X, Y), **kw))
 

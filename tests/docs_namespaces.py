@@ -3,6 +3,8 @@
 Each kind builds a fresh namespace (a new model, so a block that trains or switches modes never
 changes the next block's) in the block's own working directory, with the files the examples
 open (`epoch-5.pt`, `run/`, `grads.zarr`). Everything is generated; nothing is downloaded.
+What one page's earlier blocks build (a token store, rerank's two stores, jax.md's `MLP`) is
+added from tests/docs_pages.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tracinfunc as tif
+from tests import docs_pages
 
 N_TRAIN, N_TEST, D_IN, N_CLASSES = 64, 6, 6, 3
 PROJ = tif.Projection(dim=16, seed=0)
@@ -72,7 +75,7 @@ def mlp(workdir: Path, page: str) -> dict[str, Any]:
         big = _data(2048, 3)
         tif.build_store(loss, ckpts, big, projection=PROJ, store=str(workdir / "grads.zarr"))
     params = dict(ckpts[0].params)
-    return dict(
+    namespace = dict(
         torch=torch, F=F, nn=nn, tif=tif, DataLoader=DataLoader, model=model, loss=loss,
         ckpts=ckpts, checkpoints=checkpoints, train_set=TensorDataset(x_train, y_train),
         train_loader=loader, loader=loader, train_data=(x_train, y_train),
@@ -93,6 +96,11 @@ def mlp(workdir: Path, page: str) -> dict[str, Any]:
             int(indices.sum()))),
         train_from_scratch=_train_from_scratch, correct_class_margin=_margin,
     )
+    if page == "docs/attribution.md":  # its report block opens on the quickstart's digits
+        namespace.update(docs_pages.digits())
+    if page == "docs/rerank.md":
+        namespace.update(docs_pages.rerank_stores(workdir))
+    return namespace
 
 
 def _train_from_scratch(x, y, seed: int) -> nn.Module:
@@ -195,7 +203,7 @@ def language_model(workdir: Path, page: str) -> dict[str, Any]:
         learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
         logging_strategy="no", disable_tqdm=True, remove_unused_columns=False, seed=0)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    return dict(
+    namespace = dict(
         torch=torch, tif=tif, peft=peft, transformers=transformers, DataLoader=DataLoader,
         Trainer=transformers.Trainer, model=model, base=base, bert=_tiny_bert(),
         tokenizer=tokenizer,
@@ -205,8 +213,11 @@ def language_model(workdir: Path, page: str) -> dict[str, Any]:
         val_batch=collate(pairs[:3]), val_tasks=["a", "a", "b"],
         train_texts=[p["prompt"] + p["completion"] for p in pairs],
         val_prompts=["q0 alpha?", "q1 beta?", "q2 gamma?"], val_answers=[" a", " b", " c"],
-        peft_model=peft_model, args=args,
+        peft_model=peft_model, args=args, checkpoints=ckpts,
     )
+    if page in ("README.md", "docs/attribution.md"):  # a token store to explain
+        namespace.update(docs_pages.token_store(loss, ckpts, tokenizer))
+    return namespace
 
 
 def _tiny_bert() -> nn.Module:
@@ -247,7 +258,7 @@ def flax(workdir: Path, page: str) -> dict[str, Any]:
                                 projection=tif.Projection(dim=512))
     rows = jnp.asarray(torch.stack([test.read_rows(c, 0, N_TEST) for c in range(2)]).numpy())
     torch_loss = tif.loss_from_module(_TorchMLP(), F.cross_entropy)
-    return dict(torch_loss=torch_loss, jax=jax, jnp=jnp, tif=tif, tj=tj, torch=torch,
+    namespace = dict(torch_loss=torch_loss, jax=jax, jnp=jnp, tif=tif, tj=tj, torch=torch,
                 variables=variables, logits=lambda v, x: net.apply(v, x),
                 snapshots=snapshots, loss=loss, jax_loss=loss, x=x_train, y=y_train,
                 x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, mapping=mapping,
@@ -256,6 +267,9 @@ def flax(workdir: Path, page: str) -> dict[str, Any]:
                 train_data=(torch.as_tensor(np.asarray(x_train)),
                             torch.as_tensor(np.asarray(y_train)).long()),
                 test_data=(x_test, y_test))
+    if page == "docs/jax.md":
+        namespace.update(docs_pages.jax_page(x_train, y_train))
+    return namespace
 
 
 class _TorchMLP(nn.Module):

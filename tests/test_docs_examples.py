@@ -28,7 +28,8 @@ from tests import docs_namespaces
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FRAGMENT = re.compile(r"<!--\s*fragment:\s*(.*?)\s*-->")
-LM_WORDS = ("causal_lm_loss", "peft", "tokenizer", "lora", "completion_", "adapter_checkpoint")
+LM_WORDS = ("causal_lm_loss", "peft", "tokenizer", "lora", "completion_", "adapter_checkpoint",
+            "token_scores")
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,8 @@ def fill_store(
                 rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
                 if isinstance(rows, RowBlock):
                     check_finite_flags(rows.finite, meta, first_row=writer.rows_written)
+                    # Rows computed elsewhere (JAX) are cast to the storage dtype here too.
+                    check_storable(rows.rows, meta, first_row=writer.rows_written)
                     writer.append(rows.rows, rows.norms)
                     rows = rows.rows
                 elif pipeline is not None:

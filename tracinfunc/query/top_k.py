@@ -120,7 +120,8 @@ def _exact_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int
         part = (values[:, :k], order[:, :k] + (start + offset))
         parts = [part] if best_values is None else [(best_values, best_indices), part]
         best_values, best_indices = merge_sorted(parts, k, largest=largest)
-    if nan_seen is not None and bool(nan_seen):  # NaN sorts first: top "proponents"
+    # NaN sorts first: top "proponents". (The meta device, shapes without values: nothing.)
+    if nan_seen is not None and not nan_seen.is_meta and bool(nan_seen):
         raise NonFiniteGradientError(
             f"{current_caller()}: some scores are NaN: the store holds inf or NaN rows (e.g. "
             "gradients beyond float16's range, 65504, stored as float16). Rebuild it with "

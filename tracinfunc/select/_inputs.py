@@ -19,7 +19,7 @@ from torch import Tensor
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["as_python_int", "as_python_real", "check_finite", "first_positions", "task_labels"]
+__all__ = ["as_python_real", "check_finite", "first_positions", "task_labels"]
 
 _LABELS = "a list, tuple or 1-D array of int or str labels, one per validation row"
 
@@ -90,15 +90,6 @@ def task_labels(tasks: Any, n_test: int) -> list[int | str]:
             f"got {len(tasks)} labels; e.g. tasks=['qa'] * 5 + ['math'] * 5."
         )
     return [_label(task, row) for row, task in enumerate(tasks)]
-
-
-def as_python_int(value: Any) -> Any:
-    """A Python ``int`` for ints and integer NumPy/JAX/torch scalars (0-d); else ``value``
-    unchanged (bools and floats included), for the caller's range check to refuse."""
-    array = _as_numpy(value)
-    if array is not None and array.ndim == 0 and array.dtype.kind in "iu":
-        return int(array.item())
-    return value
 
 
 def as_python_real(value: Any) -> Any:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
-from tracinfunc.select._inputs import as_python_int, as_python_real, check_finite, task_labels
+from tracinfunc.select._inputs import as_python_real, check_finite, task_labels
 from tracinfunc.select.top_examples import TopExamples, dataset_length
 
 __all__ = ["DataSelection", "less_scores", "select_training_data"]
@@ -136,7 +136,7 @@ def select_training_data(scores: Tensor, *, fraction: float | None = None,
             f"but the scores are a vector [{scores.shape[0]}]; pass the matrix or leave tasks out."
         )
     check_finite(scores, "training rows")  # a float64 mean of huge float64s overflows
-    n_keep = _count(scores.shape[0], as_python_real(fraction), as_python_int(k))
+    n_keep = _count(scores.shape[0], as_python_real(fraction), k)  # check_int takes any int scalar
     order = torch.sort(scores, descending=True, stable=True).indices[:n_keep]
     return DataSelection(indices=order.to(torch.int64), scores=scores[order],
                          n_train=scores.shape[0])

@@ -144,13 +144,13 @@ def check_writable(path: str | os.PathLike[str], kind: str, *, overwrite: bool) 
     caller = current_caller()  # the public function the user called
     target = Path(path)
     resolved = target.resolve()
-    for parent in resolved.parents:
-        found = artifact_kind(parent)
-        if found is not None:
-            raise ForeignArtifactError(
-                f"{caller}: {str(target)!r} is or lies inside the {found} at {str(parent)!r}; "
-                f"writing a {kind} there would damage that {found}. Choose a path outside "
-                f"{str(parent)!r} (beside it, not in it).")
+    inside = enclosing_artifact(resolved.parent)  # the nearest artefact above the target
+    if inside is not None:
+        found, parent = inside
+        raise ForeignArtifactError(
+            f"{caller}: {str(target)!r} is or lies inside the {found} at {str(parent)!r}; "
+            f"writing a {kind} there would damage that {found}. Choose a path outside "
+            f"{str(parent)!r} (beside it, not in it).")
     if not (resolved.exists() or target.is_symlink()):
         return
     _check_over(target, resolved, kind, overwrite=overwrite)
@@ -173,13 +173,13 @@ def check_removable(path: str | os.PathLike[str], kind: str) -> Path:
     caller = current_caller()  # the public function the user called
     target = Path(path)
     resolved = target.resolve()
-    for parent in resolved.parents:
-        found = artifact_kind(parent)
-        if found is not None:
-            raise ForeignArtifactError(
-                f"{caller}: {str(target)!r} is or lies inside the {found} at {str(parent)!r}, "
-                f"not a {kind} of its own; removing it would damage that {found}, so nothing "
-                f"was removed. Pass the path of a {kind} (remove the {found} as a whole with "
+    inside = enclosing_artifact(resolved.parent)  # the nearest artefact above the target
+    if inside is not None:
+        found, parent = inside
+        raise ForeignArtifactError(
+            f"{caller}: {str(target)!r} is or lies inside the {found} at {str(parent)!r}, "
+            f"not a {kind} of its own; removing it would damage that {found}, so nothing "
+            f"was removed. Pass the path of a {kind} (remove the {found} as a whole with "
                 "its own remover).")
     if _protected(resolved):
         raise ForeignArtifactError(

@@ -24,6 +24,7 @@ Flax is imported only here (and only when a K-FAC fit runs).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,10 +33,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
+from jax import tree_util
 
 from tracinfunc._validate import current_caller
 from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, LossFunctionError
+from tracinfunc.jax.grads import weakly
 from tracinfunc.jax.layout import ParamMapping
 
 __all__ = ["SUPPORTED", "kfac_io"]
@@ -191,6 +194,26 @@ def _layers(calls: list[_Call], mapping: ParamMapping) -> list[KfacLayer]:
 
 def kfac_io(loss: Callable, mapping: ParamMapping, args: tuple, example: Any
             ) -> tuple[list[KfacLayer], Callable[..., list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """:func:`_kfac_io`, made once per (loss, mapping, argument shapes) and kept as long as
+    the loss lives: a second fit with the same loss compiles nothing."""
+    signature = (mapping, *(
+        (tree_util.tree_structure(tree),
+         tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in tree_util.tree_leaves(tree)))
+        for tree in (*args, example)))
+    try:
+        held = _IO.setdefault(loss, {})
+    except TypeError:  # not weak-referenceable: made anew
+        return _kfac_io(loss, mapping, args, example)
+    if signature not in held:
+        held[signature] = _kfac_io(loss, mapping, args, example)
+    return held[signature]
+
+
+_IO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loss -> {signature: io}
+
+
+def _kfac_io(loss: Callable, mapping: ParamMapping, args: tuple, example: Any
+             ) -> tuple[list[KfacLayer], Callable[..., list[tuple[torch.Tensor, torch.Tensor]]]]:
     """The layers of ``loss`` and ``fn(*args, batch) -> [(x, delta) per layer]`` torch tensors.
 
     Args:
@@ -205,6 +228,7 @@ def kfac_io(loss: Callable, mapping: ParamMapping, args: tuple, example: Any
         and ``delta [b, T, d_out]``, as :func:`tracinfunc.curvature.capture.layer_io`.
     """
     found: list[list[_Call]] = []
+    loss = weakly(loss)  # the result is cached under the loss: never keep it alive
 
     def discover(args: tuple, example: Any) -> Any:
         with _tapped(_leaf_ids(mapping, args[0]), None) as calls:

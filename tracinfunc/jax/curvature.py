@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import torch
 
 from tracinfunc._validate import current_caller, entry_point
@@ -33,7 +32,7 @@ from tracinfunc.jax.build import (
     host_tensor,
     iter_batches,
 )
-from tracinfunc.jax.grads import per_sample_grads, projected_grads
+from tracinfunc.jax.grads import projected_grads, torch_layout_grads
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
@@ -82,7 +81,7 @@ def preconditioned_test_grads(
     checkpoints = _check_checkpoints(checkpoints)
     mapping = mapping or ParamMapping.identity(checkpoints[0].params)
     meta = new_store_meta(
-        [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
+        [(c.name, c.lr, c._fingerprint(mapping)) for c in checkpoints],
         mapping.layout, projection, torch.float32, None)
     check_bound(curvature, meta)
     batches = [batch for batch in iter_batches(data) if _batch_size(batch)]
@@ -102,12 +101,11 @@ def _rows_fn(loss: Any, curvature: Any, ckpt: int, projection: Projection,
     if curvature.kind == "projected":
         project = projected_grads(loss, projection, mapping=mapping, chunk_size=chunk_size)
         return lambda *args: curvature.precondition_rows(ckpt, host_tensor(project(*args)))
-    psg = per_sample_grads(loss, chunk_size=chunk_size)
-    to_torch = jax.vmap(mapping.to_torch)  # {name: [b, *torch shape]}: transposes are linear
+    mapped = torch_layout_grads(loss, mapping, chunk_size)  # {name: [b, *torch shape]}
     precondition = GradientPreconditioner(curvature, ckpt, projection, chunk_size)
 
     def rows(*args: Any) -> torch.Tensor:
-        grads = to_torch(psg(*args))
+        grads = mapped(*args)
         return precondition({name: host_tensor(value) for name, value in grads.items()})
 
     return rows

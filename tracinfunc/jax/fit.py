@@ -16,6 +16,7 @@ loss calls its Flax layers (:mod:`tracinfunc.jax.capture`: linen ``Dense``/``Emb
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -47,7 +48,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
 from tracinfunc.jax.capture import kfac_io
-from tracinfunc.jax.grads import per_sample_grads, projected_grads
+from tracinfunc.jax.grads import projected_grads, torch_layout_grads, weakly
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
@@ -74,7 +75,7 @@ class ClassificationSampler:
     def __call__(self, checkpoint: Checkpoint, batch: Any, generator: torch.Generator
                  ) -> tuple[Any, torch.Tensor]:
         inputs, target = batch[0], batch[1]
-        logits = jax.vmap(lambda x: self.logits(*checkpoint.args, x))(inputs)
+        logits = _batched_logits(self.logits)(checkpoint.args, inputs)
         if logits.ndim != 2:
             raise LossFunctionError(
                 f"{current_caller()}: logits(params, x) must return [n_classes] for one input, "
@@ -102,6 +103,25 @@ class ClassificationSampler:
         take = jnp.asarray(owner.numpy())
         labelled = (inputs[take], jnp.asarray(labels.numpy()).astype(target.dtype))
         return labelled, weights
+
+
+def _batched_logits(logits: Callable) -> Callable[[tuple, Any], jax.Array]:
+    """``jit(vmap(logits))`` over the inputs, compiled once and kept while ``logits`` lives."""
+    try:
+        held = _LOGITS.get(logits)
+    except TypeError:  # not weak-referenceable
+        return _compile_logits(logits)
+    if held is None:
+        held = _LOGITS[logits] = _compile_logits(logits)
+    return held
+
+
+def _compile_logits(logits: Callable) -> Callable[[tuple, Any], jax.Array]:
+    logits = weakly(logits)  # cached under logits: never keep it alive
+    return jax.jit(lambda args, inputs: jax.vmap(lambda x: logits(*args, x))(inputs))
+
+
+_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def classification_sampler(logits: Callable, *, samples: int = 1, exact: bool = False
@@ -199,7 +219,7 @@ def fit_curvature(
         _check_dense_size(layout)
     blocks = _blocks(block_diagonal, kind, layout, projection)
     metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr,
-                                 c.to_torch(mapping).fingerprint)
+                                 c._fingerprint(mapping))
                   for i, c in enumerate(checkpoints))
     batches = partial(_limited, data, max_examples)
     estimates, dampings, layers, seen = [], [], [], 0
@@ -271,11 +291,10 @@ def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch
     if kind == "projected":
         project = projected_grads(loss, projection, mapping=mapping, chunk_size=chunk_size)
         return lambda *args: host_tensor(project(*args))
-    psg = per_sample_grads(loss, chunk_size=chunk_size)
-    to_torch = jax.vmap(mapping.to_torch)
+    mapped = torch_layout_grads(loss, mapping, chunk_size)
 
     def rows(*args: Any) -> torch.Tensor:
-        grads = to_torch(psg(*args))
+        grads = mapped(*args)
         return flatten({name: host_tensor(value) for name, value in grads.items()},
                        mapping.layout)
 

@@ -51,10 +51,11 @@ def per_sample_grads(
         once per argument shapes (padded chunks never recompile).
     """
     chunk_size = check_int(chunk_size, "chunk_size", optional=True)
-    one = jax.grad(loss, has_aux=has_aux)
-    batched = jax.jit(partial(_batched, one, chunk_size))
+    batched = _held(loss, ("per-sample", has_aux, chunk_size), lambda: jax.jit(
+        partial(_batched, jax.grad(weakly(loss), has_aux=has_aux), chunk_size)))
 
-    def per_sample_grads_fn(params: Any, *args: Any) -> Any:
+    def per_sample_grads_fn(params: Any, *args: Any, _loss: Callable = loss) -> Any:
+        # _loss: this function keeps the loss alive, so its held program can trace it
         params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
         return batched(params, args[:-1], args[-1])
 
@@ -108,18 +109,78 @@ def checked_projected_grads(loss: Callable, projection: Projection, *,
 def _held_programs(loss, projection, mapping, has_aux, chunk_size, *, checks: bool):
     held: dict[Any, Callable] = {}  # this function's programs by parameter structure
 
-    def projected_grads_fn(params: Any, *args: Any) -> Any:
-        params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
+    def program_for(params: Any) -> Callable[[Any, tuple, Any], Any]:
+        """The compiled ``program(params, state_args, batch)`` for trees shaped like
+        ``params`` (JAX arrays): what a build calls per batch, skipping the conversions
+        and checks of ``projected_grads_fn``."""
         leaves, treedef = tree_util.tree_flatten(params)
         key = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
         if key not in held:
             mapped = mapping or ParamMapping.identity(params)
-            project = _projector(projection, mapped.layout, jnp.result_type(*leaves))
+            project = _projector(projection, mapped, jnp.result_type(*leaves))
             held[key] = partial(_program(loss, has_aux, chunk_size, mapped, project, checks),
                                 project.blocks)
-        return held[key](params, args[:-1], args[-1])
+        return held[key]
 
+    def projected_grads_fn(params: Any, *args: Any) -> Any:
+        params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
+        return program_for(params)(params, args[:-1], args[-1])
+
+    projected_grads_fn.program_for = program_for
     return projected_grads_fn
+
+
+def torch_layout_grads(loss: Callable, mapping: ParamMapping, chunk_size: int | None
+                       ) -> Callable[..., dict[str, jax.Array]]:
+    """``fn(*args, batch) -> {torch name: [b, *torch shape]}``: per-example gradients mapped
+    to torch names and layout in one compiled program, held as long as ``loss`` is (a dense
+    curvature's rows, fitted or preconditioned, call it once per batch and checkpoint)."""
+    def make() -> Callable:
+        one = jax.grad(weakly(loss))
+
+        def program(params, args, batch):
+            return jax.vmap(mapping.to_torch)(_batched(one, chunk_size, params, args, batch))
+        return jax.jit(program)
+
+    compiled = _held(loss, ("torch layout", chunk_size, mapping), make)
+
+    def torch_layout_grads_fn(params: Any, *args: Any, _loss: Callable = loss
+                              ) -> dict[str, jax.Array]:
+        params, args = as_jax_tree(params), as_jax_tree(_check_args(args))
+        return compiled(params, args[:-1], args[-1])
+
+    return torch_layout_grads_fn
+
+
+def weakly(fn: Callable) -> Callable:
+    """``fn`` called through a weak reference (``fn`` itself when it has none).
+
+    Programs are cached under their loss as a weak key; a program that referenced the loss
+    strongly would keep its own key alive and never be freed. Every function handed to a
+    user keeps its loss alive itself, so a held program can always trace it again.
+    """
+    try:
+        ref = weakref.ref(fn)
+    except TypeError:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return ref()(*args, **kwargs)
+
+    return call
+
+
+def _held(loss: Callable, key: Any, make: Callable[[], Callable]) -> Callable:
+    """The program ``make()`` built for ``loss`` and ``key``, made once and kept as long as
+    ``loss`` lives (a loss that cannot be weakly referenced gets a new one each time).
+    ``make`` must reach the loss only through :func:`weakly`."""
+    try:
+        programs = _PROGRAMS.setdefault(loss, {})
+    except TypeError:
+        return make()
+    if key not in programs:
+        programs[key] = make()
+    return programs[key]
 
 
 def row_norms(rows: jax.Array) -> jax.Array:
@@ -158,6 +219,7 @@ def as_jax_tree(tree: Any) -> Any:
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PROJECTORS: OrderedDict = OrderedDict()  # a few recent projectors' blocks, reused across calls
 _PROJECTOR_CACHE = 8
+_IN_MAPPING_ORDER = "<all weights, in mapping order>"  # the key of a reordered stacked matrix
 
 
 def _program(loss: Callable, has_aux: bool, chunk_size: int | None, mapping: ParamMapping,
@@ -166,38 +228,56 @@ def _program(loss: Callable, has_aux: bool, chunk_size: int | None, mapping: Par
     (``-> (rows, norms [b], finite [b])`` with ``checks``)."""
     key = (has_aux, chunk_size, mapping, project.plan.projection, project.layout,
            str(project.dtype), frozenset(project.blocks), checks)
-    try:
-        programs = _PROGRAMS.setdefault(loss, {})
-    except TypeError:  # not weak-referenceable (a bound method made anew): no reuse
-        programs = {}
-    if key not in programs:
-        project = copy.copy(project)  # the program holds the rules, never the blocks: they
-        project.blocks = {}  # are arguments, and the cache must not keep gigabytes alive
+    return _held(loss, key, partial(_make_program, loss, has_aux, chunk_size, mapping, project,
+                                    checks))
 
-        def one_example(blocks, params, *args_example):
-            out = jax.grad(loss, has_aux=has_aux)(params, *args_example)
-            grads, aux = out if has_aux else (out, None)
+
+def _make_program(loss: Callable, has_aux: bool, chunk_size: int | None,
+                  mapping: ParamMapping, project: Projector, checks: bool) -> Callable:
+    project = copy.copy(project)  # the program holds the rules, never the blocks: they
+    project.blocks = {}  # are arguments, and the cache must not keep gigabytes alive
+    loss = weakly(loss)  # cached under the loss: never keep it alive
+
+    def one_example(blocks, params, *args_example):
+        out = jax.grad(loss, has_aux=has_aux)(params, *args_example)
+        grads, aux = out if has_aux else (out, None)
+        if _IN_MAPPING_ORDER in blocks:  # the gradients as they come, no transposes
+            leaves = mapping._leaves_of(grads)
+            dtype = jnp.result_type(*leaves)
+            flat = jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+            rows = jnp.matmul(flat, blocks[_IN_MAPPING_ORDER], precision=lax.Precision.HIGHEST)
+            rows = rows * jnp.asarray(project.plan.scale, dtype)
+        else:
             rows = project.apply(blocks, mapping.to_torch(grads))
-            return (rows, aux) if has_aux else rows
+        return (rows, aux) if has_aux else rows
 
-        def batched(blocks, params, args, batch):
-            rows = _batched(partial(one_example, blocks), chunk_size, params, args, batch)
-            if not checks:
-                return rows
-            norms = row_norms(rows)  # NaN/inf in a row make its norm NaN/inf: the flag
-            return rows, norms, jnp.isfinite(norms)
+    def batched(blocks, params, args, batch):
+        rows = _batched(partial(one_example, blocks), chunk_size, params, args, batch)
+        if not checks:
+            return rows
+        norms = row_norms(rows)  # NaN/inf in a row make its norm NaN/inf: the flag
+        return rows, norms, jnp.isfinite(norms)
 
-        programs[key] = jax.jit(batched)
-    return programs[key]
+    return jax.jit(batched)
 
 
-def _projector(projection: Projection, layout: Any, dtype: Any) -> Projector:
-    """``make_projector`` with its blocks kept for the next few calls with the same spec."""
-    key = (projection, layout, str(jnp.dtype(dtype)))
+def _projector(projection: Projection, mapping: ParamMapping, dtype: Any) -> Projector:
+    """``make_projector`` with its blocks kept for the next few calls with the same spec.
+
+    When the Rademacher blocks are stacked into one ``[p, k]`` matrix, its rows are put in
+    the mapping's leaf order and JAX layouts once (``Projector._reordered``), so the
+    program multiplies the gradients as ``jax.grad`` returns them: a Flax kernel's
+    transpose to torch layout would otherwise run for every example (the same product,
+    only the float summation order differs).
+    """
+    key = (projection, mapping, str(jnp.dtype(dtype)))
     if key in _PROJECTORS:
         _PROJECTORS.move_to_end(key)
         return _PROJECTORS[key]
-    project = make_projector(projection, layout, dtype=dtype)
+    project = make_projector(projection, mapping.layout, dtype=dtype)
+    reordered = project._reordered([(leaf.name, leaf.axes) for leaf in mapping.leaves])
+    if reordered is not None:
+        project.blocks = {_IN_MAPPING_ORDER: reordered}  # the only copy kept
     _PROJECTORS[key] = project
     while len(_PROJECTORS) > _PROJECTOR_CACHE:
         _PROJECTORS.popitem(last=False)

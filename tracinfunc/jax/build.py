@@ -9,8 +9,9 @@ test gradients (and vice versa) whenever the weights are the same.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -71,10 +72,17 @@ class Checkpoint:
     lr: float = 1.0
     name: str | None = None
     state: Any = None
+    # Fingerprints by mapping, kept when the arrays are JAX's own (immutable): a store built
+    # again from this checkpoint skips re-hashing its weights. Arrays that came from torch
+    # share the tensor's memory, which can change in place, so theirs are never kept.
+    _fingerprints: dict = field(default_factory=dict, init=False, repr=False)
 
     @entry_point("tracinfunc.jax.Checkpoint")
     def __post_init__(self) -> None:
         lr = check_lr(self.lr)
+        if any(isinstance(leaf, torch.Tensor)
+               for leaf in tree_util.tree_leaves((self.params, self.state))):
+            object.__setattr__(self, "_fingerprints", None)
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidTypeError(f"tracinfunc.jax.Checkpoint: name must be a str or None, got "
                             f"{self.name!r}.")
@@ -116,6 +124,16 @@ class Checkpoint:
     def args(self) -> tuple[Any, ...]:
         """The loss's leading arguments: ``(params,)``, or ``(params, state)`` with state."""
         return (self.params,) if self.state is None else (self.params, self.state)
+
+    def _fingerprint(self, mapping: ParamMapping) -> str:
+        """The fingerprint a store built from this checkpoint with ``mapping`` records."""
+        cached = self._fingerprints
+        if cached is not None and mapping in cached:
+            return cached[mapping]
+        value = self.to_torch(mapping).fingerprint
+        if cached is not None:
+            cached[mapping] = value
+        return value
 
     @entry_point("Checkpoint.to_torch")
     def to_torch(self, mapping: ParamMapping | None = None) -> torch_checkpoint.Checkpoint:
@@ -188,13 +206,16 @@ def build_store(
     check_projection(projection)
     mapping = mapping or ParamMapping.identity(checkpoints[0].params)
     meta = new_store_meta(
-        [(c.name, c.lr, c.to_torch(mapping).fingerprint) for c in checkpoints],
+        [(c.name, c.lr, c._fingerprint(mapping)) for c in checkpoints],
         mapping.layout, projection, _storage_dtype(dtype), dataset_fingerprint)
     same = not projection.per_checkpoint  # one function (one program, one projector) for all
     grads_fns = [checked_projected_grads(loss, projection.for_checkpoint(c.name),
                                          mapping=mapping, chunk_size=chunk_size)
                  for c in meta.checkpoints[:1 if same else None]]
     grads_fns = grads_fns * len(checkpoints) if same else grads_fns
+    # Checkpoints share one structure (checked): each one's program is looked up once, and
+    # batches (JAX trees from iter_batches) go straight to it.
+    programs = [fn.program_for(c.params) for fn, c in zip(grads_fns, checkpoints, strict=True)]
     writer = make_writer(store, meta)
     padded_to: list[int] = []  # the first batch's size: smaller batches are padded to it
 
@@ -205,8 +226,8 @@ def build_store(
         batch = tree_util.tree_map(lambda leaf: pad_rows(leaf, size), batch)
         # Dispatch every checkpoint before reading any (the programs run asynchronously),
         # then cut the padding on the host side: views, no device op.
-        outs = [grads_fn(*ckpt.args, batch)
-                for grads_fn, ckpt in zip(grads_fns, checkpoints, strict=True)]
+        outs = [program(ckpt.params, ckpt.args[1:], batch)
+                for program, ckpt in zip(programs, checkpoints, strict=True)]
         return RowBlock(*(torch.stack([host_tensor(out[part])[:b] for out in outs])
                           for part in range(3)))
 
@@ -302,8 +323,28 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
 
 def _check_loss(loss: Any, checkpoint: Checkpoint, batch: Any) -> None:
     """Trace the loss on the first example (no compilation, no computation), so mistakes
-    fail before any real work."""
+    fail before any real work. A loss that passed for the same argument shapes and dtypes
+    passes again without tracing (each trace costs milliseconds per build)."""
     example = tree_util.tree_map(lambda leaf: leaf[0], batch)
+    signature = tuple(
+        (tree_util.tree_structure(tree),
+         tuple((leaf.shape, leaf.dtype) for leaf in tree_util.tree_leaves(tree)))
+        for tree in (*checkpoint.args, example))
+    try:
+        passed = _CHECKED_LOSSES.setdefault(loss, set())
+    except TypeError:  # not weak-referenceable: check every time
+        passed = set()
+    if signature in passed:
+        return
+    _trace_loss(loss, checkpoint, example)
+    passed.add(signature)
+
+
+# Losses whose trace passed, by argument signature; a dropped loss drops its entry.
+_CHECKED_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _trace_loss(loss: Any, checkpoint: Checkpoint, example: Any) -> None:
     call = ("loss(params, state, example)" if checkpoint.state is not None else
             "loss(params, example)")
     try:

@@ -326,6 +326,36 @@ class Projector:
                 total = part if total is None else total + part
         return total * jnp.asarray(self.plan.scale, dtype)
 
+    def _reordered(self, pieces: Sequence[tuple[str, tuple[int, ...] | None]]) -> jax.Array | None:
+        """The stacked ``[p, k]`` matrix with its rows in another order, or ``None`` when the
+        blocks are not stacked (SJLT, Kronecker, streamed or identity).
+
+        ``pieces`` lists each parameter's torch name and the axes that take its array, as the
+        caller holds it, to torch layout (``None``: the same layout), in the order the caller
+        ravels and concatenates them. ``flat @ reordered(pieces)`` is then exactly the torch
+        rows' ``[k]`` (before the scale) without transposing any gradient: for a Flax model
+        the kernels' transposes move once into this matrix instead of into every example.
+        """
+        if not self.concatenated:
+            return None
+        if sorted(name for name, _ in pieces) != [name for name, _ in self.layout]:
+            raise InvalidProjectionError(
+                f"tracinfunc.jax.Projector: pieces {[n for n, _ in pieces]} are not "
+                f"the projector's parameters {[n for n, _ in self.layout]}."
+            )
+        offsets, start = {}, 0
+        for name, shape in self.layout:
+            offsets[name] = start
+            start += math.prod(shape)
+        shapes = dict(self.layout)
+        index = []
+        for name, axes in pieces:
+            torch_index = offsets[name] + np.arange(math.prod(shapes[name])).reshape(shapes[name])
+            # the caller's array is torch's transposed back: index it the same way
+            inverse = tuple(np.argsort(axes)) if axes else None
+            index.append((np.transpose(torch_index, inverse) if inverse else torch_index).ravel())
+        return jnp.take(self.blocks[_CONCATENATED], jnp.asarray(np.concatenate(index)), axis=0)
+
     def _generate(self, cache_bytes: int) -> dict[str, Any]:
         blocks: dict[str, Any] = {}
         left = cache_bytes

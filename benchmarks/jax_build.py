@@ -11,8 +11,13 @@ both alike:
   counted, for the baseline (a new ``jax.jit``) as for tracinfunc.
 
 Models: the digits MLP of the issue (64-32-10, p=2410, n=1000 in batches of 200; ``--quick``:
-n=100, one trial, no LM) and a small Flax linen transformer LM. (``fit_curvature`` from JAX
-against torch is not timed here yet; its equality is tested in tests/jax/.)
+n=100, one trial, no LM) and a small Flax linen transformer LM.
+
+``--fit`` section (run by default): ``tracinfunc.jax.fit_curvature`` against
+``tracinfunc.fit_curvature`` on the torch twin of the digits MLP (the same float32 weights,
+data, sampled labels and damping), warm and first call, per kind (``projected`` k=512,
+``dense``, ``kfac``, ``ekfac``), with the largest relative difference of the fitted
+estimates (eigenvector factors compared as projectors ``Q Q^T``).
 
 Usage: ``python benchmarks/jax_build.py [--quick] [--repeats R]``.
 """
@@ -34,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tracinfunc as tif
@@ -164,6 +170,105 @@ def run(problem: dict, repeats: int, workdir: str) -> dict:
     return {name: float(np.median(values)) for name, values in times.items()} | {"p": p}
 
 
+FIT_KINDS = ("projected", "dense", "kfac", "ekfac")
+
+
+def fit_problem(n: int) -> dict:
+    """The digits MLP as a torch model and its Flax linen twin holding the same weights."""
+    import flax.linen as nn
+
+    from tracinfunc.curvature import classification_sampler
+
+    x, y = digits_problem(n)["data"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 10)).eval()
+    ckpts = []
+    for i in range(3):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+        ckpts.append(tif.Checkpoint.from_module(model, lr=0.1, name=f"c{i}"))
+    flax_model = nn.Sequential([nn.Dense(32), nn.tanh, nn.Dense(10)])
+    mapping = tj.ParamMapping.flax(flax_model.init(jax.random.key(0), jnp.zeros(64)))
+    jax_ckpts = [tj.Checkpoint(mapping.from_torch(c.params), lr=c.lr, name=c.name)
+                 for c in ckpts]
+    batch = 200
+    torch_data = [(torch.from_numpy(x[s:s + batch]), torch.from_numpy(y[s:s + batch]).long())
+                  for s in range(0, n, batch)]
+    jax_data = [(jnp.asarray(x[s:s + batch]), jnp.asarray(y[s:s + batch]))
+                for s in range(0, n, batch)]
+
+    def make_jax():
+        def logits(params, xi):
+            return flax_model.apply(params, xi)
+
+        def loss(params, example):
+            xi, yi = example
+            return -jax.nn.log_softmax(flax_model.apply(params, xi))[yi]
+        return loss, tj.classification_sampler(logits)
+
+    return {"torch": (tif.loss_from_module(model, F.cross_entropy), ckpts, torch_data,
+                      classification_sampler()),
+            "jax": (make_jax, jax_ckpts, jax_data, mapping)}
+
+
+def largest_difference(got, expected) -> float:
+    """Max over estimates of max|got - expected| / max|expected| (factors as Q Q^T)."""
+    worst = 0.0
+    for mine, theirs in zip(got.estimates, expected.estimates, strict=True):
+        for key, value in theirs.items():
+            other = mine[key]
+            if key.endswith((":QA", ":QS")):  # eigenvectors: equal up to sign
+                value, other = value @ value.T, other @ other.T
+            scale = float(value.abs().max()) or 1.0
+            worst = max(worst, float((other - value).abs().max()) / scale)
+    return worst
+
+
+def run_fit(problem: dict, repeats: int) -> dict:
+    loss, ckpts, torch_data, sampler = problem["torch"]
+    make_jax, jax_ckpts, jax_data, mapping = problem["jax"]
+    projection = tif.Projection(dim=K, seed=0)
+    results = {}
+    for kind in FIT_KINDS:
+        extra = {"projection": projection} if kind == "projected" else {}
+        times = {name: [] for name in ("torch", "jax warm", "jax first")}
+        held_loss, held_sampler = make_jax()
+
+        def fit_jax(jax_loss, jax_sampler, kind=kind, extra=extra):
+            return tj.fit_curvature(jax_loss, jax_ckpts, jax_data, kind=kind, mapping=mapping,
+                                    sampler=jax_sampler, **extra)
+
+        def fit_torch(kind=kind, extra=extra):
+            return tif.fit_curvature(loss, ckpts, torch_data, kind=kind, sampler=sampler,
+                                     **extra)
+
+        difference = largest_difference(fit_jax(held_loss, held_sampler), fit_torch())
+        for _ in range(repeats):
+            for name, fn in (("torch", fit_torch),
+                             ("jax warm", lambda h=held_loss, hs=held_sampler: fit_jax(h, hs)),
+                             ("jax first", lambda: fit_jax(*make_jax()))):
+                start = time.process_time()
+                fn()
+                times[name].append(time.process_time() - start)
+        results[kind] = {name: float(np.median(v)) for name, v in times.items()}
+        results[kind]["difference"] = difference
+    return results
+
+
+def print_fit_table(results: dict, n: int) -> None:
+    print(f"\n### fit_curvature from JAX vs torch on the twin (digits MLP, n={n}, 3 "
+          "checkpoints, 1 thread CPU s, median)\n")
+    print("| kind | torch s | JAX warm s | warm / torch | JAX first call s | first / torch | "
+          "max rel. difference |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for kind, r in results.items():
+        print(f"| {kind} | {r['torch']:.3f} | {r['jax warm']:.3f} | "
+              f"{r['jax warm'] / r['torch']:.2f} | {r['jax first']:.3f} | "
+              f"{r['jax first'] / r['torch']:.2f} | {r['difference']:.1e} |")
+
+
 def print_table(name: str, result: dict, n: int) -> None:
     warm, first = result["baseline warm"], result["baseline first"]
     print(f"\n### {name} (n={n}, p={result['p']}, k={K}, 3 checkpoints, 1 thread CPU s, "
@@ -183,16 +288,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--only", choices=("build", "fit"), default=None,
+                        help="run one section (default: both)")
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 7)
     with tempfile.TemporaryDirectory() as workdir:
         n = 100 if args.quick else 1000
-        print_table("digits MLP", run(digits_problem(n), repeats, workdir), n)
-        # --quick (the test suite's smoke run) skips the LM: its four compilations are most
-        # of the run's time, and the MLP exercises the same code.
-        lm = None if args.quick else lm_problem(200)
-        if lm is not None:
-            print_table(lm["name"], run(lm, repeats, workdir), len(lm["data"]))
+        if args.only in (None, "build"):
+            print_table("digits MLP", run(digits_problem(n), repeats, workdir), n)
+            # --quick (the test suite's smoke run) skips the LM: its four compilations are
+            # most of the run's time, and the MLP exercises the same code.
+            lm = None if args.quick else lm_problem(200)
+            if lm is not None:
+                print_table(lm["name"], run(lm, repeats, workdir), len(lm["data"]))
+        if args.only in (None, "fit"):
+            print_fit_table(run_fit(fit_problem(n), repeats), n)
     print("\njax_build: done")
 
 

@@ -42,6 +42,9 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
                        layers: list[KfacLayer], weights: Tensor) -> None:
     """Add one labelled batch's weighted ``A`` and ``S`` sums into ``sums`` (float64).
 
+    The sums are updated in place (``addmm_`` on the flattened ``[b T, d]`` rows, as
+    kronfluence accumulates its covariances): no ``[d, d]`` temporary per batch.
+
     Args:
         io: Per layer ``(x [b, T, d_in], delta [b, T, d_out])``.
         weights: ``[b]``, each input's weights summing to 1.
@@ -51,14 +54,34 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
         w = weights.to(d.device, torch.float64)[:, None, None]
         if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
             share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
-            a = torch.zeros(layer.d_in, dtype=torch.float64, device=d.device).index_add_(
-                0, x.reshape(-1), share.reshape(-1))  # [d_in]
+            _add_into(sums, f"{layer.weight}:A", torch.zeros(
+                layer.d_in, dtype=torch.float64, device=d.device).index_add_(
+                0, x.reshape(-1), share.reshape(-1)))  # [d_in]
         else:
             xa = augmented(x, layer)
-            a = torch.einsum("bti,btj->ij", xa * (w / xa.shape[1]), xa)  # [d_a, d_a]
-        s = torch.einsum("bti,btj->ij", d * w, d)  # [d_out, d_out]
-        for key, value in ((f"{layer.weight}:A", a), (f"{layer.weight}:S", s)):
-            sums[key] = sums[key] + value.cpu() if key in sums else value.cpu()
+            rows = xa.reshape(-1, layer.d_a)  # [b T, d_a]
+            _addmm_into(sums, f"{layer.weight}:A", (xa * (w / xa.shape[1])).reshape(
+                -1, layer.d_a), rows)  # [d_a, d_a]
+        _addmm_into(sums, f"{layer.weight}:S", (d * w).reshape(-1, layer.d_out),
+                    d.reshape(-1, layer.d_out))  # [d_out, d_out]
+
+
+def _addmm_into(sums: dict[str, Tensor], key: str, left: Tensor, right: Tensor) -> None:
+    """``sums[key] += left^T @ right`` in place (created on first use), on the CPU."""
+    if key not in sums:
+        sums[key] = torch.zeros(left.shape[1], right.shape[1], dtype=torch.float64)
+    if left.device == sums[key].device:
+        sums[key].addmm_(left.T, right)
+    else:
+        sums[key] += (left.T @ right).cpu()
+
+
+def _add_into(sums: dict[str, Tensor], key: str, value: Tensor) -> None:
+    """``sums[key] += value`` in place (created on first use), on the CPU."""
+    if key in sums:
+        sums[key] += value.cpu()
+    else:
+        sums[key] = value.cpu()
 
 
 def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str, Tensor]:
@@ -74,21 +97,38 @@ def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str
 def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
                            layers: list[KfacLayer], weights: Tensor,
                            bases: dict[str, Tensor]) -> None:
-    """Add one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into ``sums``."""
+    """Add one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into ``sums``.
+
+    The weights are folded into the rotated deltas as ``sqrt(w)`` (weights are ``>= 0``), so
+    ``sum_b w_b R_b^2 = sum_b (sqrt(w_b) R_b)^2``. With one row per example (``T = 1``: an
+    MLP) ``R_b = dq_b xq_b^T`` is rank one and ``sum_b (dq_b^2)(xq_b^2)^T`` is one matmul;
+    otherwise the ``[b, d_out, d_a]`` rotated gradients are formed a slice of the batch at a
+    time (at most ``_ROTATED_BYTES``) and squared in place.
+    """
     for layer, (x, delta) in zip(layers, io, strict=True):
         q_s = bases[f"{layer.weight}:QS"].to(x.device)
-        dq = delta.double() @ q_s  # [b, T, d_out]
+        root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
+        dq = (delta.double() @ q_s) * root  # [b, T, d_out]
+        key = f"{layer.weight}:eigen"
         if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
             index = x[..., None].expand(dq.shape)  # [b, T, d_out]
             rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
                                   device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
-        else:
-            xq = augmented(x, layer) @ bases[f"{layer.weight}:QA"].to(x.device)  # [b, T, d_a]
-            rotated = torch.einsum("bto,bti->boi", dq, xq)  # [b, d_out, d_a]
-        w = weights.to(x.device, torch.float64)[:, None, None]
-        value = (rotated.square() * w).sum(0).cpu()
-        key = f"{layer.weight}:eigen"
-        sums[key] = sums[key] + value if key in sums else value
+            _add_into(sums, key, rotated.square_().sum(0))
+            continue
+        xq = augmented(x, layer) @ bases[f"{layer.weight}:QA"].to(x.device)  # [b, T, d_a]
+        if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
+            _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
+            continue
+        step = max(1, _ROTATED_BYTES // (8 * layer.d_out * layer.d_a))
+        for start in range(0, dq.shape[0], step):
+            rotated = torch.bmm(dq[start:start + step].transpose(1, 2),
+                                xq[start:start + step])  # [b', d_out, d_a]
+            _add_into(sums, key, rotated.square_().sum(0))
+
+
+# The rotated per-example gradients of one layer are formed this many bytes at a time.
+_ROTATED_BYTES = 64 * 2**20
 
 
 def kfac_mean_eigenvalue(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> float:

@@ -3,7 +3,7 @@
 Reads the payload ``curvature_fit.py`` saved (the model, every checkpoint's weights, the
 training data, the batch size), fits ``fit_curvature(kind="ekfac")`` at every checkpoint on
 one thread, and prints ``RESULT {json}``: wall and process CPU seconds of the fit, the peak
-RSS of the process and its RSS before the fit (MiB).
+RSS of the process and its RSS after the imports and the data, before the model (MiB).
 
     python _tracinfunc_fit_child.py PAYLOAD.pt
 """
@@ -32,6 +32,7 @@ def main() -> None:
     payload = torch.load(sys.argv[1], weights_only=False)
     torch.set_num_threads(payload["threads"])
     warnings.simplefilter("ignore")
+    before = rss_mib()  # after the imports and the data, before the model (as kronfluence's)
     if payload["task"] == "classification":
         model = torch.load(payload["model"], weights_only=False)
         loss = tif.loss_from_module(model.eval(), F.cross_entropy)
@@ -48,7 +49,6 @@ def main() -> None:
         model.load_state_dict(state, strict=False)
         ckpts.append(tif.Checkpoint.from_module(model, name=f"ckpt-{c}"))
     options = tif.GradientOptions(select=payload["select"])
-    before = rss_mib()
     wall, cpu = time.perf_counter(), time.process_time()
     fit_curvature(loss, ckpts, data, kind="ekfac", options=options,
                   batch_size=payload["batch"])

@@ -6,8 +6,8 @@ true Fisher), the eigendecompositions, one eigenvalue-correction pass. kronfluen
 in its own environment (``$KRONFLUENCE_PYTHON`` or ``.venv-kronfluence``, ``make bench-setup``;
 ``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py``.
 Trials alternate the two (interleaved, so load hits both alike); the table gives medians of the
-fit's wall and process CPU seconds, the peak RSS of each process, its RSS before the fit, and
-the ratios ours / kronfluence's.
+fit's wall and process CPU seconds, the peak RSS of each process, its RSS after the imports
+and the data (before the model is built), and the ratios ours / kronfluence's.
 
 Models: an MLP on sklearn digits (64-256-256-10, every Linear weight and bias) and the
 2-layer Llama of ``quality_lm.py`` (every Linear weight), both at their seeded init and one
@@ -124,16 +124,17 @@ def print_table(results: list[dict]) -> None:
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"1 thread per process, medians of interleaved trials; load "
           f"{os.getloadavg()[0]:.1f}")
-    print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS before fit "
-          "| fit's RSS increase |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS ratio | "
+          "RSS after imports + data | peak minus that |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for result in results:
         base = result["medians"].get("kronfluence")
         for who, m in result["medians"].items():
             ratio = f"{m['fit_cpu_s'] / base['fit_cpu_s']:.2f}x" if base else "-"
+            rss = f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x" if base else "-"
             print(f"| {result['model']} ({result['n_params']} params, {result['n_train']} "
                   f"x 2 ckpts) | {who} {result['versions'][who]} | {m['fit_s']:.2f} | "
-                  f"{m['fit_cpu_s']:.2f} | {ratio} | {m['peak_rss_mib']:.0f} | "
+                  f"{m['fit_cpu_s']:.2f} | {ratio} | {m['peak_rss_mib']:.0f} | {rss} | "
                   f"{m['rss_before_fit_mib']:.0f} | "
                   f"{m['peak_rss_mib'] - m['rss_before_fit_mib']:.0f} |")
 

@@ -75,8 +75,10 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
 
 
 def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
-    """Equal for two layers reading the same memory the same way (so the same ``A``)."""
-    return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), layer.rule,
+    """Equal for two layers reading the same memory the same way (so the same ``A``); a
+    tensor without memory (meta, empty: address 0) is only ever equal to itself."""
+    where = x.data_ptr() or ("object", id(x))
+    return (where, x.device, x.dtype, tuple(x.shape), x.stride(), layer.rule,
             layer.bias is None)
 
 

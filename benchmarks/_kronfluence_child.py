@@ -9,7 +9,8 @@ of the test sequences' loss for each ``damping_factor`` asked (named absolute va
 ``scales``: multiples of that checkpoint's mean EK-FAC eigenvalue, tracinfunc's sweep). The
 loss is the benchmark's: each sequence's mean next-token cross-entropy over its non-padding
 targets (summed over a batch, as kronfluence wants). Saves ``[{damping name: scores}]`` (one
-per checkpoint) with torch.save and prints ``RESULT {json}``.
+per checkpoint) with torch.save and prints ``RESULT {json}``. With ``fit_only`` in the payload
+(``curvature_fit.py``) only the factors are fitted (wall and CPU time, peak RSS).
 
     python _kronfluence_child.py PAYLOAD.pt OUT.pt WORKDIR
 """
@@ -110,6 +111,14 @@ def mean_eigenvalue(factors) -> float:
     return total / count
 
 
+def rss_mib() -> float:
+    """The process's resident memory now (MiB)."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def main() -> None:
     payload_path, out_path, workdir = sys.argv[1:4]
     payload = torch.load(payload_path, weights_only=False)
@@ -131,7 +140,8 @@ def main() -> None:
         def make_model():
             return transformers.LlamaForCausalLM._from_config(config,
                                                               attn_implementation="sdpa")
-    per_ckpt, fit_s, seconds = [], [], {}
+    per_ckpt, fit_s, fit_cpu_s, seconds = [], [], [], {}
+    before = rss_mib()
     for c, state in enumerate(payload["checkpoints"]):  # every checkpoint, as tracinfunc
         model = make_model()
         model.load_state_dict(state)
@@ -141,12 +151,15 @@ def main() -> None:
         model = prepare_model(model, task)
         analyzer = Analyzer(f"checkpoint_{c}", model, task, cpu=True, disable_tqdm=True,
                             output_dir=workdir)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         analyzer.fit_all_factors("ekfac", dataset=train, per_device_batch_size=payload["batch"],
                                  factor_args=FactorArguments(strategy="ekfac",
                                                              use_empirical_fisher=False),
                                  overwrite_output_dir=True)
         fit_s.append(time.perf_counter() - start)
+        fit_cpu_s.append(time.process_time() - cpu)
+        if payload.get("fit_only"):  # curvature_fit.py: the fit's time and memory only
+            continue
         mean = mean_eigenvalue(analyzer.load_all_factors("ekfac"))
         dampings = dict(payload["dampings"])  # named absolute values (None: its heuristic)
         dampings.update({f"{scale:g}x": scale * mean for scale in payload.get("scales", ())})
@@ -169,7 +182,8 @@ def main() -> None:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
     print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": sum(fit_s),
-                                  "peak_rss_mib": peak,
+                                  "fit_cpu_s": sum(fit_cpu_s), "peak_rss_mib": peak,
+                                  "rss_before_fit_mib": before,
                                   "score_s": seconds}), flush=True)
 
 

@@ -22,6 +22,7 @@ SCRIPTS = {
     "vs_captum.py": [],
     "vs_dattri.py": [],
     "store_stream.py": [],
+    "curvature_fit.py": [],
     "memory_techniques.py": ["--full"],
 }
 

@@ -28,6 +28,7 @@ NEEDS = {"search.py": ["faiss"], "index_binding.py": ["faiss"], "scale_out.py": 
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"],
          "quality_lm.py": ["transformers", "matplotlib"],
+         "curvature_fit.py": ["sklearn", "transformers"],
          "rerank.py": ["sklearn", "transformers"],
          "token_attribution.py": ["transformers"], "report.py": ["sklearn"]}
 # Arguments beyond --quick ({tmp}: the scratch directory).
@@ -38,6 +39,7 @@ EXTRA = {"quality.py": ["--model", "logreg", "--out", "{tmp}"], "search.py": ["-
 PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "search.py": "nlist // 16",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
+          "curvature_fit.py": "| lm (",
           "quality_lm.py": "| tracin-all | tracin | all |",
           "rerank.py": "| LM projected curvature, retrieve with curvature |",
           "token_attribution.py": "| canary document top-1 proponent |",

@@ -236,3 +236,60 @@ def test_embedding_with_max_norm_is_refused_by_name():
     data = (torch.randint(0, 5, (4, 2)), torch.randint(0, 3, (4,)))
     with pytest.raises(InvalidArgumentError, match=r"'0.weight' \(Embedding with max_norm"):
         fit_curvature(loss, [tif.Checkpoint.from_module(model)], data, kind="kfac")
+
+
+# --- Layers reading one input (q, k, v of attention) ------------------------------------------
+
+class _SharedInput(nn.Module):
+    """``a`` and ``b`` read the same ``x [b, T, 4]`` (T = 3: the batched rotation); ``c`` one
+    row per example (T = 1: the rank-one eigenvalue update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 2), nn.Linear(4, 2), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.c((self.a(x) + torch.tanh(self.b(x))).flatten(1))
+
+
+@pytest.fixture
+def shared_input():
+    torch.manual_seed(0)
+    model = _SharedInput().double().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 3, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=g)
+    return model, loss, [tif.Checkpoint.from_module(model, name="a")], (x, y)
+
+
+def test_layers_reading_one_input_each_get_its_exact_factor(shared_input):
+    _, loss, ckpts, (x, y) = shared_input
+    curvature = fit_curvature(loss, ckpts, (x, y), kind="kfac", sampler=EXACT, damping=LAM,
+                              batch_size=4)
+    rows = torch.cat([x, torch.ones(10, 3, 1, dtype=torch.float64)], -1)  # [n, T, 5]
+    a = sum(rows[i].T @ rows[i] / 3 for i in range(10)) / 10  # E[(1/T) sum_t x_t x_t^T]
+    torch.testing.assert_close(curvature.estimates[0]["a.weight:A"], a)
+    torch.testing.assert_close(curvature.estimates[0]["b.weight:A"], a)
+    assert curvature.estimates[0]["a.weight:A"].data_ptr() != \
+        curvature.estimates[0]["b.weight:A"].data_ptr()  # one sum each, never aliased
+
+
+def test_layers_reading_one_input_ekfac_eigenvalues_are_the_dense_fishers_diagonal(
+        shared_input):
+    _, loss, ckpts, data = shared_input
+    once = Damping(1.0)
+    dense = fit_curvature(loss, ckpts, data, kind="dense", sampler=EXACT, damping=once)
+    ekfac = fit_curvature(loss, ckpts, data, kind="ekfac", sampler=EXACT, damping=once,
+                          batch_size=4)
+    estimate, fisher = ekfac.estimates[0], dense.estimates[0]["matrix"]
+    sizes = {"a.bias": 2, "a.weight": 8, "b.bias": 2, "b.weight": 8, "c.bias": 3,
+             "c.weight": 18}  # the dense layout: names sorted
+    offsets = dict(zip(sizes, [sum(list(sizes.values())[:i]) for i in range(len(sizes))],
+                       strict=True))
+    for name, d_out, d_in in (("a", 2, 4), ("b", 2, 4), ("c", 3, 6)):
+        order = [offsets[f"{name}.weight"] + o * d_in + i if i < d_in
+                 else offsets[f"{name}.bias"] + o for o in range(d_out) for i in range(d_in + 1)]
+        basis = torch.kron(estimate[f"{name}.weight:QS"], estimate[f"{name}.weight:QA"])
+        expected = (basis.T @ fisher[order][:, order] @ basis).diagonal().reshape(d_out, -1)
+        torch.testing.assert_close(estimate[f"{name}.weight:eigen"], expected)

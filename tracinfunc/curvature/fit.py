@@ -240,7 +240,7 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
         if io_fn is None:
             layers, io_fn = capture(labelled)
         kfac.accumulate_factors(sums, io_fn(labelled), layers, weights)
-        if not all(bool(value.isfinite().all()) for value in sums.values()):
+        if not _all_finite(sums.values()):
             sampler.refuse("a layer's input or output gradient")
         seen += float(weights.sum())
     if io_fn is None:
@@ -264,6 +264,12 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
             "DataLoader (data that can be iterated again), not a generator.")
     estimate.update({key: value / seen for key, value in corrected.items()})
     return estimate, kfac.ekfac_mean_eigenvalue(estimate, layers), round(seen), layers
+
+
+def _all_finite(values: Iterable[Tensor]) -> bool:
+    """Whether every entry is finite: one sum per tensor (a NaN or inf makes it non-finite),
+    the full check only where a sum is not finite (finite entries that overflow it)."""
+    return all(bool(value.sum().isfinite()) or bool(value.isfinite().all()) for value in values)
 
 
 def _fit_ekfac(*args):

@@ -42,53 +42,131 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
                        layers: list[KfacLayer], weights: Tensor) -> None:
     """Add one labelled batch's weighted ``A`` and ``S`` sums into ``sums`` (float64).
 
+    The sums are updated in place (``addmm_`` on the flattened ``[b T, d]`` rows, as
+    kronfluence accumulates its covariances): no ``[d, d]`` temporary per batch.
+
     Args:
         io: Per layer ``(x [b, T, d_in], delta [b, T, d_out])``.
         weights: ``[b]``, each input's weights summing to 1.
     """
+    shared = _shared_inputs(io, layers)
+    done: dict[tuple, Tensor] = {}  # an input's A term, for layers reading the same input
     for layer, (x, delta) in zip(layers, io, strict=True):
         d = delta.double()
         w = weights.to(d.device, torch.float64)[:, None, None]
+        key, same = f"{layer.weight}:A", _input_key(x, layer)
         if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
             share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
-            a = torch.zeros(layer.d_in, dtype=torch.float64, device=d.device).index_add_(
-                0, x.reshape(-1), share.reshape(-1))  # [d_in]
+            _add_into(sums, key, torch.zeros(layer.d_in, dtype=torch.float64,
+                                             device=d.device).index_add_(
+                0, x.reshape(-1), share.reshape(-1)))  # [d_in]
+        elif same in done:  # q, k and v of one attention read one input: its A term once
+            _add_into(sums, key, done[same])
         else:
             xa = augmented(x, layer)
-            a = torch.einsum("bti,btj->ij", xa * (w / xa.shape[1]), xa)  # [d_a, d_a]
-        s = torch.einsum("bti,btj->ij", d * w, d)  # [d_out, d_out]
-        for key, value in ((f"{layer.weight}:A", a), (f"{layer.weight}:S", s)):
-            sums[key] = sums[key] + value.cpu() if key in sums else value.cpu()
+            left = (xa * (w / xa.shape[1])).reshape(-1, layer.d_a)  # [b T, d_a]
+            if shared[same] > 1:
+                done[same] = left.T @ xa.reshape(-1, layer.d_a)  # [d_a, d_a]
+                _add_into(sums, key, done[same].clone())
+            else:
+                _addmm_into(sums, key, left, xa.reshape(-1, layer.d_a))  # [d_a, d_a]
+        _addmm_into(sums, f"{layer.weight}:S", (d * w).reshape(-1, layer.d_out),
+                    d.reshape(-1, layer.d_out))  # [d_out, d_out]
+
+
+def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
+    """Equal for two layers reading the same memory the same way (so the same ``A``); a
+    tensor without memory (meta, empty: address 0) is only ever equal to itself."""
+    where = x.data_ptr() or ("object", id(x))
+    return (where, x.device, x.dtype, tuple(x.shape), x.stride(), layer.rule,
+            layer.bias is None)
+
+
+def _shared_inputs(io: list[tuple[Tensor, Tensor]], layers: list[KfacLayer]) -> dict:
+    """How many layers read each input (by :func:`_input_key`)."""
+    counts: dict[tuple, int] = {}
+    for layer, (x, _) in zip(layers, io, strict=True):
+        counts[_input_key(x, layer)] = counts.get(_input_key(x, layer), 0) + 1
+    return counts
+
+
+def _addmm_into(sums: dict[str, Tensor], key: str, left: Tensor, right: Tensor) -> None:
+    """``sums[key] += left^T @ right`` in place (created on first use), on the CPU."""
+    if key not in sums:
+        sums[key] = torch.zeros(left.shape[1], right.shape[1], dtype=torch.float64)
+    if left.device == sums[key].device:
+        sums[key].addmm_(left.T, right)
+    else:
+        sums[key] += (left.T @ right).cpu()
+
+
+def _add_into(sums: dict[str, Tensor], key: str, value: Tensor) -> None:
+    """``sums[key] += value`` in place (created on first use), on the CPU."""
+    if key in sums:
+        sums[key] += value.cpu()
+    else:
+        sums[key] = value.cpu()
 
 
 def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str, Tensor]:
-    """``{weight:QA, weight:QS}`` eigenvectors of each layer's factors."""
-    out = {}
+    """``{weight:QA, weight:QS}`` eigenvectors of each layer's factors (a factor equal to the
+    one before it, as the ``A`` of layers reading one input, is decomposed once)."""
+    out: dict[str, Tensor] = {}
+    last: tuple[Tensor, Tensor] | None = None  # (factor, its eigenvectors)
     for layer in layers:
         for side in ("A", "S") if layer.rule != "embedding" else ("S",):  # diagonal A: I
-            _, vectors = torch.linalg.eigh(estimate[f"{layer.weight}:{side}"])
+            factor = estimate[f"{layer.weight}:{side}"]
+            if last is not None and last[0].shape == factor.shape and torch.equal(last[0],
+                                                                                   factor):
+                vectors = last[1].clone()
+            else:
+                _, vectors = torch.linalg.eigh(factor)
             out[f"{layer.weight}:Q{side}"] = vectors
+            last = (factor, vectors)
     return out
 
 
 def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
                            layers: list[KfacLayer], weights: Tensor,
                            bases: dict[str, Tensor]) -> None:
-    """Add one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into ``sums``."""
+    """Add one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into ``sums``.
+
+    The weights are folded into the rotated deltas as ``sqrt(w)`` (weights are ``>= 0``), so
+    ``sum_b w_b R_b^2 = sum_b (sqrt(w_b) R_b)^2``. With one row per example (``T = 1``: an
+    MLP) ``R_b = dq_b xq_b^T`` is rank one and ``sum_b (dq_b^2)(xq_b^2)^T`` is one matmul;
+    otherwise the ``[b, d_out, d_a]`` rotated gradients are formed a slice of the batch at a
+    time (at most ``_ROTATED_BYTES``) and squared in place.
+    """
+    rotated_inputs: dict[tuple, tuple[Tensor, Tensor]] = {}  # input key -> (Q_A, x Q_A)
     for layer, (x, delta) in zip(layers, io, strict=True):
         q_s = bases[f"{layer.weight}:QS"].to(x.device)
-        dq = delta.double() @ q_s  # [b, T, d_out]
+        root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
+        dq = (delta.double() @ q_s) * root  # [b, T, d_out]
+        key = f"{layer.weight}:eigen"
         if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
             index = x[..., None].expand(dq.shape)  # [b, T, d_out]
             rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
                                   device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
+            _add_into(sums, key, rotated.square_().sum(0))
+            continue
+        q_a, same = bases[f"{layer.weight}:QA"].to(x.device), _input_key(x, layer)
+        if same in rotated_inputs and torch.equal(rotated_inputs[same][0], q_a):
+            xq = rotated_inputs[same][1]  # q, k, v: one input, one eigenbasis
         else:
-            xq = augmented(x, layer) @ bases[f"{layer.weight}:QA"].to(x.device)  # [b, T, d_a]
-            rotated = torch.einsum("bto,bti->boi", dq, xq)  # [b, d_out, d_a]
-        w = weights.to(x.device, torch.float64)[:, None, None]
-        value = (rotated.square() * w).sum(0).cpu()
-        key = f"{layer.weight}:eigen"
-        sums[key] = sums[key] + value if key in sums else value
+            xq = augmented(x, layer) @ q_a  # [b, T, d_a]
+            rotated_inputs[same] = (q_a, xq)
+        if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
+            _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
+            continue
+        step = max(1, _ROTATED_BYTES // (8 * layer.d_out * layer.d_a))
+        for start in range(0, dq.shape[0], step):
+            rotated = torch.bmm(dq[start:start + step].transpose(1, 2),
+                                xq[start:start + step])  # [b', d_out, d_a]
+            _add_into(sums, key, rotated.square_().sum(0))
+
+
+# The rotated per-example gradients of one layer are formed this many bytes at a time.
+_ROTATED_BYTES = 64 * 2**20
 
 
 def kfac_mean_eigenvalue(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> float:

@@ -1,0 +1,159 @@
+"""EK-FAC fit time and memory: tracinfunc against kronfluence, same model, data, checkpoints.
+
+Each side fits EK-FAC at every checkpoint in a process of its own, on one thread: one
+covariance pass (``A = E[x x^T]``, ``S = E[delta delta^T]``, labels drawn from the model: the
+true Fisher), the eigendecompositions, one eigenvalue-correction pass. kronfluence 1.0.1 runs
+in its own environment (``$KRONFLUENCE_PYTHON`` or ``.venv-kronfluence``, ``make bench-setup``;
+``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py``.
+Trials alternate the two (interleaved, so load hits both alike); the table gives medians of the
+fit's wall and process CPU seconds, the peak RSS of each process, its RSS after the imports
+and the data (before the model is built), and the ratios ours / kronfluence's.
+
+Models: an MLP on sklearn digits (64-256-256-10, every Linear weight and bias) and the
+2-layer Llama of ``quality_lm.py`` (every Linear weight), both at their seeded init and one
+perturbed copy (two checkpoints).
+
+    python benchmarks/curvature_fit.py --quick    # tiny sizes, one trial (tests/ runs it)
+    python benchmarks/curvature_fit.py            # both models, 5 trials (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# model -> sizes: (n_train, width, length (LM) or hidden (MLP), trials)
+FULL = {"mlp": (1797, 256, 0, 5), "lm": (256, 64, 64, 5)}
+QUICK = {"mlp": (200, 32, 0, 1), "lm": (16, 8, 16, 1)}
+BATCH = 32
+
+
+def kronfluence_python() -> str:
+    return os.environ.get("KRONFLUENCE_PYTHON", str(ROOT / ".venv-kronfluence" / "bin" / "python"))
+
+
+def checkpoints(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """The seeded init and a copy with every parameter moved by 1% noise: two checkpoints."""
+    g = torch.Generator().manual_seed(1)
+    first = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    second = {name: value + 0.01 * value.abs().mean() * torch.randn(value.shape, generator=g)
+              if value.is_floating_point() else value for name, value in first.items()}
+    return [first, second]
+
+
+def mlp_payload(n_train: int, width: int, tmp: Path) -> dict:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data[:n_train], dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target[:n_train])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                          nn.Linear(width, 10))
+    torch.save(model, tmp / "model.pt")
+    return {"task": "classification", "model": str(tmp / "model.pt"), "train": (x, y),
+            "test": (x[:2], y[:2]), "checkpoints": checkpoints(model),
+            "select": [name for name, _ in model.named_parameters()]}
+
+
+def lm_payload(n_train: int, width: int, length: int) -> dict:
+    sys.path.insert(0, str(HERE))
+    import quality_lm
+
+    sizes = quality_lm.Sizes(n_train, 2, 1, 1, 1, length, width, (), (), 1, False)
+    train, test = quality_lm.load_text(sizes)
+    model = quality_lm.make_model(sizes, seed=0)
+    return {"task": "lm", "config": quality_lm.llama_config(sizes), "train": train,
+            "test": test, "checkpoints": checkpoints(model),
+            "select": quality_lm.linear_weights(model)}
+
+
+def run_child(who: str, payload: Path, tmp: Path) -> dict:
+    if who == "kronfluence":
+        command = [kronfluence_python(), str(HERE / "_kronfluence_child.py"), str(payload),
+                   str(tmp / "scores.pt"), str(tmp / "work")]
+    else:
+        command = [sys.executable, str(HERE / "_tracinfunc_fit_child.py"), str(payload)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{who} failed:\n{done.stderr[-3000:]}")
+    return json.loads(next(line[7:] for line in done.stdout.splitlines()
+                           if line.startswith("RESULT ")))
+
+
+def measure(name: str, sizes: tuple, tmp: Path) -> dict:
+    n_train, width, length, trials = sizes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        payload = (mlp_payload(n_train, width, tmp) if name == "mlp"
+                   else lm_payload(n_train, width, length))
+    payload.update({"batch": BATCH, "threads": 1, "fit_only": True, "dampings": {}})
+    path = tmp / f"{name}.pt"
+    torch.save(payload, path)
+    peers = ["ours", "kronfluence"] if Path(kronfluence_python()).exists() else ["ours"]
+    runs: dict[str, list[dict]] = {who: [] for who in peers}
+    for trial in range(trials):  # interleaved, the order alternating
+        for who in peers if trial % 2 == 0 else peers[::-1]:
+            runs[who].append(run_child(who, path, tmp))
+    keys = ("fit_s", "fit_cpu_s", "peak_rss_mib", "rss_before_fit_mib")
+    medians = {who: {key: statistics.median(r[key] for r in rows) for key in keys}
+               for who, rows in runs.items()}
+    n_params = sum(v.numel() for k, v in payload["checkpoints"][0].items()
+                   if k in set(payload["select"]))
+    return {"model": name, "n_train": n_train, "batch": BATCH, "n_ckpt": 2,
+            "n_params": n_params, "trials": trials, "medians": medians,
+            "versions": {who: rows[0]["version"] for who, rows in runs.items()}}
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+          f"1 thread per process, medians of interleaved trials; load "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS ratio | "
+          "RSS after imports + data | peak minus that |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        base = result["medians"].get("kronfluence")
+        for who, m in result["medians"].items():
+            ratio = f"{m['fit_cpu_s'] / base['fit_cpu_s']:.2f}x" if base else "-"
+            rss = f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x" if base else "-"
+            print(f"| {result['model']} ({result['n_params']} params, {result['n_train']} "
+                  f"x 2 ckpts) | {who} {result['versions'][who]} | {m['fit_s']:.2f} | "
+                  f"{m['fit_cpu_s']:.2f} | {ratio} | {m['peak_rss_mib']:.0f} | {rss} | "
+                  f"{m['rss_before_fit_mib']:.0f} | "
+                  f"{m['peak_rss_mib'] - m['rss_before_fit_mib']:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one trial")
+    parser.add_argument("--model", choices=sorted(FULL), action="append")
+    parser.add_argument("--trials", type=int, help="override the trials per model")
+    args = parser.parse_args()
+    table = QUICK if args.quick else FULL
+    results = []
+    with tempfile.TemporaryDirectory(prefix="curvature-fit-") as tmp:
+        for name in args.model or table:
+            sizes = table[name] if args.trials is None else (*table[name][:3], args.trials)
+            results.append(measure(name, sizes, Path(tmp)))
+    print_table(results)
+    print("\n" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

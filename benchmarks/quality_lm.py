@@ -304,7 +304,7 @@ def rank_rows(loss, chosen, test_set, store, fitted, options, measure, which, sc
                                                     projection=exact, options=options)
         except IllConditionedError:
             continue
-        measure(f"{kind}-{which}-rank", kind, which, None, scale,
+        measure(f"{kind}-{which}-rank", f"{kind}-rank", which, None, scale,
                 tif.score(store, queries, curvature=curvature), fit_s,
                 default=scale == RANK_DEFAULT_SCALES[kind])
 

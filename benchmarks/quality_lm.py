@@ -414,7 +414,8 @@ def print_tables(result: dict) -> None:
           f"/ {sizes['n_test']} test sequences of {sizes['length']} characters, "
           f"{sizes['n_subsets']} half-subsets)\n")
     ceiling = "-" if result["ceiling"] is None else f"{result['ceiling']:.3f}"
-    print(f"2-layer Llama, width {sizes['width']}, {result['n_params']:,} parameters "
+    name = {"llama": "Llama", "gpt-neo": "GPT-Neo"}[sizes.get("arch", "llama")]
+    print(f"2-layer {name}, width {sizes['width']}, {result['n_params']:,} parameters "
           f"({result['n_selected']:,} in Linear weights, the scored selection); "
           f"{result['n_checkpoints']} checkpoints; train loss {result['train_loss']:.3f}, test "
           f"loss {result['test_loss']:.3f}; retraining ceiling (seed-to-seed Spearman) "
@@ -529,7 +530,8 @@ def save_plot(result: dict, path: Path) -> None:
     ax.set_xlabel("damping: multiple of each checkpoint's mean eigenvalue (star: default)")
     ax.set_ylabel("LDS (test-sequence log-likelihood)")
     sizes = result["sizes"]
-    ax.set_title(f"2-layer Llama, {sizes['n_train']} train / {sizes['n_test']} test sequences, "
+    name = {"llama": "Llama", "gpt-neo": "GPT-Neo"}[sizes.get("arch", "llama")]
+    ax.set_title(f"2-layer {name}, {sizes['n_train']} train / {sizes['n_test']} test sequences, "
                  f"{sizes['n_subsets']} subsets")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))

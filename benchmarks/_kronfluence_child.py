@@ -133,13 +133,16 @@ def main() -> None:
         def make_model():
             return torch.load(payload["model"], weights_only=False)
     else:
-        config = transformers.LlamaConfig(**payload["config"])
+        neo = payload.get("arch") == "gpt-neo"
+        config = (transformers.GPTNeoConfig if neo else transformers.LlamaConfig)(
+            **payload["config"])
         train, test = Sequences(payload["train"]), Sequences(payload["test"])
         task = LanguageModelTask()
 
         def make_model():
-            return transformers.LlamaForCausalLM._from_config(config,
-                                                              attn_implementation="sdpa")
+            causal_lm = transformers.GPTNeoForCausalLM if neo else transformers.LlamaForCausalLM
+            return causal_lm._from_config(config,
+                                          attn_implementation="eager" if neo else "sdpa")
     per_ckpt, fit_s, fit_cpu_s, seconds = [], [], [], {}
     before = rss_mib()
     for c, state in enumerate(payload["checkpoints"]):  # every checkpoint, as tracinfunc

@@ -54,6 +54,8 @@ import language_model  # noqa: E402  (the example's text and tokenizer)
 import tracinfunc as tif  # noqa: E402
 import tracinfunc.evaluate as ev  # noqa: E402
 from tracinfunc.curvature import DEFAULT_SCALES, Damping, fit_curvature  # noqa: E402
+from tracinfunc.curvature.damping import RANK_DEFAULT_SCALES  # noqa: E402
+from tracinfunc.errors import IllConditionedError  # noqa: E402
 
 SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 LR = 3e-3
@@ -74,6 +76,9 @@ class Sizes:
     scales: tuple[float, ...]
     n_bootstrap: int
     ceiling: bool  # retrain every subset with a second seed: the seed-to-seed Spearman
+    arch: str = "llama"  # one of ARCHS
+    refine: bool = True  # the refined EK-FAC row (CG steps: the slowest query)
+    picks: tuple[str, ...] = ("all", "last")  # the checkpoints scored: all, and the last only
 
 
 FULL = Sizes(256, 64, 100, 12, 3, 32, 32, (1024,), SCALES, 200, True)
@@ -84,8 +89,20 @@ MEDIUM = Sizes(96, 24, 24, 6, 2, 24, 16, (256,), (0.1, 0.3, 1.0, 3.0, 10.0, 30.0
 REFINE_EXAMPLES, REFINE_STEPS = 32, 3  # the refined EK-FAC row: CG over this many sequences
 
 
-def llama_config(sizes: Sizes) -> dict:
-    """The model's ``LlamaConfig`` keywords (the kronfluence child builds the same)."""
+ARCHS = ("llama", "gpt-neo")  # --model: the transformers class each is built from
+
+
+def model_config(sizes: Sizes) -> dict:
+    """The model's config keywords (the kronfluence child builds the same): a 2-layer Llama
+    (RoPE, RMSNorm, SwiGLU), or a GPT-2-style 2-layer GPT-Neo (learned positions, LayerNorm,
+    GELU, global attention; GPT-2 itself is made of ``Conv1D``, which K-FAC does not cover)."""
+    if sizes.arch == "gpt-neo":
+        return {"vocab_size": 96, "hidden_size": sizes.width, "num_layers": 2,
+                "num_heads": 4, "attention_types": [[["global"], 2]],
+                "intermediate_size": 2 * sizes.width, "max_position_embeddings": sizes.length,
+                "activation_function": "gelu_new", "embed_dropout": 0.0,
+                "attention_dropout": 0.0, "resid_dropout": 0.0, "tie_word_embeddings": False,
+                "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
     return {"vocab_size": 96, "hidden_size": sizes.width, "intermediate_size": 2 * sizes.width,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
             "max_position_embeddings": sizes.length, "tie_word_embeddings": False,
@@ -96,10 +113,14 @@ def make_model(sizes: Sizes, seed: int):
     import transformers
 
     torch.manual_seed(seed)
+    config, causal_lm = ((transformers.GPTNeoConfig, transformers.GPTNeoForCausalLM)
+                         if sizes.arch == "gpt-neo" else
+                         (transformers.LlamaConfig, transformers.LlamaForCausalLM))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.LlamaForCausalLM._from_config(
-            transformers.LlamaConfig(**llama_config(sizes)), attn_implementation="sdpa")
+        model = causal_lm._from_config(config(**model_config(sizes)),
+                                       attn_implementation="eager" if sizes.arch == "gpt-neo"
+                                       else "sdpa")
     return model
 
 
@@ -150,7 +171,8 @@ def retrain(sizes: Sizes, train_set, test_set, out: Path, seed: int):
         with torch.no_grad():
             return -sequence_losses(model, test_set)
 
-    path = out / (f"retrain-lm-n{sizes.n_train}-t{sizes.n_test}-e{sizes.epochs}-w{sizes.width}"
+    tag = "" if sizes.arch == "llama" else f"-{sizes.arch}"
+    path = out / (f"retrain-lm{tag}-n{sizes.n_train}-t{sizes.n_test}-e{sizes.epochs}-w{sizes.width}"
                   f"-L{sizes.length}-s{seed}.zarr")
     return ev.retrain_subsets(train_fn, sizes.n_train, sizes.n_subsets, seed=0, path=path)
 
@@ -191,7 +213,8 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                      "scale": scale, "default": default, "lds": result.mean, "low": result.low,
                      "high": result.high, "fit_s": fit_s})
 
-    picks = {"all": ckpts, "last": ckpts[-1:]}
+    picks = {which: chosen for which, chosen in (("all", ckpts), ("last", ckpts[-1:]))
+             if which in sizes.picks}
     costs: dict = {}
     defaults: dict = {}  # EK-FAC at its default damping, per pick: also over the k-store
     options = tif.GradientOptions(select=select)
@@ -218,15 +241,21 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
             fitted = fit_curvature(loss, chosen, train_set, kind=kind, options=options,
                                    damping=Damping(1.0), batch_size=BATCH)
             fit_s = time.perf_counter() - start
+            rank_rows(loss, chosen, test_set, store, fitted, options, measure, which,
+                      sizes.scales, fit_s)
             for scale in sorted({*sizes.scales, DEFAULT_SCALES[kind]}):
                 curvature = with_scale(fitted, scale)
-                queries = tif.preconditioned_test_grads(loss, chosen, test_set, curvature,
-                                                        projection=exact, options=options)
+                try:
+                    queries = tif.preconditioned_test_grads(loss, chosen, test_set, curvature,
+                                                            projection=exact, options=options)
+                except IllConditionedError:  # refused below the conditioning rule
+                    continue
                 measure(f"{kind}-{which}", kind, which, None, scale,
                         tif.score(store, queries, curvature=curvature), fit_s,
                         default=scale == DEFAULT_SCALES[kind])
                 if kind == "ekfac" and scale == DEFAULT_SCALES[kind]:
                     defaults[which] = curvature
+                if kind == "ekfac" and scale == DEFAULT_SCALES[kind] and sizes.refine:
                     refined_row(loss, chosen, train_set, test_set, store, curvature, options,
                                 measure, which, queries, costs)
                 if which == "all" and kind == "ekfac":  # the terms, beside kronfluence's
@@ -260,6 +289,24 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
             "train_loss": train_loss, "test_loss": test_loss, "ceiling": ceiling,
             "n_selected": n_selected, "n_params": n_all, "n_checkpoints": len(ckpts),
             "retrain_s": retrain_s, "dense": n_selected <= DENSE_LIMIT, "refine_cost": costs}
+
+
+def rank_rows(loss, chosen, test_set, store, fitted, options, measure, which, scales,
+              fit_s) -> None:
+    """The rank rule's sweep (``-rank`` rows): ``lambda_c = scale x tr(H_c) / rank(H_c)``,
+    marked default at the kind's ``RANK_DEFAULT_SCALES``."""
+    exact, kind = tif.Projection(kind="identity"), fitted.kind
+    ranked = fitted.mean_eigenvalues("rank")
+    for scale in sorted({*scales, RANK_DEFAULT_SCALES[kind]}):
+        curvature = dataclasses.replace(fitted, damping=tuple(scale * m for m in ranked))
+        try:
+            queries = tif.preconditioned_test_grads(loss, chosen, test_set, curvature,
+                                                    projection=exact, options=options)
+        except IllConditionedError:
+            continue
+        measure(f"{kind}-{which}-rank", f"{kind}-rank", which, None, scale,
+                tif.score(store, queries, curvature=curvature), fit_s,
+                default=scale == RANK_DEFAULT_SCALES[kind])
 
 
 def refined_row(loss, chosen, train_set, test_set, store, curvature, options, measure, which,
@@ -313,7 +360,7 @@ def kronfluence_rows(sizes, ckpts, train_set, test_set, measure) -> dict:
               for ckpt in ckpts]
     with tempfile.TemporaryDirectory(prefix="kronfluence-") as tmp:
         payload, result = Path(tmp, "payload.pt"), Path(tmp, "scores.pt")
-        torch.save({"config": llama_config(sizes), "checkpoints": states,
+        torch.save({"config": model_config(sizes), "arch": sizes.arch, "checkpoints": states,
                     "train": train_set, "test": test_set, "batch": BATCH,
                     "dampings": dampings, "scales": list(sizes.scales),
                     "threads": torch.get_num_threads()}, payload)
@@ -367,7 +414,8 @@ def print_tables(result: dict) -> None:
           f"/ {sizes['n_test']} test sequences of {sizes['length']} characters, "
           f"{sizes['n_subsets']} half-subsets)\n")
     ceiling = "-" if result["ceiling"] is None else f"{result['ceiling']:.3f}"
-    print(f"2-layer Llama, width {sizes['width']}, {result['n_params']:,} parameters "
+    name = {"llama": "Llama", "gpt-neo": "GPT-Neo"}[sizes.get("arch", "llama")]
+    print(f"2-layer {name}, width {sizes['width']}, {result['n_params']:,} parameters "
           f"({result['n_selected']:,} in Linear weights, the scored selection); "
           f"{result['n_checkpoints']} checkpoints; train loss {result['train_loss']:.3f}, test "
           f"loss {result['test_loss']:.3f}; retraining ceiling (seed-to-seed Spearman) "
@@ -395,7 +443,8 @@ def print_tables(result: dict) -> None:
     for config, cells in sweeps.items():
         base = reference(result, next(iter(cells.values())))
         best = max(cell["lds"] for cell in cells.values())
-        print(f"| {config} | " + " | ".join(f"{cells[s]['lds']:.3f}" for s in scales)
+        print(f"| {config} | " + " | ".join(f"{cells[s]['lds']:.3f}" if s in cells else "-"
+                                            for s in scales)
               + f" | {best - base['lds']:+.3f} |")
     print_fair(result)
     for which, cost in result.get("refine_cost", {}).items():
@@ -481,7 +530,8 @@ def save_plot(result: dict, path: Path) -> None:
     ax.set_xlabel("damping: multiple of each checkpoint's mean eigenvalue (star: default)")
     ax.set_ylabel("LDS (test-sequence log-likelihood)")
     sizes = result["sizes"]
-    ax.set_title(f"2-layer Llama, {sizes['n_train']} train / {sizes['n_test']} test sequences, "
+    name = {"llama": "Llama", "gpt-neo": "GPT-Neo"}[sizes.get("arch", "llama")]
+    ax.set_title(f"2-layer {name}, {sizes['n_train']} train / {sizes['n_test']} test sequences, "
                  f"{sizes['n_subsets']} subsets")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -505,12 +555,23 @@ def main() -> None:
     parser.add_argument("--subsets", type=int, help="retrained half-subsets (default: 100)")
     parser.add_argument("--no-ceiling", action="store_true",
                         help="skip the second-seed retraining (halves the retraining time)")
+    parser.add_argument("--model", choices=ARCHS, default="llama",
+                        help="the 2-layer LM: llama (default) or gpt-neo (GPT-2-style)")
+    parser.add_argument("--scales", type=float, nargs="+",
+                        help="the damping multiples swept (default: the size's)")
+    parser.add_argument("--no-refine", action="store_true", help="skip the refined EK-FAC row")
+    parser.add_argument("--all-only", action="store_true",
+                        help="score all checkpoints only (skip the last-checkpoint rows)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else MEDIUM if args.medium else FULL
     if args.subsets is not None:
         sizes = dataclasses.replace(sizes, n_subsets=args.subsets)
     if args.no_ceiling:
         sizes = dataclasses.replace(sizes, ceiling=False)
+    if args.scales:
+        sizes = dataclasses.replace(sizes, scales=tuple(sorted(args.scales)))
+    sizes = dataclasses.replace(sizes, arch=args.model, refine=not args.no_refine,
+                                picks=("all",) if args.all_only else ("all", "last"))
     torch.set_num_threads(1)  # tiny ops: extra threads only add synchronisation
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -14,6 +14,7 @@ from torch import nn
 import tracinfunc as tif
 from tests.reference import flat_loop_grads
 from tracinfunc.curvature import classification_sampler, fit_curvature
+from tracinfunc.curvature.refine import fisher_product
 from tracinfunc.curvature.test_grads import MARK
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -132,3 +133,22 @@ def test_cli_score_refines_like_the_api(tmp_path, capsys):
                  "--refine-steps", "2", "--output", str(tmp_path / "x.npy"), "--quiet"])
     assert code != 0 and "--refine-steps needs --curvature" in capsys.readouterr().err
     assert not (tmp_path / "x.npy").exists()
+
+
+def test_fisher_product_takes_vectors_in_any_key_order(setup):
+    """``H v`` for vectors keyed in another order than the selection (found on GPT-Neo, whose
+    k, v, q projections are registered out of name order): the explicit ``G^T G v / n``."""
+    _, loss, ckpts, train, _ = setup
+    params = dict(ckpts[0].params)
+    names = sorted(params)  # the reference's flat order
+    grads = flat_loop_grads(loss, params, train)  # [n, p]
+    product = fisher_product(loss, params, names[::-1],
+                             [(train, torch.ones(len(train[1]), dtype=torch.float64))])
+    v = torch.randn(2, grads.shape[1], dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))  # [t, p]
+    sizes = [params[name].numel() for name in names]
+    vectors = {name: part.reshape(2, *params[name].shape)
+               for name, part in zip(names, v.split(sizes, dim=1), strict=True)}
+    out = product(vectors)
+    flat = torch.cat([out[name].reshape(2, -1) for name in names], dim=1)
+    torch.testing.assert_close(flat, v @ grads.T @ grads / grads.shape[0])

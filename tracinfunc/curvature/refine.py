@@ -120,7 +120,9 @@ def fisher_product(loss: LossFn, params: Params, names: list[str],
     def product(vectors: Vectors) -> Vectors:
         out = {name: torch.zeros_like(value, dtype=torch.float64)
                for name, value in vectors.items()}
-        tangents = {name: value.to(dtype) for name, value in vectors.items()}
+        # jvp wants the tangents in the primals' key order, which need not be the vectors'
+        # (a selection listed out of module order: GPT-Neo's k, v, q projections)
+        tangents = {name: vectors[name].to(dtype) for name in selected}
         for batch, weights in labelled:
             def losses(chosen: Params, batch=batch) -> Tensor:  # [b]
                 return vmap(lambda example: loss({**frozen, **chosen}, example))(batch)

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidTypeError, LossFunctionError
-from tracinfunc.grads.factorized_batched import batched_or_vmapped
+from tracinfunc.grads.factorized_batched import batched_or_vmapped, tell_vmapped_forward
 from tracinfunc.grads.factorized_vectors import VectorBlocks, split_vectors
 from tracinfunc.grads.layer_rules import (
     dense_grad,
@@ -316,9 +316,12 @@ def factorized_projected_grads(
 
         if not batched:
             return vmapped(batch)
+        batch_loss = _batch_loss(loss, frozen)
+        if batch_loss is None and plan.batched is None:
+            tell_vmapped_forward(loss)
         return batched_or_vmapped(plan, selected_loss, chosen, batch, order, shapes,
                                   vmapped=vmapped, chunk_size=chunk_size,
-                                  batch_loss=_batch_loss(loss, frozen))
+                                  batch_loss=batch_loss)
 
     return factorized_fn
 

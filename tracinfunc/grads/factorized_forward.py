@@ -3,10 +3,11 @@
 A :class:`~tracinfunc.loss.ModuleLoss` computes a batch's per-example losses from one ordinary
 forward (:meth:`~tracinfunc.loss.ModuleLoss.per_example`), as a training step does. One
 backward of the summed losses, taken at every factorised layer's output ``[b, ...]`` itself (no
-zero tap added: an output that needs no gradient, such as the first embedding's, is made a
-leaf that does), gives each example's output gradients; an output modified in place later in
-the forward is refused. Parameters that are not factorised weights get their per-example
-gradients from the same output gradients, when each is
+zero tap to allocate and add, except on an output that needs no gradient or is shared by the
+batch), gives each example's output gradients; an output modified in place later in the
+forward is refused (the gradient at it would be the one at its last version). Parameters that
+are not factorised weights get their per-example gradients from the same output gradients,
+when each is
 
 - the bias of a factorised layer: the output gradient summed over positions;
 - the weight or bias of an ``nn.LayerNorm`` over the last dimension: the output gradient
@@ -77,11 +78,12 @@ def forward_sides(plan, batch_loss: Callable[[Params, Batch], Tensor], params: P
     return modules, inputs, [d.unsqueeze(1) for d in deltas], rest_grads
 
 
-def _check_unchanged(outputs: list[Tensor], versions: dict[int, int]) -> None:
-    """Refuse outputs modified in place after their layer returned them: the gradient taken at
-    such a tensor is the gradient at its last version, not at the layer's output."""
-    changed = [i for i, out in enumerate(outputs) if versions.get(id(out), out._version)
-               != out._version]
+def _check_unchanged(targets: list[Tensor], versions: dict[int, tuple]) -> None:
+    """Refuse layer outputs modified in place after their layer returned them: the gradient
+    taken at such a tensor is the gradient at its last version, not at the layer's output (a
+    zero tap, where one was added, is never modified)."""
+    changed = [target for target in targets if id(target) in versions
+               and versions[id(target)][1] != target._version]
     if changed:
         raise LossFunctionError(
             f"projected_grads: {len(changed)} layer outputs were modified in place during the "
@@ -110,22 +112,22 @@ class _Claims:
         self.weights, self.rest, self.batch = weights, rest, batch
         self.biases: list[str | None] = []
         self.norms: list[tuple] = []
-        self.versions: dict[int, int] = {}  # id(output) -> its version when it was made
+        # id(output) -> (output, its version when made); held so that no id is reused
+        self.versions: dict[int, tuple[Tensor, int]] = {}
 
     def _hook(self, module, inputs, output):
-        if isinstance(output, Tensor):
-            self.versions[id(output)] = output._version
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         if id(weight) in self.weights and layer_rule(module) is not None:
+            self.versions[id(output)] = (output, output._version)
             self.biases.append(None if bias is None else self.rest.get(id(bias)))
             return None
         names = (self.rest.get(id(weight)), self.rest.get(id(bias)))
         if type(module) is not nn.LayerNorm or len(module.normalized_shape) != 1 \
                 or names == (None, None):
             return None
-        output = differentiable(output, self.batch)
-        self.versions[id(output)] = output._version
-        self.norms.append((module, inputs[0], names, output))
+        output, target = differentiable(output, self.batch)
+        self.versions[id(output)] = (output, output._version)
+        self.norms.append((module, inputs[0], names, target))
         return output
 
     def __enter__(self) -> _Claims:

@@ -86,14 +86,16 @@ def dense_grad(rule: str, left: Tensor, right: Tensor, rows: int) -> Tensor:
     return zeros.index_add(0, left.clamp_min(0), right * keep)
 
 
-def differentiable(output: Tensor, batch: int | None) -> Tensor:
-    """``output`` itself if one backward can be taken at it for each of ``batch`` examples: it
-    requires grad (else a leaf alias that does) and has a leading batch dimension; an output
-    shared by the batch (``[1, ...]``, GPT-2's position embeddings) gets a zero tap
-    ``[batch, ...]`` whose gradient is each example's."""
-    if output.shape[:1] != (batch,):
-        return output + output.new_zeros((batch, *output.shape[1:]), requires_grad=True)
-    return output if output.requires_grad else output.detach().requires_grad_()
+def differentiable(output: Tensor, batch: int | None) -> tuple[Tensor, Tensor]:
+    """``(output to return, tensor to differentiate)`` for one backward giving each of
+    ``batch`` examples' output gradient: the output itself where it requires grad and has a
+    leading batch dimension (no tap to allocate and add); else a zero tap ``[batch, ...]``
+    added to it (an output shared by the batch, ``[1, ...]`` like GPT-2's position embeddings,
+    or one that needs no gradient, like the first embedding's)."""
+    if output.shape[:1] == (batch,) and output.requires_grad:
+        return output, output
+    tap = output.new_zeros((batch, *output.shape[1:]), requires_grad=True)
+    return output + tap, tap
 
 
 @contextmanager
@@ -103,7 +105,8 @@ def tapping(weight_ids: dict[int, int], taps: list[Tensor] | str | None, order: 
 
     Yields a list that fills with ``(weight index, module, input, output)`` per call;
     ``taps[i]`` is added to the ``i``-th call's output (``None``: record only; ``"outputs"``:
-    each output differentiated itself, see :func:`differentiable`; ``batch`` examples).
+    the recorded tensor is the one to differentiate, see :func:`differentiable`, for ``batch``
+    examples).
     ``order`` (when given) is the call order found on the first example; a different order is
     refused.
     """
@@ -124,9 +127,9 @@ def tapping(weight_ids: dict[int, int], taps: list[Tensor] | str | None, order: 
         if taps is None:
             seen.append((index, module, inputs[0], output))
             return None
-        if taps == "outputs":  # differentiate the output itself: no zero tap to add
-            output = differentiable(output, batch)
-            seen.append((index, module, inputs[0], output))
+        if taps == "outputs":  # differentiate the output itself where it can be
+            output, target = differentiable(output, batch)
+            seen.append((index, module, inputs[0], target))
             return output
         seen.append((index, module, inputs[0], output))
         return output + taps[call]

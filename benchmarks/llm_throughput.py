@@ -16,6 +16,8 @@ default) and ``all``. Methods:
   (``as_factored(exact=[])``, the form before issue 34); ``+adam exact``: the exact diagonal
   (generic path). With ``--trained`` the state is the training run's AdamW state, else a
   fresh Adam after two steps;
+- ``identity``: exact rows (``kind="identity"``, no projection; no agreement computed);
+- ``bergson exact``: bergson's collector with ``projection_dim=0`` (no projection);
 - ``bergson`` (when ``.venv-bergson`` exists, ``make bench-setup``; ``benchmarks/
   _bergson_child.py``): per-module projection ``p x p`` (p=16 on the small model, 9 on
   GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.

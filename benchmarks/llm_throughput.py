@@ -16,6 +16,8 @@ default) and ``all``. Methods:
   (``as_factored(exact=[])``, the form before issue 34); ``+adam exact``: the exact diagonal
   (generic path). With ``--trained`` the state is the training run's AdamW state, else a
   fresh Adam after two steps;
+- ``identity``: exact rows (``kind="identity"``, no projection; no agreement computed);
+- ``bergson exact``: bergson's collector with ``projection_dim=0`` (no projection);
 - ``bergson`` (when ``.venv-bergson`` exists, ``make bench-setup``; ``benchmarks/
   _bergson_child.py``): per-module projection ``p x p`` (p=16 on the small model, 9 on
   GPT-2 small's shape), weights frozen; ``all`` is every module bergson supports.
@@ -48,7 +50,7 @@ from pathlib import Path
 
 METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
            ("kronecker", "adam factored"), ("kronecker", "adam exact"),
-           ("kronecker", "adam factored all")]
+           ("kronecker", "adam factored all"), ("identity", None)]
 
 
 def build(size: str, quick: bool):
@@ -171,8 +173,8 @@ def method_fn(model, method: str, precondition: str | None, names, state, k: int
     from tracinfunc.grads.factorized import factorized_projected_grads
 
     loss = functional_loss(model) if functional else tif.causal_lm_loss(model)
-    kind = "sjlt" if method == "sjlt" else "kronecker"
-    spec = tif.Projection(dim=k, kind=kind)
+    kind = method if method in ("sjlt", "identity") else "kronecker"
+    spec = tif.Projection(dim=None if kind == "identity" else k, kind=kind)
     if method == "kronecker vmapped":
         return factorized_projected_grads(loss, spec, select=names, batched=False)
     chosen = state
@@ -291,7 +293,7 @@ def child_main(cfg: dict) -> None:
 def spawn(cfg: dict) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     command = [sys.executable, __file__, "--child", json.dumps(cfg)]
-    if cfg["method"] == "bergson":
+    if cfg["method"].startswith("bergson"):
         command = [bergson_python(), str(Path(__file__).with_name("_bergson_child.py")),
                    json.dumps(cfg)]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -334,19 +336,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def configurations(args) -> list[dict]:
     methods = METHODS[::3] if args.quick else METHODS
     if not args.quick and Path(bergson_python()).exists():
-        methods = [("bergson", None), *methods]
+        methods = [("bergson", None), ("bergson exact", None), *methods]
     if args.methods:
         methods = [(m, p) for m, p in methods if _label(m, p) in args.methods]
     forms = [False, True] if args.functional_loss or args.quick else [False]
     return [{"model": size, "params": params, "method": method,
              "precondition": precondition, "batch": args.batch, "tokens": args.tokens,
              "k": args.k, "repeats": args.repeats, "quick": args.quick,
-             "trained": args.trained, "functional": functional and method != "bergson",
-             "agreement": size == "small", "p": 16 if size == "small" else 9}
+             "trained": args.trained, "functional": functional,
+             "agreement": size == "small" and method not in ("identity", "bergson exact"),
+             "p": 0 if method == "bergson exact" else 16 if size == "small" else 9}
             for size in args.models for params in args.params[:1 if args.quick else None]
             for method, precondition in methods
             for functional in forms
-            if not (functional and (method == "bergson" or (args.quick and precondition)))]
+            if not (functional and (method.startswith("bergson") or method == "identity"
+                                    or (args.quick and precondition)))]
 
 
 def _label(method: str, precondition: str | None) -> str:

@@ -40,7 +40,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidTypeError, LossFunctionError
-from tracinfunc.grads.factorized_batched import batched_or_vmapped
+from tracinfunc.grads.factorized_batched import batched_or_vmapped, tell_vmapped_forward
+from tracinfunc.grads.factorized_vectors import VectorBlocks, split_vectors
 from tracinfunc.grads.layer_rules import (
     dense_grad,
     layer_rule,
@@ -93,9 +94,15 @@ class _Plan:
         if self.precondition is not None:
             self._precondition_factors()
         rest = {name: value for name, value in params.items() if name not in self.weights}
+        vectors, others = split_vectors(self.projection, rest)
+        self.vectors: VectorBlocks | None = None  # biases, norms: one stacked matmul
+        if vectors:
+            self.vectors = VectorBlocks(self.projection, {n: rest[n] for n in vectors},
+                                        device=self.device, dtype=self.dtype)
         self.rest: Projector | None = None
-        if rest:
-            self.rest = make_projector(self.projection, canonical_layout(rest),
+        if others:
+            self.rest = make_projector(self.projection,
+                                       canonical_layout({n: rest[n] for n in others}),
                                        device=self.device, dtype=self.dtype)
 
     def _precondition_factors(self) -> None:
@@ -170,9 +177,13 @@ class _Plan:
         """One example's row ``[k]`` from its generic gradients and layer sides."""
         if self.precondition is not None and rest_grads:
             rest_grads = self.precondition.apply(rest_grads)
-        total = self.rest(rest_grads) if self.rest is not None else self.offset
-        if self.rest is not None and self.offset is not None:
-            total = total + self.offset
+        total = self.offset
+        if self.vectors is not None:
+            part = self.vectors(rest_grads) * self.scale
+            total = part if total is None else total + part
+        if self.rest is not None:
+            part = self.rest({name: rest_grads[name] for name, _ in self.rest.layout})
+            total = part if total is None else total + part
         for index, rule, left, right in sides:
             p_rows, p_cols = self.factors[index]
             block = project_left(rule, left, p_rows).T @ (right @ p_cols)  # [k_r, k_c]
@@ -305,9 +316,12 @@ def factorized_projected_grads(
 
         if not batched:
             return vmapped(batch)
+        batch_loss = _batch_loss(loss, frozen)
+        if batch_loss is None and plan.batched is None:
+            tell_vmapped_forward(loss)
         return batched_or_vmapped(plan, selected_loss, chosen, batch, order, shapes,
                                   vmapped=vmapped, chunk_size=chunk_size,
-                                  batch_loss=_batch_loss(loss, frozen))
+                                  batch_loss=batch_loss)
 
     return factorized_fn
 

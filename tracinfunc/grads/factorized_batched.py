@@ -42,7 +42,8 @@ from tracinfunc.grads.layer_rules import (
 )
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["BatchedPathWarning", "batched_or_vmapped", "batched_rows"]
+__all__ = ["BatchedPathWarning", "LossFormWarning", "batched_or_vmapped", "batched_rows",
+           "tell_vmapped_forward"]
 
 _CHECKED_EXAMPLES = 4  # of the first batch, compared with the vmapped path
 BatchLoss = Callable[[Params, Batch], Tensor]
@@ -51,6 +52,33 @@ BatchLoss = Callable[[Params, Batch], Tensor]
 class BatchedPathWarning(UserWarning):
     """A faster mode of the factorised path does not apply to a loss; a slower one with the
     same rows is used (the message says why)."""
+
+
+class LossFormWarning(UserWarning):
+    """A plain ``loss(params, example)`` keeps the factorised path's forward under ``vmap``; a
+    :class:`~tracinfunc.loss.ModuleLoss` would run one batched forward (said once per loss)."""
+
+
+_TOLD: set = set()  # the code of each plain loss already told about (once per process)
+
+
+def tell_vmapped_forward(loss: LossFn) -> None:
+    """Say once per loss code which loss form gets one batched forward, and why this one
+    does not (a plain callable's per-example semantics are known only example by example)."""
+    code = getattr(getattr(loss, "__func__", loss), "__code__", type(loss))
+    if code in _TOLD:
+        return
+    _TOLD.add(code)
+    warnings.warn(
+        "projected_grads: kind='kronecker' runs this plain loss(params, example) under "
+        "vmap(loss) over the batch (one backward, but a vmapped forward: ~25% slower on "
+        "GPT-2), because only a ModuleLoss says how one batched forward of the model gives "
+        "each example's loss. For the fast mode pass a ModuleLoss: "
+        "tif.causal_lm_loss(model) for next-token losses (the same value as "
+        "functional_call(model, params, kwargs={'input_ids': ids[None], 'labels': "
+        "ids[None]}).loss on unpadded sequences), tif.sequence_classification_loss(model), "
+        "or tif.loss_from_model(model, criterion=...). The rows are the same either way; "
+        "this is said once per loss.", LossFormWarning, stacklevel=6)
 
 
 def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes,

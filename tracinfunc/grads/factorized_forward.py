@@ -1,10 +1,13 @@
 """The batched kronecker path's fastest mode: one batched forward of the module, no vmap.
 
 A :class:`~tracinfunc.loss.ModuleLoss` computes a batch's per-example losses from one ordinary
-forward (:meth:`~tracinfunc.loss.ModuleLoss.per_example`), as a training step does. Every factorised
-layer's output gets a zero tap ``[b, ...]`` (one example's ``[1, ...]`` stacked), and one
-backward of the summed losses gives each example's output gradients. Parameters that are not
-factorised weights get their per-example gradients from the same taps, when each is
+forward (:meth:`~tracinfunc.loss.ModuleLoss.per_example`), as a training step does. One
+backward of the summed losses, taken at every factorised layer's output ``[b, ...]`` itself (no
+zero tap to allocate and add, except on an output that needs no gradient or is shared by the
+batch), gives each example's output gradients; an output modified in place later in the
+forward is refused (the gradient at it would be the one at its last version). Parameters that
+are not factorised weights get their per-example gradients from the same output gradients,
+when each is
 
 - the bias of a factorised layer: the output gradient summed over positions;
 - the weight or bias of an ``nn.LayerNorm`` over the last dimension: the output gradient
@@ -26,7 +29,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
 from tracinfunc.errors import LossFunctionError
-from tracinfunc.grads.layer_rules import layer_rule, tapping
+from tracinfunc.grads.layer_rules import differentiable, layer_rule, tapping
 from tracinfunc.types import Batch, Params
 
 __all__ = ["forward_sides"]
@@ -44,18 +47,17 @@ def forward_sides(plan, batch_loss: Callable[[Params, Batch], Tensor], params: P
     consts = {name: value.detach() for name, value in params.items()}  # views, no copy
     ids = {id(consts[name]): i for i, name in enumerate(plan.weights)}
     rest = {id(value): name for name, value in consts.items() if name not in plan.weights}
-    taps = [torch.zeros((b, *shape[1:]), dtype=dtype, device=plan.device, requires_grad=True)
-            for shape, dtype in shapes]
-    claims = _Claims(ids, rest)
-    with torch.enable_grad(), tapping(ids, taps, order) as seen, claims:
+    claims = _Claims(ids, rest, b)
+    with torch.enable_grad(), tapping(ids, "outputs", order, b) as seen, claims:
         values = batch_loss(consts, batch)  # [b]
-        grads = torch.autograd.grad(values.sum(), taps + [tap for *_, tap in claims.norms],
-                                    materialize_grads=True)
+        outputs = [out for *_, out in seen] + [out for *_, out in claims.norms]
+        _check_unchanged(outputs, claims.versions)
+        grads = torch.autograd.grad(values.sum(), outputs, materialize_grads=True)
     if len(seen) != len(order):
         raise LossFunctionError(
             f"projected_grads: {len(seen)} layer calls in one batched forward, {len(order)} "
             "for one example")
-    deltas, norm_deltas = grads[:len(taps)], grads[len(taps):]
+    deltas, norm_deltas = grads[:len(seen)], grads[len(seen):]
     rest_grads: dict[str, Tensor] = {}
     for (_, module, _, _), bias, delta in zip(seen, claims.biases, deltas, strict=True):
         if bias is not None:
@@ -76,6 +78,18 @@ def forward_sides(plan, batch_loss: Callable[[Params, Batch], Tensor], params: P
     return modules, inputs, [d.unsqueeze(1) for d in deltas], rest_grads
 
 
+def _check_unchanged(targets: list[Tensor], versions: dict[int, tuple]) -> None:
+    """Refuse layer outputs modified in place after their layer returned them: the gradient
+    taken at such a tensor is the gradient at its last version, not at the layer's output (a
+    zero tap, where one was added, is never modified)."""
+    changed = [target for target in targets if id(target) in versions
+               and versions[id(target)][1] != target._version]
+    if changed:
+        raise LossFunctionError(
+            f"projected_grads: {len(changed)} layer outputs were modified in place during the "
+            "forward; their output gradients cannot be read from one batched backward")
+
+
 def _bias_grad(module: nn.Module, delta: Tensor) -> Tensor:
     """Per-example bias gradient ``[b, out]`` of a factorised layer."""
     if layer_rule(module) == "conv2d":
@@ -90,27 +104,31 @@ def _add(grads: dict[str, Tensor], name: str | None, value: Tensor) -> None:
 
 class _Claims:
     """A forward hook noting, while parameters are swapped in, the bias of each factorised
-    layer call (``biases``, in call order) and tapping every ``nn.LayerNorm`` over the last
-    dimension whose weight or bias is one of ``rest`` (``norms``: module, input, (weight
-    name, bias name), tap)."""
+    layer call (``biases``, in call order) and the output of every ``nn.LayerNorm`` over the
+    last dimension whose weight or bias is one of ``rest`` (``norms``: module, input, (weight
+    name, bias name), output), and each kept output's version."""
 
-    def __init__(self, weights: dict[int, int], rest: dict[int, str]) -> None:
-        self.weights, self.rest = weights, rest
+    def __init__(self, weights: dict[int, int], rest: dict[int, str], batch: int) -> None:
+        self.weights, self.rest, self.batch = weights, rest, batch
         self.biases: list[str | None] = []
         self.norms: list[tuple] = []
+        # id(output) -> (output, its version when made); held so that no id is reused
+        self.versions: dict[int, tuple[Tensor, int]] = {}
 
     def _hook(self, module, inputs, output):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         if id(weight) in self.weights and layer_rule(module) is not None:
+            self.versions[id(output)] = (output, output._version)
             self.biases.append(None if bias is None else self.rest.get(id(bias)))
             return None
         names = (self.rest.get(id(weight)), self.rest.get(id(bias)))
         if type(module) is not nn.LayerNorm or len(module.normalized_shape) != 1 \
                 or names == (None, None):
             return None
-        tap = torch.zeros_like(output, requires_grad=True)
-        self.norms.append((module, inputs[0], names, tap))
-        return output + tap
+        output, target = differentiable(output, self.batch)
+        self.versions[id(output)] = (output, output._version)
+        self.norms.append((module, inputs[0], names, target))
+        return output
 
     def __enter__(self) -> _Claims:
         self.handle = register_module_forward_hook(self._hook)

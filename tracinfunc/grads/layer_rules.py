@@ -17,7 +17,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.types import LossFn, Params
 
-__all__ = ["dense_grad", "layer_rule", "project_left", "rule_sides", "tapping",
+__all__ = ["dense_grad", "differentiable", "layer_rule", "project_left", "rule_sides", "tapping",
            "vmappable_attention"]
 
 
@@ -86,13 +86,29 @@ def dense_grad(rule: str, left: Tensor, right: Tensor, rows: int) -> Tensor:
     return zeros.index_add(0, left.clamp_min(0), right * keep)
 
 
+def differentiable(output: Tensor, batch: int | None) -> tuple[Tensor, Tensor]:
+    """``(output to return, tensor to differentiate)`` for one backward giving each of
+    ``batch`` examples' output gradient: the output itself where it requires grad and has a
+    leading batch dimension (no tap to allocate and add); else a zero tap ``[batch, ...]``
+    added to it (an output shared by the batch, ``[1, ...]`` like GPT-2's position embeddings,
+    or one that needs no gradient, like the first embedding's)."""
+    if output.shape[:1] == (batch,) and output.requires_grad:
+        return output, output
+    tap = output.new_zeros((batch, *output.shape[1:]), requires_grad=True)
+    return output + tap, tap
+
+
 @contextmanager
-def tapping(weight_ids: dict[int, int], taps: list[Tensor] | None, order: list | None):
+def tapping(weight_ids: dict[int, int], taps: list[Tensor] | str | None, order: list | None,
+            batch: int | None = None):
     """A global forward hook recording calls of layers whose weight is in ``weight_ids``.
 
     Yields a list that fills with ``(weight index, module, input, output)`` per call;
-    ``taps[i]`` is added to the ``i``-th call's output (``None``: record only). ``order`` (when
-    given) is the call order found on the first example; a different order is refused.
+    ``taps[i]`` is added to the ``i``-th call's output (``None``: record only; ``"outputs"``:
+    the recorded tensor is the one to differentiate, see :func:`differentiable`, for ``batch``
+    examples).
+    ``order`` (when given) is the call order found on the first example; a different order is
+    refused.
     """
     seen: list[tuple[int, nn.Module, Tensor, Tensor]] = []
 
@@ -108,8 +124,15 @@ def tapping(weight_ids: dict[int, int], taps: list[Tensor] | None, order: list |
                 "same layer calls for every example of a batch. Use kind='sjlt' or "
                 "'rademacher' for data-dependent control flow."
             )
+        if taps is None:
+            seen.append((index, module, inputs[0], output))
+            return None
+        if taps == "outputs":  # differentiate the output itself where it can be
+            output, target = differentiable(output, batch)
+            seen.append((index, module, inputs[0], target))
+            return output
         seen.append((index, module, inputs[0], output))
-        return None if taps is None else output + taps[call]
+        return output + taps[call]
 
     handle = register_module_forward_hook(hook)
     try:

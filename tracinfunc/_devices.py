@@ -188,6 +188,9 @@ def full_float32() -> Iterator[None]:
     knobs = _precision_knobs()
     if knobs:
         saved = torch.get_float32_matmul_precision(), [knob.fp32_precision for knob in knobs]
+        if saved[0] == "highest" and all(value == "ieee" for value in saved[1]):
+            yield  # already IEEE (the default): nothing to set per streamed chunk
+            return
         try:
             torch.set_float32_matmul_precision("highest")  # what torch.compile consults
             for knob in knobs:
@@ -220,7 +223,9 @@ def in_full_float32(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _precision_knobs() -> list[object]:
+@functools.cache
+def _precision_knobs() -> tuple[object, ...]:
+    """The fp32 precision knobs this torch has (fixed for the process)."""
     knobs = []
     for path in _KNOBS:
         knob: object = torch.backends
@@ -228,4 +233,4 @@ def _precision_knobs() -> list[object]:
             knob = getattr(knob, part, None)
         if knob is not None and hasattr(knob, "fp32_precision"):
             knobs.append(knob)
-    return knobs
+    return tuple(knobs)

@@ -25,7 +25,12 @@ from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.stream import compute_threads, stream_rows
 from tracinfunc.store.meta import StoreMeta
-from tracinfunc.store.protocols import GradientStore, SupportsRowViews, aligned_rows
+from tracinfunc.store.protocols import (
+    GradientStore,
+    SupportsMappedRows,
+    SupportsRowViews,
+    aligned_rows,
+)
 
 __all__ = ["score_chunks", "stream_scores"]
 
@@ -185,6 +190,8 @@ def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
         chunk_rows = check_int(chunk_rows, "chunk_rows", optional=True,
                   fix="pass None to let it choose from its memory budget")
         return min(chunk_rows, max(1, meta.n_train))
+    if isinstance(store, SupportsMappedRows) and store.mapped_chunk_rows:
+        return min(store.mapped_chunk_rows, max(1, meta.n_train))  # lent whole, in place
     in_memory = isinstance(store, SupportsRowViews)
     budget = _CHUNK_BUDGET_BYTES if in_memory else _STREAM_BUDGET_BYTES
     rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)

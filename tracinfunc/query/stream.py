@@ -4,6 +4,9 @@
 the rows on the target device, in the storage dtype:
 
 * In-memory stores on the CPU: a view of the store's own memory (no copy at all).
+* Stores that lend mapped chunks (a ZarrStore of local, uncompressed files), on the CPU,
+  when every piece is one stored chunk: a view of the mapped file (no copy, no thread);
+  each piece's ``release`` checks the file did not change while it was multiplied.
 * Any other store: a background thread reads piece i+1 (``read_rows(out=buffer)``) while the
   caller multiplies piece i, into a small ring of preallocated buffers (page-locked when the
   target is a GPU) that are reused for the whole pass.
@@ -35,6 +38,7 @@ from tracinfunc.store.memory.pinned import pinned_empty
 from tracinfunc.store.protocols import (
     GradientStore,
     SupportsCodeViews,
+    SupportsMappedRows,
     SupportsQuantizedRows,
     SupportsRowViews,
 )
@@ -71,6 +75,8 @@ def stream_rows(store: GradientStore, pieces: Sequence[Piece], *, device: torch.
     pin = backend is not None and backend.pins_host
     if isinstance(store, SupportsRowViews) and (not pin or _is_pinned(store.view_rows(0, 0, 0))):
         host = _views(store.view_rows, pieces)
+    elif device.type == "cpu" and lends_chunks(store, pieces):
+        host = _mapped(store, pieces, max_rows=max_rows)
     else:
         meta = store.meta
         buffers = _buffers([((max_rows, meta.k), meta.torch_dtype)], pin=pin, depth=depth)
@@ -146,6 +152,30 @@ def _nothing() -> None:
     return None
 
 
+def lends_chunks(store: GradientStore, pieces: Sequence[Piece]) -> bool:
+    """Whether ``store`` lends mapped chunks and every piece is one whole stored chunk."""
+    if not isinstance(store, SupportsMappedRows):
+        return False
+    rows, n_train = store.mapped_chunk_rows, store.meta.n_train
+    return bool(rows) and all(start % rows == 0 and stop == min(start + rows, n_train)
+                              for _, start, stop in pieces)
+
+
+def _mapped(store: SupportsMappedRows, pieces: Sequence[Piece], *, max_rows: int
+            ) -> _HostPieces:
+    """Mapped views of each piece; pieces the store cannot lend (its file system cannot map
+    files) are read into one buffer instead."""
+    buffer = None
+    for piece in pieces:
+        lent = store.map_rows(*piece)
+        if lent is not None:
+            yield piece, *lent
+            continue
+        if buffer is None:
+            buffer = torch.empty(max_rows, store.meta.k, dtype=store.meta.torch_dtype)
+        yield piece, store.read_rows(*piece, out=buffer), _nothing
+
+
 def _buffers(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], *, pin: bool,
              depth: int) -> list[tuple[Tensor, ...]]:
     """``depth`` sets of host buffers, one per ``(shape, dtype)``; page-locked if ``pin``."""
@@ -213,6 +243,7 @@ class ComputeThreads:
 
 def compute_threads(store: GradientStore, device: torch.device) -> ComputeThreads:
     """The thread policy for compute over ``stream_rows(store, ...)`` on ``device``."""
-    streamed = device.type == "cpu" and not isinstance(store, SupportsRowViews)
+    streamed = device.type == "cpu" and not isinstance(store, SupportsRowViews) and \
+        not (isinstance(store, SupportsMappedRows) and store.mapped_chunk_rows)
     threads = torch.get_num_threads()
     return ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)

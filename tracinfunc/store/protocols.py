@@ -132,6 +132,28 @@ class SupportsRowViews(Protocol):
 
 
 @runtime_checkable
+class SupportsMappedRows(Protocol):
+    """Optional ability: whole stored chunks can be lent without a copy, as views of a
+    mapped file (a ZarrStore of local, uncompressed shard files).
+
+    Streaming readers on the CPU then multiply the page cache's own pages: pieces of one
+    stored chunk each, no buffers, no background thread.
+    """
+
+    @property
+    def mapped_chunk_rows(self) -> int | None:
+        """Rows per lendable piece (one stored chunk), or ``None`` when rows are not lent."""
+        ...
+
+    def map_rows(self, ckpt: int, start: int, stop: int
+                 ) -> tuple[Tensor, Callable[[], None]] | None:
+        """Rows ``[start, stop)`` (one stored chunk) of checkpoint ``ckpt`` as a view,
+        ``[stop - start, k]``, with ``release`` to call once done with it (it raises if the
+        rows changed meanwhile); ``None`` where they cannot be lent: read them instead."""
+        ...
+
+
+@runtime_checkable
 class SupportsQuantizedRows(Protocol):
     """Optional ability: rows are stored quantised (``meta.quantization`` is set), and the
     stored codes can be read as they are: conversions copy them bit for bit, and readers

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ from tracinfunc.store.zarr.layout import (
     rows_dtype,
     sealed_files,
 )
+from tracinfunc.store.zarr.local_maps import ShardMaps
 from tracinfunc.store.zarr.local_reads import ShardReader
 from tracinfunc.store.zarr.object_integrity import ObjectGuard
 from tracinfunc.store.zarr.object_reads import object_store_for_reads
@@ -87,7 +89,8 @@ class ZarrStore(StoreProperties):
         CorruptStoreError: a read hits a checksum mismatch or missing data.
     """
 
-    __slots__ = ("_group", "_guard", "_meta", "_norms", "_path", "_readers", "_rows", "_scales")
+    __slots__ = ("_group", "_guard", "_maps", "_meta", "_norms", "_path", "_readers", "_rows",
+                 "_scales")
 
     @entry_point("ZarrStore")
     def __init__(self, path: str | os.PathLike[str], *, allow_unsealed: bool = False) -> None:
@@ -124,7 +127,8 @@ class ZarrStore(StoreProperties):
         for name, value in (("_path", path), ("_identity", identity),
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
-                            ("_guard", guard), ("_readers", _readers(path, rows, guard))):
+                            ("_guard", guard), ("_readers", _readers(path, rows, guard)),
+                            ("_maps", _maps(path, rows, guard, meta, self._check_identity))):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -150,6 +154,41 @@ class ZarrStore(StoreProperties):
     def raw_reads(self) -> bool:
         """Whether rows are read with the raw fast path (uncompressed chunks, local or remote)."""
         return all(reader is not None for reader in self._readers)
+
+    @property
+    def mapped_chunk_rows(self) -> int | None:
+        """Rows per stored chunk when whole chunks can be lent as mapped views of local,
+        uncompressed shard files (:meth:`map_rows`); ``None`` otherwise."""
+        return self.chunk_rows if self._maps and all(self._maps) else None
+
+    def map_rows(self, ckpt: int, start: int, stop: int
+                 ) -> tuple[Tensor, Callable[[], None]] | None:
+        """Rows ``[start, stop)`` of one whole stored chunk as a read-only view of the mapped
+        shard file, ``[stop - start, k]``, and ``release`` to call once done with them
+        (it raises :class:`CorruptStoreError` if the file changed meanwhile); ``None`` where
+        the rows cannot be lent (not one stored chunk, not mappable): read them instead.
+        See :mod:`tracinfunc.store.zarr.local_maps`."""
+        maps = self._maps[ckpt] if 0 <= ckpt < len(self._maps) else None
+        if maps is None:
+            return None
+        try:  # the store's identity is checked whenever a file is mapped (again)
+            lent = maps.view(start, stop)
+        except _ReplacedError:
+            raise
+        except (CorruptStoreError, ValueError, OSError) as error:
+            raise self._corrupt("map_rows", ckpt, start, stop, error) from error
+        if lent is None:
+            return None
+        data, release = lent
+        rows = torch.frombuffer(data, dtype=self._meta.torch_dtype).view(stop - start, -1)
+
+        def checked_release() -> None:
+            try:
+                release()
+            except (CorruptStoreError, ValueError, OSError) as error:
+                raise self._corrupt("map_rows", ckpt, start, stop, error) from error
+
+        return rows, checked_release
 
     @entry_point("ZarrStore.read_rows")
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
@@ -201,7 +240,7 @@ class ZarrStore(StoreProperties):
             # Touched or copied over with the same contents: still this store.
             object.__setattr__(self, "_identity", (directory, now_stat, digest))
             return
-        raise CorruptStoreError(
+        raise _ReplacedError(
             f"{current_caller()}: the store at {str(self._path)!r} was replaced (overwritten "
             "or rebuilt) after this ZarrStore opened it, so its rows would be read under "
             f"the old metadata; reopen it with tif.open_store({str(self._path)!r})."
@@ -248,6 +287,10 @@ class ZarrStore(StoreProperties):
         )
 
 
+class _ReplacedError(CorruptStoreError):
+    """The store at a ZarrStore's path is not the one it opened (its message says so)."""
+
+
 def _guard(path: Path | str, group: zarr.Group, meta: StoreMeta,
            allow_unsealed: bool) -> FileGuard | ObjectGuard:
     """What checks the store's files (or objects) against its sealed manifest."""
@@ -273,6 +316,20 @@ def _readers(path: Path | str, rows: list[zarr.Array],
     """One raw reader per checkpoint's rows (``None`` where zarr must decode them)."""
     byte_store = object_store_for_reads(path) if is_url(path) else None
     return [shard_reader(array, guard=guard, byte_store=byte_store) for array in rows]
+
+
+def _maps(path: Path | str, rows: list[zarr.Array], guard: FileGuard | ObjectGuard,
+          meta: StoreMeta, before_map: Callable[[], None]) -> list[ShardMaps | None]:
+    """Mapped chunk views per checkpoint's rows: local, uncompressed float rows only."""
+    if meta.quantization is not None or is_url(path):
+        return [None] * len(rows)
+    maps = []
+    for array in rows:
+        layout = RawLayout.of(array)
+        local = layout is not None and isinstance(array.store, LocalStore)
+        maps.append(ShardMaps(Path(array.store.root) / array.path, layout, guard=guard,
+                              before_map=before_map) if local else None)
+    return maps
 
 
 def shard_reader(array, *, guard=None, byte_store=None):

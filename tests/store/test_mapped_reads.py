@@ -1,0 +1,143 @@
+"""Queries over a local, uncompressed ZarrStore multiply mapped chunks in place (issue 34);
+a file changed, truncated or unmappable underneath never lets wrong bytes into scores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tracinfunc as tif
+from tests.store.test_tamper import memory_store
+from tests.store.test_verified_once import flip_first_chunk
+from tracinfunc.store.zarr import local_maps
+from tracinfunc.store.zarr.store import ZarrStore
+
+LAYOUT = {"chunk_rows": 8, "shard_rows": 32}  # 96 rows: three shards of four chunks
+
+
+@pytest.fixture
+def store(tmp_path):
+    source = memory_store(n_ckpt=2)
+    tif.save_store(source, tmp_path / "g.zarr", progress=False, **LAYOUT)
+    opened = tif.GradientStore.open(tmp_path / "g.zarr")
+    assert opened.mapped_chunk_rows == 8
+    return source, opened, tmp_path / "g.zarr" / "rows" / "0" / "c" / "0" / "0"
+
+
+def reference(source, test):
+    """sum_c lr_c <train_c, test_c> in float64, explicit matrices."""
+    rows = source.view_rows  # [n_ckpt, n_train, k] as views
+    lrs = [c.lr for c in source.meta.checkpoints]
+    return sum(lr * test[c].double() @ rows(c, 0, source.n_train).double().T
+               for c, lr in enumerate(lrs))
+
+
+def lent(monkeypatch) -> list[tuple[int, int, int]]:
+    calls: list[tuple[int, int, int]] = []
+    real = ZarrStore.map_rows
+
+    def spy(self, ckpt, start, stop):
+        got = real(self, ckpt, start, stop)
+        if got is not None:
+            calls.append((ckpt, start, stop))
+        return got
+
+    monkeypatch.setattr(ZarrStore, "map_rows", spy)
+    return calls
+
+
+def test_score_and_top_k_multiply_mapped_chunks_exactly(store, monkeypatch):
+    source, opened, _ = store
+    calls = lent(monkeypatch)
+    test = torch.randn(2, 3, source.meta.k, generator=torch.Generator().manual_seed(1))
+    expected = reference(source, test)
+    for _ in range(2):  # first pass verifies the crc32c, the second trusts it
+        torch.testing.assert_close(tif.score(opened, test).double(), expected,
+                                   rtol=1e-5, atol=1e-5)
+    values, indices = tif.top_k(opened, test, k=5)
+    torch.testing.assert_close(indices, expected.argsort(dim=1, descending=True)[:, :5])
+    torch.testing.assert_close(values.double(), expected.gather(1, indices), rtol=1e-5,
+                               atol=1e-5)
+    assert len(calls) == 3 * 2 * 12  # every chunk of both checkpoints, lent, each pass
+
+
+def test_a_chunk_changed_after_it_was_verified_is_verified_again(store):
+    source, opened, shard = store
+    test = torch.randn(2, 3, source.meta.k)
+    tif.score(opened, test)  # mapped and verified
+    flip_first_chunk(shard)  # same size and mtime; ctime moves: mapped again, verified
+    with pytest.raises(tif.errors.CorruptStoreError, match="checksum mismatch"):
+        tif.score(opened, test)
+
+
+def test_a_file_changed_while_its_chunk_is_multiplied_is_refused(store, monkeypatch):
+    source, opened, shard = store
+    test = torch.randn(2, 3, source.meta.k)
+    tif.score(opened, test)
+    real = local_maps.ShardMaps.view
+    changed = []
+
+    def view_then_change(self, start, stop):
+        got = real(self, start, stop)
+        if start == 0 and not changed:  # lent (verified), then written to in place
+            flip_first_chunk(shard)
+            changed.append(True)
+        return got
+
+    monkeypatch.setattr(local_maps.ShardMaps, "view", view_then_change)
+    with pytest.raises(tif.errors.CorruptStoreError, match="changed while the chunk"):
+        tif.score(opened, test)
+    # The next query maps the changed file again and verifies it: the flipped byte shows.
+    with pytest.raises(tif.errors.CorruptStoreError, match="checksum mismatch"):
+        tif.top_k(opened, test, k=3)
+
+
+def test_a_truncated_shard_is_refused(store):
+    source, opened, shard = store
+    test = torch.randn(2, 3, source.meta.k)
+    tif.score(opened, test)
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.stat(shard).st_size - 100)
+    with pytest.raises(tif.errors.CorruptStoreError):
+        tif.score(opened, test)
+
+
+def test_a_shard_cut_before_its_index_is_refused(store):
+    """The rows of the last chunks cut out, the index (with a valid crc) put back at the end:
+    the index points past the end of the file."""
+    source, opened, shard = store
+    test = torch.randn(2, 3, source.meta.k)
+    tif.score(opened, test)
+    data = shard.read_bytes()
+    index = data[-(4 * 16 + 4):]
+    shard.write_bytes(data[: len(data) // 2] + index)
+    with pytest.raises(tif.errors.CorruptStoreError, match="truncated|missing"):
+        tif.score(opened, test)
+
+
+def test_a_file_system_without_mmap_reads_instead(store, monkeypatch):
+    source, opened, _ = store
+
+    def no_mmap(*args, **kwargs):
+        raise OSError(19, "No such device")  # ENODEV: what mmap gives where it cannot map
+
+    monkeypatch.setattr(local_maps.mmap, "mmap", no_mmap)
+    calls = lent(monkeypatch)
+    test = torch.randn(2, 3, source.meta.k)
+    torch.testing.assert_close(tif.score(opened, test).double(), reference(source, test),
+                               rtol=1e-5, atol=1e-5)
+    assert calls == []  # read, not lent
+
+
+def test_pages_used_are_let_go(store, monkeypatch):
+    """Used bytes are dropped from the resident set (the page cache keeps them)."""
+    source, opened, _ = store
+    dropped = []
+    real = local_maps.ShardMaps._drop
+    monkeypatch.setattr(local_maps.ShardMaps, "_drop", staticmethod(
+        lambda mapped, begin, end: (dropped.append((begin, end)), real(mapped, begin, end))))
+    monkeypatch.setattr(local_maps, "_RESIDENT_BYTES", 1)  # every chunk at once
+    tif.score(opened, torch.randn(2, 3, source.meta.k))
+    assert len(dropped) == 2 * 12

@@ -30,7 +30,7 @@ from tracinfunc.errors import (
     LossFunctionError,
 )
 from tracinfunc.interop import as_tensor
-from tracinfunc.jax.grads import as_jax_tree, checked_projected_grads, pad_rows
+from tracinfunc.jax.grads import as_jax_tree, checked_projected_grads, held_slot, pad_rows
 from tracinfunc.jax.layout import ParamMapping, path_name
 from tracinfunc.jax.state import (
     is_nnx_module,
@@ -330,14 +330,12 @@ def _check_loss(loss: Any, checkpoint: Checkpoint, batch: Any) -> None:
         (tree_util.tree_structure(tree),
          tuple((leaf.shape, leaf.dtype) for leaf in tree_util.tree_leaves(tree)))
         for tree in (*checkpoint.args, example))
-    try:
-        passed = _CHECKED_LOSSES.setdefault(loss, set())
-    except TypeError:  # not weak-referenceable: check every time
-        passed = set()
-    if signature in passed:
+    passed = held_slot(_CHECKED_LOSSES, loss)  # None: not weak-referenceable, always check
+    if passed is not None and signature in passed:
         return
     _trace_loss(loss, checkpoint, example)
-    passed.add(signature)
+    if passed is not None:
+        passed[signature] = True
 
 
 # Losses whose trace passed, by argument signature; a dropped loss drops its entry.

@@ -38,7 +38,7 @@ from jax import tree_util
 from tracinfunc._validate import current_caller
 from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, LossFunctionError
-from tracinfunc.jax.grads import weakly
+from tracinfunc.jax.grads import held_slot, weakly
 from tracinfunc.jax.layout import ParamMapping
 
 __all__ = ["SUPPORTED", "kfac_io"]
@@ -200,9 +200,8 @@ def kfac_io(loss: Callable, mapping: ParamMapping, args: tuple, example: Any
         (tree_util.tree_structure(tree),
          tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in tree_util.tree_leaves(tree)))
         for tree in (*args, example)))
-    try:
-        held = _IO.setdefault(loss, {})
-    except TypeError:  # not weak-referenceable: made anew
+    held = held_slot(_IO, loss)
+    if held is None:  # not weak-referenceable: made anew
         return _kfac_io(loss, mapping, args, example)
     if signature not in held:
         held[signature] = _kfac_io(loss, mapping, args, example)

@@ -48,7 +48,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
 from tracinfunc.jax.capture import kfac_io
-from tracinfunc.jax.grads import projected_grads, torch_layout_grads, weakly
+from tracinfunc.jax.grads import held_slot, projected_grads, torch_layout_grads, weakly
 from tracinfunc.jax.layout import ParamMapping
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
@@ -107,13 +107,12 @@ class ClassificationSampler:
 
 def _batched_logits(logits: Callable) -> Callable[[tuple, Any], jax.Array]:
     """``jit(vmap(logits))`` over the inputs, compiled once and kept while ``logits`` lives."""
-    try:
-        held = _LOGITS.get(logits)
-    except TypeError:  # not weak-referenceable
+    held = held_slot(_LOGITS, logits)
+    if held is None:  # not weak-referenceable
         return _compile_logits(logits)
-    if held is None:
-        held = _LOGITS[logits] = _compile_logits(logits)
-    return held
+    if "program" not in held:
+        held["program"] = _compile_logits(logits)
+    return held["program"]
 
 
 def _compile_logits(logits: Callable) -> Callable[[tuple, Any], jax.Array]:

@@ -8,6 +8,9 @@ transforms return functions; ``has_aux`` as in ``jax.grad``.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -157,10 +160,12 @@ def weakly(fn: Callable) -> Callable:
 
     Programs are cached under their loss as a weak key; a program that referenced the loss
     strongly would keep its own key alive and never be freed. Every function handed to a
-    user keeps its loss alive itself, so a held program can always trace it again.
+    user keeps its loss alive itself, so a held program can always trace it again. A bound
+    method is referenced through its object (``weakref.WeakMethod``): the method object
+    itself is made anew at every attribute access.
     """
     try:
-        ref = weakref.ref(fn)
+        ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
     except TypeError:
         return fn
 
@@ -170,13 +175,29 @@ def weakly(fn: Callable) -> Callable:
     return call
 
 
+def held_slot(cache: weakref.WeakKeyDictionary, fn: Callable) -> dict | None:
+    """The dict ``cache`` keeps for ``fn`` while ``fn`` lives, or ``None``: nothing is kept
+    across calls for it.
+
+    Only plain functions and ``functools.partial`` objects are kept. A callable object or a
+    bound method reads attributes that can change between calls without changing its
+    identity, so a program traced from it is never reused by a later call (it is traced
+    again, as a new function would be).
+    """
+    if not isinstance(fn, types.FunctionType | functools.partial):
+        return None
+    try:
+        return cache.setdefault(fn, {})
+    except TypeError:
+        return None
+
+
 def _held(loss: Callable, key: Any, make: Callable[[], Callable]) -> Callable:
     """The program ``make()`` built for ``loss`` and ``key``, made once and kept as long as
     ``loss`` lives (a loss that cannot be weakly referenced gets a new one each time).
     ``make`` must reach the loss only through :func:`weakly`."""
-    try:
-        programs = _PROGRAMS.setdefault(loss, {})
-    except TypeError:
+    programs = held_slot(_PROGRAMS, loss)
+    if programs is None:
         return make()
     if key not in programs:
         programs[key] = make()

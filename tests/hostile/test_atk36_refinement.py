@@ -734,3 +734,30 @@ def test_refined_answer_independent_of_query_batching(fx):  # HELD
             projection=fx["proj"],
         )
     np.testing.assert_allclose(np.asarray(two.read_rows(1, 0, 6)), one, rtol=1e-5, atol=1e-5)
+
+
+def test_refinement_tiny_damping_advice_passes(fx):
+    """with_refinement's advice "use with_damping(X) or more" must itself pass: today X is
+    printed rounded to 2 digits (8.2e-08) and with_damping(X) is refused (needs 8.3e-08)."""
+    import re
+
+    c = _fit(fx, 1e-9)
+    with pytest.raises(IllConditionedError) as err:
+        c.with_refinement((fx["x"], fx["y"]), steps=2)
+    advised = float(re.search(r"with_damping\(([^)]+)\) or more", str(err.value)).group(1))
+    refined = c.with_damping(advised).with_refinement((fx["x"], fx["y"]), steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _queries(fx, refined)
+
+
+def test_refinement_huge_damping_advice_passes(fx):
+    """ "Lower the damping (at most X)": with_damping(X) must then refine; today X (5.8e+06)
+    is refused with the same message naming X as the bound."""
+    import re
+
+    c = _fit(fx, 1e12)
+    with pytest.raises(IllConditionedError) as err:
+        c.with_refinement((fx["x"], fx["y"]), steps=2)
+    advised = float(re.search(r"at most ([0-9.e+-]+)\)", str(err.value)).group(1))
+    c.with_damping(advised).with_refinement((fx["x"], fx["y"]), steps=2)

@@ -122,6 +122,8 @@ def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvatu
     mark = {"kind": curvature.kind, "digest": curvature.digest}
     if residuals is not None:
         mark["residuals"] = residuals
+        # the unrefined curvature's digest: a saved (hence plain) one is told apart, with advice
+        mark["plain"] = curvature.without_refinement().digest
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
                         extra={MARK: mark})
     return MemoryStore(meta, rows, rows.norm(dim=-1))
@@ -169,19 +171,34 @@ class RefinedSolve:
         refinement = curvature.refinement
         checked = CheckedSampler(sampler, curvature.checkpoints[ckpt].name)
         generator = torch.Generator().manual_seed(refinement.seed + ckpt)
-        labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
+        try:
+            labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
+        except RuntimeError as err:  # torch's shape/dtype errors: the refinement data's fault
+            raise InvalidArgumentError(
+                f"{current_caller()}: the loss failed on the refinement data (given to "
+                f"Curvature.with_refinement) at checkpoint {curvature.checkpoints[ckpt].name!r}"
+                f": {err}. Refine with training batches of this model's input shape and "
+                "dtype.") from err
         self.product = fisher_product(loss, params, list(names), labelled)
         self.curvature, self.ckpt = curvature, ckpt
         self.history: list[Tensor] = []
 
     def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         dtype = next(iter(grads.values())).dtype
+        # A non-finite test gradient is the test example's fault: solve the finite ones and
+        # give NaN rows back, which marked_store names as test examples (as unrefined).
+        finite = torch.stack([value.reshape(value.shape[0], -1).isfinite().all(1)
+                              for value in grads.values()]).all(0)  # [b]
+        clean = {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)), value, 0)
+                 for name, value in grads.items()}
         solution, residuals = pcg(self.product,
                                   lambda v: self.curvature.precondition(self.ckpt, v),
-                                  self.curvature.damping[self.ckpt], grads,
+                                  self.curvature.damping[self.ckpt], clean,
                                   self.curvature.refinement.steps)
         self.history.append(residuals)
-        return {name: value.to(dtype) for name, value in solution.items()}
+        return {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)),
+                                  value.to(dtype), torch.nan)
+                for name, value in solution.items()}
 
     def finish(self, name: str) -> list[float]:
         """Per step, the worst residual over every query solved; warns if not converged."""

@@ -179,8 +179,8 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
         weight, rule = names[index], _rule(module)
         if rule is None:
             bias = bias_names.get(bias_id)  # name the bias too: both are refused
-            unsupported.append(f"{weight!r}{f' and {bias!r}' if bias else ''} "
-                               f"({_refusal(module)})")
+            unsupported.append(f"{weight!r} ({_refusal(module)})"
+                               + (f", {bias!r} (its bias)" if bias else ""))
             covered |= {weight, bias_names.get(bias_id)} - {None}
             continue
         if weight in covered:

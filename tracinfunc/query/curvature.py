@@ -55,12 +55,12 @@ def precondition_queries(meta: StoreMeta, test_grads: GradientStore | Tensor,
     if mark is not None:
         if mark.get("plain") is not None and mark.get("plain") == curvature.digest:
             raise IncompatibleGradientsError(
-                f"{current_caller()}: the test gradients were refined (Curvature."
-                "with_refinement) from this curvature, which is not refined, so they are not "
-                "its answers. A refined curvature cannot be saved, but the refinement is "
-                "already in these rows: score them as they are (omit curvature=; on the CLI "
-                "omit --curvature), pass the refined curvature (in Python), or make plain test "
-                "gradients with this curvature."
+                f"{current_caller()}: the test gradients were preconditioned by another "
+                "curvature: this one refined (Curvature.with_refinement), so they are not its "
+                "answers. A refined curvature cannot be saved, but the refinement is already "
+                "in these rows: score them as they are (omit curvature=; on the CLI omit "
+                "--curvature), pass the refined curvature (in Python), or let the CLI refine "
+                "(score --spec ... --curvature PATH --refine-steps N)."
             )
         if mark.get("digest") != curvature.digest:
             raise IncompatibleGradientsError(

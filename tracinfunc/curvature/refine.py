@@ -45,9 +45,10 @@ __all__ = ["Refinement", "check_refinable", "data_digest", "fisher_product", "ke
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
 
 # Forward-mode AD levels are process-global in torch: two threads inside torch.func.jvp at once
-# corrupt each other's level ("Trying to access a forward AD level with an invalid index"), so
-# every Fisher-vector product (its jvp and vjp) runs under this one lock.
-FORWARD_AD_LOCK = threading.Lock()
+# corrupt each other's level ("Trying to access a forward AD level with an invalid index") and
+# the functorch transforms around them, so every Fisher-vector product and every refined query
+# (preconditioned_test_grads) runs under this one (re-entrant) lock.
+FORWARD_AD_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ training rows and preconditioned test rows, so the training store stays as built
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -25,7 +26,7 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
-from tracinfunc.curvature.refine import fisher_product, pcg, warn_unconverged
+from tracinfunc.curvature.refine import FORWARD_AD_LOCK, fisher_product, pcg, warn_unconverged
 from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import EmptyDataError, InvalidArgumentError
@@ -91,6 +92,16 @@ def preconditioned_test_grads(
         curvature.check_refinable()
     sampler = None if curvature.refinement is None else (
         curvature.refinement.sampler or default_sampler(loss))
+    with FORWARD_AD_LOCK if sampler is not None else contextlib.nullcontext():
+        per_ckpt, residuals = _per_checkpoint(loss, checkpoints, metas, data, curvature, names,
+                                              projection, options, sampler)
+    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
+
+
+def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection, options,
+                    sampler) -> tuple[list[Tensor], list[list[float]]]:
+    """Per checkpoint, the preconditioned projected test rows ``[n_test, k]`` (and, refined,
+    the residuals)."""
     per_ckpt, residuals = [], []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         params = dict(ckpt.params)
@@ -104,7 +115,7 @@ def preconditioned_test_grads(
         per_ckpt.append(torch.cat(parts))
         if solve is not None:
             residuals.append(solve.finish(ckpt_meta.name))
-    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
+    return per_ckpt, residuals
 
 
 def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature, *,

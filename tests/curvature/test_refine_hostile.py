@@ -138,3 +138,31 @@ def test_a_frontend_without_fisher_products_refuses_a_refined_curvature(setup):
     refined = fitted.with_refinement(train, sampler=EXACT)
     with pytest.raises(InvalidArgumentError, match="without_refinement"):
         GradientPreconditioner(refined, 0, IDENTITY)  # what the JAX frontend builds
+
+
+def test_saved_plain_curvature_on_refined_queries_gives_advice_that_works(setup, tmp_path):
+    """A refined curvature cannot be saved, so the CLI meets refined queries with the saved
+    plain one: refused (never scored as plain), and the advice (omit curvature=) gives the
+    refined scores."""
+    _, loss, ckpts, train, test, fitted = setup
+    refined = fitted.with_refinement(train, steps=3, sampler=EXACT)
+    with pytest.warns(RuntimeWarning):
+        queries = tif.preconditioned_test_grads(loss, ckpts, test, refined, projection=IDENTITY)
+    store = tif.build_store(loss, ckpts, train, projection=IDENTITY, progress=False)
+    tif.save_curvature(fitted, str(tmp_path / "c.zarr"))
+    loaded = tif.load_curvature(str(tmp_path / "c.zarr"))
+    assert loaded.digest == fitted.digest != refined.digest
+    with pytest.raises(IncompatibleGradientsError, match=r"refined.*omit curvature="):
+        tif.score(store, queries, curvature=loaded)
+    torch.testing.assert_close(tif.score(store, queries),
+                               tif.score(store, queries, curvature=refined))
+
+
+def test_nan_test_row_named_not_blamed_on_refinement(setup):
+    _, loss, ckpts, train, test, fitted = setup
+    refined = fitted.with_refinement(train, steps=2, sampler=EXACT)
+    x = test[0].clone()
+    x[1, 0] = math.nan
+    with pytest.raises(NonFiniteGradientError) as err:
+        tif.preconditioned_test_grads(loss, ckpts, (x, test[1]), refined, projection=IDENTITY)
+    assert "refine with other data" not in str(err.value)

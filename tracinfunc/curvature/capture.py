@@ -178,7 +178,9 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
     for index, module, _, _, bias_id in seen:
         weight, rule = names[index], _rule(module)
         if rule is None:
-            unsupported.append(f"{weight!r} ({_refusal(module)})")
+            bias = bias_names.get(bias_id)  # name the bias too: both are refused
+            unsupported.append(f"{weight!r} ({_refusal(module)})"
+                               + (f", {bias!r} (its bias)" if bias else ""))
             covered |= {weight, bias_names.get(bias_id)} - {None}
             continue
         if weight in covered:
@@ -200,14 +202,18 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
         coverable = sorted({name for layer in layers for name in (layer.weight, layer.bias)
                             if name is not None} - set(repeated))
         shown = coverable if len(coverable) <= 30 else [*coverable[:30], "..."]
+        select = (f"build the store AND fit the curvature with options=GradientOptions("
+                  f"select={shown}) ({len(coverable)} parameters); to keep a store of these "
+                  "parameters, " if coverable else  # never advise select=[] (refused)
+                  "none of the selected parameters is covered, so select supported layers; "
+                  "to keep a store of these parameters, ")
         raise InvalidArgumentError(
             f"{current_caller()}: kind='kfac'/'ekfac' covers the weights and biases of "
             f"{', '.join(SUPPORTED)} layers called once per example, but some selected "
             f"parameters are {'; '.join(problems)}. A K-FAC curvature can only score a store "
-            f"of exactly the parameters it covers: build the store AND fit the curvature with "
-            f"options=GradientOptions(select={shown}) ({len(coverable)} parameters); to keep a "
-            "store of these parameters, fit kind='projected' with projection=store.projection "
-            "(any model), or 'dense' (small models)."
+            f"of exactly the parameters it covers: {select}fit "
+            "kind='projected' with projection=store.projection (any model), or 'dense' "
+            "(small models)."
         )
     return layers
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+from tracinfunc.store.meta import _real_scalar
 
 __all__ = ["DEFAULT_SCALES", "RANK_DEFAULT_SCALES", "Damping", "check_damping"]
 
@@ -58,11 +59,11 @@ class Damping:
         scale = self.scale
         if scale is None:
             return
-        if isinstance(scale, bool) or not isinstance(scale, int | float) \
-                or not math.isfinite(scale) or scale <= 0:
+        scale = _real_scalar(scale)  # NumPy scalars, 0-d arrays of any framework: a float
+        if scale is None or not math.isfinite(scale) or scale <= 0:
             raise InvalidArgumentError(
                 f"Damping: scale must be a positive finite number (a multiple of the mean "
-                f"eigenvalue), got {scale!r}; e.g. Damping(scale=3.0), or Damping() for the "
+                f"eigenvalue), got {self.scale!r}; e.g. Damping(scale=3.0), or Damping() for the "
                 "measured default."
             )
         object.__setattr__(self, "scale", float(scale))
@@ -88,18 +89,19 @@ def check_damping(damping: object) -> Damping | float:
     """``damping`` if it is a :class:`Damping` or a non-negative finite float, else raise."""
     if isinstance(damping, Damping):
         return damping
-    if isinstance(damping, bool) or not isinstance(damping, int | float):
+    value = _real_scalar(damping)  # NumPy scalars, 0-d arrays of any framework: a float
+    if value is None:
         raise InvalidTypeError(
             f"{current_caller()}: damping must be a tracinfunc.curvature.Damping (relative to "
             f"each checkpoint's spectrum) or a float (the same lambda for every checkpoint), "
             f"got {type(damping).__name__}; e.g. damping=Damping(scale=3.0) or damping=1e-3."
         )
-    if not math.isfinite(damping) or damping < 0:
+    if not math.isfinite(value) or value < 0:
         raise InvalidArgumentError(
             f"{current_caller()}: damping must be a finite float >= 0, got {damping!r}; "
             "e.g. damping=1e-3, or Damping() to choose it from the data."
         )
-    return float(damping)
+    return value
 
 
 def resolve(damping: Damping | float, mean_eigenvalue: float, kind: str) -> float:

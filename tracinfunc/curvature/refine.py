@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,13 +31,24 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import current_caller
 from tracinfunc.batches import iter_batches
-from tracinfunc.errors import EmptyDataError, IllConditionedError, NonFiniteGradientError
+from tracinfunc.errors import (
+    EmptyDataError,
+    IllConditionedError,
+    NonFiniteGradientError,
+    TracInFuncError,
+)
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["Refinement", "check_refinable", "data_digest", "fisher_product", "kept_batches",
            "largest_eigenvalue", "pcg", "warn_unconverged"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
+
+# Forward-mode AD levels are process-global in torch: two threads inside torch.func.jvp at once
+# corrupt each other's level ("Trying to access a forward AD level with an invalid index") and
+# the functorch transforms around them, so every Fisher-vector product and every refined query
+# (preconditioned_test_grads) runs under this one (re-entrant) lock.
+FORWARD_AD_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,8 +83,14 @@ def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
                  ) -> tuple[Batch, ...]:
     """The batches of ``data`` (cut after ``max_examples`` inputs) as a tuple; refuses none."""
     kept, left = [], max_examples
-    for batch in iter_batches(data):
+    try:
+        batches = list(iter_batches(data))
+    except TracInFuncError as err:  # iter_batches speaks for build_store: name the caller
+        raise type(err)(str(err).replace("build_store", current_caller(), 1)) from err
+    for batch in batches:
         size = next(leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)).shape[0]
+        if size == 0:  # a zero-row batch holds no examples: skipped, so all-empty is refused
+            continue
         if left is not None:
             if left <= 0:
                 break
@@ -118,6 +136,10 @@ def fisher_product(loss: LossFn, params: Params, names: list[str],
     total_weight = float(sum(float(w.sum()) for _, w in labelled))
 
     def product(vectors: Vectors) -> Vectors:
+        with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
+            return unlocked(vectors)
+
+    def unlocked(vectors: Vectors) -> Vectors:
         out = {name: torch.zeros_like(value, dtype=torch.float64)
                for name, value in vectors.items()}
         # jvp wants the tangents in the primals' key order, which need not be the vectors'
@@ -215,14 +237,15 @@ def largest_eigenvalue(kind: str, estimate: Mapping[str, Tensor], layers) -> flo
 
 
 def check_refinable(largest: float, damping: float, checkpoint: str,
-                    max_condition: float) -> None:
+                    max_condition: float, every: tuple[float, ...] = ()) -> None:
     """Refuse a damping the refined system cannot use.
 
     The sampled Fisher is rank-deficient (a finite sample; a softmax's shift direction), so
     its damped system's condition number is ``(s_max + lambda) / lambda``: above
     ``max_condition`` (``lambda`` zero or tiny) the conjugate-gradient answer is rounding;
     with ``lambda * eps32 > s_max`` (huge) the curvature is below float32 rounding of
-    ``lambda I`` and refinement changes nothing.
+    ``lambda I`` and refinement changes nothing. ``every``: each checkpoint's largest
+    eigenvalue, so the advised ``with_damping(X)`` (one lambda for all) passes at each.
     """
     eps = torch.finfo(torch.float32).eps
     if not math.isfinite(largest):
@@ -230,20 +253,28 @@ def check_refinable(largest: float, damping: float, checkpoint: str,
             f"{current_caller()}: the curvature at checkpoint {checkpoint!r} holds NaN or "
             "infinite values, so refining with it is meaningless; fit it again on finite data.")
     if damping <= 0 or (largest + damping) / damping > max_condition:
-        need = largest / (max_condition - 1)
+        need = _round_2g(max((largest, *every)) / (max_condition - 1) * (1 + 1e-6), up=True)
         raise IllConditionedError(
             f"{current_caller()}: refinement solves (H + lambda I) x = g with the sampled "
             f"Fisher H, which is rank-deficient, so lambda must be positive: at checkpoint "
             f"{checkpoint!r} lambda = {damping:.3g} gives a condition number of "
             f"{(largest + damping) / damping if damping > 0 else math.inf:.3g} (largest "
             f"eigenvalue {largest:.3g}), above {max_condition:.3g}; use with_damping("
-            f"{need:.2g}) or more, or Damping() for the default.")
+            f"{need!r}) or more, or Damping() for the default.")
     if damping * eps > largest:
         raise IllConditionedError(
             f"{current_caller()}: at checkpoint {checkpoint!r} lambda = {damping:.3g} is so "
             f"large that the curvature (largest eigenvalue {largest:.3g}) is below the float32 "
             f"rounding of lambda I: refinement would change nothing. Lower the damping (at "
-            f"most {largest / eps:.2g}), or score without refinement.")
+            f"most {_round_2g(min((largest, *every)) / eps * (1 - 1e-6), up=False)!r}), or "
+            "score without refinement.")
+
+
+def _round_2g(value: float, *, up: bool) -> float:
+    """``value`` to two significant digits, rounded up or down (so advice built on it passes)."""
+    step = 10.0 ** (math.floor(math.log10(value)) - 1)
+    digits = (math.ceil if up else math.floor)(value / step)
+    return float(f"{digits}e{math.floor(math.log10(step))}")
 
 
 def _dot(a: Vectors, b: Mapping[str, Tensor]) -> Tensor:

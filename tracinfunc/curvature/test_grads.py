@@ -12,6 +12,7 @@ training rows and preconditioned test rows, so the training store stays as built
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -25,7 +26,7 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
-from tracinfunc.curvature.refine import fisher_product, pcg, warn_unconverged
+from tracinfunc.curvature.refine import FORWARD_AD_LOCK, fisher_product, pcg, warn_unconverged
 from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import EmptyDataError, InvalidArgumentError
@@ -91,6 +92,16 @@ def preconditioned_test_grads(
         curvature.check_refinable()
     sampler = None if curvature.refinement is None else (
         curvature.refinement.sampler or default_sampler(loss))
+    with FORWARD_AD_LOCK if sampler is not None else contextlib.nullcontext():
+        per_ckpt, residuals = _per_checkpoint(loss, checkpoints, metas, data, curvature, names,
+                                              projection, options, sampler)
+    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
+
+
+def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection, options,
+                    sampler) -> tuple[list[Tensor], list[list[float]]]:
+    """Per checkpoint, the preconditioned projected test rows ``[n_test, k]`` (and, refined,
+    the residuals)."""
     per_ckpt, residuals = [], []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         params = dict(ckpt.params)
@@ -104,7 +115,7 @@ def preconditioned_test_grads(
         per_ckpt.append(torch.cat(parts))
         if solve is not None:
             residuals.append(solve.finish(ckpt_meta.name))
-    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
+    return per_ckpt, residuals
 
 
 def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature, *,
@@ -122,6 +133,8 @@ def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvatu
     mark = {"kind": curvature.kind, "digest": curvature.digest}
     if residuals is not None:
         mark["residuals"] = residuals
+        # the unrefined curvature's digest: a saved (hence plain) one is told apart, with advice
+        mark["plain"] = curvature.without_refinement().digest
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
                         extra={MARK: mark})
     return MemoryStore(meta, rows, rows.norm(dim=-1))
@@ -169,19 +182,34 @@ class RefinedSolve:
         refinement = curvature.refinement
         checked = CheckedSampler(sampler, curvature.checkpoints[ckpt].name)
         generator = torch.Generator().manual_seed(refinement.seed + ckpt)
-        labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
+        try:
+            labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
+        except RuntimeError as err:  # torch's shape/dtype errors: the refinement data's fault
+            raise InvalidArgumentError(
+                f"{current_caller()}: the loss failed on the refinement data (given to "
+                f"Curvature.with_refinement) at checkpoint {curvature.checkpoints[ckpt].name!r}"
+                f": {err}. Refine with training batches of this model's input shape and "
+                "dtype.") from err
         self.product = fisher_product(loss, params, list(names), labelled)
         self.curvature, self.ckpt = curvature, ckpt
         self.history: list[Tensor] = []
 
     def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         dtype = next(iter(grads.values())).dtype
+        # A non-finite test gradient is the test example's fault: solve the finite ones and
+        # give NaN rows back, which marked_store names as test examples (as unrefined).
+        finite = torch.stack([value.reshape(value.shape[0], -1).isfinite().all(1)
+                              for value in grads.values()]).all(0)  # [b]
+        clean = {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)), value, 0)
+                 for name, value in grads.items()}
         solution, residuals = pcg(self.product,
                                   lambda v: self.curvature.precondition(self.ckpt, v),
-                                  self.curvature.damping[self.ckpt], grads,
+                                  self.curvature.damping[self.ckpt], clean,
                                   self.curvature.refinement.steps)
         self.history.append(residuals)
-        return {name: value.to(dtype) for name, value in solution.items()}
+        return {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)),
+                                  value.to(dtype), torch.nan)
+                for name, value in solution.items()}
 
     def finish(self, name: str) -> list[float]:
         """Per step, the worst residual over every query solved; warns if not converged."""

@@ -230,12 +230,18 @@ class Curvature:
             raise InvalidArgumentError(
                 f"{current_caller()}: tolerance must be a positive finite float, got "
                 f"{tolerance!r}; e.g. tolerance=1e-2.")
+        seed = check_int(seed, "seed", minimum=0, fix="e.g. seed=0")
+        if sampler is not None and not callable(sampler):
+            raise InvalidArgumentError(
+                f"{current_caller()}: sampler must be None (the loss's default) or a sampler "
+                f"callable such as tracinfunc.curvature.classification_sampler(), got "
+                f"{sampler!r}; e.g. sampler=classification_sampler(exact=True).")
         batches = refine.kept_batches(data, check_int(max_examples, "max_examples",
                                                       optional=True, minimum=1))
         refined = replace(self, refinement=refine.Refinement(
             steps, batches, sampler, seed, float(tolerance), refine.data_digest(batches)))
         refined._cache.update({key: value for key, value in self._cache.items()
-                               if key[0] != "digest"})
+                               if key != "digest"})  # a str key: its own digest
         refined.check_refinable()
         return refined
 
@@ -251,8 +257,10 @@ class Curvature:
             if key not in self._cache:
                 self._cache[key] = refine.largest_eigenvalue(self.kind, self.estimates[c],
                                                              self.layers)
-            refine.check_refinable(self._cache[key], self.damping[c],
-                                   self.checkpoints[c].name, MAX_CONDITION)
+        every = tuple(self._cache[("largest", c)] for c in range(self.n_ckpt))
+        for c in range(self.n_ckpt):
+            refine.check_refinable(every[c], self.damping[c], self.checkpoints[c].name,
+                                   MAX_CONDITION, every if all(map(math.isfinite, every)) else ())
 
     def ranks(self) -> tuple[int, ...]:
         """Per checkpoint, the estimate's numerical rank (eigenvalues above

@@ -53,6 +53,15 @@ def precondition_queries(meta: StoreMeta, test_grads: GradientStore | Tensor,
     check_bound(curvature, meta)
     mark = test_grads.meta.extra.get(MARK) if isinstance(test_grads, GradientStore) else None
     if mark is not None:
+        if mark.get("plain") is not None and mark.get("plain") == curvature.digest:
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: the test gradients were preconditioned by another "
+                "curvature: this one refined (Curvature.with_refinement), so they are not its "
+                "answers. A refined curvature cannot be saved, but the refinement is already "
+                "in these rows: score them as they are (omit curvature=; on the CLI omit "
+                "--curvature), pass the refined curvature (in Python), or let the CLI refine "
+                "(score --spec ... --curvature PATH --refine-steps N)."
+            )
         if mark.get("digest") != curvature.digest:
             raise IncompatibleGradientsError(
                 f"{current_caller()}: the test gradients were preconditioned by another "

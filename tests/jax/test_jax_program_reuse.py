@@ -96,7 +96,7 @@ def test_a_second_fit_compiles_nothing_and_fits_the_same(kind):
     assert dict(jax_capture._IO.get(loss, {})) == io
     for program in programs.values():
         assert program._cache_size() == 1  # 3 checkpoints x 2 batches x 2 fits
-    assert jax_fit._LOGITS[logits]._cache_size() == 1
+    assert jax_fit._LOGITS[logits]["program"]._cache_size() == 1
     fresh = tj.fit_curvature(_new_loss(), jax_ckpts, batches, kind=kind, mapping=mapping,
                              sampler=tj.classification_sampler(_new_logits()))
     for c in range(len(jax_ckpts)):

@@ -77,7 +77,7 @@ def lm_payload(n_train: int, width: int, length: int) -> dict:
     sizes = quality_lm.Sizes(n_train, 2, 1, 1, 1, length, width, (), (), 1, False)
     train, test = quality_lm.load_text(sizes)
     model = quality_lm.make_model(sizes, seed=0)
-    return {"task": "lm", "config": quality_lm.llama_config(sizes), "train": train,
+    return {"task": "lm", "config": quality_lm.model_config(sizes), "train": train,
             "test": test, "checkpoints": checkpoints(model),
             "select": quality_lm.linear_weights(model)}
 

@@ -37,12 +37,19 @@ TAIL_BYTES = 64 * 2**10  # covers a shard index of 1024 chunks plus its last chu
 _ROOT_JSON = "zarr.json"
 
 
-def _tail_hash(path: Path, size: int) -> str:
+def _tail_hash(path: Path, size: int, fd: int | None = None) -> str:
     # Not crc32c: a chunk ends with its own crc32c, and the crc32c of data followed by its
     # crc32c is the same constant for every chunk, so it could not tell two shards apart.
+    if fd is not None:  # the file already open (the one about to be read)
+        start = max(0, size - TAIL_BYTES)
+        return hashlib.blake2b(os.pread(fd, size - start, start), digest_size=8).hexdigest()
     with path.open("rb") as file:
         file.seek(max(0, size - TAIL_BYTES))
         return hashlib.blake2b(file.read(), digest_size=8).hexdigest()
+
+
+def _file_identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def manifest(root: Path) -> dict[str, list]:
@@ -129,7 +136,9 @@ class FileGuard:
         for name in files or {}:
             _check_inside(root, name)
         self._root, self._files = root, files
-        self._checked: set[str] = set()
+        # name -> identity (device, inode, size, mtime, ctime) of the file last checked there;
+        # ``None`` for array metadata (checked in full at open)
+        self._checked: dict[str, tuple[int, ...] | None] = {}
         self._lock = threading.Lock()
 
     @property
@@ -154,24 +163,32 @@ class FileGuard:
                 differs="differs from the file the store was sealed with (array "
                 "metadata edited: codecs, byte order or shape, or files moved)",
             )
-            self._checked.add(name)
+            self._checked[name] = None
 
-    def _check_sealed(self, path: Path, name: str, size: int, tail_hash, *, differs: str) -> None:
+    def _check_sealed(self, path: Path, name: str, size: int, tail_hash, *, differs: str,
+                      fd: int | None = None) -> None:
         """Raise unless ``path`` has its sealed size and tail; ``differs`` says what changed."""
-        self._check_size(path, name, size)
-        if _tail_hash(path, size) != tail_hash:
+        self._check_size(path, name, size, fd)
+        if _tail_hash(path, size, fd) != tail_hash:
             raise CorruptStoreError(
                 f"{current_caller()}: {str(path)!r} {differs}; rebuild the store or "
                 "restore it from a copy."
             )
 
-    def check(self, path: Path) -> None:
-        """Before the first read of ``path``: present, right size, tail as sealed."""
+    def check(self, path: Path, fd: int | None = None) -> None:
+        """Before reading ``path`` (or ``fd``, that file opened): present, right size, tail as
+        sealed. Checked again whenever the file's identity (device, inode, size, mtime,
+        ctime) differs from the one last checked: a file renamed, hard-linked or copied over
+        it after a first read is held to the same check as at a fresh open."""
         name = path.relative_to(self._root).as_posix()
-        if name in self._checked:
+        try:
+            identity = _file_identity(os.fstat(fd) if fd is not None else path.stat())
+        except FileNotFoundError:
+            identity = None  # reported as missing below
+        if name in self._checked and self._checked[name] in (None, identity):
             return
         if self._files is None:
-            self._check_size(path, name, None)
+            self._check_size(path, name, None, fd)
         else:
             if name not in self._files:
                 raise CorruptStoreError(
@@ -181,13 +198,14 @@ class FileGuard:
             self._check_sealed(
                 path, name, *self._files[name],
                 differs="is not the file sealed at this position (shard files or checkpoint "
-                        "directories swapped, or its index damaged)")
+                        "directories swapped, or its index damaged)", fd=fd)
         with self._lock:
-            self._checked.add(name)
+            self._checked[name] = identity  # taken before the check: a later change shows
 
-    def _check_size(self, path: Path, name: str, size: int | None) -> None:
+    def _check_size(self, path: Path, name: str, size: int | None, fd: int | None = None
+                    ) -> None:
         try:
-            actual = path.stat().st_size
+            actual = os.fstat(fd).st_size if fd is not None else path.stat().st_size
         except FileNotFoundError:
             raise CorruptStoreError(
                 f"{current_caller()}: {str(path)!r} is missing; the store is damaged. Rebuild it "

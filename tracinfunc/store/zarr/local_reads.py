@@ -40,7 +40,8 @@ class ShardReader:
     Args:
         directory: The array's directory (``<group>/<array path>``).
         layout: Where its rows are (:meth:`RawLayout.of`).
-        guard: Checks a file's size and tail as sealed, on its first read.
+        guard: Checks a file's size and tail as sealed (that it is the file sealed at its
+            position) on its first read and whenever its identity changed.
     """
 
     def __init__(self, directory: Path, layout: RawLayout, *, guard=None) -> None:
@@ -80,16 +81,18 @@ class ShardReader:
     def _read_shard(self, shard: int, start: int, stop: int, out: memoryview) -> None:
         layout = self._layout
         path = self._directory / layout.chunk_key(shard)
-        if self._guard is not None:
-            self._guard.check(path)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
+            if self._guard is not None:
+                self._guard.check(path)  # names the missing file as the store's
             raise CorruptStoreError(
                 f"shard file {path} (rows [{shard * layout.shard_rows}, "
                 f"{(shard + 1) * layout.shard_rows})) is missing"
             ) from None
         try:
+            if self._guard is not None:  # the file sealed here? (again after any change)
+                self._guard.check(path, fd)
             verified = self._verified_chunks(fd, shard)
             index = self._index(fd, shard, path)
             first_chunk = shard * layout.chunks_per_shard

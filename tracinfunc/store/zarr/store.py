@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,7 +129,8 @@ class ZarrStore(StoreProperties):
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
                             ("_guard", guard), ("_readers", _readers(path, rows, guard)),
-                            ("_maps", _maps(path, rows, guard, meta, self._check_identity))):
+                            ("_maps",
+                             _maps(path, rows, guard, meta, _weak(self._check_identity)))):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -163,8 +165,10 @@ class ZarrStore(StoreProperties):
 
     def map_rows(self, ckpt: int, start: int, stop: int
                  ) -> tuple[Tensor, Callable[[], None]] | None:
-        """Rows ``[start, stop)`` of one whole stored chunk as a read-only view of the mapped
-        shard file, ``[stop - start, k]``, and ``release`` to call once done with them
+        """Rows ``[start, stop)`` of one whole stored chunk as a view of a private mapping of
+        the shard file made for this lend alone, ``[stop - start, k]`` (a write into it
+        reaches neither the file nor later reads or scores; the mapping goes when the view
+        does), and ``release`` to call once done with them
         (it raises :class:`CorruptStoreError` if the file changed meanwhile); ``None`` where
         the rows cannot be lent (not one stored chunk, not mappable): read them instead.
         See :mod:`tracinfunc.store.zarr.local_maps`."""
@@ -285,6 +289,20 @@ class ZarrStore(StoreProperties):
             f"{str(self._path)!r} cannot be read: {error}. The store is damaged on disk; "
             "rebuild it (or restore it from a copy) instead of trusting its scores."
         )
+
+
+def _weak(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference: the store's own parts (its shard maps)
+    must not keep it alive, so ``del store`` frees it (and its files) without the cycle
+    collector."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 class _ReplacedError(CorruptStoreError):

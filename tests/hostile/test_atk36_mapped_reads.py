@@ -291,9 +291,16 @@ def test_held_threads_and_a_forked_child_get_right_scores(tmp_path):
     q = ctx.Queue()
 
     def child():
+        # torch's OpenMP pool does not survive fork(): a forked child entering a parallel
+        # region can spin forever (libgomp waits for threads that were not copied). One
+        # thread in the child (or the spawn start method) is torch's documented remedy.
+        torch.set_num_threads(1)
         q.put(_close(tif.score(st, test), B))
 
-    pr = ctx.Process(target=child)
+    pr = ctx.Process(target=child, daemon=True)  # a hung child never blocks exit
     pr.start()
     pr.join(120)
+    if pr.exitcode is None:
+        pr.kill()
+        pytest.fail("the forked child did not finish in 120 s")
     assert pr.exitcode == 0 and q.get(timeout=5)

@@ -165,14 +165,16 @@ def _block_best(block: Tensor, k: int, *, largest: bool, nan: Tensor
     put in row order and sorted stably by value. Off the CPU the check would synchronise
     every chunk: the sort stays. ``nan``: whether ``block`` holds a NaN (0-d bool).
     """
-    if block.device.type != "cpu" or k >= block.shape[1] or bool(nan):
+    def stable_sort() -> tuple[Tensor, Tensor]:
         values, order = block.sort(dim=1, descending=largest, stable=True)
         return values[:, :k], order[:, :k]
+
+    if block.device.type != "cpu" or k >= block.shape[1] or bool(nan):
+        return stable_sort()
     values, order = block.topk(k, dim=1, largest=largest, sorted=False)
     kth = values.amin(1, keepdim=True) if largest else values.amax(1, keepdim=True)
     if bool(((block == kth).sum(1) != (values == kth).sum(1)).any()):  # ties cut at k
-        values, order = block.sort(dim=1, descending=largest, stable=True)
-        return values[:, :k], order[:, :k]
+        return stable_sort()
     order, by_row = order.sort(dim=1)
     values = values.gather(1, by_row)
     by_value = values.argsort(dim=1, descending=largest, stable=True)

@@ -30,7 +30,8 @@ from typing import Any
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import CorruptStoreError
 
-__all__ = ["INTEGRITY_KEY", "TAIL_BYTES", "FileGuard", "check_digest", "seal", "sync_files"]
+__all__ = ["INTEGRITY_KEY", "TAIL_BYTES", "FileGuard", "check_digest", "file_identity", "seal",
+           "sync_files"]
 
 INTEGRITY_KEY = "integrity"
 TAIL_BYTES = 64 * 2**10  # covers a shard index of 1024 chunks plus its last chunk's checksum
@@ -48,7 +49,9 @@ def _tail_hash(path: Path, size: int, fd: int | None = None) -> str:
         return hashlib.blake2b(file.read(), digest_size=8).hexdigest()
 
 
-def _file_identity(st: os.stat_result) -> tuple[int, ...]:
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells a file apart from its replacement or its edited self: device, inode, size,
+    modification and status-change times (``st`` from ``os.stat``/``os.fstat``)."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
@@ -182,7 +185,7 @@ class FileGuard:
         it after a first read is held to the same check as at a fresh open."""
         name = path.relative_to(self._root).as_posix()
         try:
-            identity = _file_identity(os.fstat(fd) if fd is not None else path.stat())
+            identity = file_identity(os.fstat(fd) if fd is not None else path.stat())
         except FileNotFoundError:
             identity = None  # reported as missing below
         if name in self._checked and self._checked[name] in (None, identity):

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from tracinfunc.errors import CorruptStoreError
+from tracinfunc.store.zarr.integrity import file_identity
 from tracinfunc.store.zarr.raw_layout import CRC_BYTES, RawLayout
 
 __all__ = ["ShardMaps"]
@@ -150,7 +151,7 @@ class ShardMaps:
     def _known(self, shard: int, path: str, fd: int) -> tuple[_Shard, int]:
         """The shard's index and verified chunks under the open file's identity (checked as
         at a fresh open, and its index read, when the identity is new) and its size."""
-        identity = _identity(os.fstat(fd))
+        identity = file_identity(os.fstat(fd))
         known = self._shards.get(shard)
         if known is not None and known.identity == identity:
             return known, identity[2]
@@ -190,10 +191,6 @@ def _read_ahead(known: _Shard, fd: int, offset: int, size: int) -> None:
 
 def _path_identity(path: str) -> tuple[int, ...] | None:
     try:
-        return _identity(os.stat(path))
+        return file_identity(os.stat(path))
     except FileNotFoundError:
         return None
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

@@ -29,6 +29,7 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from tracinfunc.errors import CorruptStoreError
+from tracinfunc.store.zarr.integrity import file_identity
 from tracinfunc.store.zarr.raw_layout import CRC_BYTES, RawLayout, copy_chunk_rows
 
 __all__ = ["ShardReader"]
@@ -119,7 +120,7 @@ class ShardReader:
     def _verified_chunks(self, fd: int, shard: int) -> tuple[tuple, set[int]]:
         """``(identity, chunk starts of shard verified while its file had that identity)``;
         a new identity empties the set and drops the cached index."""
-        identity = _identity(fd)
+        identity = file_identity(os.fstat(fd))
         with self._lock:
             known = self._verified.get(shard)
             if known is None or known[0] != identity:
@@ -148,7 +149,7 @@ class ShardReader:
         if layout.chunk_crc:
             identity, done = verified
             # A file changed while it was read (identity differs now): trust nothing.
-            trusted = done if _identity(fd) == identity else set()
+            trusted = done if file_identity(os.fstat(fd)) == identity else set()
             for i, (chunk_start, _, _) in enumerate(run):
                 if chunk_start in trusted:
                     continue
@@ -179,11 +180,6 @@ class ShardReader:
         with self._lock:
             self._indices[shard] = index
         return index
-
-
-def _identity(fd: int) -> tuple[int, ...]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _preadv(fd: int, buffers: list[memoryview], offset: int, path: Path,

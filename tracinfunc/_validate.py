@@ -12,11 +12,16 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import math
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
+
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 __all__ = ["as_int", "calling", "check_bool", "check_int", "current_caller", "entry_point"]
 
@@ -143,6 +148,33 @@ def as_int(value: Any) -> int | None:
     try:
         return operator.index(value)
     except TypeError:
+        return None
+
+
+def as_real(value: Any) -> float | None:
+    """``value`` as a float when it is a real scalar of any framework (Python, NumPy, torch,
+    JAX; 0-d), else ``None``: bools and arrays with a shape are not. Integers beyond
+    float32's range give +-inf."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, int) and abs(value) > _FLOAT32_MAX:
+        return math.inf if value > 0 else -math.inf  # float(10**400) would raise OverflowError
+    if isinstance(value, int | float):
+        return float(value)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or tuple(shape) != () or dtype is None:
+        return None
+    kind = getattr(dtype, "kind", None)  # NumPy/JAX dtypes; torch's have is_floating_point
+    if kind is None and isinstance(dtype, torch.dtype):
+        kind = "f" if dtype.is_floating_point else ("b" if dtype == torch.bool else
+                                                    "c" if dtype.is_complex else "i")
+    if kind not in ("f", "i", "u") and str(dtype) != "bfloat16":
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # a huge integer array value
+        return math.inf
+    except Exception:  # a jax tracer: not concrete inside jit
         return None
 
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import as_real, current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
-from tracinfunc.store.meta import _real_scalar
 
 __all__ = ["DEFAULT_SCALES", "RANK_DEFAULT_SCALES", "Damping", "check_damping"]
 
@@ -59,7 +58,7 @@ class Damping:
         scale = self.scale
         if scale is None:
             return
-        scale = _real_scalar(scale)  # NumPy scalars, 0-d arrays of any framework: a float
+        scale = as_real(scale)  # NumPy scalars, 0-d arrays of any framework: a float
         if scale is None or not math.isfinite(scale) or scale <= 0:
             raise InvalidArgumentError(
                 f"Damping: scale must be a positive finite number (a multiple of the mean "
@@ -89,7 +88,7 @@ def check_damping(damping: object) -> Damping | float:
     """``damping`` if it is a :class:`Damping` or a non-negative finite float, else raise."""
     if isinstance(damping, Damping):
         return damping
-    value = _real_scalar(damping)  # NumPy scalars, 0-d arrays of any framework: a float
+    value = as_real(damping)  # NumPy scalars, 0-d arrays of any framework: a float
     if value is None:
         raise InvalidTypeError(
             f"{current_caller()}: damping must be a tracinfunc.curvature.Damping (relative to "

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import as_real, current_caller
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.projection.spec import Layout, Projection
 
@@ -66,7 +66,7 @@ def check_lr(lr: Any) -> float:
             (scores are float32: a larger lr makes them inf/NaN, a smaller one rounds them to 0
             or to a few bits of precision).
     """
-    value = _real_scalar(lr)
+    value = as_real(lr)
     if value is None:
         got = type(lr).__name__
         shape = getattr(lr, "shape", None)
@@ -102,31 +102,6 @@ def _short(lr: Any) -> str:
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
-
-
-def _real_scalar(lr: Any) -> float | None:
-    """``lr`` as a float when it is a real scalar of any framework, else ``None``."""
-    if isinstance(lr, bool) or type(lr).__name__ == "bool_":
-        return None
-    if isinstance(lr, int) and abs(lr) > _F32_MAX:
-        return math.inf if lr > 0 else -math.inf  # float(10**400) would raise OverflowError
-    if isinstance(lr, int | float):
-        return float(lr)
-    shape, dtype = getattr(lr, "shape", None), getattr(lr, "dtype", None)
-    if shape is None or tuple(shape) != () or dtype is None:
-        return None
-    kind = getattr(dtype, "kind", None)  # NumPy/JAX dtypes; torch's have is_floating_point
-    if kind is None and isinstance(dtype, torch.dtype):
-        kind = "f" if dtype.is_floating_point else ("b" if dtype == torch.bool else
-                                                    "c" if dtype.is_complex else "i")
-    if kind not in ("f", "i", "u") and str(dtype) != "bfloat16":
-        return None
-    try:
-        return float(lr)
-    except OverflowError:  # a huge integer array value
-        return math.inf
-    except Exception:  # a jax tracer: not concrete inside jit
-        return None
 
 
 @dataclass(frozen=True)

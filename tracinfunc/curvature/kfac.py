@@ -21,6 +21,8 @@ damps them exactly: ``G -> Q_S [(Q_S^T G Q_A) / (L + lambda)] Q_A^T``.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import Tensor
 
@@ -84,10 +86,7 @@ def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
 
 def _shared_inputs(io: list[tuple[Tensor, Tensor]], layers: list[KfacLayer]) -> dict:
     """How many layers read each input (by :func:`_input_key`)."""
-    counts: dict[tuple, int] = {}
-    for layer, (x, _) in zip(layers, io, strict=True):
-        counts[_input_key(x, layer)] = counts.get(_input_key(x, layer), 0) + 1
-    return counts
+    return Counter(_input_key(x, layer) for layer, (x, _) in zip(layers, io, strict=True))
 
 
 def _addmm_into(sums: dict[str, Tensor], key: str, left: Tensor, right: Tensor) -> None:

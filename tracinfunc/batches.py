@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import DataLoader, RandomSampler
 
-from tracinfunc._validate import check_int
+from tracinfunc._validate import check_int, current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.types import Batch
 
@@ -72,7 +72,8 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
         return
     if not isinstance(data, Iterable):
         raise InvalidTypeError(
-            "build_store: data must be a batch (tensor, tuple or dict of tensors) or an "
+            f"{current_caller('build_store')}: data must be a batch (tensor, tuple or dict of "
+            "tensors) or an "
             f"iterable of batches, got {type(data).__name__}."
         )
     for batch in data:
@@ -111,13 +112,15 @@ def _check_batch(batch: Batch) -> Batch:
     if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
         kinds = sorted({type(leaf).__name__ for leaf in leaves})
         raise InvalidTypeError(
-            "build_store: a batch must be a pytree of tensors with a leading batch dimension, "
+            f"{current_caller('build_store')}: a batch must be a pytree of tensors with a "
+            "leading batch dimension, "
             f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
         )
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if len(sizes) != 1 or None in sizes:
         raise InvalidArgumentError(
-            "build_store: all tensors of a batch need the same leading (batch) dimension, got "
+            f"{current_caller('build_store')}: all tensors of a batch need the same leading "
+            "(batch) dimension, got "
             f"shapes {[list(leaf.shape) for leaf in leaves]}."
         )
     return batch

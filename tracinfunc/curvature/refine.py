@@ -35,7 +35,6 @@ from tracinfunc.errors import (
     EmptyDataError,
     IllConditionedError,
     NonFiniteGradientError,
-    TracInFuncError,
 )
 from tracinfunc.types import Batch, LossFn, Params
 
@@ -83,11 +82,7 @@ def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
                  ) -> tuple[Batch, ...]:
     """The batches of ``data`` (cut after ``max_examples`` inputs) as a tuple; refuses none."""
     kept, left = [], max_examples
-    try:
-        batches = list(iter_batches(data))
-    except TracInFuncError as err:  # iter_batches speaks for build_store: name the caller
-        raise type(err)(str(err).replace("build_store", current_caller(), 1)) from err
-    for batch in batches:
+    for batch in iter_batches(data):
         size = next(leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)).shape[0]
         if size == 0:  # a zero-row batch holds no examples: skipped, so all-empty is refused
             continue

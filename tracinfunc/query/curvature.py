@@ -53,7 +53,7 @@ def precondition_queries(meta: StoreMeta, test_grads: GradientStore | Tensor,
     check_bound(curvature, meta)
     mark = test_grads.meta.extra.get(MARK) if isinstance(test_grads, GradientStore) else None
     if mark is not None:
-        if mark.get("plain") is not None and mark.get("plain") == curvature.digest:
+        if mark.get("plain") == curvature.digest:  # refined rows, their plain curvature
             raise IncompatibleGradientsError(
                 f"{current_caller()}: the test gradients were preconditioned by another "
                 "curvature: this one refined (Curvature.with_refinement), so they are not its "

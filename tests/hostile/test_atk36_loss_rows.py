@@ -12,6 +12,7 @@ non-scalar criterion already gets).
 
 HELD (regression guards): every other test in this file.
 """
+
 import warnings
 
 import pytest
@@ -50,19 +51,25 @@ def _brute(m, crit, x, y):
 
 def _kr_per_row(m, ck, crit, x, y):
     return torch.cat(
-        [_rows(tif.build_store(tif.loss_from_module(m, crit), [ck], (x[i : i + 1], y[i : i + 1]), projection=KR))
-         for i in range(len(x))]
+        [
+            _rows(
+                tif.build_store(
+                    tif.loss_from_module(m, crit), [ck], (x[i : i + 1], y[i : i + 1]), projection=KR
+                )
+            )
+            for i in range(len(x))
+        ]
     )
 
 
 def _item_crit(o, t):
-    l = F.cross_entropy(o, t)
-    return l * (2.0 if l.item() > 1.0 else 1.0)
+    lv = F.cross_entropy(o, t)
+    return lv * (2.0 if lv.item() > 1.0 else 1.0)
 
 
 def _item_equiv(o, t):
-    l = F.cross_entropy(o, t)
-    return l * torch.where(l > 1.0, 2.0, 1.0)
+    lv = F.cross_entropy(o, t)
+    return lv * torch.where(lv > 1.0, 2.0, 1.0)
 
 
 def _if_crit(o, t):
@@ -124,7 +131,10 @@ def _crits():
         "target_shape0": (lambda o, t: F.cross_entropy(o, t, reduction="sum") / t.shape[0], None),
         "len_output": (lambda o, t: F.cross_entropy(o, t, reduction="sum") / len(o), None),
         "times_shape0": (lambda o, t: F.cross_entropy(o, t) * t.shape[0], None),
-        "batch_mean_of_output": (lambda o, t: F.cross_entropy(o - o.mean(0, keepdim=True), t), None),
+        "batch_mean_of_output": (
+            lambda o, t: F.cross_entropy(o - o.mean(0, keepdim=True), t),
+            None,
+        ),
         "inplace_on_output": (lambda o, t: F.cross_entropy(o.mul_(2.0), t), None),
         "mse_2d": (F.mse_loss, "2d"),
         "mse_2d_sum": (lambda o, t: F.mse_loss(o, t, reduction="sum"), "2d"),
@@ -157,8 +167,19 @@ def test_held_identity_rows_match_brute_force(name):
     assert torch.allclose(_rows(s), _brute(m, crit, x, yy), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["sum", "target_shape0", "len_output", "batch_mean_of_output",
-                                  "inplace_on_output", "mse_2d", "ignore_index", "class_weights"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sum",
+        "target_shape0",
+        "len_output",
+        "batch_mean_of_output",
+        "inplace_on_output",
+        "mse_2d",
+        "ignore_index",
+        "class_weights",
+    ],
+)
 def test_held_kronecker_batched_rows_match_one_row_batches(name):
     m, x, y, ck = _setup()
     crit, kind = _crits()[name]
@@ -195,8 +216,19 @@ def test_held_dict_output_module_kronecker():
     ck = tif.Checkpoint.from_module(dm, lr=1.0, name="d")
     crit = lambda o, t: F.cross_entropy(o["logits"], t)  # noqa: E731
     r = _rows(tif.build_store(tif.loss_from_module(dm, crit), [ck], (x, y), projection=KR))
-    r1 = torch.cat([_rows(tif.build_store(tif.loss_from_module(dm, crit), [ck], (x[i : i + 1], y[i : i + 1]), projection=KR))
-                    for i in range(N)])
+    r1 = torch.cat(
+        [
+            _rows(
+                tif.build_store(
+                    tif.loss_from_module(dm, crit),
+                    [ck],
+                    (x[i : i + 1], y[i : i + 1]),
+                    projection=KR,
+                )
+            )
+            for i in range(N)
+        ]
+    )
     assert torch.allclose(r, r1, atol=1e-5, rtol=1e-4)
     ri = _rows(tif.build_store(tif.loss_from_module(dm, crit), [ck], (x, y), projection=ID))
     assert torch.allclose(ri, _brute(m, F.cross_entropy, x, y), atol=1e-5, rtol=1e-4)
@@ -205,8 +237,12 @@ def test_held_dict_output_module_kronecker():
 def test_held_nonscalar_criterion_is_a_clear_error():
     m, x, y, ck = _setup()
     with pytest.raises(LossFunctionError, match="scalar"):
-        tif.build_store(tif.loss_from_module(m, lambda o, t: F.cross_entropy(o, t, reduction="none")),
-                        [ck], (x, y), projection=ID)
+        tif.build_store(
+            tif.loss_from_module(m, lambda o, t: F.cross_entropy(o, t, reduction="none")),
+            [ck],
+            (x, y),
+            projection=ID,
+        )
 
 
 def test_held_loss_form_warning_once_per_plain_loss_never_for_module_loss():

@@ -345,6 +345,15 @@ def explain_loss_error(error: Exception) -> Exception | None:
             f"mode does ({message}). Put the model in eval mode (model.eval()) before computing "
             "gradients: per-example gradients need fixed statistics."
         )
+    vmap_hints = (".item()", "data-dependent control flow", "randomness")
+    if "vmap" in message and any(hint in message for hint in vmap_hints):
+        return LossFunctionError(
+            f"{current_caller()}: the loss cannot run under torch.func.vmap, which computes "
+            f"the per-example gradients (torch.func said: {message}). Write the loss (and its "
+            "criterion) with tensor operations only: no .item() or Python `if` on tensor "
+            "values (use torch.where), and no random operations (model.eval() turns dropout "
+            "off)."
+        )
     if "to return a scalar" in message or "scalar Tensor" in message:
         return LossFunctionError(
             f"{current_caller()}: loss(params, example) must return a scalar for one example, but "

@@ -173,12 +173,13 @@ class _Plan:
         rest_grads, sides = self.layer_sides(loss, params, example, order, shapes)
         return self.combine(rest_grads, sides)
 
-    def combine(self, rest_grads: Params, sides: list) -> Tensor:
-        """One example's row ``[k]`` from its generic gradients and layer sides."""
+    def combine(self, rest_grads: Params, sides: list, *, vectors: bool = True) -> Tensor:
+        """One example's row ``[k]`` from its generic gradients and layer sides (without the
+        vector block's part when ``vectors=False``: see :meth:`batched_vectors`)."""
         if self.precondition is not None and rest_grads:
             rest_grads = self.precondition.apply(rest_grads)
         total = self.offset
-        if self.vectors is not None:
+        if self.vectors is not None and vectors:
             part = self.vectors(rest_grads) * self.scale
             total = part if total is None else total + part
         if self.rest is not None:
@@ -190,6 +191,14 @@ class _Plan:
             part = block.reshape(-1) * self.scale
             total = part if total is None else total + part
         return total
+
+    def batched_vectors(self, rest_grads: Params) -> Tensor | None:
+        """``[b, k]``: the vector block's part of a batch's rows from ``{name: [b, *shape]}``,
+        outside ``vmap`` (then :meth:`combine` runs with ``vectors=False``); ``None`` when
+        there is no block or a preconditioner applies to the gradients first."""
+        if self.vectors is None or self.precondition is not None:
+            return None
+        return self.vectors.batched(rest_grads) * self.scale
 
     def check(self, loss: LossFn, params: Params, example: Example) -> None:
         """Drop weights whose gradient is not the sum of their layers' ``left.T @ right``."""

@@ -122,13 +122,17 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
 def _project(plan, modules, inputs, deltas, rest_grads: Params) -> Tensor:
     """``[b, k]``: each example's row from its layers' inputs and output gradients."""
 
-    def one_row(inputs: list[Tensor], deltas: list[Tensor], rest_grads: Params) -> Tensor:
-        sides = [(index, layer_rule(module), *rule_sides(layer_rule(module), module, x, delta))
-                 for (index, module), x, delta in zip(modules, inputs, deltas, strict=True)]
-        return plan.combine(rest_grads, sides)
-
     with torch.no_grad():
-        return vmap(one_row)([x.detach() for x in inputs], list(deltas), rest_grads)
+        vectors = plan.batched_vectors(rest_grads)  # [b, k] or None
+
+        def one_row(inputs: list[Tensor], deltas: list[Tensor], rest_grads: Params) -> Tensor:
+            sides = [(index, layer_rule(module),
+                      *rule_sides(layer_rule(module), module, x, delta))
+                     for (index, module), x, delta in zip(modules, inputs, deltas, strict=True)]
+            return plan.combine(rest_grads, sides, vectors=vectors is None)
+
+        rows = vmap(one_row)([x.detach() for x in inputs], list(deltas), rest_grads)
+        return rows if vectors is None else rows + vectors
 
 
 def batched_or_vmapped(plan, loss: LossFn, params: Params, batch: Batch, order, shapes, *,

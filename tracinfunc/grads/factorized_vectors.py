@@ -1,13 +1,18 @@
-"""The non-matrix parameters of the factorised kronecker path, projected by one matmul.
+"""The non-matrix parameters of the factorised kronecker path, projected from one packed block.
 
 Under ``kind="kronecker"`` a parameter with fewer than two dimensions (a bias, a LayerNorm
 weight or bias) has a dense Rademacher block ``[numel, k]`` (its definition in
 :mod:`tracinfunc.projection.spec`). The generic projector applies one block per parameter: some
 forty ``[b, n] @ [n, k]`` products for a small transformer, each reading its block from memory
-for a handful of examples. Here the blocks are generated once, stacked in the layout's order
-into one ``[n_vectors, k]`` matrix, and one example's vector gradients, concatenated in the
-same order ``[n_vectors]``, are projected by one product (``[b, n_vectors] @ [n_vectors, k]``
-under ``vmap``). The sum is the same as the projector's, in another float summation order.
+for a handful of examples, and blocks over its cache budget are regenerated on every call
+(GPT-2 small: 121k vector rows, 2 GB in float32). Here the blocks are generated once, stacked in
+the layout's order into one ``[n_vectors, k]`` block kept as bits (``k / 8`` bytes a row, 32x
+less than float32), and one example's vector gradients, concatenated in the same order
+``[n_vectors]``, are multiplied with it a row slice at a time, each slice unpacked to exact
++-1 in the gradients' dtype by a 256-entry table while it is in cache (``[b, rows] @ [rows,
+k]`` under ``vmap``). Reading a bit instead of a float also makes the memory-bound product
+faster than from the float32 block. The sum is the projector's, in another float summation
+order.
 """
 
 from __future__ import annotations
@@ -15,33 +20,38 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tracinfunc.projection import Projection, canonical_layout, plan_projection
-from tracinfunc.projection._kernels import fill_rademacher
+from tracinfunc.projection._kernels import rademacher_bits, row_ranges
 from tracinfunc.types import Params
 
 __all__ = ["VectorBlocks", "split_vectors"]
 
-# Stacked blocks larger than this stay with the generic projector (which streams blocks over
-# its own cache budget instead of holding them).
+# Packed stacks larger than this stay with the generic projector (which streams blocks over
+# its own cache budget instead of holding them): 2 million rows at k=4096.
 _MAX_BYTES = 2**30
 
 
 def split_vectors(projection: Projection, rest: Params) -> tuple[list[str], list[str]]:
     """``(vectors, others)``: the names of ``rest`` projected here, and the others (matrices,
-    empty parameters, or every name when the stack would exceed the byte budget)."""
+    empty parameters, or every name when the packed stack would exceed the byte budget)."""
     vectors = [name for name, value in sorted(rest.items())
                if value.dim() < 2 and value.numel() > 0]
-    itemsize = next(iter(rest.values())).element_size() if rest else 4
     rows = sum(rest[name].numel() for name in vectors)
-    if not vectors or rows * projection.dim * itemsize > _MAX_BYTES:
+    if not vectors or rows * _packed_width(projection.dim) > _MAX_BYTES:
         return [], sorted(rest)
     return vectors, [name for name in sorted(rest) if name not in vectors]
 
 
+def _packed_width(k: int) -> int:
+    return -(-k // 8)  # bytes a row: columns 8i..8i+7 in byte i, bit j for column 8i+j
+
+
 class VectorBlocks:
-    """The stacked dense blocks ``[n_vectors, k]`` (unscaled) of some non-matrix parameters.
+    """The stacked dense blocks ``[n_vectors, k]`` (unscaled) of some non-matrix parameters,
+    held as bits ``[n_vectors, ceil(k / 8)]`` uint8 (a set bit is ``-1``).
 
     Args:
         projection: A ``kind="kronecker"`` spec.
@@ -53,15 +63,43 @@ class VectorBlocks:
                  dtype: torch.dtype) -> None:
         plan = plan_projection(projection, canonical_layout(vectors))
         self.names = [name for name, _ in plan.layout]
+        self.k = plan.k
         rows = sum(math.prod(shape) for _, shape in plan.layout)
-        self.block = torch.empty(rows, plan.k, dtype=dtype, device=device)
+        self.bits = torch.empty(rows, _packed_width(plan.k), dtype=torch.uint8, device=device)
         start = 0
         for name, shape in plan.layout:
             stop = start + math.prod(shape)
-            fill_rademacher(self.block[start:stop], plan.keys[name], 0)
+            _fill_bits(self.bits[start:stop], plan.keys[name], plan.k)
             start = stop
+        codes = torch.arange(256, device=device)[:, None]
+        set_bits = (codes >> torch.arange(8, device=device)) & 1  # [256, 8]
+        self.table = (1 - 2 * set_bits).to(dtype)  # byte -> its 8 columns' signs
 
     def __call__(self, grads: Params) -> Tensor:
         """One example's ``[k]`` (``[b, k]`` under ``vmap``), unscaled."""
-        flat = torch.cat([grads[name].reshape(-1) for name in self.names])
-        return flat.to(self.block.dtype) @ self.block
+        return self._product(torch.cat([grads[name].reshape(-1) for name in self.names]))
+
+    def batched(self, grads: Params) -> Tensor:
+        """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap``: the same product
+        with one ``[b, rows] @ [rows, k]`` per row slice (under ``vmap`` the slices' products
+        cost about twice as much on a CPU)."""
+        return self._product(torch.cat([grads[name].flatten(1) for name in self.names], 1))
+
+    def _product(self, flat: Tensor) -> Tensor:
+        """``[..., n_vectors] -> [..., k]``, a row slice of the block at a time."""
+        flat = flat.to(self.table.dtype)
+        total = None
+        for start, stop in row_ranges(self.bits.shape[0], self.k, self.bits.device):
+            signs = F.embedding(self.bits[start:stop].long(), self.table)  # [rows, k/8, 8]
+            part = flat[..., start:stop] @ signs.reshape(stop - start, -1)[:, :self.k]
+            total = part if total is None else total + part
+        return total
+
+
+def _fill_bits(out: Tensor, keys: tuple[int, int], k: int) -> None:
+    """Rows ``[0, len(out))`` of one parameter's block, packed into ``out`` ``[rows, k/8]``."""
+    width = out.shape[1]
+    weights = 2 ** torch.arange(8, device=out.device)
+    for start, stop in row_ranges(out.shape[0], k, out.device):
+        bits = F.pad(rademacher_bits(keys, k, start, stop, out.device), (0, 8 * width - k))
+        out[start:stop] = (bits.reshape(stop - start, width, 8) * weights).sum(-1)

@@ -53,11 +53,16 @@ def row_states(keys: tuple[int, int], row_start: int, row_stop: int, device) -> 
     return mix32(rows ^ keys[0]) ^ keys[1]
 
 
-def rademacher_rows(keys, k, row_start, row_stop, device, dtype) -> Tensor:
-    """``[rows, k]`` of exact +-1: ``-1`` where bit 31 of ``mix32(a ^ c)`` is set."""
+def rademacher_bits(keys, k, row_start, row_stop, device) -> Tensor:
+    """``[rows, k]`` int64 of 0 or 1, bit 31 of ``mix32(a ^ c)``: 1 where the sign is ``-1``."""
     a = row_states(keys, row_start, row_stop, device)
     h = a[:, None] ^ torch.arange(k, dtype=torch.int64, device=device)  # [rows, k]
-    return signs(mix32_top_bit(h), dtype)
+    return mix32_top_bit(h)
+
+
+def rademacher_rows(keys, k, row_start, row_stop, device, dtype) -> Tensor:
+    """``[rows, k]`` of exact +-1: ``-1`` where bit 31 of ``mix32(a ^ c)`` is set."""
+    return signs(rademacher_bits(keys, k, row_start, row_stop, device), dtype)
 
 
 def sjlt_rows(keys, k, nnz, row_start, row_stop, device, dtype) -> tuple[Tensor, Tensor]:

@@ -45,6 +45,35 @@ def test_stacked_vector_blocks_equal_the_projector_of_each_parameter():
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dim", [64, 61])  # 61: the last byte of each packed row is partial
+def test_packed_vector_block_over_several_row_slices_equals_the_projector(dim):
+    # 5,000 + 3 rows at k=61 span two CPU row slices (2**18 // 61 = 4,297 rows each)
+    spec = tif.Projection(dim=dim, seed=9, kind="kronecker")
+    g = torch.Generator().manual_seed(1)
+    vectors = {"big.bias": torch.randn(5000, dtype=torch.float64, generator=g),
+               "ln.weight": torch.randn(3, dtype=torch.float64, generator=g)}
+    blocks = VectorBlocks(spec, vectors, device=torch.device("cpu"), dtype=torch.float64)
+    assert blocks.bits.dtype == torch.uint8 and blocks.bits.shape == (5003, -(-dim // 8))
+    projector = make_projector(spec, canonical_layout(vectors), dtype=torch.float64)
+    batch = {name: torch.randn(3, *v.shape, dtype=torch.float64, generator=g)
+             for name, v in vectors.items()}
+    expected = torch.func.vmap(projector)(batch)  # [3, k], blocks from the spec's hash
+    torch.testing.assert_close(blocks.batched(batch) * projector.scale, expected,
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.func.vmap(blocks)(batch) * projector.scale, expected,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_gpt2_small_sized_vector_stack_stays_on_the_packed_route():
+    # GPT-2 small: 121,344 vector rows x k=4096 is 2 GB in float32, 62 MB as bits
+    spec = tif.Projection(dim=4096, kind="kronecker")
+    rest = {"h.bias": torch.empty(121_344, device="meta"),
+            "wte.weight": torch.empty(2, 3, device="meta")}
+    assert split_vectors(spec, rest) == (["h.bias"], ["wte.weight"])
+    over = {"h.bias": torch.empty(2**21 + 1, device="meta")}  # > 1 GiB of bits
+    assert split_vectors(spec, over) == ([], ["h.bias"])
+
+
 def test_all_parameter_rows_equal_the_brute_force_reference():
     model, batch = tiny_gpt2(), token_batch(n=5)  # padded: masked tokens drop out
     params = params_of(model)

@@ -11,6 +11,7 @@ import torch
 import tracinfunc as tif
 from tests.store.test_tamper import memory_store
 from tests.store.test_verified_once import flip_first_chunk
+from tracinfunc.store.meta import CheckpointMeta, StoreMeta
 from tracinfunc.store.zarr import local_maps
 from tracinfunc.store.zarr.store import ZarrStore
 
@@ -146,3 +147,48 @@ def test_pages_used_are_let_go(store):
     again, release = opened.map_rows(0, 0, 8)
     release()
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_chunks_past_the_first_2_mib_of_a_shard_are_lent_exactly(tmp_path):
+    """Lends map 2 MiB-aligned spans of the file around their chunk: chunks at every offset
+    (across 2 MiB boundaries, the shard's last one ending short of one) read exactly."""
+    rows = torch.randn(1, 1200, 1024, generator=torch.Generator().manual_seed(0))
+    meta = StoreMeta(projection=tif.Projection(dim=1024, seed=3),
+                     checkpoints=(CheckpointMeta("c0", 0.1, "f0"),),
+                     layout=(("w", (1024,)),), n_train=1200, k=1024)
+    source = tif.store.MemoryStore(meta, rows, rows.norm(dim=-1))
+    tif.save_store(source, tmp_path / "big.zarr", progress=False, chunk_rows=96,
+                   shard_rows=960)  # 3.75 MiB + 960 KiB: 2 MiB crossed, a short last shard
+    opened = tif.GradientStore.open(tmp_path / "big.zarr")
+    assert opened.mapped_chunk_rows == 96
+    for start in range(0, 1200, 96):
+        stop = min(start + 96, 1200)
+        view, release = opened.map_rows(0, start, stop)
+        assert torch.equal(view, source.view_rows(0, start, stop))
+        release()
+    test = torch.randn(1, 3, 1024, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(tif.score(opened, test).double(), reference(source, test),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_a_warm_pass_asks_for_no_read_ahead(store, monkeypatch):
+    """Read-ahead (``POSIX_FADV_WILLNEED``) is asked for only where a probe finds bytes not
+    cached: a pass over a store just written and read asks for none."""
+    source, opened, shard = store
+    probe = os.open(shard, os.O_RDONLY)
+    try:
+        os.preadv(probe, [bytearray(1)], 0, getattr(os, "RWF_NOWAIT", -1))
+    except (OSError, ValueError, AttributeError):
+        pytest.skip("this file system has no reads that fail rather than wait")
+    finally:
+        os.close(probe)
+    test = torch.randn(2, 3, source.meta.k)
+    tif.score(opened, test)  # every page read once: cached
+    opened = tif.GradientStore.open(shard.parents[4])  # a new pass from the first byte
+    asked: list[int] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(local_maps.os, "posix_fadvise",
+                        lambda fd, offset, length, advice: asked.append(advice)
+                        or real(fd, offset, length, advice))
+    tif.score(opened, test)
+    assert os.POSIX_FADV_WILLNEED not in asked

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from tracinfunc._devices import full_float32
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import NonFiniteGradientError
@@ -113,7 +114,16 @@ def check_k(k: object, n_rows: int) -> int:
 def _exact_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int, *,
                  largest: bool, chunk_rows: int | None, progress: ProgressArg
                  ) -> tuple[Tensor, Tensor]:
-    """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks."""
+    """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks
+    (IEEE float32 set once for the scan, as in ``score``)."""
+    with full_float32():
+        return _scan_top_k(store, query, k, offset, largest=largest, chunk_rows=chunk_rows,
+                           progress=progress)
+
+
+def _scan_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int, *,
+                largest: bool, chunk_rows: int | None, progress: ProgressArg
+                ) -> tuple[Tensor, Tensor]:
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     nan_seen: Tensor | None = None  # on the scores' device: no sync per chunk

@@ -3,10 +3,11 @@
 On a warm page cache, copying a chunk out of the cache (``preadv``) costs about half as
 much as multiplying it (64 test rows, k=4096, float32, 1 thread); a numpy memmap reads in
 place. :class:`ShardMaps` lends one stored chunk's rows as a view of a private
-(copy-on-write) mapping of that chunk of its shard file, so a query multiplies the page
-cache's own pages. Each lend is its own mapping, unmapped when the last view of it is
-dropped: a write into a lent view changes that view only, never the file, another lend or
-a later score, and a dropped store holds no mapping and no open file.
+(copy-on-write) mapping of that chunk of its shard file (widened to 2 MiB boundaries of the
+file, so the page cache's 2 MiB folios map whole; only the chunk's bytes are lent), so a
+query multiplies the page cache's own pages. Each lend is its own mapping, unmapped when
+the last view of it is dropped: a write into a lent view changes that view only, never the
+file, another lend or a later score, and a dropped store holds no mapping and no open file.
 
 Integrity, as in :mod:`tracinfunc.store.zarr.local_reads`:
 
@@ -47,8 +48,14 @@ from tracinfunc.store.zarr.raw_layout import CRC_BYTES, RawLayout
 
 __all__ = ["ShardMaps"]
 
-_PAGE = mmap.ALLOCATIONGRANULARITY
+# Mappings start and end on 2 MiB of the file (the kernel then places them 2 MiB-aligned):
+# the page cache's 2 MiB folios are mapped by one page-table entry each, as in a mapping of
+# the whole file, instead of 512 (at 4 MiB chunks: ~10x fewer page faults and TLB misses;
+# the bytes beyond the chunk are never exposed).
+_ALIGN = max(2 * 2**20, mmap.ALLOCATIONGRANULARITY)
 _AHEAD_BYTES = 32 * 2**20
+_PROBE_BYTES = 2 * 2**20
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: reads that fail instead of waiting
 
 
 @dataclass
@@ -118,9 +125,10 @@ class ShardMaps:
             if offset + layout.stored_bytes > size:
                 raise CorruptStoreError(f"{path} is truncated: the chunk of rows from {start} "
                                         "on is not in the file")
-            skip = offset % _PAGE
+            skip = offset % _ALIGN
+            end = min(size, -(-(offset + layout.stored_bytes) // _ALIGN) * _ALIGN)
             try:
-                mapping = mmap.mmap(fd, skip + layout.stored_bytes, access=mmap.ACCESS_COPY,
+                mapping = mmap.mmap(fd, end - offset + skip, access=mmap.ACCESS_COPY,
                                     offset=offset - skip)
             except (OSError, ValueError):
                 self._unmappable = True
@@ -180,13 +188,31 @@ def _release(path: str, identity: tuple[int, ...], start: int) -> None:
 def _read_ahead(known: _Shard, fd: int, offset: int, size: int) -> None:
     """Ask the kernel to read the next ``_AHEAD_BYTES`` of the file in the background (a
     cold page cache then reads while chunks are multiplied): once per ``_AHEAD_BYTES / 2``,
-    each byte once per pass."""
+    each byte once per pass, and only where a probe finds a page of it not yet cached (on a
+    warm cache the request walks every page of the span for nothing)."""
     if not offset <= known.ahead <= offset + _AHEAD_BYTES:  # a new pass, or outrun
         known.ahead = offset
     end = min(size, offset + _AHEAD_BYTES)
     if end - known.ahead >= _AHEAD_BYTES // 2 or (end == size > known.ahead):
-        os.posix_fadvise(fd, known.ahead, end - known.ahead, os.POSIX_FADV_WILLNEED)
+        if not _cached(fd, known.ahead, end):
+            os.posix_fadvise(fd, known.ahead, end - known.ahead, os.POSIX_FADV_WILLNEED)
         known.ahead = end
+
+
+def _cached(fd: int, start: int, end: int) -> bool:
+    """Whether bytes ``[start, end)`` of the file look cached: one byte every
+    ``_PROBE_BYTES`` (and the last) is read without waiting (``RWF_NOWAIT``: the read fails
+    rather than go to the disk). ``False`` where that read is not supported."""
+    if _NOWAIT is None:
+        return False
+    probe = bytearray(1)
+    try:
+        for position in (*range(start, end - 1, _PROBE_BYTES), end - 1):
+            if os.preadv(fd, [probe], position, _NOWAIT) != 1:
+                return False
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP/EINVAL: no such reads here
+        return False
+    return True
 
 
 def _path_identity(path: str) -> tuple[int, ...] | None:

@@ -7,18 +7,19 @@ benchmarks train them (no retraining: cost only):
 - ``llama``: the small Llama of ``benchmarks/quality_lm.py`` (its full sizes: 256 train / 64 test
   sequences of 32 characters, width 32, 4 checkpoints), every Linear weight selected, EK-FAC at
   the default damping, refined over 32 training sequences with 3 steps (its refined row);
-- ``logreg`` and ``mlp``: digits of ``benchmarks/curvature.py`` (1000 train / 300 test, 6
-  checkpoints), the exact Fisher, refined over 100 training examples with 5 steps (its
-  ``--refine-examples`` / ``--refine-steps`` defaults).
+- ``logreg`` and ``mlp``: digits of ``benchmarks/curvature.py`` (its ``--medium`` sizes: 500
+  train / 100 test, 4 checkpoints), the exact Fisher, refined over 100 training examples with
+  5 steps (its ``--refine-examples`` / ``--refine-steps`` defaults).
 
 Timed in one run, interleaved, process CPU time, medians over ``--repeats``: ``plain`` (the
 EK-FAC query), ``refined`` (the same refined curvature queried again: the per-example
 gradients kept), ``refined-first`` (a fresh ``with_refinement`` each time: the first query
 also computes the per-example gradients, once per checkpoint) and ``functional`` (a fresh one
-with ``GRADIENT_BUDGET = 0``: the jvp/vjp product, what every query cost before).
+with ``GRADIENT_BUDGET = 0``: the jvp/vjp product, what every query cost before; timed in the
+first repeat only, as it is slow).
 
     python benchmarks/refine_cost.py --quick     # tiny sizes, one repeat (tests/ runs it)
-    python benchmarks/refine_cost.py             # the sizes above (~3 min on 2 cores)
+    python benchmarks/refine_cost.py             # the sizes above (~5 min CPU)
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import curvature as digits_bench  # noqa: E402
-import quality  # noqa: E402
-import quality_lm  # noqa: E402
+import curvature as digits_bench
+import quality
+import quality_lm
 
-import tracinfunc as tif  # noqa: E402
-from tracinfunc.curvature import DEFAULT_SCALES, Damping, classification_sampler  # noqa: E402
+import tracinfunc as tif
+from tracinfunc.curvature import DEFAULT_SCALES, Damping, classification_sampler
 
 try:  # the product by kept gradients (absent before it: every query was functional)
     from tracinfunc.curvature import fisher
@@ -61,7 +62,7 @@ def llama_case(quick: bool) -> dict:
 
 
 def digits_case(name: str, quick: bool) -> dict:
-    sizes = digits_bench.QUICK if quick else digits_bench.FULL
+    sizes = digits_bench.QUICK if quick else digits_bench.MEDIUM
     (x, y), test, _, _ = quality.load_digits(sizes)
     make = digits_bench.MODELS[name]
     _, ckpts = quality.train(make, x, y, seed=0, epochs=sizes.epochs, every=sizes.every)
@@ -101,8 +102,10 @@ def measure(case: dict, repeats: int) -> dict:
             "refined-first": lambda: query(refine()), "functional": functional}
     query(kept)  # fills the kept gradients (timed separately as refined-first)
     seconds: dict[str, list[float]] = {label: [] for label in runs}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for label, run in runs.items():
+            if label == "functional" and repeat:
+                continue
             start = time.process_time()
             result = run()
             seconds[label].append(time.process_time() - start)
@@ -115,18 +118,19 @@ def measure(case: dict, repeats: int) -> dict:
             "checkpoints": len(case["ckpts"]), "scale": DEFAULT_SCALES["ekfac"]}
 
 
-def print_table(results: dict[str, dict]) -> None:
-    print("| model | ckpts | refine (examples, steps, taken) | plain ms/ex | refined ms/ex "
-          "| ratio | first query ratio | functional ratio | residual first -> last |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
-    for name, r in results.items():
-        s, n = r["seconds"], r["n_test"]
-        base = max(s["plain"], 1e-9)
-        print(f"| {name} | {r['checkpoints']} | {r['examples']}, {r['steps']}, {r['taken']} | "
-              f"{1e3 * s['plain'] / n:.2f} | {1e3 * s['refined'] / n:.2f} | "
-              f"{s['refined'] / base:.2f}x | {s['refined-first'] / base:.2f}x | "
-              f"{s['functional'] / base:.2f}x | "
-              f"{r['residual'][0]:.3g} -> {r['residual'][1]:.3g} |")
+HEADER = ("| model | ckpts | refine (examples, steps, taken) | plain ms/ex | refined ms/ex "
+          "| ratio | first query ratio | functional ratio | residual first -> last |\n"
+          "|---|---:|---|---:|---:|---:|---:|---:|---|")
+
+
+def table_row(name: str, r: dict) -> str:
+    s, n = r["seconds"], r["n_test"]
+    base = max(s["plain"], 1e-9)
+    return (f"| {name} | {r['checkpoints']} | {r['examples']}, {r['steps']}, {r['taken']} | "
+            f"{1e3 * s['plain'] / n:.2f} | {1e3 * s['refined'] / n:.2f} | "
+            f"{s['refined'] / base:.2f}x | {s['refined-first'] / base:.2f}x | "
+            f"{s['functional'] / base:.2f}x | "
+            f"{r['residual'][0]:.3g} -> {r['residual'][1]:.3g} |")
 
 
 def main() -> None:
@@ -138,14 +142,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # a shared machine: one core, comparable CPU times
     repeats = 1 if args.quick else args.repeats
-    results = {}
-    for name in args.models.split(","):
-        case = llama_case(args.quick) if name == "llama" else digits_case(name, args.quick)
-        results[name] = measure(case, repeats)
     print(f"refined vs plain EK-FAC query, process CPU time, median of {repeats} "
           f"(tracinfunc from {Path(tif.__file__).parent})")
-    print_table(results)
-
+    print(HEADER, flush=True)
+    for name in args.models.split(","):
+        case = llama_case(args.quick) if name == "llama" else digits_case(name, args.quick)
+        print(table_row(name, measure(case, repeats)), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -49,7 +49,8 @@ def setup():
 def _labelled(loss, params, train):
     """The exact sampler's draws: every class of every input, weighted by its probability."""
     return [EXACT(loss, params, batch, torch.Generator().manual_seed(0))
-            for batch in ((train[0][:12], train[1][:12]), (train[0][12:], train[1][12:]))]
+            for batch in ((train[0][:12], train[1][:12]), (train[0][12:], train[1][12:]))
+            if len(batch[1])]
 
 
 def _vectors(params, names, t=3):
@@ -74,21 +75,27 @@ def test_gradient_product_equals_functional_and_explicit(setup):
     vectors = _vectors(params, names)
     shapes = {name: tuple(params[name].shape) for name in names}
     by_matmul = gradient_product(gradients, weights, shapes)(vectors)
+    matrix = (gradients.T * weights) @ gradients / weights.sum()
+    by_matrix = gradient_product(matrix, None, shapes)(vectors)
     functional = fisher_product(loss, params, names, labelled)(vectors)
     flat_v = torch.cat([vectors[n].reshape(3, -1) for n in names], dim=1)
     explicit = flat_v @ (gradients.T * weights) @ gradients / weights.sum()
     for name, part in zip(names, explicit.split([params[n].numel() for n in names], dim=1),
                           strict=True):
         torch.testing.assert_close(by_matmul[name], functional[name], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(by_matrix[name], functional[name], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(by_matmul[name], part.reshape(3, *shapes[name]),
                                    rtol=1e-12, atol=1e-14)
 
 
-def test_matmul_chosen_under_the_budget_functional_above(setup):
+@pytest.mark.parametrize("inputs, method", [(20, "matrix"), (4, "gradients")])
+def test_matmul_chosen_under_the_budget_functional_above(setup, inputs, method):
+    """m = 3 x inputs labelled rows, p = 43: H [p, p] kept when p < 2m, G [m, p] otherwise;
+    over the budget (G's bytes) neither is formed."""
     loss, ckpts, train, _, _ = setup
     params = dict(ckpts[0].params)
     names = sorted(params)
-    labelled = _labelled(loss, params, train)
+    labelled = _labelled(loss, params, (train[0][:inputs], train[1][:inputs]))
     calls = []
 
     def label():
@@ -98,9 +105,9 @@ def test_matmul_chosen_under_the_budget_functional_above(setup):
     needed = sum(w.shape[0] for _, w in labelled) * 43 * 8  # m x p float64 bytes
     cache: dict = {}
     under = checkpoint_product(cache, "a", loss, params, names, label, budget=needed)
-    assert under.method == "gradients" and list(cache) == ["a"]
+    assert under.method == method and list(cache) == ["a"]
     again = checkpoint_product(cache, "a", loss, params, names, label, budget=needed)
-    assert again.method == "gradients" and len(calls) == 1  # kept: no second labelling
+    assert again.method == method and len(calls) == 1  # kept: no second labelling
     over = checkpoint_product({}, "a", loss, params, names, label, budget=needed - 1)
     assert over.method == "functional"
     vectors = _vectors(params, names)

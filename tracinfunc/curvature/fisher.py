@@ -5,8 +5,9 @@ conjugate-gradient step. Two ways, equal up to rounding:
 
 - :func:`gradient_product`: the per-example gradients ``G [m, p]`` (``g_j`` with the sampler's
   label, float64) computed once, then ``H V = G^T (w * (G V)) / sum w``: two matrix products
-  per step. :func:`checkpoint_product` keeps ``G`` for the life of the refined curvature (one
-  per checkpoint), up to :data:`GRADIENT_BUDGET` bytes.
+  per step (``4 m p`` flops per vector); when ``p < 2 m``, ``H = G^T diag(w) G / sum w``
+  ``[p, p]`` itself (``2 p^2`` flops, fewer bytes). :func:`checkpoint_product` keeps either for
+  the life of the refined curvature (one per checkpoint), up to :data:`GRADIENT_BUDGET` bytes.
 - :func:`fisher_product`: functional, never holding ``G``: a ``torch.func.jvp`` of the
   per-example losses and a ``vjp``, ``vmap``-ed over the queries: a forward and a backward
   pass over every refinement example at every step. Used when ``G`` is over the budget (large
@@ -57,7 +58,7 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
 
     Returns:
         ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64; its ``method`` is
-        ``"gradients"`` or ``"functional"``.
+        ``"gradients"``, ``"matrix"`` (``p < 2 m``) or ``"functional"`` (``G`` over budget).
     """
     budget = GRADIENT_BUDGET if budget is None else budget
     shapes = {name: tuple(params[name].shape) for name in names}
@@ -70,6 +71,9 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         if size > budget:
             return fisher_product(loss, params, names, labelled)
         gradients, weights = sampled_gradients(loss, params, names, labelled)
+        if gradients.shape[1] < 2 * rows:  # p < 2m: H [p, p] is smaller and cheaper to apply
+            gradients, weights = (gradients.T * (weights / weights.sum())) @ gradients, None
+        size = gradients.numel() * 8
         while cache and size + sum(g.numel() * 8 for g, _ in cache.values()) > budget:
             del cache[next(iter(cache))]  # the oldest checkpoint's
         cache[key] = (gradients, weights)
@@ -98,23 +102,27 @@ def sampled_gradients(loss: LossFn, params: Params, names: list[str],
     return torch.cat(parts), torch.cat(weights)
 
 
-def gradient_product(gradients: Tensor, weights: Tensor, shapes: dict[str, tuple[int, ...]]
-                     ) -> Callable[[Vectors], Vectors]:
-    """``V -> G^T (w * (G V)) / sum w`` for ``G [m, p]`` (columns in ``shapes``' order)."""
-    total = weights.sum()
+def gradient_product(gradients: Tensor, weights: Tensor | None,
+                     shapes: dict[str, tuple[int, ...]]) -> Callable[[Vectors], Vectors]:
+    """``V -> G^T (w * (G V)) / sum w`` for ``G [m, p]`` (columns in ``shapes``' order);
+    with ``weights=None``, ``gradients`` is ``H [p, p]`` itself and ``V -> H V``
+    (``method``: ``"gradients"``, ``"matrix"``)."""
     sizes = [math.prod(shape) for shape in shapes.values()]
 
     def product(vectors: Vectors) -> Vectors:
         first = next(iter(vectors.values()))
         flat = torch.cat([vectors[name].reshape(first.shape[0], -1).to(gradients)
                           for name in shapes], dim=1)  # [t, p]
-        along = flat @ gradients.T  # [t, m]: g_j . v_t
-        out = (along * weights / total) @ gradients  # [t, p]
+        if weights is None:
+            out = flat @ gradients  # H is symmetric
+        else:
+            along = flat @ gradients.T  # [t, m]: g_j . v_t
+            out = (along * (weights / weights.sum())) @ gradients  # [t, p]
         return {name: part.reshape(first.shape[0], *shape).to(first.device)
                 for (name, shape), part in zip(shapes.items(), out.split(sizes, dim=1),
                                                strict=True)}
 
-    product.method = "gradients"
+    product.method = "gradients" if weights is not None else "matrix"
     return product
 
 

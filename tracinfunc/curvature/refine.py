@@ -149,6 +149,7 @@ def pcg(product: Callable[[Vectors], Vectors], precondition: Callable[[Vectors],
     history = [_norm(residual) / safe]
     active = history[-1] > tolerance  # NaN: stopped here, refused below
     direction: Vectors | None = None
+    rz = torch.zeros_like(norm)
     for _ in range(steps):
         if not bool(active.any()):
             break

@@ -28,6 +28,7 @@ NEEDS = {"search.py": ["faiss"], "index_binding.py": ["faiss"], "scale_out.py": 
          "llm_throughput.py": ["transformers", "peft"], "vs_captum.py": ["captum"],
          "quality.py": ["sklearn", "matplotlib"],
          "quality_lm.py": ["transformers", "matplotlib"],
+         "refine_cost.py": ["transformers", "sklearn"],
          "curvature_fit.py": ["sklearn", "transformers"],
          "rerank.py": ["sklearn", "transformers"],
          "token_attribution.py": ["transformers"], "report.py": ["sklearn"]}
@@ -41,6 +42,7 @@ PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
           "curvature_fit.py": "| lm (",
           "quality_lm.py": "| tracin-all | tracin | all |",
+          "refine_cost.py": "| mlp | 3 | 100, 5,",
           "rerank.py": "| LM projected curvature, retrieve with curvature |",
           "token_attribution.py": "| canary document top-1 proponent |",
           "report.py": "| page top-10 rows == tif.top_k's | True |"}

@@ -4,11 +4,13 @@ A fitted curvature (K-FAC, EK-FAC, dense) is an approximation of the Gauss-Newto
 Fisher) matrix ``H_c``; its damped inverse is cheap and close. Refinement solves the damped
 system of the Fisher itself, over a fixed sample of training batches with labels drawn once
 by the same sampler :func:`~tracinfunc.fit_curvature` uses, by a few steps of conjugate
-gradient preconditioned by the fitted inverse (starting from its answer). Fisher-vector
-products are computed functionally, never forming ``H``:
-``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` with ``g_j . v`` a ``torch.func.jvp`` of the
-per-example losses and the sum a ``torch.func.vjp``, both ``vmap``-ed over the test examples
-(one product serves a whole batch of queries).
+gradient preconditioned by the fitted inverse (starting from its answer), each query until
+its relative residual is at most the tolerance (at most ``steps`` steps). Fisher-vector
+products ``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` never form ``H``: two matrix products
+with the per-example gradients ``G``, computed once per checkpoint and kept while they fit
+:data:`~tracinfunc.curvature.fisher.GRADIENT_BUDGET`, else functionally (a jvp and a vjp of the
+per-example losses per step); :mod:`tracinfunc.curvature.fisher`. One product serves a whole
+batch of queries.
 
 Made by :meth:`Curvature.with_refinement`; applied by :func:`preconditioned_test_grads` (hence
 ``score``, ``top_k``, ``indexed_top_k`` and the CLI, through the marked test gradients).
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,28 +27,22 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import jvp, vjp, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import current_caller
 from tracinfunc.batches import iter_batches
+from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, fisher_product
 from tracinfunc.errors import (
     EmptyDataError,
     IllConditionedError,
     NonFiniteGradientError,
 )
-from tracinfunc.types import Batch, LossFn, Params
+from tracinfunc.types import Batch
 
-__all__ = ["Refinement", "check_refinable", "data_digest", "fisher_product", "kept_batches",
-           "largest_eigenvalue", "pcg", "warn_unconverged"]
+__all__ = ["FORWARD_AD_LOCK", "Refinement", "check_refinable", "data_digest", "fisher_product",
+           "kept_batches", "largest_eigenvalue", "pcg", "warn_unconverged"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
-
-# Forward-mode AD levels are process-global in torch: two threads inside torch.func.jvp at once
-# corrupt each other's level ("Trying to access a forward AD level with an invalid index") and
-# the functorch transforms around them, so every Fisher-vector product and every refined query
-# (preconditioned_test_grads) runs under this one (re-entrant) lock.
-FORWARD_AD_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,13 +50,17 @@ class Refinement:
     """How queries are refined (held by a :class:`~tracinfunc.Curvature`).
 
     Attributes:
-        steps: Conjugate-gradient steps per query (``>= 1``).
+        steps: Conjugate-gradient steps per query at most (``>= 1``).
         batches: The training batches the Fisher-vector products average over (a list).
         sampler: Draws their labels (``None``: the loss's default sampler).
         seed: Seeds the label draws (``seed + checkpoint position``).
-        tolerance: A final relative residual ``||g - (H + l I) x|| / ||g||`` above this is
-            reported (a ``RuntimeWarning``) as not converged.
+        tolerance: A query stops once its relative residual ``||g - (H + l I) x|| / ||g||``
+            is at most this; one still above it after ``steps`` is reported (a
+            ``RuntimeWarning``) as not converged.
         digest: SHA-256 of the batches' tensors (part of the curvature's digest).
+        gradients: Per checkpoint, the per-example gradients and weights the Fisher-vector
+            products use (filled by the first refined query, shared by every curvature made
+            from this one by ``with_damping``; not part of the digest).
     """
 
     steps: int
@@ -70,6 +69,7 @@ class Refinement:
     seed: int = 0
     tolerance: float = 1e-2
     digest: str = field(default="")
+    gradients: dict = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """JSON types for the curvature's metadata (no tensors)."""
@@ -113,61 +113,19 @@ def data_digest(batches: Iterable[Batch]) -> str:
     return h.hexdigest()
 
 
-def fisher_product(loss: LossFn, params: Params, names: list[str],
-                   labelled: list[tuple[Batch, Tensor]]) -> Callable[[Vectors], Vectors]:
-    """``v -> H v`` for ``t`` vectors at once, ``H = sum_j w_j g_j g_j^T / sum_j w_j``.
-
-    Args:
-        loss: The per-example loss (one example -> a scalar).
-        params: The checkpoint's parameters; ``names`` are differentiated.
-        labelled: ``(batch, weights [b])`` pairs from the sampler.
-
-    Returns:
-        ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64.
-    """
-    selected = {name: params[name] for name in names}
-    frozen = {name: value for name, value in params.items() if name not in selected}
-    dtype = next(iter(selected.values())).dtype
-    total_weight = float(sum(float(w.sum()) for _, w in labelled))
-
-    def product(vectors: Vectors) -> Vectors:
-        with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
-            return unlocked(vectors)
-
-    def unlocked(vectors: Vectors) -> Vectors:
-        out = {name: torch.zeros_like(value, dtype=torch.float64)
-               for name, value in vectors.items()}
-        # jvp wants the tangents in the primals' key order, which need not be the vectors'
-        # (a selection listed out of module order: GPT-Neo's k, v, q projections)
-        tangents = {name: vectors[name].to(dtype) for name in selected}
-        for batch, weights in labelled:
-            def losses(chosen: Params, batch=batch) -> Tensor:  # [b]
-                return vmap(lambda example: loss({**frozen, **chosen}, example))(batch)
-
-            def along(tangent: Params) -> Tensor:  # g_j . v for every j: [b]
-                return jvp(losses, (selected,), (tangent,))[1]
-
-            directional = vmap(along)(tangents)  # [t, b]
-            _, pullback = vjp(losses, selected)
-            cotangents = directional * weights.to(directional)[None, :]
-            summed = vmap(pullback)(cotangents)[0]  # {name: [t, *shape]}
-            for name in out:
-                out[name] += summed[name].double()
-        return {name: value / total_weight for name, value in out.items()}
-
-    return product
-
-
 def pcg(product: Callable[[Vectors], Vectors], precondition: Callable[[Vectors], Vectors],
-        damping: float, rhs: Vectors, steps: int) -> tuple[Vectors, Tensor]:
+        damping: float, rhs: Vectors, steps: int, tolerance: float = 0.0
+        ) -> tuple[Vectors, Tensor]:
     """Preconditioned conjugate gradient on ``(H + damping I) x = rhs``, ``t`` systems at once.
 
     Starts from ``x_0 = M rhs`` (``M``: the fitted damped inverse), so zero steps return the
-    fitted curvature's answer.
+    fitted curvature's answer. A system stops (its ``x`` kept) once its relative residual is
+    at most ``tolerance``; all stop after ``steps`` steps or once every one has. A system's
+    answer does not depend on the others solved with it.
 
     Returns:
-        ``(x {name: [t, *shape]} float64, residuals [steps + 1, t])``: the relative residual
-        ``||rhs - (H + l I) x_i|| / ||rhs||`` after each step (``0`` for a zero ``rhs``).
+        ``(x {name: [t, *shape]} float64, residuals [taken + 1, t])``: the relative residual
+        ``||rhs - (H + l I) x_i|| / ||rhs||`` after each step taken (``0`` for a zero ``rhs``).
 
     Raises:
         NonFiniteGradientError: a product or the solution is NaN or infinite.
@@ -176,25 +134,42 @@ def pcg(product: Callable[[Vectors], Vectors], precondition: Callable[[Vectors],
     norm = _norm(rhs)
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
 
-    def apply(x: Vectors) -> Vectors:
-        return _axpy(damping, x, product(x))
+    def apply(x: Vectors, active: Tensor) -> Vectors:
+        if bool(active.all()):
+            return _axpy(damping, x, product(x))
+        rows = active.nonzero().reshape(-1)  # only the systems still running
+        part = {name: value[rows] for name, value in x.items()}
+        done = _axpy(damping, part, product(part))
+        return {name: torch.zeros_like(value).index_copy(0, rows, done[name])
+                for name, value in x.items()}
 
+    everyone = torch.ones_like(norm, dtype=torch.bool)
     x = precondition(rhs)
-    residual = _axpy(-1.0, apply(x), rhs)
+    residual = _axpy(-1.0, apply(x, everyone), rhs)
     history = [_norm(residual) / safe]
-    z = precondition(residual)
-    direction, rz = z, _dot(residual, z)
+    active = history[-1] > tolerance  # NaN: stopped here, refused below
+    direction: Vectors | None = None
+    rz = torch.zeros_like(norm)
     for _ in range(steps):
-        applied = apply(direction)
+        if not bool(active.any()):
+            break
+        # M r only for a step that follows (none after the last one)
+        z = precondition(residual)
+        rz_next = _dot(residual, z)
+        if direction is None:
+            direction = z
+        else:
+            beta = torch.where(rz > 0, rz_next / torch.where(rz > 0, rz, 1.0), 0.0)
+            direction = _axpy(beta, direction, z)
+        rz = rz_next
+        applied = apply(direction, active)
         curvature = _dot(direction, applied)
-        alpha = torch.where(curvature > 0, rz / torch.where(curvature > 0, curvature, 1.0), 0.0)
+        moving = active & (curvature > 0)
+        alpha = torch.where(moving, rz / torch.where(moving, curvature, 1.0), 0.0)
         x = _axpy(alpha, direction, x)
         residual = _axpy(-alpha, applied, residual)
         history.append(_norm(residual) / safe)
-        z = precondition(residual)
-        rz_next = _dot(residual, z)
-        beta = torch.where(rz > 0, rz_next / torch.where(rz > 0, rz, 1.0), 0.0)
-        direction, rz = _axpy(beta, direction, z), rz_next
+        active = active & (history[-1] > tolerance)
     residuals = torch.stack(history)
     if not (bool(residuals.isfinite().all()) and all(bool(v.isfinite().all())
                                                       for v in x.values())):

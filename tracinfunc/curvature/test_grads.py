@@ -26,7 +26,8 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
-from tracinfunc.curvature.refine import FORWARD_AD_LOCK, fisher_product, pcg, warn_unconverged
+from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, checkpoint_product
+from tracinfunc.curvature.refine import pcg, warn_unconverged
 from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import EmptyDataError, InvalidArgumentError
@@ -106,7 +107,8 @@ def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         params = dict(ckpt.params)
         solve = None if sampler is None else RefinedSolve(
-            loss_at(loss, ckpt), curvature, c, names, params, sampler)
+            loss_at(loss, ckpt), curvature, c, names, params, sampler,
+            key=(c, Checkpoint.fingerprint.func(ckpt), tuple(names), _Same(loss)))
         rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
                            projection.for_checkpoint(ckpt_meta.name), options, solve)
         parts = [rows_fn(params, batch) for batch in iter_batches(data)]
@@ -175,22 +177,31 @@ class GradientPreconditioner:
 class RefinedSolve:
     """``grads {name: [b, *shape]} -> (H_c + lambda_c I)^-1 grads`` by preconditioned
     conjugate gradient (:mod:`tracinfunc.curvature.refine`), over the refinement's batches
-    labelled once; keeps the worst relative residual after each step."""
+    labelled once; keeps the worst relative residual after each step.
+
+    ``key`` names the checkpoint's state, the selection and the loss: the per-example
+    gradients kept on the refinement under it are reused (the parameters' fingerprint is
+    recomputed, so parameters changed in place are not served stale gradients).
+    """
 
     def __init__(self, loss: LossFn, curvature: Curvature, ckpt: int, names, params: Params,
-                 sampler) -> None:
+                 sampler, *, key) -> None:
         refinement = curvature.refinement
-        checked = CheckedSampler(sampler, curvature.checkpoints[ckpt].name)
-        generator = torch.Generator().manual_seed(refinement.seed + ckpt)
-        try:
-            labelled = [checked(loss, params, batch, generator) for batch in refinement.batches]
-        except RuntimeError as err:  # torch's shape/dtype errors: the refinement data's fault
-            raise InvalidArgumentError(
-                f"{current_caller()}: the loss failed on the refinement data (given to "
-                f"Curvature.with_refinement) at checkpoint {curvature.checkpoints[ckpt].name!r}"
-                f": {err}. Refine with training batches of this model's input shape and "
-                "dtype.") from err
-        self.product = fisher_product(loss, params, list(names), labelled)
+        name = curvature.checkpoints[ckpt].name
+
+        def label() -> list:
+            checked = CheckedSampler(sampler, name)
+            generator = torch.Generator().manual_seed(refinement.seed + ckpt)
+            try:
+                return [checked(loss, params, batch, generator) for batch in refinement.batches]
+            except RuntimeError as err:  # torch's shape/dtype errors: the refinement data's
+                raise InvalidArgumentError(
+                    f"{current_caller()}: the loss failed on the refinement data (given to "
+                    f"Curvature.with_refinement) at checkpoint {name!r}: {err}. Refine with "
+                    "training batches of this model's input shape and dtype.") from err
+
+        self.product = checkpoint_product(refinement.gradients, key, loss, params, list(names),
+                                          label)
         self.curvature, self.ckpt = curvature, ckpt
         self.history: list[Tensor] = []
 
@@ -202,20 +213,40 @@ class RefinedSolve:
                               for value in grads.values()]).all(0)  # [b]
         clean = {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)), value, 0)
                  for name, value in grads.items()}
+        refinement = self.curvature.refinement
         solution, residuals = pcg(self.product,
                                   lambda v: self.curvature.precondition(self.ckpt, v),
                                   self.curvature.damping[self.ckpt], clean,
-                                  self.curvature.refinement.steps)
+                                  refinement.steps, refinement.tolerance)
         self.history.append(residuals)
         return {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)),
                                   value.to(dtype), torch.nan)
                 for name, value in solution.items()}
 
     def finish(self, name: str) -> list[float]:
-        """Per step, the worst residual over every query solved; warns if not converged."""
-        residuals = torch.cat(self.history, dim=1) if self.history else torch.zeros(1, 0)
+        """Per step taken, the worst residual over every query solved (a batch that stopped
+        earlier keeps its last); warns if not converged."""
+        taken = max((r.shape[0] for r in self.history), default=1)
+        residuals = (torch.cat([torch.cat([r, r[-1:].expand(taken - r.shape[0], -1)])
+                                for r in self.history], dim=1)
+                     if self.history else torch.zeros(1, 0))
         warn_unconverged(residuals, self.curvature.refinement.tolerance, name)
         return [float(r.max()) if r.numel() else 0.0 for r in residuals]
+
+
+class _Same:
+    """Hashes and compares by identity, holding its object (so its id is not reused)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
 
 
 def _rows_fn(loss, curvature: Curvature, ckpt: int, names, projection: Projection,

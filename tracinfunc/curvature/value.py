@@ -200,19 +200,29 @@ class Curvature:
         Each query ``g`` is solved on ``(H_c + lambda_c I) x = g`` with ``H_c`` the Fisher of
         the training examples in ``data`` (labels drawn by ``sampler``, as in
         :func:`~tracinfunc.fit_curvature`), starting from this curvature's answer and
-        preconditioned by it; ``steps`` conjugate-gradient steps, each one Fisher-vector
-        product (a jvp and a vjp per training example) for a batch of queries. Applied by
-        :func:`~tracinfunc.preconditioned_test_grads` (so ``score``, ``top_k``,
-        ``indexed_top_k`` and the CLI get it through ``curvature=``).
+        preconditioned by it, by conjugate gradient: each query stops once its relative
+        residual ``||g - (H + lambda I) x|| / ||g||`` is at most ``tolerance``, or after
+        ``steps`` steps. Each step is one Fisher-vector product for a batch of queries: two
+        matrix products with the per-example gradients ``G [m, p]`` of the ``m`` labelled
+        examples, computed once per checkpoint at the first refined query and kept on this
+        curvature (and those ``with_damping`` makes from it) while ``m x p x 8`` bytes fit
+        :data:`tracinfunc.curvature.fisher.GRADIENT_BUDGET` (256 MiB, over all checkpoints);
+        a larger ``G`` is never formed and each product is a jvp and a vjp over every
+        example instead. Applied by :func:`~tracinfunc.preconditioned_test_grads` (so
+        ``score``, ``top_k``, ``indexed_top_k`` and the CLI get it through ``curvature=``).
+        ``steps`` and ``tolerance`` are part of the digest: queries refined differently are
+        never mixed.
 
         Args:
             data: Training batches (or a sample of them), kept in memory.
-            steps: Conjugate-gradient steps, ``>= 1``.
+            steps: Conjugate-gradient steps at most, ``>= 1``.
             max_examples: Keep only the first this many inputs of ``data``.
             sampler: Draws labels (``None``: the loss's default sampler).
             seed: Seeds the label draws (``seed + checkpoint position``).
-            tolerance: Final relative residuals above this are reported (a
-                ``RuntimeWarning``); every residual is in the test gradients' metadata.
+            tolerance: The stop criterion: a query whose relative residual is at most this
+                stops (its answer does not depend on the queries batched with it); one still
+                above it after ``steps`` is reported (a ``RuntimeWarning``). Every step's
+                worst residual is in the test gradients' metadata.
 
         Raises:
             InvalidArgumentError: ``kind="projected"`` (its space has no Fisher-vector

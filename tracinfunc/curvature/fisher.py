@@ -1,0 +1,172 @@
+"""Fisher-vector products of the sampled Fisher ``H = sum_j w_j g_j g_j^T / sum_j w_j``.
+
+Refinement (:mod:`tracinfunc.curvature.refine`) needs ``H v`` for a batch of queries at every
+conjugate-gradient step. Two ways, equal up to rounding:
+
+- :func:`gradient_product`: the per-example gradients ``G [m, p]`` (``g_j`` with the sampler's
+  label, float64) computed once, then ``H V = G^T (w * (G V)) / sum w``: two matrix products
+  per step (``4 m p`` flops per vector); when ``p < 2 m``, ``H = G^T diag(w) G / sum w``
+  ``[p, p]`` itself (``2 p^2`` flops, fewer bytes). :func:`checkpoint_product` keeps either for
+  the life of the refined curvature (one per checkpoint), up to :data:`GRADIENT_BUDGET` bytes.
+- :func:`fisher_product`: functional, never holding ``G``: a ``torch.func.jvp`` of the
+  per-example losses and a ``vjp``, ``vmap``-ed over the queries: a forward and a backward
+  pass over every refinement example at every step. Used when ``G`` is over the budget (large
+  models), and the reference the matrix product is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import grad, jvp, vjp, vmap
+
+from tracinfunc.types import Batch, LossFn, Params
+
+__all__ = ["FORWARD_AD_LOCK", "GRADIENT_BUDGET", "checkpoint_product", "fisher_product",
+           "gradient_product", "sampled_gradients"]
+
+Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
+
+# Forward-mode AD levels are process-global in torch: two threads inside torch.func.jvp at once
+# corrupt each other's level ("Trying to access a forward AD level with an invalid index") and
+# the functorch transforms around them, so every Fisher-vector product and every refined query
+# (preconditioned_test_grads) runs under this one (re-entrant) lock; it also guards the
+# per-example gradients a refinement keeps.
+FORWARD_AD_LOCK = threading.RLock()
+
+# Bytes of float64 per-example gradients (m refinement rows x p selected parameters x 8) one
+# refined curvature keeps, over all its checkpoints. A checkpoint whose gradients alone are
+# larger uses the functional product; older checkpoints' are dropped to make room.
+GRADIENT_BUDGET = 256 * 2**20
+
+
+def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, params: Params,
+                       names: list[str], label: Callable[[], list[tuple[Batch, Tensor]]],
+                       budget: int | None = None) -> Callable[[Vectors], Vectors]:
+    """``v -> H v`` at one checkpoint, by :func:`gradient_product` when ``G`` fits ``budget``.
+
+    Args:
+        cache: Where ``G`` is kept (the refinement's), ``{key: (G, weights)}``.
+        key: Identifies the checkpoint, loss and selection ``G`` was computed for.
+        label: ``() -> [(labelled batch, weights [b])]``, the sampler's draws (run on a miss).
+        budget: Bytes kept at most (default :data:`GRADIENT_BUDGET`, read at call time).
+
+    Returns:
+        ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64; its ``method`` is
+        ``"gradients"``, ``"matrix"`` (``p < 2 m``) or ``"functional"`` (``G`` over budget).
+    """
+    budget = GRADIENT_BUDGET if budget is None else budget
+    shapes = {name: tuple(params[name].shape) for name in names}
+    with FORWARD_AD_LOCK:
+        if key in cache:
+            return gradient_product(*cache[key], shapes)
+        labelled = label()
+        rows = sum(int(weights.shape[0]) for _, weights in labelled)
+        size = rows * sum(math.prod(shape) for shape in shapes.values()) * 8
+        if size > budget:
+            return fisher_product(loss, params, names, labelled)
+        gradients, weights = sampled_gradients(loss, params, names, labelled)
+        if gradients.shape[1] < 2 * rows:  # p < 2m: H [p, p] is smaller and cheaper to apply
+            gradients, weights = (gradients.T * (weights / weights.sum())) @ gradients, None
+        size = gradients.numel() * 8
+        while cache and size + sum(g.numel() * 8 for g, _ in cache.values()) > budget:
+            del cache[next(iter(cache))]  # the oldest checkpoint's
+        cache[key] = (gradients, weights)
+        return gradient_product(gradients, weights, shapes)
+
+
+def sampled_gradients(loss: LossFn, params: Params, names: list[str],
+                      labelled: list[tuple[Batch, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Per-example gradients of the labelled batches, ``(G [m, p] float64, weights [m])``.
+
+    Columns follow ``names`` (each parameter flattened); computed in the parameters' dtype.
+    """
+    selected = {name: params[name] for name in names}
+    frozen = {name: value for name, value in params.items() if name not in selected}
+
+    def one(chosen: Params, example: Batch) -> Tensor:
+        return loss({**frozen, **chosen}, example)
+
+    per_example = vmap(grad(one), in_dims=(None, 0))
+    parts, weights = [], []
+    for batch, w in labelled:
+        grads = per_example(selected, batch)  # {name: [b, *shape]}
+        parts.append(torch.cat([grads[name].reshape(w.shape[0], -1).double()
+                                for name in names], dim=1))
+        weights.append(w.double().to(parts[-1].device))
+    return torch.cat(parts), torch.cat(weights)
+
+
+def gradient_product(gradients: Tensor, weights: Tensor | None,
+                     shapes: dict[str, tuple[int, ...]]) -> Callable[[Vectors], Vectors]:
+    """``V -> G^T (w * (G V)) / sum w`` for ``G [m, p]`` (columns in ``shapes``' order);
+    with ``weights=None``, ``gradients`` is ``H [p, p]`` itself and ``V -> H V``
+    (``method``: ``"gradients"``, ``"matrix"``)."""
+    sizes = [math.prod(shape) for shape in shapes.values()]
+
+    def product(vectors: Vectors) -> Vectors:
+        first = next(iter(vectors.values()))
+        flat = torch.cat([vectors[name].reshape(first.shape[0], -1).to(gradients)
+                          for name in shapes], dim=1)  # [t, p]
+        if weights is None:
+            out = flat @ gradients  # H is symmetric
+        else:
+            along = flat @ gradients.T  # [t, m]: g_j . v_t
+            out = (along * (weights / weights.sum())) @ gradients  # [t, p]
+        return {name: part.reshape(first.shape[0], *shape).to(first.device)
+                for (name, shape), part in zip(shapes.items(), out.split(sizes, dim=1),
+                                               strict=True)}
+
+    product.method = "gradients" if weights is not None else "matrix"
+    return product
+
+
+def fisher_product(loss: LossFn, params: Params, names: list[str],
+                   labelled: list[tuple[Batch, Tensor]]) -> Callable[[Vectors], Vectors]:
+    """``v -> H v`` for ``t`` vectors at once, functionally (``H`` and ``G`` never formed).
+
+    Args:
+        loss: The per-example loss (one example -> a scalar).
+        params: The checkpoint's parameters; ``names`` are differentiated.
+        labelled: ``(batch, weights [b])`` pairs from the sampler.
+
+    Returns:
+        ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64.
+    """
+    selected = {name: params[name] for name in names}
+    frozen = {name: value for name, value in params.items() if name not in selected}
+    dtype = next(iter(selected.values())).dtype
+    total_weight = float(sum(float(w.sum()) for _, w in labelled))
+
+    def product(vectors: Vectors) -> Vectors:
+        with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
+            return unlocked(vectors)
+
+    def unlocked(vectors: Vectors) -> Vectors:
+        out = {name: torch.zeros_like(value, dtype=torch.float64)
+               for name, value in vectors.items()}
+        # jvp wants the tangents in the primals' key order, which need not be the vectors'
+        # (a selection listed out of module order: GPT-Neo's k, v, q projections)
+        tangents = {name: vectors[name].to(dtype) for name in selected}
+        for batch, weights in labelled:
+            def losses(chosen: Params, batch=batch) -> Tensor:  # [b]
+                return vmap(lambda example: loss({**frozen, **chosen}, example))(batch)
+
+            def along(tangent: Params) -> Tensor:  # g_j . v for every j: [b]
+                return jvp(losses, (selected,), (tangent,))[1]
+
+            directional = vmap(along)(tangents)  # [t, b]
+            _, pullback = vjp(losses, selected)
+            cotangents = directional * weights.to(directional)[None, :]
+            summed = vmap(pullback)(cotangents)[0]  # {name: [t, *shape]}
+            for name in out:
+                out[name] += summed[name].double()
+        return {name: value / total_weight for name, value in out.items()}
+
+    product.method = "functional"
+    return product

@@ -80,7 +80,7 @@ class Refinement:
 
 def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
                  ) -> tuple[Batch, ...]:
-    """The batches of ``data`` (cut after ``max_examples`` inputs) as a tuple; refuses none."""
+    """Copies of the batches of ``data`` (cut after ``max_examples`` inputs); refuses none."""
     kept, left = [], max_examples
     for batch in iter_batches(data):
         size = next(leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)).shape[0]
@@ -92,7 +92,10 @@ def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
             if size > left:
                 batch = tree_map(lambda x, n=left: x[:n] if isinstance(x, Tensor) else x, batch)
             left -= min(size, left)
-        kept.append(batch)
+        # a copy: the refinement reads these at its first query (and again at every query when
+        # its gradients are not kept), so data changed in place, or a loader that refills one
+        # buffer, must not reach it
+        kept.append(tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, batch))
     if not kept:
         raise EmptyDataError(f"{current_caller()}: data holds no training examples to refine "
                              "with; pass training batches (or a sample of them).")

@@ -214,7 +214,8 @@ class Curvature:
         never mixed.
 
         Args:
-            data: Training batches (or a sample of them), kept in memory.
+            data: Training batches (or a sample of them), copied and kept in memory
+                (changing ``data`` in place later changes nothing).
             steps: Conjugate-gradient steps at most, ``>= 1``.
             max_examples: Keep only the first this many inputs of ``data``.
             sampler: Draws labels (``None``: the loss's default sampler).

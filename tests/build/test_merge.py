@@ -93,3 +93,12 @@ def test_a_callable_store_keeps_the_batches(tmp_path):
     own, calls[:] = len(calls), []
     tif.build_store(loss, ckpts, _batches(x, y, 4), projection=PROJ, batch_size=4)
     assert own == len(calls)
+
+
+def test_batches_of_another_structure_are_not_merged():
+    x = torch.zeros(2, 3)
+    data = [(x, x[:, 0]), (x, x[:, 0]), {"x": x}, (x.double(), x[:, 0]), (x, x[:, 0])]
+    assert [type(b).__name__ for b in merged_batches(data, 100)] == ["tuple", "dict", "tuple",
+                                                                     "tuple"]
+    assert [len(b[0]) if isinstance(b, tuple) else 2 for b in merged_batches(data, 100)] == [
+        4, 2, 2, 2]

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from tracinfunc.batches import batch_size_of
 from tracinfunc.grads.chunking import DEFAULT_COPIES
@@ -53,20 +53,26 @@ def merge_limit(layout: Layout, itemsize: int, options: GradientOptions, *,
 def merged_batches(batches: Iterable[Batch], limit: int) -> Iterator[Batch]:
     """Consecutive ``batches`` concatenated while the total stays within ``limit`` examples.
 
-    A batch is never split (one larger than ``limit`` goes alone), and the order of the
-    examples is kept.
+    A batch is never split (one larger than ``limit`` goes alone), the order of the examples
+    is kept, and only batches of one structure (pytree, leaf dtypes and trailing shapes) are
+    merged: a batch that differs goes to its own call, which reports it as before.
     """
     pending: list[Batch] = []
-    count = 0
+    count, kind = 0, None
     for batch in batches:
-        size = batch_size_of(batch)
-        if pending and count + size > limit:
+        size, batch_kind = batch_size_of(batch), _kind(batch)
+        if pending and (count + size > limit or batch_kind != kind):
             yield _concat(pending)
             pending, count = [], 0
         pending.append(batch)
-        count += size
+        count, kind = count + size, batch_kind
     if pending:
         yield _concat(pending)
+
+
+def _kind(batch: Batch) -> tuple:
+    leaves, spec = tree_flatten(batch)
+    return spec, tuple((leaf.dtype, leaf.shape[1:]) for leaf in leaves)
 
 
 def _concat(batches: list[Batch]) -> Batch:

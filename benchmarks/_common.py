@@ -66,12 +66,15 @@ def machine() -> str:
 
 
 class Timer:
+    """Wall seconds (``seconds``) and this process's CPU seconds (``cpu``) of a block."""
+
     def __enter__(self):
-        self.start = time.perf_counter()
+        self.start, self.start_cpu = time.perf_counter(), time.process_time()
         return self
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+        self.cpu = time.process_time() - self.start_cpu
 
 
 def linear_model(d_in: int, n_classes: int) -> nn.Module:

@@ -19,7 +19,8 @@ from _common import Timer, current_rss_mb, emit, linear_model, peak_rss_mb, tiny
 
 
 def attribute(problem: dict, seed: int):
-    """dattri's scores ``[n_test, n_train]``, seconds, and the RSS before the timed part."""
+    """dattri's scores ``[n_test, n_train]``, its Timer (wall and CPU seconds), and the RSS
+    before the timed part."""
     from dattri.algorithm.tracin import TracInAttributor
     from dattri.task import AttributionTask
 
@@ -45,7 +46,7 @@ def attribute(problem: dict, seed: int):
             device="cpu",
         )
         scores = attributor.attribute(train_loader, test_loader)  # [n_train, n_test]
-    return scores.T.contiguous(), timer.seconds, baseline
+    return scores.T.contiguous(), timer, baseline
 
 
 def main() -> None:
@@ -53,13 +54,16 @@ def main() -> None:
     parser.add_argument("--problem", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     problem = torch.load(args.problem, weights_only=False)
     for run in (tiny(problem), problem):  # warm up, then the timed run
-        scores, seconds, baseline = attribute(run, args.seed)
+        scores, timer, baseline = attribute(run, args.seed)
     np.save(args.out, scores.numpy())
-    emit({"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline})
+    emit({"seconds": timer.seconds, "cpu": timer.cpu, "peak_rss_mb": peak_rss_mb(),
+          "baseline_rss_mb": baseline})
 
 
 if __name__ == "__main__":

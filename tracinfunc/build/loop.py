@@ -199,9 +199,11 @@ def fill_store(
                 elif pipeline is not None:
                     pipeline.put(rows)
                 else:
-                    check_finite(rows, meta, first_row=writer.rows_written)
+                    norms = row_norms(rows)
+                    if not bool(torch.isfinite(norms).all()):  # finite norms: finite rows
+                        check_finite(rows, meta, first_row=writer.rows_written)
                     check_storable(rows, meta, first_row=writer.rows_written)
-                    writer.append(rows, row_norms(rows))
+                    writer.append(rows, norms)
                 if not decided:  # the first rows go serially (a writer's refusals surface as
                     # they are); where they came out decides the rest
                     pipeline = copy_out_for(writer, meta, rows, first_row=writer.rows_written)

@@ -24,6 +24,7 @@ from tracinfunc.batches import (
 )
 from tracinfunc.build.inputs import build_record, fingerprinted
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.build.merge import merge_limit, merged_batches
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.distributed import (
     commit_after_barrier,
@@ -93,10 +94,14 @@ def build_store(
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
         batch_size: Examples per gradient call: the data's batches are merged or split to
-            this size (the last may be smaller); ``None`` keeps the data's own batches. Each
-            call has a fixed cost (about 2 ms on a CPU), so merging small loader batches
-            pays for small models; activation memory grows with it unless ``chunk_size`` or
-            ``memory_budget`` bounds it. Resuming needs the same ``batch_size``.
+            this size (the last may be smaller); ``None`` keeps the data's own batches,
+            except that an in-memory build without a memory option (``chunk_size``,
+            ``memory_budget``, ``stages``) merges consecutive batches into calls of up to
+            64 MiB of per-example gradients and at most 4096 examples (a batch is never
+            split; rows do not change). Each call has a fixed cost (about 2 ms on a CPU), so
+            merging small loader batches pays for small models; activation memory grows with
+            it unless ``chunk_size`` or ``memory_budget`` bounds it. Resuming needs the same
+            ``batch_size``.
         store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
             ``tif.store.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
             Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
@@ -177,6 +182,11 @@ def build_store(
             else make_part_writer(store, full, shard)
         stop = writer.stop
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
+    limit = merge_limit(layout, _itemsize(params_per_ckpt[0]), options,
+                        in_memory=shard is None and not writes_to_disk(store)
+                        and (store is None or isinstance(store, str)))
+    if batch_size is None and limit > 1:  # a small model's fixed cost per call, paid less often
+        batches = merged_batches(batches, limit)
 
     def on_device(batch: Batch) -> Batch:
         return tree_map(lambda leaf: leaf.to(device), batch)
@@ -211,6 +221,10 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
 
 def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
     return next(iter(checkpoints[0].params.values())).device
+
+
+def _itemsize(params: Params) -> int:
+    return max(value.element_size() for value in params.values())
 
 
 def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:

@@ -89,7 +89,9 @@ def test_a_loader_reusing_its_buffer_gives_each_batchs_rows_in_memory(setup):
     references to the yielded tensors and differentiates the last batch's contents 8 times
     (observed max |diff| 3.07; Zarr: 3.6e-7)."""
     loss, ckpts, x, y, ref = setup
-    store = tif.build_store(loss, ckpts, _reused_buffer_batches(x, y), projection=PROJ, progress=False)
+    store = tif.build_store(
+        loss, ckpts, _reused_buffer_batches(x, y), projection=PROJ, progress=False
+    )
     assert _close(_rows(store), ref)
 
 
@@ -115,8 +117,14 @@ def test_a_dataloader_whose_collate_reuses_a_buffer_gives_each_batchs_rows(setup
 def test_a_zarr_build_of_a_buffer_reusing_loader_is_right(setup, tmp_path):
     """Held (guard): stores on disk keep the data's batches, so the same loader is right."""
     loss, ckpts, x, y, ref = setup
-    store = tif.build_store(loss, ckpts, _reused_buffer_batches(x, y), projection=PROJ,
-                            progress=False, store=str(tmp_path / "g.zarr"))
+    store = tif.build_store(
+        loss,
+        ckpts,
+        _reused_buffer_batches(x, y),
+        projection=PROJ,
+        progress=False,
+        store=str(tmp_path / "g.zarr"),
+    )
     assert _close(_rows(store), ref)
 
 
@@ -136,8 +144,9 @@ def test_a_loss_reading_per_batch_state_gets_the_state_of_its_batch(setup):
             state["scale"] = float(i + 1)
             yield x[5 * i : 5 * i + 5], y[5 * i : 5 * i + 5]
 
-    per_batch = _rows(tif.build_store(scaled, ckpts, gen(), projection=PROJ, batch_size=5,
-                                      progress=False))
+    per_batch = _rows(
+        tif.build_store(scaled, ckpts, gen(), projection=PROJ, batch_size=5, progress=False)
+    )
     merged = _rows(tif.build_store(scaled, ckpts, gen(), projection=PROJ, progress=False))
     assert _close(merged, per_batch)
 
@@ -159,11 +168,19 @@ def test_finite_rows_whose_float32_norm_overflows_are_not_called_nan(setup, batc
     xg[22, 4] = 3e38
     xg[22, 5] = 3e38
     ident = tif.Projection(kind="identity")
-    rows = tif.projected_grads(_first_weight_row_loss, ident)(ckpts[0].params, (xg[20:25], y[20:25]))
+    rows = tif.projected_grads(_first_weight_row_loss, ident)(
+        ckpts[0].params, (xg[20:25], y[20:25])
+    )
     assert torch.isfinite(rows).all()
     try:
-        store = tif.build_store(_first_weight_row_loss, ckpts, _split(xg, y, [5] * 8),
-                                projection=ident, progress=False, batch_size=batch_size)
+        store = tif.build_store(
+            _first_weight_row_loss,
+            ckpts,
+            _split(xg, y, [5] * 8),
+            projection=ident,
+            progress=False,
+            batch_size=batch_size,
+        )
     except NonFiniteGradientError as e:
         msg = str(e)
         assert "NaN/inf values" not in msg, msg
@@ -217,16 +234,32 @@ def test_held_ragged_batches_merged_equal_zarr_and_per_example_rows(kind, tmp_pa
     import numpy as np
 
     model, ckpts = _model_ckpts(n=3)
-    ckpts = [tif.Checkpoint(c.params, lr=lr, name=c.name)
-             for c, lr in zip(ckpts, [np.float32(0.1), torch.tensor(0.05), 0.2], strict=True)]
+    ckpts = [
+        tif.Checkpoint(c.params, lr=lr, name=c.name)
+        for c, lr in zip(ckpts, [np.float32(0.1), torch.tensor(0.05), 0.2], strict=True)
+    ]
     loss = tif.loss_from_module(model, F.cross_entropy)
     x, y = _data(n=97)
     sizes = [1, 7, 7, 7, 1, 30, 13, 1, 30]
-    proj = tif.Projection(kind="identity") if kind == "identity" else tif.Projection(dim=32, seed=3, kind=kind)
-    ref = _rows(tif.build_store(loss, ckpts, _split(x, y, sizes), projection=proj, batch_size=1, progress=False))
+    proj = (
+        tif.Projection(kind="identity")
+        if kind == "identity"
+        else tif.Projection(dim=32, seed=3, kind=kind)
+    )
+    ref = _rows(
+        tif.build_store(
+            loss, ckpts, _split(x, y, sizes), projection=proj, batch_size=1, progress=False
+        )
+    )
     mem = tif.build_store(loss, ckpts, iter(_split(x, y, sizes)), projection=proj, progress=False)
-    disk = tif.build_store(loss, ckpts, iter(_split(x, y, sizes)), projection=proj, progress=False,
-                           store=str(tmp_path / "g.zarr"))
+    disk = tif.build_store(
+        loss,
+        ckpts,
+        iter(_split(x, y, sizes)),
+        projection=proj,
+        progress=False,
+        store=str(tmp_path / "g.zarr"),
+    )
     assert mem.shape == disk.shape == (3, 97, proj.dim if kind != "identity" else ref.shape[-1])
     assert _close(_rows(mem), ref) and _close(_rows(mem), _rows(disk))
 
@@ -264,7 +297,9 @@ def test_held_float16_overflow_names_the_example_after_merging(setup):
 
     batches = [(x[5 * i : 5 * i + 5], y[5 * i : 5 * i + 5], w[5 * i : 5 * i + 5]) for i in range(8)]
     with pytest.raises(NonFiniteGradientError, match=r"rows \[38\]"):
-        tif.build_store(weighted, ckpts, batches, projection=PROJ, progress=False, dtype=torch.float16)
+        tif.build_store(
+            weighted, ckpts, batches, projection=PROJ, progress=False, dtype=torch.float16
+        )
 
 
 def test_held_dict_batches_with_swapped_key_order_are_not_mixed_up(setup):
@@ -278,10 +313,17 @@ def test_held_dict_batches_with_swapped_key_order_are_not_mixed_up(setup):
     batches = []
     for i in range(8):
         s = slice(5 * i, 5 * i + 5)
-        batches.append({"a": a[s], "b": b[s], "y": y[s]} if i % 2 == 0 else {"b": b[s], "a": a[s], "y": y[s]})
-    ref = _rows(tif.build_store(dloss, ckpts, {"a": a, "b": b, "y": y}, projection=PROJ, batch_size=1,
-                                progress=False))
-    assert _close(_rows(tif.build_store(dloss, ckpts, batches, projection=PROJ, progress=False)), ref)
+        batches.append(
+            {"a": a[s], "b": b[s], "y": y[s]} if i % 2 == 0 else {"b": b[s], "a": a[s], "y": y[s]}
+        )
+    ref = _rows(
+        tif.build_store(
+            dloss, ckpts, {"a": a, "b": b, "y": y}, projection=PROJ, batch_size=1, progress=False
+        )
+    )
+    assert _close(
+        _rows(tif.build_store(dloss, ckpts, batches, projection=PROJ, progress=False)), ref
+    )
 
 
 def test_held_leading_dims_that_disagree_inside_batches_are_refused(setup):
@@ -296,7 +338,9 @@ def test_held_an_empty_batch_mid_stream_changes_no_row(setup):
     loss, ckpts, x, y, ref = setup
     batches = _split(x, y, [5] * 8)
     batches.insert(3, (x[:0], y[:0]))
-    assert _close(_rows(tif.build_store(loss, ckpts, batches, projection=PROJ, progress=False)), ref)
+    assert _close(
+        _rows(tif.build_store(loss, ckpts, batches, projection=PROJ, progress=False)), ref
+    )
 
 
 def test_held_interrupted_zarr_build_resumes_bit_identical(tmp_path):
@@ -314,9 +358,21 @@ def test_held_interrupted_zarr_build_resumes_bit_identical(tmp_path):
     def writer(p):
         return functools.partial(tif.store.ZarrWriter, str(p), chunk_rows=8, shard_rows=16)
 
-    full = _rows(tif.build_store(loss, ckpts, gen(), projection=PROJ, progress=False,
-                                 store=writer(tmp_path / "full.zarr")))
+    full = _rows(
+        tif.build_store(
+            loss,
+            ckpts,
+            gen(),
+            projection=PROJ,
+            progress=False,
+            store=writer(tmp_path / "full.zarr"),
+        )
+    )
     with pytest.raises(KeyboardInterrupt):
-        tif.build_store(loss, ckpts, gen(8), projection=PROJ, progress=False, store=writer(tmp_path / "r.zarr"))
-    resumed = tif.build_store(loss, ckpts, gen(), projection=PROJ, progress=False, store=writer(tmp_path / "r.zarr"))
+        tif.build_store(
+            loss, ckpts, gen(8), projection=PROJ, progress=False, store=writer(tmp_path / "r.zarr")
+        )
+    resumed = tif.build_store(
+        loss, ckpts, gen(), projection=PROJ, progress=False, store=writer(tmp_path / "r.zarr")
+    )
     assert torch.equal(_rows(resumed), full)

@@ -23,7 +23,11 @@ from tracinfunc.grads.options import GradientOptions
 from tracinfunc.projection.spec import Layout
 from tracinfunc.types import Batch
 
-__all__ = ["MERGE_BYTES", "MERGE_EXAMPLES", "merge_limit", "merged_batches"]
+__all__ = ["MERGE_BYTES", "MERGE_EXAMPLES", "MergedCall", "merge_limit", "merged_batches",
+           "merged_calls"]
+
+MergedCall = tuple[Batch, int, tuple[int, ...]]
+"""``(batch, first, sizes)``: a call's batch, its first data batch and their sizes."""
 
 MERGE_BYTES = 64 * 2**20
 """Per-example gradient bytes (with their temporaries) one merged call may hold."""
@@ -51,23 +55,41 @@ def merge_limit(layout: Layout, itemsize: int, options: GradientOptions, *,
 
 
 def merged_batches(batches: Iterable[Batch], limit: int) -> Iterator[Batch]:
+    """The batches of :func:`merged_calls`."""
+    return (batch for batch, _, _ in merged_calls(batches, limit))
+
+
+def merged_calls(batches: Iterable[Batch], limit: int) -> Iterator[MergedCall]:
     """Consecutive ``batches`` concatenated while the total stays within ``limit`` examples.
 
     A batch is never split (one larger than ``limit`` goes alone), the order of the examples
     is kept, and only batches of one structure (pytree, leaf dtypes and trailing shapes) are
-    merged: a batch that differs goes to its own call, which reports it as before.
+    merged: a batch that differs goes to its own call, which reports it as before. A batch
+    held while the next one is read is copied first: a loader may refill one buffer for
+    every batch (a prefetcher, a ``collate_fn`` writing into a preallocated tensor).
+
+    Yields:
+        ``(batch, first, sizes)``: the call's batch, the index of its first batch in
+        ``batches`` and the sizes of the batches it holds.
     """
     pending: list[Batch] = []
-    count, kind = 0, None
-    for batch in batches:
+    sizes: list[int] = []
+    first, count, kind = 0, 0, None
+    for index, batch in enumerate(batches):
         size, batch_kind = batch_size_of(batch), _kind(batch)
         if pending and (count + size > limit or batch_kind != kind):
-            yield _concat(pending)
-            pending, count = [], 0
-        pending.append(batch)
-        count, kind = count + size, batch_kind
+            yield _concat(pending), first, tuple(sizes)
+            pending, sizes, count = [], [], 0
+        if not pending:
+            first, kind = index, batch_kind
+        if not pending and size >= limit:  # alone in its call: computed before the next read
+            yield batch, index, (size,)
+            continue
+        pending.append(tree_map(torch.clone, batch))  # held past the next read: a copy
+        sizes.append(size)
+        count += size
     if pending:
-        yield _concat(pending)
+        yield _concat(pending), first, tuple(sizes)
 
 
 def _kind(batch: Batch) -> tuple:

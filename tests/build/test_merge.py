@@ -102,3 +102,18 @@ def test_batches_of_another_structure_are_not_merged():
                                                                      "tuple"]
     assert [len(b[0]) if isinstance(b, tuple) else 2 for b in merged_batches(data, 100)] == [
         4, 2, 2, 2]
+
+
+def test_a_merged_call_failing_on_one_batch_names_that_batch():
+    # Batch 6 holds a label out of range: same structure, merged with the others; the failing
+    # call is re-run batch by batch to name it.
+    loss, ckpts, _ = _counted()
+    x, y = make_data(40, dtype=torch.float32, seed=1)
+    y = y.clone()
+    y[32] = 99
+    with pytest.raises(tif.errors.LossFunctionError,
+                       match=r"failed on batch 6 of data \(rows 30-34\)"):
+        tif.build_store(loss, ckpts, _batches(x, y, 5), projection=PROJ, progress=False)
+    with pytest.raises(tif.errors.LossFunctionError, match=r"rows 20-39 \(batch_size=20\)"):
+        tif.build_store(loss, ckpts, _batches(x, y, 5), projection=PROJ, progress=False,
+                        batch_size=20)

@@ -6,7 +6,7 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -22,9 +22,10 @@ from tracinfunc.batches import (
     rebatch,
     sized,
 )
+from tracinfunc.build.calls import CallSite, numbered
 from tracinfunc.build.inputs import build_record, fingerprinted
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
-from tracinfunc.build.merge import merge_limit, merged_batches
+from tracinfunc.build.merge import merge_limit, merged_calls
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.distributed import (
     commit_after_barrier,
@@ -48,6 +49,7 @@ from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.writer import StoreTarget, make_part_writer, make_writer, writes_to_disk
 from tracinfunc.store.zarr.parts import PartWriter, StorePart
+from tracinfunc.store.zarr.writer import ZarrWriter
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["build_store"]
@@ -100,8 +102,12 @@ def build_store(
             64 MiB of per-example gradients and at most 4096 examples (a batch is never
             split; rows do not change). Each call has a fixed cost (about 2 ms on a CPU), so
             merging small loader batches pays for small models; activation memory grows with
-            it unless ``chunk_size`` or ``memory_budget`` bounds it. Resuming needs the same
-            ``batch_size``.
+            it unless ``chunk_size`` or ``memory_budget`` bounds it. Merging reads batches
+            ahead of the loss (a batch held for a later call is copied, so a loader may
+            reuse its buffers): state the loss reads must travel in the batch (e.g. a
+            per-example weight tensor), not in a variable the loader sets per batch.
+            Resuming needs the same ``batch_size`` (a Zarr store records it; another is
+            refused).
         store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
             ``tif.store.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
             Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
@@ -138,7 +144,8 @@ def build_store(
 
     Raises:
         EmptyDataError: ``data`` holds no examples.
-        LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar.
+        LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar
+            (names the failing batch and its data rows).
         NonFiniteGradientError: a gradient is NaN/inf (names checkpoint and rows).
         IncompatibleGradientsError: checkpoints differ in parameter names or shapes, or an
             incomplete store at ``store`` was started with other arguments.
@@ -185,8 +192,11 @@ def build_store(
     limit = merge_limit(layout, _itemsize(params_per_ckpt[0]), options,
                         in_memory=shard is None and not writes_to_disk(store)
                         and (store is None or isinstance(store, str)))
-    if batch_size is None and limit > 1:  # a small model's fixed cost per call, paid less often
-        batches = merged_batches(batches, limit)
+    merged = batch_size is None and limit > 1
+    if merged:  # a small model's fixed cost per call, paid less often
+        batches = merged_calls(batches, limit)
+    if isinstance(writer, ZarrWriter):  # a resume must make the same calls
+        writer.record_build({"batch_size": batch_size})
 
     def on_device(batch: Batch) -> Batch:
         return tree_map(lambda leaf: leaf.to(device), batch)
@@ -196,12 +206,19 @@ def build_store(
         return torch.stack([grads_fn(params, batch)
                             for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
-    pairs = ((batch_size_of(batch), batch) for batch in batches)
+    site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
+
+    def pairs_of() -> Iterator[tuple[int, Batch]]:
+        for batch, call in numbered(batches, merged=merged, batch_size=batch_size):
+            site.current = call
+            yield batch_size_of(batch), batch
+
+    pairs = pairs_of()
     if isinstance(writer, PartWriter):  # what commit compares the parts by
         writer.record_build(build_record(meta, mixed_precision=options.mixed_precision))
         pairs = fingerprinted(pairs, writer)
     result = fill_store(
-        writer, pairs, rows_of, meta=meta,
+        writer, pairs, site, meta=meta,
         check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
                                               on_device(batch)),
         progress=progress, total=known_size(data), stop=stop, overlap=True)

@@ -84,19 +84,24 @@ def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
     """Yield the examples of ``data`` in batches of exactly ``batch_size`` (the last: fewer).
 
     Batches are split and merged (concatenated along the batch dimension) as needed; the
-    order of examples is kept.
+    order of examples is kept. Examples held while the next batch is read are copied first:
+    a loader may refill one buffer for every batch.
     """
     batch_size = check_int(batch_size, "batch_size", optional=True)
-    pending: list[Batch] = []
+    pending: list[Batch] = []  # copies (or slices of copies): never the loader's tensors
     count = 0
     for batch in iter_batches(data):
         pending.append(batch)
         count += batch_size_of(batch)
+        split, fresh = False, len(pending) > 1  # a concatenation makes new tensors
         while count >= batch_size:
             merged = _concat(pending)
             yield tree_map(lambda leaf: leaf[:batch_size], merged)
             count -= batch_size
             pending = [tree_map(lambda leaf: leaf[batch_size:], merged)] if count else []
+            split = True
+        if pending and not (split and fresh):  # the loader's batch (or a view of it) is held
+            pending[-1] = tree_map(torch.clone, pending[-1])
     if count:
         yield _concat(pending)
 

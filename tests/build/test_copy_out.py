@@ -187,6 +187,24 @@ def test_nan_rows_raise_the_serial_error_after_writing_the_batches_before(mlp_se
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+def test_finite_rows_whose_norm_overflows_are_refused_by_their_example(monkeypatch, pipelined):
+    # Entries of 3e38 are finite but their float32 norm is not: the store cannot keep it.
+    made: list[FakeBackend] = []
+    if pipelined:
+        _pipelined(monkeypatch, made)
+    x = torch.ones(40, 4)
+    x[19, :2] = 3e38
+    ckpt = tif.Checkpoint({"w": torch.zeros(4)}, lr=0.1, name="c")
+    with pytest.raises(tif.errors.NonFiniteGradientError) as error:
+        tif.build_store(lambda params, ex: (params["w"] * ex).sum(), [ckpt], x,
+                        projection=tif.Projection(kind="identity"), batch_size=BATCH,
+                        progress=False)
+    message = str(error.value)
+    assert "examples [19]" in message and "norm overflows float32" in message, message
+    assert "NaN/inf" not in message and len(made) == int(pipelined)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_an_interrupted_build_keeps_every_batch_handed_off(mlp_setup32, monkeypatch, pipelined):
     # KeyboardInterrupt while batch 4 is read: batches 0-3, computed before it, are all in
     # the writer when the exception leaves build_store (a Zarr build resumes from there).

@@ -51,6 +51,7 @@ def test_an_example_inserted_or_dropped_before_the_resume_point_is_refused(
     assert tif.store.read_store_meta(path).n_train == stored  # nothing merged
     resumed = tif.build_store(loss, ckpts, _batches(x, y, size), projection=PROJECTION,
                               store=_writer(path))
-    whole = tif.build_store(loss, ckpts, _batches(x, y, size), projection=PROJECTION)
+    whole = tif.build_store(loss, ckpts, _batches(x, y, size), projection=PROJECTION,
+                            batch_size=size)  # the resumed build's calls (memory would merge)
     for c in range(whole.n_ckpt):
         assert torch.equal(resumed.read_rows(c, 0, 40), whole.read_rows(c, 0, 40))

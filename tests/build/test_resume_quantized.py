@@ -51,7 +51,8 @@ def test_a_quantised_resume_over_other_data_is_refused(mlp_setup32, tmp_path, dt
         build(_batches(_nudged(x, eps), y))
     assert tif.store.read_store_meta(path).n_train == stored  # nothing merged
     resumed = build(_batches(x, y))
-    whole = tif.build_store(loss, ckpts, _batches(x, y), projection=PROJECTION, dtype=dtype)
+    whole = tif.build_store(loss, ckpts, _batches(x, y), projection=PROJECTION, dtype=dtype,
+                            batch_size=4)  # the resumed build's calls (memory would merge)
     for c in range(whole.n_ckpt):
         assert torch.equal(resumed.read_rows(c, 0, 40), whole.read_rows(c, 0, 40))
 

@@ -288,7 +288,7 @@ def _interrupted_build(path: Path) -> None:
             yield batch
 
     with pytest.raises(RuntimeError, match="killed"):
-        tif.build_store(spec.loss, spec.checkpoints, batches(),
+        tif.build_store(spec.loss, spec.checkpoints, batches(), batch_size=10,
                         projection=tif.Projection(dim=32, seed=7), progress=False,
                         store=functools.partial(tif.store.ZarrWriter, path, chunk_rows=8,
                                                 shard_rows=8))

@@ -50,7 +50,7 @@ from tracinfunc.store.protocols import StoreWriter
 from tracinfunc.store.zarr.parts import PartWriter
 from tracinfunc.store.zarr.writer import ZarrWriter
 
-__all__ = ["CopyOut", "check_finite_flags", "copy_out_for"]
+__all__ = ["CopyOut", "check_finite_flags", "check_norms", "copy_out_for"]
 
 # Writers that copy what they are given before append returns (so host buffers can be
 # reused) and that append codes as stored (append_codes) where the store is quantised.
@@ -201,9 +201,11 @@ class CopyOut:
         check_finite_flags(hosts[-1], self.meta, first_row=first_row)
         if self.meta.quantization is not None:
             codes, scales, norms, _ = hosts
+            check_norms(norms, self.meta, first_row=first_row)
             self.writer.append_codes(codes, scales, norms)
         else:
             rows, norms, *peaks, _ = hosts
+            check_norms(norms, self.meta, first_row=first_row)
             limit = overflow_limit(self.meta, peaks[0].dtype) if peaks else None
             if limit is not None:  # peaks are float32/64: as wide as the rows they came from
                 check_peaks(peaks[0], self.meta, limit=limit, first_row=first_row)
@@ -222,4 +224,23 @@ def check_finite_flags(finite: Tensor, meta: StoreMeta, *, first_row: int) -> No
         f"for examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
         "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
         "weights."
+    )
+
+
+def check_norms(norms: Tensor, meta: StoreMeta, *, first_row: int) -> None:
+    """Raise :class:`~tracinfunc.errors.NonFiniteGradientError` where the norm of a finite
+    row (checked before) overflows: its entries are finite but their Euclidean norm exceeds
+    the largest float32 (``[n_ckpt, b]`` norms, rows ``first_row`` on)."""
+    finite = torch.isfinite(norms)
+    if bool(finite.all()):
+        return
+    ckpt = int((~finite).nonzero()[0, 0])
+    bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
+    raise NonFiniteGradientError(
+        f"{current_caller()}: checkpoint {meta.checkpoints[ckpt].name!r} gives gradients for "
+        f"examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} whose entries are "
+        f"finite but whose norm overflows {str(norms.dtype).removeprefix('torch.')} (above "
+        f"{torch.finfo(norms.dtype).max:.3g}); the store keeps each row's norm (for "
+        "self_influence and normalised scores) and cannot hold it. Scale the loss down on those "
+        "examples (e.g. divide it by 1e6: scores scale by its square) or drop them."
     )

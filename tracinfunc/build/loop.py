@@ -27,7 +27,7 @@ from torch import Tensor
 from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller
 from tracinfunc._version import __version__
-from tracinfunc.build.copy_out import CopyOut, check_finite_flags, copy_out_for
+from tracinfunc.build.copy_out import CopyOut, check_finite_flags, check_norms, copy_out_for
 from tracinfunc.build.resume import SupportsReadBack, check_same_data
 from tracinfunc.errors import (
     EmptyDataError,
@@ -192,6 +192,7 @@ def fill_store(
                 rows = computed[:, max(0, resume_at - first) : min(size, stop - first)]
                 if isinstance(rows, RowBlock):
                     check_finite_flags(rows.finite, meta, first_row=writer.rows_written)
+                    check_norms(rows.norms, meta, first_row=writer.rows_written)
                     # Rows computed elsewhere (JAX) are cast to the storage dtype here too.
                     check_storable(rows.rows, meta, first_row=writer.rows_written)
                     writer.append(rows.rows, rows.norms)
@@ -199,9 +200,13 @@ def fill_store(
                 elif pipeline is not None:
                     pipeline.put(rows)
                 else:
-                    check_finite(rows, meta, first_row=writer.rows_written)
+                    norms = row_norms(rows)
+                    if not bool(torch.isfinite(norms).all()):  # finite norms: finite rows
+                        check_finite(rows, meta, first_row=writer.rows_written)
+                        # finite rows whose norm overflows (entries near the float32 max)
+                        check_norms(norms, meta, first_row=writer.rows_written)
                     check_storable(rows, meta, first_row=writer.rows_written)
-                    writer.append(rows, row_norms(rows))
+                    writer.append(rows, norms)
                 if not decided:  # the first rows go serially (a writer's refusals surface as
                     # they are); where they came out decides the rest
                     pipeline = copy_out_for(writer, meta, rows, first_row=writer.rows_written)

@@ -6,7 +6,7 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -22,8 +22,10 @@ from tracinfunc.batches import (
     rebatch,
     sized,
 )
+from tracinfunc.build.calls import CallSite, numbered
 from tracinfunc.build.inputs import build_record, fingerprinted
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
+from tracinfunc.build.merge import merge_limit, merged_calls
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.distributed import (
     commit_after_barrier,
@@ -47,6 +49,7 @@ from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.writer import StoreTarget, make_part_writer, make_writer, writes_to_disk
 from tracinfunc.store.zarr.parts import PartWriter, StorePart
+from tracinfunc.store.zarr.writer import ZarrWriter
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["build_store"]
@@ -93,10 +96,18 @@ def build_store(
         device: Where gradients are computed (default: the checkpoints' device).
         dataset_fingerprint: Optional identifier of the data, recorded in the metadata.
         batch_size: Examples per gradient call: the data's batches are merged or split to
-            this size (the last may be smaller); ``None`` keeps the data's own batches. Each
-            call has a fixed cost (about 2 ms on a CPU), so merging small loader batches
-            pays for small models; activation memory grows with it unless ``chunk_size`` or
-            ``memory_budget`` bounds it. Resuming needs the same ``batch_size``.
+            this size (the last may be smaller); ``None`` keeps the data's own batches,
+            except that an in-memory build without a memory option (``chunk_size``,
+            ``memory_budget``, ``stages``) merges consecutive batches into calls of up to
+            64 MiB of per-example gradients and at most 4096 examples (a batch is never
+            split; rows do not change). Each call has a fixed cost (about 2 ms on a CPU), so
+            merging small loader batches pays for small models; activation memory grows with
+            it unless ``chunk_size`` or ``memory_budget`` bounds it. Merging reads batches
+            ahead of the loss (a batch held for a later call is copied, so a loader may
+            reuse its buffers): state the loss reads must travel in the batch (e.g. a
+            per-example weight tensor), not in a variable the loader sets per batch.
+            Resuming needs the same ``batch_size`` (a Zarr store records it; another is
+            refused).
         store: Where the rows go: ``None``/``"memory"`` (default), ``"pinned"`` or
             ``tif.store.PinnedStore`` (page-locked memory), a path such as ``"grads.zarr"`` (a new
             Zarr store), or a callable ``meta -> writer`` (e.g. ``functools.partial(
@@ -133,7 +144,8 @@ def build_store(
 
     Raises:
         EmptyDataError: ``data`` holds no examples.
-        LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar.
+        LossFunctionError: ``loss`` fails on the checkpoint parameters or is not scalar
+            (names the failing batch and its data rows).
         NonFiniteGradientError: a gradient is NaN/inf (names checkpoint and rows).
         IncompatibleGradientsError: checkpoints differ in parameter names or shapes, or an
             incomplete store at ``store`` was started with other arguments.
@@ -177,6 +189,14 @@ def build_store(
             else make_part_writer(store, full, shard)
         stop = writer.stop
     batches = iter_batches(data) if batch_size is None else rebatch(data, batch_size)
+    limit = merge_limit(layout, _itemsize(params_per_ckpt[0]), options,
+                        in_memory=shard is None and not writes_to_disk(store)
+                        and (store is None or isinstance(store, str)))
+    merged = batch_size is None and limit > 1
+    if merged:  # a small model's fixed cost per call, paid less often
+        batches = merged_calls(batches, limit)
+    if isinstance(writer, ZarrWriter):  # a resume must make the same calls
+        writer.record_build({"batch_size": batch_size})
 
     def on_device(batch: Batch) -> Batch:
         return tree_map(lambda leaf: leaf.to(device), batch)
@@ -186,12 +206,19 @@ def build_store(
         return torch.stack([grads_fn(params, batch)
                             for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
 
-    pairs = ((batch_size_of(batch), batch) for batch in batches)
+    site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
+
+    def pairs_of() -> Iterator[tuple[int, Batch]]:
+        for batch, call in numbered(batches, merged=merged, batch_size=batch_size):
+            site.current = call
+            yield batch_size_of(batch), batch
+
+    pairs = pairs_of()
     if isinstance(writer, PartWriter):  # what commit compares the parts by
         writer.record_build(build_record(meta, mixed_precision=options.mixed_precision))
         pairs = fingerprinted(pairs, writer)
     result = fill_store(
-        writer, pairs, rows_of, meta=meta,
+        writer, pairs, site, meta=meta,
         check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
                                               on_device(batch)),
         progress=progress, total=known_size(data), stop=stop, overlap=True)
@@ -211,6 +238,10 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
 
 def _params_device(checkpoints: list[Checkpoint]) -> torch.device:
     return next(iter(checkpoints[0].params.values())).device
+
+
+def _itemsize(params: Params) -> int:
+    return max(value.element_size() for value in params.values())
 
 
 def _params_on(params: Params, device: torch.device) -> dict[str, Tensor]:

@@ -16,8 +16,9 @@ import zarr
 from torch import Tensor
 
 from tracinfunc._artifacts import check_writable
-from tracinfunc._validate import entry_point
+from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import (
+    IncompatibleGradientsError,
     ReadOnlyStoreError,
     StoreExistsError,
 )
@@ -45,7 +46,10 @@ from tracinfunc.store.zarr.object_integrity import seal_objects
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
 from tracinfunc.store.zarr.urls import exists, is_url, remove, write_location
 
-__all__ = ["ZarrWriter"]
+__all__ = ["BUILD_KEY", "ZarrWriter"]
+
+BUILD_KEY = "tracinfunc_build"
+"""Group attribute: how a one-process build cuts its rows into calls (``batch_size``)."""
 
 
 class ZarrWriter:
@@ -155,6 +159,30 @@ class ZarrWriter:
             return torch.stack([self._rerun.read_rows(c, start, stop)
                                 for c in range(self._rerun.n_ckpt)])
         return read_back_rows(self._meta, self._rows, self._scales, start, stop)
+
+    def record_build(self, build: dict) -> None:
+        """Record how the rows are cut into gradient calls (``build_store`` passes
+        ``{"batch_size": ...}``): the calls decide the rows' float rounding, so a resumed build
+        is bit-identical only with the same record.
+
+        Raises:
+            IncompatibleGradientsError: the incomplete store was started with another record.
+        """
+        if self._rerun is not None:  # finished: its rows are skipped, not computed
+            return
+        earlier = self._group.attrs.get(BUILD_KEY)
+        if earlier is not None and earlier != build:
+            changed = "; ".join(f"{key}={earlier.get(key)!r} when started, {build.get(key)!r} now"
+                                for key in sorted({*earlier, *build})
+                                if earlier.get(key) != build.get(key))
+            raise IncompatibleGradientsError(
+                f"{current_caller()}: cannot resume the incomplete store at "
+                f"{str(self._path)!r}: {changed}. The gradient calls (and so the rows' float "
+                "rounding) depend on it; resume with the value it was started with (or remove "
+                "the store to start over)."
+            )
+        if earlier is None:
+            self._group.attrs[BUILD_KEY] = build
 
     @entry_point("ZarrWriter.append")
     def append(self, rows: Tensor, norms: Tensor) -> None:

@@ -1,0 +1,103 @@
+"""Small loader batches merged into larger gradient calls, for in-memory builds of small models.
+
+Every vmapped gradient call has a fixed cost (about 2 ms on a CPU: functorch's wrappers,
+one dispatch per operation and per parameter); a model of a few thousand parameters fed a
+loader's batches of 100 spends most of its build in it. Per-example rows do not depend on
+which examples share a call, so ``build_store`` with ``batch_size=None`` concatenates
+consecutive batches into calls of up to :func:`merge_limit` examples where nothing else
+depends on the batching: the store is in memory (no resume, no parts), and no memory option
+(``chunk_size``, ``memory_budget``, ``stages``) bounds what a call may hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tracinfunc.batches import batch_size_of
+from tracinfunc.grads.chunking import DEFAULT_COPIES
+from tracinfunc.grads.options import GradientOptions
+from tracinfunc.projection.spec import Layout
+from tracinfunc.types import Batch
+
+__all__ = ["MERGE_BYTES", "MERGE_EXAMPLES", "MergedCall", "merge_limit", "merged_batches",
+           "merged_calls"]
+
+MergedCall = tuple[Batch, int, tuple[int, ...]]
+"""``(batch, first, sizes)``: a call's batch, its first data batch and their sizes."""
+
+MERGE_BYTES = 64 * 2**20
+"""Per-example gradient bytes (with their temporaries) one merged call may hold."""
+
+MERGE_EXAMPLES = 4096
+"""The most examples one merged call holds, however small the model."""
+
+
+def merge_limit(layout: Layout, itemsize: int, options: GradientOptions, *,
+                in_memory: bool) -> int:
+    """Examples per merged call for this layout, or 0 where batches must be kept as given.
+
+    Args:
+        layout: The differentiated parameters' names and shapes (``p`` entries in all).
+        itemsize: Bytes per gradient entry.
+        options: The build's gradient options; any memory option keeps the batches.
+        in_memory: Whether the store is in memory (a Zarr store resumes batch by batch).
+    """
+    if not in_memory or options.chunk_size is not None or options.memory_budget is not None \
+            or options.stages is not None:
+        return 0
+    n_params = sum(math.prod(shape) for _, shape in layout)
+    per_example = max(1, DEFAULT_COPIES * n_params * itemsize)
+    return min(MERGE_EXAMPLES, MERGE_BYTES // per_example)
+
+
+def merged_batches(batches: Iterable[Batch], limit: int) -> Iterator[Batch]:
+    """The batches of :func:`merged_calls`."""
+    return (batch for batch, _, _ in merged_calls(batches, limit))
+
+
+def merged_calls(batches: Iterable[Batch], limit: int) -> Iterator[MergedCall]:
+    """Consecutive ``batches`` concatenated while the total stays within ``limit`` examples.
+
+    A batch is never split (one larger than ``limit`` goes alone), the order of the examples
+    is kept, and only batches of one structure (pytree, leaf dtypes and trailing shapes) are
+    merged: a batch that differs goes to its own call, which reports it as before. A batch
+    held while the next one is read is copied first: a loader may refill one buffer for
+    every batch (a prefetcher, a ``collate_fn`` writing into a preallocated tensor).
+
+    Yields:
+        ``(batch, first, sizes)``: the call's batch, the index of its first batch in
+        ``batches`` and the sizes of the batches it holds.
+    """
+    pending: list[Batch] = []
+    sizes: list[int] = []
+    first, count, kind = 0, 0, None
+    for index, batch in enumerate(batches):
+        size, batch_kind = batch_size_of(batch), _kind(batch)
+        if pending and (count + size > limit or batch_kind != kind):
+            yield _concat(pending), first, tuple(sizes)
+            pending, sizes, count = [], [], 0
+        if not pending:
+            first, kind = index, batch_kind
+        if not pending and size >= limit:  # alone in its call: computed before the next read
+            yield batch, index, (size,)
+            continue
+        pending.append(tree_map(torch.clone, batch))  # held past the next read: a copy
+        sizes.append(size)
+        count += size
+    if pending:
+        yield _concat(pending), first, tuple(sizes)
+
+
+def _kind(batch: Batch) -> tuple:
+    leaves, spec = tree_flatten(batch)
+    return spec, tuple((leaf.dtype, leaf.shape[1:]) for leaf in leaves)
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    if len(batches) == 1:
+        return batches[0]
+    return tree_map(lambda *leaves: torch.cat(leaves), *batches)

@@ -61,7 +61,8 @@ class VectorBlocks:
             fill_rademacher(self.block[start:stop], plan.keys[name], 0)
             start = stop
 
-    def __call__(self, grads: Params) -> Tensor:
-        """One example's ``[k]`` (``[b, k]`` under ``vmap``), unscaled."""
+    def __call__(self, grads: Params, *, scale: float = 1.0) -> Tensor:
+        """One example's ``[k]`` (``[b, k]`` under ``vmap``) times ``scale`` (applied to the
+        ``[n_vectors]`` gradients, not to the ``[k]`` row)."""
         flat = torch.cat([grads[name].reshape(-1) for name in self.names])
-        return flat.to(self.block.dtype) @ self.block
+        return (flat.to(self.block.dtype) * scale) @ self.block

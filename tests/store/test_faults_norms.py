@@ -50,3 +50,18 @@ def test_row_norms_are_bit_identical_to_norm_on_ordinary_rows():
     rows = torch.tensor([[0.0, 0.0], [3e38, 3e38], [float("nan"), 1.0], [float("inf"), 1.0]])
     got = row_norms(rows)
     assert got[0] == 0 and got[1] == float("inf") and got[2].isnan() and got[3] == float("inf")
+
+
+def test_row_norms_redo_only_the_odd_rows_of_a_block_exactly():
+    """The CPU path takes ``norm`` once and rescales only rows outside the ordinary range:
+    a block mixing ordinary, tiny, huge, zero and NaN rows gets each row's exact norm."""
+    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    rows[1] *= 1e-24
+    rows[2] *= 1e20
+    rows[3] = 0.0
+    rows[4, 5] = float("nan")
+    got = row_norms(rows)
+    exact = rows.double().norm(dim=-1)
+    assert torch.equal(got[[0, 5]], rows[[0, 5]].norm(dim=-1))  # ordinary: norm itself
+    torch.testing.assert_close(got[[1, 2]].double(), exact[[1, 2]], rtol=1e-6, atol=0)
+    assert got[3] == 0 and got[4].isnan()

@@ -37,6 +37,7 @@ from tracinfunc.errors import (
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.codes import check_storable, storage_of
+from tracinfunc.store.memory.dense import MemoryWriter, append_fresh
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.protocols import GradientStore, StoreWriter
 from tracinfunc.store.zarr.parts import StorePart
@@ -130,6 +131,7 @@ def fill_store(
     total: int | None = None,
     stop: int | None = None,
     overlap: bool = False,
+    fresh_rows: bool = False,
 ) -> GradientStore | StorePart:
     """Append the rows of every batch to ``writer`` and seal it.
 
@@ -146,6 +148,8 @@ def fill_store(
         overlap: Where rows come out on an accelerator, check, copy out and write batch i on
             a writer thread while batch i+1 is computed (:mod:`tracinfunc.build.copy_out`);
             the rows stored are the same, bit for bit.
+        fresh_rows: ``rows_of`` returns new tensors that no one else holds: an in-memory
+            writer keeps them without copying them first.
 
     Returns:
         ``writer.finish()``: the read-only store ``[n_ckpt, n_train, k]`` (for a part
@@ -206,7 +210,10 @@ def fill_store(
                         # finite rows whose norm overflows (entries near the float32 max)
                         check_norms(norms, meta, first_row=writer.rows_written)
                     check_storable(rows, meta, first_row=writer.rows_written)
-                    writer.append(rows, norms)
+                    if fresh_rows and type(writer) is MemoryWriter:
+                        append_fresh(writer, rows, norms)  # the loop's own: no copy
+                    else:
+                        writer.append(rows, norms)
                 if not decided:  # the first rows go serially (a writer's refusals surface as
                     # they are); where they came out decides the rest
                     pipeline = copy_out_for(writer, meta, rows, first_row=writer.rows_written)

@@ -221,7 +221,8 @@ def build_store(
         writer, pairs, site, meta=meta,
         check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
                                               on_device(batch)),
-        progress=progress, total=known_size(data), stop=stop, overlap=True)
+        progress=progress, total=known_size(data), stop=stop, overlap=True,
+        fresh_rows=store is None)  # a writer build_store made itself: no one else holds rows
     return commit_after_barrier(result.path) if distributed else result
 
 

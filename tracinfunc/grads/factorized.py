@@ -187,9 +187,8 @@ class _Plan:
             total = part if total is None else total + part
         for index, rule, left, right in sides:
             p_rows, p_cols = self.factors[index]
-            block = project_left(rule, left, p_rows).T @ (right @ p_cols)  # [k_r, k_c]
-            part = block.reshape(-1) * self.scale
-            total = part if total is None else total + part
+            total = _add_block(total, project_left(rule, left, p_rows), right @ p_cols,
+                               self.scale)
         return total
 
     def batched_vectors(self, rest_grads: Params) -> Tensor | None:
@@ -368,3 +367,17 @@ def factorized_weights(loss: LossFn, params: Params, example: Example, *,
         warnings.simplefilter("ignore")
         plan = _plan_for({}, selected_loss, any_kronecker, chosen, example)
     return sorted(plan.weights)
+
+
+def _add_block(total: Tensor | None, left: Tensor, right: Tensor, scale: float) -> Tensor:
+    """``total + scale * (left.T @ right).reshape(-1)`` for one example's layer sides
+    ``left [T, k_r]``, ``right [T, k_c]`` (``total [k_r * k_c]`` or ``None``). With one row
+    (``T == 1``, a layer seen once per example) the outer product is a single pointwise pass
+    under ``vmap``, where a matmul, a scaling and an addition would each make one."""
+    if left.shape[0] != 1:
+        part = (left.T @ right).reshape(-1) * scale
+        return part if total is None else total + part
+    if total is None:
+        return (left.T * (right * scale)).reshape(-1)
+    return torch.addcmul(total.reshape(left.shape[1], right.shape[1]), left.T, right,
+                         value=scale).reshape(-1)

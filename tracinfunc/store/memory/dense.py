@@ -140,11 +140,30 @@ class MemoryWriter:
             raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self.rows_written, complete=True)
-        rows = torch.cat(self._rows, dim=1) if self._rows else stored_empty(meta, 0)
-        norms = torch.cat(self._norms, dim=1) if self._norms else torch.empty(meta.n_ckpt, 0)
+        rows = _joined(self._rows) if self._rows else stored_empty(meta, 0)
+        norms = _joined(self._norms) if self._norms else torch.empty(meta.n_ckpt, 0)
         norms = norms.to(norm_dtype(meta))
         scales = torch.cat(self._scales, dim=1) if self._scales else torch.empty(meta.n_ckpt, 0)
         self._rows, self._scales, self._norms = [], [], []
         if meta.quantization is not None:
             return QuantizedMemoryStore._from_owned(meta, rows, scales, norms)
         return MemoryStore._from_owned(meta, rows, norms)
+
+
+def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
+    """``writer.append(rows, norms)`` for tensors no one else holds or changes (the build
+    loop's own rows): a float store keeps them as they are when they already have its
+    storage dtype and device, without the copy that protects a caller's tensors (one pass
+    over every row fewer); a quantised store encodes them as ``append`` does."""
+    if writer._finished or writer._meta.quantization is not None:
+        writer.append(rows, norms)
+        return
+    check_block(writer._meta, rows, norms)
+    writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
+    writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
+
+
+def _joined(blocks: list[Tensor]) -> Tensor:
+    """The blocks ``[n_ckpt, b_i, ...]`` as one ``[n_ckpt, sum b_i, ...]`` tensor (a lone
+    contiguous block as it is: each was copied on ingest or handed over for good)."""
+    return blocks[0].contiguous() if len(blocks) == 1 else torch.cat(blocks, dim=1)

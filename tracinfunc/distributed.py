@@ -14,20 +14,24 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-
-# torch.func's first vmap imports torch._dynamo, and importing it while a process group
-# exists keeps references to that group: destroy_process_group then leaves the C++ gloo group
-# and its threads alive into interpreter shutdown, where a gloo thread releasing a finished
-# collective's tensors needs the GIL of a finalizing interpreter and the process aborts
-# ("terminate called without an active exception", a flaky torchrun teardown). Imported here,
-# with tracinfunc, it is loaded before any group a script or the CLI creates afterwards.
-import torch._dynamo  # loaded for its side effect above, before any process group
 from torch import Tensor
 
 from tracinfunc.query.merge import merge_top_k
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.zarr.parts import commit_store
 from tracinfunc.store.zarr.paths import open_store
+
+# torch.func's first vmap imports torch._dynamo, and importing it while a process group
+# exists keeps references to that group: destroy_process_group then leaves the C++ gloo group
+# and its threads alive into interpreter shutdown, where a gloo thread releasing a finished
+# collective's tensors needs the GIL of a finalizing interpreter and the process aborts
+# ("terminate called without an active exception", a flaky torchrun teardown). Imported here,
+# with tracinfunc, it is loaded before any group a script or the CLI creates afterwards: in a
+# process started for torch.distributed (torchrun, or the env:// rendezvous variables set),
+# only, since it costs every other process ~70 MiB of RSS (sympy, the compiler's tables).
+DISTRIBUTED_ENV = ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
+if any(name in os.environ for name in DISTRIBUTED_ENV):
+    import torch._dynamo  # its side effect above, before any group
 
 T = TypeVar("T")
 

@@ -79,8 +79,11 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
 
 
 def batch_dtype(delta: Tensor) -> torch.dtype:
-    """The precision of one batch's products: float64 for float64 gradients, else float32."""
-    return torch.float64 if delta.dtype == torch.float64 else torch.float32
+    """The precision of one batch's products: float64. float32 products (kronfluence's) put
+    float32 rounding (~1e-8 relative) where a factor's eigenvalues are zero, which the rank
+    damping rule (``Damping(over="rank")``, threshold 1e-10) then counts as rank
+    (tests/hostile/test_atk36_refinement.py)."""
+    return torch.float64
 
 
 def _input_key(x: Tensor, layer: KfacLayer) -> tuple:

@@ -144,7 +144,7 @@ def main() -> None:
             return causal_lm._from_config(config,
                                           attn_implementation="eager" if neo else "sdpa")
     per_ckpt, fit_s, fit_cpu_s, seconds = [], [], [], {}
-    before = rss_mib()
+    before = with_model = rss_mib()
     for c, state in enumerate(payload["checkpoints"]):  # every checkpoint, as tracinfunc
         model = make_model()
         model.load_state_dict(state)
@@ -152,6 +152,8 @@ def main() -> None:
         if payload.get("task") == "classification":  # a bare nn.Linear as the root module
             model = torch.nn.Sequential(model)  # sends prepare_model into endless recursion
         model = prepare_model(model, task)
+        if c == 0:
+            with_model = rss_mib()  # the fit's own memory is above it
         analyzer = Analyzer(f"checkpoint_{c}", model, task, cpu=True, disable_tqdm=True,
                             output_dir=workdir)
         start, cpu = time.perf_counter(), time.process_time()
@@ -186,7 +188,7 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
     print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": sum(fit_s),
                                   "fit_cpu_s": sum(fit_cpu_s), "peak_rss_mib": peak,
-                                  "rss_before_fit_mib": before,
+                                  "rss_before_fit_mib": before, "rss_with_model_mib": with_model,
                                   "score_s": seconds}), flush=True)
 
 

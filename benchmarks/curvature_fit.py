@@ -70,16 +70,70 @@ def mlp_payload(n_train: int, width: int, tmp: Path) -> dict:
             "select": [name for name, _ in model.named_parameters()]}
 
 
-def lm_payload(n_train: int, width: int, length: int) -> dict:
+def lm_payload(n_train: int, width: int, length: int, n_test: int = 2) -> dict:
     sys.path.insert(0, str(HERE))
     import quality_lm
 
-    sizes = quality_lm.Sizes(n_train, 2, 1, 1, 1, length, width, (), (), 1, False)
+    sizes = quality_lm.Sizes(n_train, n_test, 1, 1, 1, length, width, (), (), 1, False)
     train, test = quality_lm.load_text(sizes)
     model = quality_lm.make_model(sizes, seed=0)
     return {"task": "lm", "config": quality_lm.model_config(sizes), "train": train,
             "test": test, "checkpoints": checkpoints(model),
             "select": quality_lm.linear_weights(model)}
+
+
+def measure_memory(sizes: tuple, n_test: int, k: int, tmp: Path) -> dict:
+    """Peak RSS of each curvature path on the LM, fitted and scored (``n_test`` test
+    sequences against the training ones), beside kronfluence's EK-FAC fit and scores."""
+    n_train, width, length, trials = sizes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        payload = lm_payload(n_train, width, length, n_test)
+    payload.update({"batch": BATCH, "threads": 1, "dampings": {"heuristic": None}, "k": k})
+    paths = {}
+    for scenario in (*SCENARIOS, "kronfluence"):
+        work = tmp / scenario
+        work.mkdir(exist_ok=True)
+        paths[scenario] = tmp / f"memory-{scenario}.pt"
+        torch.save({**payload, "scenario": scenario, "workdir": str(work),
+                    "fit_only": scenario in ("ekfac-fit", "kfac-fit")}, paths[scenario])
+    peers = [*SCENARIOS, "kronfluence"] if Path(kronfluence_python()).exists() else SCENARIOS
+    runs: dict[str, list[dict]] = {who: [] for who in peers}
+    for trial in range(trials):  # interleaved, the order alternating
+        for who in peers if trial % 2 == 0 else peers[::-1]:
+            runs[who].append(run_child("kronfluence" if who == "kronfluence" else "ours",
+                                       paths[who], tmp / who))
+    keys = ("fit_cpu_s", "peak_rss_mib", "rss_before_fit_mib", "rss_with_model_mib")
+    return {"n_train": n_train, "n_test": n_test, "k": k, "trials": trials,
+            "medians": {who: {key: statistics.median(r[key] for r in rows) for key in keys}
+                        for who, rows in runs.items()}}
+
+
+# curvature_fit.py --memory: what each is (the child's payload["scenario"])
+SCENARIOS = {
+    "kfac-fit": "K-FAC fit only (factors A, S per layer)",
+    "ekfac-fit": "EK-FAC fit only (factors, eigenbases, eigenvalues)",
+    "exact-ram": "EK-FAC fit + exact (identity) train store in RAM + exact queries, scored",
+    "exact-disk": "EK-FAC fit + exact train store written to Zarr on disk, streamed, scored",
+    "k-store": "EK-FAC fit + k-store in RAM, queries preconditioned then projected, scored",
+    "projected": "'projected' fit on the k-store (k x k Fisher), scored",
+}
+
+
+def print_memory(result: dict) -> None:
+    base = result["medians"].get("kronfluence")
+    print(f"\nPeak RSS, 2-layer Llama, {result['n_train']} train x {result['n_test']} test "
+          f"sequences, 2 checkpoints, k={result['k']}, medians of {result['trials']} "
+          "interleaved trials")
+    print("| path | peak RSS MiB | RSS ratio | above the model MiB | ratio | "
+          "CPU s (kronfluence: fit) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for who, m in result["medians"].items():
+        ratio = f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x" if base else "-"
+        label = SCENARIOS.get(who, "kronfluence: EK-FAC fit + pairwise scores")
+        above = f"{own(m) / own(base):.2f}x" if base else "-"
+        print(f"| {label} | {m['peak_rss_mib']:.0f} | {ratio} | {own(m):.0f} | {above} | "
+              f"{m['fit_cpu_s']:.2f} |")
 
 
 def run_child(who: str, payload: Path, tmp: Path) -> dict:
@@ -110,7 +164,7 @@ def measure(name: str, sizes: tuple, tmp: Path) -> dict:
     for trial in range(trials):  # interleaved, the order alternating
         for who in peers if trial % 2 == 0 else peers[::-1]:
             runs[who].append(run_child(who, path, tmp))
-    keys = ("fit_s", "fit_cpu_s", "peak_rss_mib", "rss_before_fit_mib")
+    keys = ("fit_s", "fit_cpu_s", "peak_rss_mib", "rss_before_fit_mib", "rss_with_model_mib")
     medians = {who: {key: statistics.median(r[key] for r in rows) for key in keys}
                for who, rows in runs.items()}
     n_params = sum(v.numel() for k, v in payload["checkpoints"][0].items()
@@ -125,18 +179,28 @@ def print_table(results: list[dict]) -> None:
           f"1 thread per process, medians of interleaved trials; load "
           f"{os.getloadavg()[0]:.1f}")
     print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS ratio | "
-          "RSS after imports + data | peak minus that |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "RSS after imports + data | peak minus that | RSS with the model | fit's own: "
+          "peak minus that | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for result in results:
         base = result["medians"].get("kronfluence")
         for who, m in result["medians"].items():
             ratio = f"{m['fit_cpu_s'] / base['fit_cpu_s']:.2f}x" if base else "-"
             rss = f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x" if base else "-"
+            own_ratio = f"{own(m) / own(base):.2f}x" if base else "-"
             print(f"| {result['model']} ({result['n_params']} params, {result['n_train']} "
                   f"x 2 ckpts) | {who} {result['versions'][who]} | {m['fit_s']:.2f} | "
                   f"{m['fit_cpu_s']:.2f} | {ratio} | {m['peak_rss_mib']:.0f} | {rss} | "
                   f"{m['rss_before_fit_mib']:.0f} | "
-                  f"{m['peak_rss_mib'] - m['rss_before_fit_mib']:.0f} |")
+                  f"{m['peak_rss_mib'] - m['rss_before_fit_mib']:.0f} | "
+                  f"{m['rss_with_model_mib']:.0f} | {own(m):.0f} | {own_ratio} |")
+
+
+def own(m: dict) -> float:
+    """The fit's own memory: peak RSS above the RSS with the model built (what the
+    environment's imports cost is below it: transformers imports more where more is
+    installed)."""
+    return m["peak_rss_mib"] - m["rss_with_model_mib"]
 
 
 def main() -> None:
@@ -144,10 +208,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one trial")
     parser.add_argument("--model", choices=sorted(FULL), action="append")
     parser.add_argument("--trials", type=int, help="override the trials per model")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak RSS of each curvature path on the LM, fitted and scored")
     args = parser.parse_args()
     table = QUICK if args.quick else FULL
     results = []
     with tempfile.TemporaryDirectory(prefix="curvature-fit-") as tmp:
+        if args.memory:
+            sizes = table["lm"] if args.trials is None else (*table["lm"][:3], args.trials)
+            result = measure_memory(sizes, 4 if args.quick else 32, 16 if args.quick else 256,
+                                    Path(tmp))
+            print_memory(result)
+            print("\n" + json.dumps(result))
+            return
         for name in args.model or table:
             sizes = table[name] if args.trials is None else (*table[name][:3], args.trials)
             results.append(measure(name, sizes, Path(tmp)))

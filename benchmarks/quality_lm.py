@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -218,10 +219,13 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
     costs: dict = {}
     defaults: dict = {}  # EK-FAC at its default damping, per pick: also over the k-store
     options = tif.GradientOptions(select=select)
+    # The exact training stores go to disk and are scored chunk by chunk: held in RAM they
+    # were most of this benchmark's 1.8-2.0 GB peak (issue 33).
+    scratch = Path(tempfile.mkdtemp(prefix="exact-stores-", dir=out))
     for which, chosen in picks.items():
         exact = tif.Projection(kind="identity")
         store = tif.build_store(loss, chosen, train_set, projection=exact, options=options,
-                                progress=False)
+                                progress=False, store=str(scratch / f"train-{which}.zarr"))
         tests = tif.build_store(loss, chosen, test_set, projection=exact, options=options,
                                 progress=False)
         measure(f"tracin-{which}", "tracin", which, None, None, tif.score(store, tests))
@@ -230,7 +234,8 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                 measure(f"tracin-ckpt{c}", "tracin", f"ckpt{c}", None, None, part)
         if which == "all":
             every_param = tif.build_store(loss, chosen, train_set, projection=exact,
-                                          progress=False)
+                                          progress=False,
+                                          store=str(scratch / "train-every-param.zarr"))
             every_test = tif.build_store(loss, chosen, test_set, projection=exact,
                                          progress=False)
             measure("tracin-all-params", "tracin", which, None, None,
@@ -284,6 +289,7 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                 measure(f"projected-{which}-k{k}", "projected", which, k, scale,
                         tif.score(store_k, tests_k, curvature=with_scale(fitted, scale)), fit_s,
                         default=scale == DEFAULT_SCALES["projected"])
+    shutil.rmtree(scratch, ignore_errors=True)
     peers = [kronfluence_rows(sizes, ckpts, train_set, test_set, measure), BERGSON]
     return {"sizes": dataclasses.asdict(sizes), "rows": rows, "peers": peers,
             "train_loss": train_loss, "test_loss": test_loss, "ceiling": ceiling,
@@ -391,9 +397,12 @@ def kronfluence_rows(sizes, ckpts, train_set, test_set, measure) -> dict:
 
 
 def per_checkpoint(store, queries) -> list[torch.Tensor]:
-    """``lr_c <test_c, train_c>`` per checkpoint ``[n_test, n_train]``: the terms of the sum."""
-    return [lr * queries.read_rows(c, 0, queries.meta.n_train).double()
-            @ store.read_rows(c, 0, store.meta.n_train).double().T
+    """``lr_c <test_c, train_c>`` per checkpoint ``[n_test, n_train]``: the terms of the sum
+    (the training rows read 64 at a time, never the whole store in float64)."""
+    n, step = store.meta.n_train, 64
+    return [lr * torch.cat([queries.read_rows(c, 0, queries.meta.n_train).double()
+                            @ store.read_rows(c, start, min(n, start + step)).double().T
+                            for start in range(0, n, step)], dim=1)
             for c, lr in enumerate(store.meta.lrs)]
 
 

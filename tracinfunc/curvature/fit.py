@@ -26,6 +26,7 @@ from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature import kfac
 from tracinfunc.curvature.blocks import Block, block_index, layer_blocks
 from tracinfunc.curvature.capture import find_layers, first_example, layer_io
+from tracinfunc.curvature.capture_batched import batched_io, proven_io
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import CheckedSampler, Sampler, default_sampler
@@ -39,6 +40,7 @@ from tracinfunc.errors import (
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
+from tracinfunc.loss import ModuleLoss
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.meta import CheckpointMeta
@@ -212,8 +214,12 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
         return loss({**frozen, **chosen}, example)
 
     def capture(labelled: Batch):
-        layers = find_layers(selected_loss, selected, first_example(labelled))
-        return layers, layer_io(selected_loss, selected, layers, first_example(labelled))
+        example = first_example(labelled)
+        layers = find_layers(selected_loss, selected, example)
+        vmapped = layer_io(selected_loss, selected, layers, example)
+        batched = (batched_io(loss, frozen, selected, layers, example)
+                   if isinstance(loss, ModuleLoss) and loss.criterion is not None else None)
+        return layers, proven_io(vmapped, batched, labelled)
 
     return _fit_factors(lambda batch: sampler(loss, params, batch, generator), batches,
                         capture, sampler, eigen=eigen)

@@ -84,7 +84,8 @@ def test_a_part_resumed_with_other_options_is_refused_at_once(mlp_setup32, tmp_p
         _part(mlp_setup32, path, 1, 2, data=loader)
     assert read_parts(path)[1]["rows_written"] > read_parts(path)[1]["start"]
     with pytest.raises(tif.errors.IncompatibleGradientsError,
-                       match=r"part 1 .* started with mixed_precision 'float16'.*None"):
+                       match=r"part 1 .* started with mixed_precision None but now with "
+                             r"'float16'"):
         _part(mlp_setup32, path, 1, 2,
               options=tif.GradientOptions(mixed_precision=torch.float16))
     assert _part(mlp_setup32, path, 1, 2).complete

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["InputFingerprint", "build_record", "fingerprinted"]
+__all__ = ["InputFingerprint", "build_record", "fingerprinted", "first_batch_recorded"]
 
 
 class InputFingerprint:
@@ -98,3 +98,20 @@ def build_record(meta: Any, *, mixed_precision: torch.dtype | None) -> dict[str,
     return {"mixed_precision": None if mixed_precision is None
             else str(mixed_precision).removeprefix("torch."),
             "metadata": hashlib.sha256(text.encode()).hexdigest()[:32]}
+
+
+def first_batch_recorded(pairs: Iterable[tuple[int, Any]],
+                         writer: Any) -> Iterator[tuple[int, Any]]:
+    """``pairs`` (``(b, batch)``), recording ``{"batch_size": None, "first_batch": b}`` with
+    ``writer.record_build`` before the first is handed on (before any row is written).
+
+    With ``batch_size=None`` the data's batches are the gradient calls: a resume re-reads the
+    data from its start, so a loader with another batch size is refused at its first batch.
+    Only the first batch's size is recorded, not every one.
+    """
+    first = True
+    for size, batch in pairs:
+        if first:
+            writer.record_build({"batch_size": None, "first_batch": int(size)})
+            first = False
+        yield size, batch

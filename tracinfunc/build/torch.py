@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from tracinfunc._validate import entry_point
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.batches import (
     batch_size_of,
     check_ordered,
@@ -23,7 +23,7 @@ from tracinfunc.batches import (
     sized,
 )
 from tracinfunc.build.calls import CallSite, numbered
-from tracinfunc.build.inputs import build_record, fingerprinted
+from tracinfunc.build.inputs import build_record, fingerprinted, first_batch_recorded
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.build.merge import merge_limit, merged_calls
 from tracinfunc.checkpoint import Checkpoint, loss_at
@@ -151,6 +151,9 @@ def build_store(
             incomplete store at ``store`` was started with other arguments.
         StoreExistsError: a finished store already exists at the ``store`` path.
     """
+    # An int the store's JSON record can hold (np.int64 from a config), checked before
+    # anything is written.
+    batch_size = check_int(batch_size, "batch_size", optional=True)
     checkpoints = _check_checkpoints(checkpoints)
     check_ordered(data)
     check_projection(projection)
@@ -195,7 +198,7 @@ def build_store(
     merged = batch_size is None and limit > 1
     if merged:  # a small model's fixed cost per call, paid less often
         batches = merged_calls(batches, limit)
-    if isinstance(writer, ZarrWriter):  # a resume must make the same calls
+    if isinstance(writer, ZarrWriter) and batch_size is not None:  # a resume makes the same calls
         writer.record_build({"batch_size": batch_size})
 
     def on_device(batch: Batch) -> Batch:
@@ -214,8 +217,11 @@ def build_store(
             yield batch_size_of(batch), batch
 
     pairs = pairs_of()
+    if isinstance(writer, ZarrWriter) and batch_size is None:  # the data's batches are the calls
+        pairs = first_batch_recorded(pairs, writer)
     if isinstance(writer, PartWriter):  # what commit compares the parts by
-        writer.record_build(build_record(meta, mixed_precision=options.mixed_precision))
+        writer.record_build({**build_record(meta, mixed_precision=options.mixed_precision),
+                             "batch_size": batch_size})
         pairs = fingerprinted(pairs, writer)
     result = fill_store(
         writer, pairs, site, meta=meta,

@@ -50,6 +50,7 @@ from tracinfunc.curvature.value import Curvature
 from tracinfunc.distributed import init_from_environment
 from tracinfunc.errors import (
     EmptyDataError,
+    IncompatibleGradientsError,
     IncompleteStoreError,
     InvalidArgumentError,
     InvalidProjectionError,
@@ -330,18 +331,32 @@ def _build(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
+def _with_flag(error: IncompatibleGradientsError) -> IncompatibleGradientsError:
+    """A refused resume in the command's words: the flag that gives the recorded batch size."""
+    record = getattr(error, "build_record", None)
+    if not isinstance(record, dict) or "batch_size" not in record:
+        return error
+    size = record["batch_size"]
+    flag = "without --batch-size" if size is None else f"with --batch-size {size}"
+    return IncompatibleGradientsError(f"{error} On the command line: run the same command "
+                                      f"{flag}.")
+
+
 def _build_store(args: argparse.Namespace, sharded: bool) -> int:
     spec = load_spec(args.spec)
     checkpoints = recorded_checkpoints(args, spec) or _checkpoints(spec, args.checkpoints)
-    store = build_store(
-        spec.loss, checkpoints, spec.train, projection=args.projection,
-        dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
-        dataset_fingerprint=args.dataset_fingerprint,
-        store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
-        progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
-        device=args.device,
-        preconditioners=recorded_preconditioners(args, spec),
-    )
+    try:
+        store = build_store(
+            spec.loss, checkpoints, spec.train, projection=args.projection,
+            dtype=_DTYPES[args.dtype], batch_size=args.batch_size,
+            dataset_fingerprint=args.dataset_fingerprint,
+            store=str(args.out) if sharded else _zarr_writer(args.out, replace=args.overwrite),
+            progress=_progress(args), shard=args.shard, options=_gradient_options(args, spec),
+            device=args.device,
+            preconditioners=recorded_preconditioners(args, spec),
+        )
+    except IncompatibleGradientsError as error:
+        raise _with_flag(error) from error
     if isinstance(store, StorePart):
         print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
               f"of {args.out}; when every part is done, run 'tracinfunc commit {args.out}'")

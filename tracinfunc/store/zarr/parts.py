@@ -237,12 +237,16 @@ class PartWriter:
                 with other options).
         """
         earlier = self._notes.get("build")
+        if earlier is not None and "batch_size" not in earlier:  # a part from before that key:
+            build = {k: v for k, v in build.items() if k != "batch_size"}  # unknown, not guessed
         if earlier is not None and earlier != build:
-            raise IncompatibleGradientsError(
+            error = IncompatibleGradientsError(
                 f"{current_caller()}: part {self.index} of {str(self._path)!r} was started "
-                f"{_difference(build, earlier)}; resume it with the options of the interrupted "
-                "run (or remove its progress, parts/<index>, to start it over)."
+                f"{_difference(earlier, build, who='now')}; resume it with the options of the "
+                "interrupted run (or remove its progress, parts/<index>, to start it over)."
             )
+            error.build_record = dict(earlier)  # the command line names its flag from it
+            raise error
         self._notes["build"] = build
         self._record(complete=self._complete)
 
@@ -350,12 +354,12 @@ def check_parts_agree(path: object, states: list[dict]) -> None:
             )
 
 
-def _difference(build: dict, other: dict) -> str:
+def _difference(build: dict, other: dict, *, who: str = "the other parts") -> str:
     """``"with mixed_precision 'bfloat16' but ... with None"`` for the first differing key."""
     for key in sorted(set(build) | set(other)):
         if build.get(key) != other.get(key):
             what = "store metadata (digest)" if key == "metadata" else key
-            return f"with {what} {build.get(key)!r} but the other parts with {other.get(key)!r}"
+            return f"with {what} {build.get(key)!r} but {who} with {other.get(key)!r}"
     return "alike"
 
 

@@ -103,6 +103,7 @@ class ZarrWriter:
                                         shard_rows=shard_rows, compression=compression)
         self._meta = read_meta(self._group, self._path)
         self._committed = self._meta.n_train
+        self._resumed = self._committed > 0  # rows from an earlier run: record_build adds none
         self._rows = writable_arrays(self._group, "rows", meta.n_ckpt)
         self._norms = writable_arrays(self._group, "norms", meta.n_ckpt)
         self._scales = writable_scales(self._group, meta)
@@ -162,27 +163,37 @@ class ZarrWriter:
 
     def record_build(self, build: dict) -> None:
         """Record how the rows are cut into gradient calls (``build_store`` passes
-        ``{"batch_size": ...}``): the calls decide the rows' float rounding, so a resumed build
-        is bit-identical only with the same record.
+        ``{"batch_size": ...}``, with ``"first_batch"``, the size of the data's first batch,
+        when ``batch_size`` is ``None``): the calls decide the rows' float rounding, so a
+        resumed build is bit-identical only with the same record. Keys that only one of the
+        records holds are not compared; a store started before the record (or a finished
+        one) is never given one: it would be a guess.
 
         Raises:
-            IncompatibleGradientsError: the incomplete store was started with another record.
+            IncompatibleGradientsError: the store (incomplete, or finished and called again)
+                was built with another record; ``error.build_record`` is the stored one.
         """
-        if self._rerun is not None:  # finished: its rows are skipped, not computed
-            return
         earlier = self._group.attrs.get(BUILD_KEY)
-        if earlier is not None and earlier != build:
-            changed = "; ".join(f"{key}={earlier.get(key)!r} when started, {build.get(key)!r} now"
-                                for key in sorted({*earlier, *build})
-                                if earlier.get(key) != build.get(key))
-            raise IncompatibleGradientsError(
-                f"{current_caller()}: cannot resume the incomplete store at "
-                f"{str(self._path)!r}: {changed}. The gradient calls (and so the rows' float "
-                "rounding) depend on it; resume with the value it was started with (or remove "
-                "the store to start over)."
-            )
         if earlier is None:
-            self._group.attrs[BUILD_KEY] = build
+            if self._rerun is None and not self._resumed:
+                self._group.attrs[BUILD_KEY] = build
+            return
+        changed = [key for key in sorted(set(earlier) & set(build)) if earlier[key] != build[key]]
+        if not changed:
+            return
+        when = "built" if self._rerun is not None else "started"
+        said = "; ".join(_changed(key, earlier[key], build[key], when) for key in changed)
+        what = ("reuse the finished store" if self._rerun is not None
+                else "resume the incomplete store")
+        fix = ("pass overwrite=True to rebuild it" if self._rerun is not None
+               else "remove the store to start over")
+        error = IncompatibleGradientsError(
+            f"{current_caller()}: cannot {what} at {str(self._path)!r}: {said}. The gradient "
+            "calls (and so the rows' float rounding) depend on it; call again with the value "
+            f"it was {when} with (or {fix})."
+        )
+        error.build_record = dict(earlier)  # the command line names its flag from it
+        raise error
 
     @entry_point("ZarrWriter.append")
     def append(self, rows: Tensor, norms: Tensor) -> None:
@@ -246,3 +257,11 @@ class ZarrWriter:
             # Only now is the shard counted: a crash before this line redoes it on resume.
             self._group.attrs[ATTRS_KEY] = self._meta.replace(n_train=stop).to_dict()
         self._committed, self._filled = stop, 0
+
+
+def _changed(key: str, earlier: object, now: object, when: str) -> str:
+    """One difference of two build records, in words."""
+    if key == "first_batch":
+        return (f"the data's first batch held {earlier!r} examples when {when}, {now!r} now "
+                "(batch_size=None keeps the data's batches as gradient calls)")
+    return f"{key}={earlier!r} when {when}, {now!r} now"

@@ -127,19 +127,21 @@ def test_interaction_in_a_larger_batch_or_a_later_example_falls_back_once(
 
 def test_batches_no_larger_than_the_proved_one_are_not_proved_again(monkeypatch):
     model = make_mlp().double()
-    calls = []
-    original = fit_module.batched_io
+    calls = {"batched": [], "per_example": []}
 
-    def counting(*args):
-        io = original(*args)
-        return lambda batch: calls.append(batch[0].shape[0]) or io(batch)
+    def counting(name, make):
+        def wrapped(*args):
+            io = make(*args)
+            return lambda batch: calls[name].append(batch[0].shape[0]) or io(batch)
+        return wrapped
 
-    monkeypatch.setattr(fit_module, "batched_io", counting)
+    monkeypatch.setattr(fit_module, "batched_io", counting("batched", fit_module.batched_io))
+    monkeypatch.setattr(fit_module, "layer_io", counting("per_example", fit_module.layer_io))
     _, warned = _fit_batches(model, [3, 8, 5, 8])
-    # Rows (3 labels an example): 9 proved (1 run + 9 alone), 24 proved (1 + 24), then 15 and
-    # 24 once each; the second checkpoint proves nothing again.
+    # Rows (3 labels an example): 9 and 24 are proved against the per-example capture, 15 and
+    # 24 again are not; the second checkpoint proves nothing again.
     assert not warned
-    assert calls == [9, *([1] * 9), 24, *([1] * 24), 15, 24, 9, 24, 15, 24]
+    assert calls == {"batched": [9, 24, 15, 24] * 2, "per_example": [9, 24]}
 
 
 def test_a_loss_that_draws_random_numbers_is_refused():

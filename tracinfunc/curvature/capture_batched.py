@@ -11,10 +11,10 @@ training step's backward does (kronfluence's capture). The layers' inputs are re
 same forward hook. Each example's ``(x, delta)`` is then read by the per-example readers.
 
 The first batch, and each batch larger than every batch proved before in the fit, proves the
-batched mode: every example's inputs and output gradients must equal those of the example run
-alone (largest difference at most 1e-6 of the largest value in float64, 1e-3 otherwise). A
-model whose examples interact in a batched forward, or that fails on one, is captured under
-vmap from that batch on, with one
+batched mode: every example's inputs and output gradients must equal those of the per-example
+(vmapped) capture of the batch (largest difference at most 1e-6 of the largest value in
+float64, 1e-3 otherwise). A model whose examples interact in a batched forward, or that fails
+on one, is captured under vmap from that batch on, with one
 :class:`~tracinfunc.grads.factorized_batched.BatchedPathWarning` per fit saying why; a loss
 that draws random numbers is refused.
 """
@@ -30,11 +30,12 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 from torch.nn.modules.module import register_module_forward_hook
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
+from tracinfunc.grads.transforms import explain_loss_error
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.types import Batch, Example, Params
 
@@ -124,10 +125,9 @@ class BatchedProof:
 def proven_io(vmapped: IO, batched: IO | None, proof: BatchedProof) -> IO:
     """``batched`` for each batch no larger than one it was proved on; a larger batch is
     proved first: every example's inputs and output gradients in the batched run must equal
-    those of the example run alone (a batch of one is the loss's own forward: no example
-    changes another's). From a failed proof on, ``vmapped`` (with one BatchedPathWarning per
-    fit; the batches already captured were proved at their own sizes, so they stay). The
-    proof runs no torch.func transform, which would import torch._dynamo (~70 MiB of RSS).
+    those of the per-example ``vmapped`` capture (the cost of the per-example capture, once
+    per larger batch). From a failed proof on, ``vmapped`` (with one BatchedPathWarning per
+    fit; the batches already captured were proved at their own sizes, so they stay).
 
     Raises:
         LossFunctionError: two batched runs of one batch differ: the loss draws random
@@ -141,7 +141,7 @@ def proven_io(vmapped: IO, batched: IO | None, proof: BatchedProof) -> IO:
         size = tree_leaves(batch)[0].shape[0]
         if size <= proof.largest:
             return batched(batch)
-        reason, together = _prove(batched, batch)
+        reason, together = _prove(batched, vmapped, batch)
         if reason is not None:
             proof.failed = True
             _warn(reason)
@@ -152,24 +152,39 @@ def proven_io(vmapped: IO, batched: IO | None, proof: BatchedProof) -> IO:
     return io
 
 
-def _prove(batched: IO, batch: Batch) -> tuple[str | None, list]:
-    """``(None, batched(batch))`` where each example's batched capture is its own, else
-    ``(why not, [])``."""
-    size = tree_leaves(batch)[0].shape[0]
+def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:
+    """``(None, batched(batch))`` where every example's batched capture is its own (its
+    per-example ``vmapped`` capture), else ``(why not, [])``."""
     try:
         together = batched(batch)
-        alone = [batched(_rows(batch, i, i + 1)) for i in range(size)]
     except Exception as error:  # a model may refuse a real batch in many ways
         return f"one batched forward failed ({error})", []
-    want = [[torch.cat([one[layer][side] for one in alone]) for side in (0, 1)]
-            for layer in range(len(together))]
+    try:
+        want = [list(pair) for pair in vmapped(batch)]
+    except Exception as error:  # the fallback fails too: say why, if the library knows
+        _refuse_random(batched, batch, together)
+        clearer = explain_loss_error(error)
+        if clearer is None:
+            raise
+        raise clearer from error
     gap = _worst_gap(together, want)
     if gap is None:
         return None, together
+    _refuse_random(batched, batch, together)
+    diff, scale = gap
+    return ("one batched forward gives layer inputs or output gradients that differ from "
+            f"the examples' own on a batch of {tree_leaves(batch)[0].shape[0]} (largest "
+            f"difference {diff:.3g} where the examples' own values reach {scale:.3g}: "
+            "examples interact)"), []
+
+
+def _refuse_random(batched: IO, batch: Batch, together: list) -> None:
+    """Raise where a second batched run of ``batch`` differs from the first: the loss draws
+    random numbers (a failing second run says nothing)."""
     try:
         again = batched(batch)
-    except Exception as error:
-        return f"one batched forward failed ({error})", []
+    except Exception:
+        return
     if _worst_gap(together, [list(pair) for pair in again]) is not None:
         raise LossFunctionError(
             "fit_curvature: the loss draws random numbers: two batched forwards of one batch "
@@ -177,10 +192,6 @@ def _prove(batched: IO, batch: Batch) -> tuple[str | None, list]:
             "does, also F.dropout(..., training=True) inside forward). Put the model in eval "
             "mode and remove random operations from the loss: curvature needs a deterministic "
             "loss.")
-    diff, scale = gap
-    return ("one batched forward gives layer inputs or output gradients that differ from "
-            f"the examples' own on a batch of {size} (largest difference {diff:.3g} where the "
-            f"examples' own values reach {scale:.3g}: examples interact)"), []
 
 
 def _worst_gap(got: list, want: list) -> tuple[float, float] | None:
@@ -206,11 +217,6 @@ def _gap(got: Tensor, want: Tensor) -> tuple[float, float]:
     if not want.numel():
         return 0.0, 0.0
     return float((got - want).abs().max()), float(want.abs().max())
-
-
-def _rows(batch: Batch, start: int, stop: int) -> Batch:
-    return tree_map(lambda leaf: leaf[start:stop] if isinstance(leaf, Tensor) and leaf.dim()
-                    else leaf, batch)
 
 
 def _warn(reason: str) -> None:

@@ -1,8 +1,11 @@
 """K-FAC's batched capture (one forward and one backward of a ModuleLoss's batch) gives the
 per-example capture's factors, and a model whose examples interact keeps the per-example one
-with a BatchedPathWarning (issue 34)."""
+with a BatchedPathWarning (issue 34). Each batch larger than every batch proved before is
+proved again, on all its examples; a loss that draws random numbers is refused (atk37)."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import tracinfunc as tif
 import tracinfunc.curvature.fit as fit_module
 from tests.conftest import make_checkpoints, make_data, make_mlp
 from tracinfunc.curvature import classification_sampler, fit_curvature
+from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
 
 EXACT = classification_sampler(exact=True)
@@ -72,3 +76,80 @@ def test_interacting_examples_keep_the_per_example_capture(monkeypatch):
     per_example = _fit(model, "kfac", monkeypatch, per_example=True)
     for key, want in per_example.estimates[0].items():
         torch.testing.assert_close(fitted.estimates[0][key], want, rtol=1e-12, atol=1e-14)
+
+
+class _Mixing(nn.Module):
+    """Examples ``start..`` of a batch are centred among themselves, in batches over ``over``."""
+
+    def __init__(self, start: int, over: int) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 5), nn.Linear(5, 3)
+        self.start, self.over = start, over
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if h.shape[0] > self.over:
+            h = torch.cat([h[:self.start], h[self.start:] - h[self.start:].mean(0, keepdim=True)])
+        return self.second(h)
+
+
+def _fit_batches(model, sizes, per_example=False, monkeypatch=None):
+    loss = tif.loss_from_module(model.eval(), F.cross_entropy)
+    if per_example:
+        monkeypatch.setattr(fit_module, "batched_io", lambda *args: None)
+    x, y = make_data(sum(sizes))
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    data = [(x[end - size:end], y[end - size:end]) for size, end in zip(sizes, ends, strict=True)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fitted = fit_curvature(loss, make_checkpoints(model, n_ckpt=2), data, kind="kfac",
+                               sampler=EXACT)
+    return fitted, [str(w.message) for w in caught if w.category is BatchedPathWarning]
+
+
+@pytest.mark.parametrize(("start", "over", "sizes", "scale"),
+                         [(0, 6, [2, 8, 8], ""), (4, 4, [8, 8, 3], ""), (0, 0, [8, 8], "reach 0:")])
+def test_interaction_in_a_larger_batch_or_a_later_example_falls_back_once(
+        start, over, sizes, scale, monkeypatch):
+    # EXACT labels each example with each of 3 classes: batches of 2 and 8 give 6 and 24
+    # rows. A first batch of 6 rows proves nothing of batches of 24; rows 4.. of a batch are
+    # checked too. The fallback warns once for the fit (2 checkpoints); against a reference
+    # of 0 (one example centred alone) it says so, with no relative difference.
+    model = _Mixing(start, over).double()
+    fitted, warned = _fit_batches(model, sizes)
+    assert len(warned) == 1 and "examples interact" in warned[0], warned
+    assert "batch of 24" in warned[0] and "relative" not in warned[0] and scale in warned[0]
+    want, _ = _fit_batches(model, sizes, per_example=True, monkeypatch=monkeypatch)
+    for got_c, want_c in zip(fitted.estimates, want.estimates, strict=True):
+        for key, value in want_c.items():
+            torch.testing.assert_close(got_c[key], value, rtol=1e-12, atol=1e-14)
+
+
+def test_batches_no_larger_than_the_proved_one_are_not_proved_again(monkeypatch):
+    model = make_mlp().double()
+    calls = {"batched": [], "per_example": []}
+
+    def counting(name, make):
+        def wrapped(*args):
+            io = make(*args)
+            return lambda batch: calls[name].append(batch[0].shape[0]) or io(batch)
+        return wrapped
+
+    monkeypatch.setattr(fit_module, "batched_io", counting("batched", fit_module.batched_io))
+    monkeypatch.setattr(fit_module, "layer_io", counting("per_example", fit_module.layer_io))
+    _, warned = _fit_batches(model, [3, 8, 5, 8])
+    # Rows (3 labels an example): 9 and 24 are proved against the per-example capture, 15 and
+    # 24 again are not; the second checkpoint proves nothing again.
+    assert not warned
+    assert calls == {"batched": [9, 24, 15, 24] * 2, "per_example": [9, 24]}
+
+
+def test_a_loss_that_draws_random_numbers_is_refused():
+    class Dropped(nn.Module):
+        def forward(self, x):
+            return F.dropout(x, 0.5, training=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), Dropped(), nn.Linear(5, 3)).double()
+    with pytest.raises(LossFunctionError, match="draws random numbers"):
+        _fit_batches(model, [8])

@@ -10,15 +10,18 @@ to the layers' outputs (the weights are constants), gives every example's ``delt
 training step's backward does (kronfluence's capture). The layers' inputs are recorded by the
 same forward hook. Each example's ``(x, delta)`` is then read by the per-example readers.
 
-The first batch proves the batched mode: its first examples' inputs and output gradients must
-equal those of each example run alone (relative difference at most 1e-6 in float64, 1e-3
-otherwise, as the factorised projection's batched path). A model whose examples interact in a
-batched forward, or that fails on one, keeps the vmapped capture, with a
-:class:`~tracinfunc.grads.factorized_batched.BatchedPathWarning` saying why.
+The first batch, and each batch larger than every batch proved before in the fit, proves the
+batched mode: every example's inputs and output gradients must equal those of the per-example
+(vmapped) capture of the batch (largest difference at most 1e-6 of the largest value in
+float64, 1e-3 otherwise). A model whose examples interact in a batched forward, or that fails
+on one, is captured under vmap from that batch on, with one
+:class:`~tracinfunc.grads.factorized_batched.BatchedPathWarning` per fit saying why; a loss
+that draws random numbers is refused.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,18 +30,18 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 from torch.nn.modules.module import register_module_forward_hook
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
+from tracinfunc.grads.transforms import explain_loss_error
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.types import Batch, Example, Params
 
-__all__ = ["batched_io", "proven_io"]
+__all__ = ["BatchedProof", "batched_io", "proven_io"]
 
 IO = Callable[[Batch], list[tuple[Tensor, Tensor]]]
-_CHECKED_EXAMPLES = 4  # of the first batch, compared with the vmapped capture
 
 
 def batched_io(loss: ModuleLoss, frozen: Params, params: Params, layers: list[KfacLayer],
@@ -108,46 +111,115 @@ def _check_calls(calls: list, n_layers: int, b: int) -> None:
                                 "dimension first, or was modified in place")
 
 
-def proven_io(vmapped: IO, batched: IO | None, batch: Batch) -> IO:
-    """``batched`` where its inputs and output gradients of the first examples of ``batch``
-    (the first batch) equal those of the same examples run one at a time (a batch of one is
-    the loss's own forward: so no example changes another's), else ``vmapped`` (with a
-    BatchedPathWarning). The check runs no torch.func transform, which would import
-    torch._dynamo (~70 MiB of RSS)."""
+class BatchedProof:
+    """What one ``fit_curvature`` call proved of its batched capture, shared by its
+    checkpoints: the largest batch size proved (a larger batch is proved again: a model may
+    interact only in large batches), and whether a proof failed (then every later batch,
+    of every later checkpoint, is captured per example; the warning is given once)."""
+
+    def __init__(self) -> None:
+        self.largest = 0
+        self.failed = False
+
+
+def proven_io(vmapped: IO, batched: IO | None, proof: BatchedProof) -> IO:
+    """``batched`` for each batch no larger than one it was proved on; a larger batch is
+    proved first: every example's inputs and output gradients in the batched run must equal
+    those of the per-example ``vmapped`` capture (the cost of the per-example capture, once
+    per larger batch). From a failed proof on, ``vmapped`` (with one BatchedPathWarning per
+    fit; the batches already captured were proved at their own sizes, so they stay).
+
+    Raises:
+        LossFunctionError: two batched runs of one batch differ: the loss draws random
+            numbers (dropout in training mode), which no capture can fit."""
     if batched is None:
         return vmapped
-    n = min(_CHECKED_EXAMPLES, tree_leaves(batch)[0].shape[0])
+
+    def io(batch: Batch) -> list[tuple[Tensor, Tensor]]:
+        if proof.failed:
+            return vmapped(batch)
+        size = tree_leaves(batch)[0].shape[0]
+        if size <= proof.largest:
+            return batched(batch)
+        reason, together = _prove(batched, vmapped, batch)
+        if reason is not None:
+            proof.failed = True
+            _warn(reason)
+            return vmapped(batch)
+        proof.largest = size
+        return together
+
+    return io
+
+
+def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:
+    """``(None, batched(batch))`` where every example's batched capture is its own (its
+    per-example ``vmapped`` capture), else ``(why not, [])``."""
     try:
-        together = batched(_rows(batch, 0, n))
-        alone = [batched(_rows(batch, i, i + 1)) for i in range(n)]
+        together = batched(batch)
     except Exception as error:  # a model may refuse a real batch in many ways
-        return _keep_vmapped(vmapped, f"one batched forward failed ({error})")
-    error = max(_relative(got[side], torch.cat([one[layer][side] for one in alone]))
-                for layer, got in enumerate(together) for side in (0, 1))
-    allowed = 1e-6 if together[0][1].dtype == torch.float64 else 1e-3
-    if error <= allowed:
-        return batched
-    return _keep_vmapped(vmapped, "one batched forward gives layer inputs or output "
-                         "gradients that differ from the examples' own on the first batch "
-                         f"(relative difference {error:.3g}, allowed {allowed}: examples "
-                         "interact)")
+        return f"one batched forward failed ({error})", []
+    try:
+        want = [list(pair) for pair in vmapped(batch)]
+    except Exception as error:  # the fallback fails too: say why, if the library knows
+        _refuse_random(batched, batch, together)
+        clearer = explain_loss_error(error)
+        if clearer is None:
+            raise
+        raise clearer from error
+    gap = _worst_gap(together, want)
+    if gap is None:
+        return None, together
+    _refuse_random(batched, batch, together)
+    diff, scale = gap
+    return ("one batched forward gives layer inputs or output gradients that differ from "
+            f"the examples' own on a batch of {tree_leaves(batch)[0].shape[0]} (largest "
+            f"difference {diff:.3g} where the examples' own values reach {scale:.3g}: "
+            "examples interact)"), []
 
 
-def _rows(batch: Batch, start: int, stop: int) -> Batch:
-    return tree_map(lambda leaf: leaf[start:stop] if isinstance(leaf, Tensor) and leaf.dim()
-                    else leaf, batch)
+def _refuse_random(batched: IO, batch: Batch, together: list) -> None:
+    """Raise where a second batched run of ``batch`` differs from the first: the loss draws
+    random numbers (a failing second run says nothing)."""
+    try:
+        again = batched(batch)
+    except Exception:
+        return
+    if _worst_gap(together, [list(pair) for pair in again]) is not None:
+        raise LossFunctionError(
+            "fit_curvature: the loss draws random numbers: two batched forwards of one batch "
+            "gave different layer inputs or output gradients (as dropout in training mode "
+            "does, also F.dropout(..., training=True) inside forward). Put the model in eval "
+            "mode and remove random operations from the loss: curvature needs a deterministic "
+            "loss.")
 
 
-def _relative(got: Tensor, want: Tensor) -> float:
+def _worst_gap(got: list, want: list) -> tuple[float, float] | None:
+    """``None`` where every ``got[layer][side]`` equals ``want[layer][side]`` within the
+    tolerance (largest absolute difference at most 1e-6 of the largest absolute value in
+    float64, 1e-3 otherwise, as the factorised projection's batched path), else the worst
+    ``(largest difference, largest value)``."""
+    worst, ratio = None, 0.0
+    for got_pair, want_pair in zip(got, want, strict=True):
+        for have, expected in zip(got_pair, want_pair, strict=True):
+            diff, scale = _gap(have, expected)
+            allowed = 1e-6 if expected.dtype == torch.float64 else 1e-3
+            if diff > allowed * scale and (scale == 0 or diff / scale > ratio):
+                worst, ratio = (diff, scale), (math.inf if scale == 0 else diff / scale)
+    return worst
+
+
+def _gap(got: Tensor, want: Tensor) -> tuple[float, float]:
     if got.shape != want.shape:
-        return float("inf")
+        return math.inf, 0.0
     if not got.is_floating_point():  # token ids
-        return 0.0 if torch.equal(got, want) else float("inf")
-    return float((got - want).double().norm() / want.double().norm().clamp_min(1e-30))
+        return (0.0 if torch.equal(got, want) else math.inf), 0.0
+    if not want.numel():
+        return 0.0, 0.0
+    return float((got - want).abs().max()), float(want.abs().max())
 
 
-def _keep_vmapped(vmapped: IO, reason: str) -> IO:
+def _warn(reason: str) -> None:
     warnings.warn(f"fit_curvature: K-FAC captures each example under vmap (slower, more "
-                  f"memory) for this loss because {reason}.", BatchedPathWarning,
-                  stacklevel=5)
-    return vmapped
+                  f"memory) for this loss from here on because {reason}.", BatchedPathWarning,
+                  stacklevel=8)  # the caller of fit_curvature (entry_point: 2 frames)

@@ -26,7 +26,7 @@ from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature import kfac
 from tracinfunc.curvature.blocks import Block, block_index, layer_blocks
 from tracinfunc.curvature.capture import find_layers, first_example, layer_io
-from tracinfunc.curvature.capture_batched import batched_io, proven_io
+from tracinfunc.curvature.capture_batched import BatchedProof, batched_io, proven_io
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import CheckedSampler, Sampler, default_sampler
@@ -135,13 +135,15 @@ def fit_curvature(
         return _limited(data if batch_size is None else rebatch(data, batch_size), max_examples)
 
     estimates, dampings, layers, seen = [], [], (), 0
+    shared = {"proof": BatchedProof()} if kind in ("kfac", "ekfac") else {}
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
         fit_one = partial(_fit_projected, blocks=blocks) if blocks else _FITTERS[kind]
         estimate, mean, n, layers = fit_one(
             loss_at(loss, ckpt), dict(ckpt.params), names, batches,
             CheckedSampler(sampler, meta.name),
             torch.Generator().manual_seed(seed + position), chunk_size,
-            None if projection is None else projection.for_checkpoint(meta.name))
+            None if projection is None else projection.for_checkpoint(meta.name),
+            **shared)  # K-FAC: one proof of the batched capture (and one warning) per fit
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
         seen = n
@@ -206,7 +208,8 @@ def _fit_projected(loss, params, names, batches, sampler, generator, chunk_size,
 
 
 def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, projection,
-              *, eigen: bool = False):
+              *, eigen: bool = False, proof: BatchedProof | None = None):
+    proof = BatchedProof() if proof is None else proof  # fit_curvature's: one per fit
     selected = {name: params[name] for name in names}
     frozen = {n: v for n, v in params.items() if n not in selected}
 
@@ -219,7 +222,7 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
         vmapped = layer_io(selected_loss, selected, layers, example)
         batched = (batched_io(loss, frozen, selected, layers, example)
                    if isinstance(loss, ModuleLoss) and loss.criterion is not None else None)
-        return layers, proven_io(vmapped, batched, labelled)
+        return layers, proven_io(vmapped, batched, proof)
 
     return _fit_factors(lambda batch: sampler(loss, params, batch, generator), batches,
                         capture, sampler, eigen=eigen)
@@ -278,8 +281,7 @@ def _all_finite(values: Iterable[Tensor]) -> bool:
     return all(bool(value.sum().isfinite()) or bool(value.isfinite().all()) for value in values)
 
 
-def _fit_ekfac(*args):
-    return _fit_kfac(*args, eigen=True)
+_fit_ekfac = partial(_fit_kfac, eigen=True)  # no frame of its own: the warning's stacklevel
 
 
 _FITTERS = {"dense": _fit_dense, "projected": _fit_projected, "kfac": _fit_kfac,

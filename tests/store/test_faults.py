@@ -177,7 +177,8 @@ def test_disk_full_stops_with_path_and_rows_then_resumes_bit_identically(
         mlp_setup32, tmp_path, monkeypatch):
     loss, ckpts, train, _ = mlp_setup32
     projection = tif.Projection(dim=16, seed=0)
-    reference = tif.build_store(loss, ckpts, _batches(*train), projection=projection)
+    reference = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                                batch_size=6)  # the same calls as the Zarr build
     path = tmp_path / "g.zarr"
     with monkeypatch.context() as patch:
         _fail_writes_after(patch, 3 * 2 * 2 + 1)  # 3 ckpts x (rows, norms) x 2 shards, then full
@@ -239,7 +240,8 @@ def test_resuming_with_other_data_or_precision_is_refused(mlp_setup32, tmp_path,
     assert tif.store.read_store_meta(path).n_train == 24  # nothing merged
     resumed = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
                               store=_tiny(path))
-    reference = tif.build_store(loss, ckpts, _batches(*train), projection=projection)
+    reference = tif.build_store(loss, ckpts, _batches(*train), projection=projection,
+                                batch_size=6)  # the same calls as the Zarr build
     assert torch.equal(rows_of(resumed), rows_of(reference))
     with pytest.raises(tif.errors.IncompatibleGradientsError, match="does not match the store"):
         tif.build_store(loss, ckpts, _batches(x + 1, y), projection=projection,

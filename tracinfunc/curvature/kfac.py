@@ -32,9 +32,9 @@ __all__ = ["accumulate_eigenvalues", "accumulate_factors", "augmented", "ekfac_m
            "kfac_mean_eigenvalue", "kron_eigensystem", "precondition_ekfac"]
 
 
-def augmented(x: Tensor, layer: KfacLayer, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``[..., d_in] -> [..., d_a]``: a column of ones for the bias, in ``dtype``."""
-    x = x.to(dtype)
+def augmented(x: Tensor, layer: KfacLayer) -> Tensor:
+    """``[..., d_in] -> [..., d_a]``: a column of ones for the bias, float64."""
+    x = x.double()
     if layer.bias is None:
         return x
     return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
@@ -44,10 +44,8 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
                        layers: list[KfacLayer], weights: Tensor) -> None:
     """Add one labelled batch's weighted ``A`` and ``S`` sums into ``sums`` (float64).
 
-    A batch's sums are products of the flattened ``[b T, d]`` rows in the gradients' own
-    precision (:func:`batch_dtype`: float32 for a float32 model, as kronfluence accumulates
-    its covariances; float64 for a float64 model, added in place with ``addmm_``), and the
-    totals over batches are float64.
+    The sums are updated in place (``addmm_`` on the flattened ``[b T, d]`` rows, as
+    kronfluence accumulates its covariances): no ``[d, d]`` temporary per batch.
 
     Args:
         io: Per layer ``(x [b, T, d_in], delta [b, T, d_out])``.
@@ -56,18 +54,18 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
     shared = _shared_inputs(io, layers)
     done: dict[tuple, Tensor] = {}  # an input's A term, for layers reading the same input
     for layer, (x, delta) in zip(layers, io, strict=True):
-        d = delta.to(batch_dtype(delta))
-        w = weights.to(d.device, d.dtype)[:, None, None]
+        d = delta.double()
+        w = weights.to(d.device, torch.float64)[:, None, None]
         key, same = f"{layer.weight}:A", _input_key(x, layer)
         if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
             share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
             _add_into(sums, key, torch.zeros(layer.d_in, dtype=torch.float64,
                                              device=d.device).index_add_(
-                0, x.reshape(-1), share.reshape(-1).double()))  # [d_in]
+                0, x.reshape(-1), share.reshape(-1)))  # [d_in]
         elif same in done:  # q, k and v of one attention read one input: its A term once
             _add_into(sums, key, done[same])
         else:
-            xa = augmented(x, layer, d.dtype)
+            xa = augmented(x, layer)
             left = (xa * (w / xa.shape[1])).reshape(-1, layer.d_a)  # [b T, d_a]
             if shared[same] > 1:
                 done[same] = left.T @ xa.reshape(-1, layer.d_a)  # [d_a, d_a]
@@ -76,14 +74,6 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
                 _addmm_into(sums, key, left, xa.reshape(-1, layer.d_a))  # [d_a, d_a]
         _addmm_into(sums, f"{layer.weight}:S", (d * w).reshape(-1, layer.d_out),
                     d.reshape(-1, layer.d_out))  # [d_out, d_out]
-
-
-def batch_dtype(delta: Tensor) -> torch.dtype:
-    """The precision of one batch's products: float64. float32 products (kronfluence's) put
-    float32 rounding (~1e-8 relative) where a factor's eigenvalues are zero, which the rank
-    damping rule (``Damping(over="rank")``, threshold 1e-10) then counts as rank
-    (tests/hostile/test_atk36_refinement.py)."""
-    return torch.float64
 
 
 def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
@@ -100,11 +90,10 @@ def _shared_inputs(io: list[tuple[Tensor, Tensor]], layers: list[KfacLayer]) -> 
 
 
 def _addmm_into(sums: dict[str, Tensor], key: str, left: Tensor, right: Tensor) -> None:
-    """``sums[key] += left^T @ right`` (float64, created on first use), on the CPU: in place
-    for float64 rows, else the product in their precision added in."""
+    """``sums[key] += left^T @ right`` in place (created on first use), on the CPU."""
     if key not in sums:
         sums[key] = torch.zeros(left.shape[1], right.shape[1], dtype=torch.float64)
-    if left.device == sums[key].device and left.dtype == torch.float64:
+    if left.device == sums[key].device:
         sums[key].addmm_(left.T, right)
     else:
         sums[key] += (left.T @ right).cpu()
@@ -115,7 +104,7 @@ def _add_into(sums: dict[str, Tensor], key: str, value: Tensor) -> None:
     if key in sums:
         sums[key] += value.cpu()
     else:
-        sums[key] = value.to("cpu", torch.float64, copy=True)
+        sums[key] = value.cpu()
 
 
 def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str, Tensor]:
@@ -149,27 +138,26 @@ def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tenso
     """
     rotated_inputs: dict[tuple, tuple[Tensor, Tensor]] = {}  # input key -> (Q_A, x Q_A)
     for layer, (x, delta) in zip(layers, io, strict=True):
-        dtype = batch_dtype(delta)  # the batch's products; the totals are float64
-        q_s = bases[f"{layer.weight}:QS"].to(x.device, dtype)
-        root = weights.to(x.device, dtype).sqrt()[:, None, None]  # [b, 1, 1]
-        dq = (delta.to(dtype) @ q_s) * root  # [b, T, d_out]
+        q_s = bases[f"{layer.weight}:QS"].to(x.device)
+        root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
+        dq = (delta.double() @ q_s) * root  # [b, T, d_out]
         key = f"{layer.weight}:eigen"
         if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
             index = x[..., None].expand(dq.shape)  # [b, T, d_out]
-            rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=dtype,
+            rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
                                   device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
             _add_into(sums, key, rotated.square_().sum(0))
             continue
-        q_a, same = bases[f"{layer.weight}:QA"].to(x.device, dtype), _input_key(x, layer)
+        q_a, same = bases[f"{layer.weight}:QA"].to(x.device), _input_key(x, layer)
         if same in rotated_inputs and torch.equal(rotated_inputs[same][0], q_a):
             xq = rotated_inputs[same][1]  # q, k, v: one input, one eigenbasis
         else:
-            xq = augmented(x, layer, dtype) @ q_a  # [b, T, d_a]
+            xq = augmented(x, layer) @ q_a  # [b, T, d_a]
             rotated_inputs[same] = (q_a, xq)
         if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
             _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
             continue
-        step = max(1, _ROTATED_BYTES // (dq.element_size() * layer.d_out * layer.d_a))
+        step = max(1, _ROTATED_BYTES // (8 * layer.d_out * layer.d_a))
         for start in range(0, dq.shape[0], step):
             rotated = torch.bmm(dq[start:start + step].transpose(1, 2),
                                 xq[start:start + step])  # [b', d_out, d_a]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tracinfunc as tif
 from tests.conftest import make_checkpoints, make_data, make_mlp
-from tracinfunc.build.merge import MERGE_EXAMPLES, merge_limit, merged_batches
+from tracinfunc.build.merge import MERGE_EXAMPLES, merge_limit, merged_calls
 from tracinfunc.projection import canonical_layout
 
 PROJ = tif.Projection(dim=16, seed=0)
@@ -38,7 +38,7 @@ def _rows(store):
     return torch.stack([store.read_rows(c, 0, store.n_train) for c in range(store.n_ckpt)])
 
 
-def test_merged_batches_keep_order_and_never_split():
+def test_merged_calls_keep_order_and_never_split():
     sizes = [3, 4, 9, 1, 1, 2]
     data = [torch.arange(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
     out = list(merged_batches(data, 8))
@@ -117,3 +117,7 @@ def test_a_merged_call_failing_on_one_batch_names_that_batch():
     with pytest.raises(tif.errors.LossFunctionError, match=r"rows 20-39 \(batch_size=20\)"):
         tif.build_store(loss, ckpts, _batches(x, y, 5), projection=PROJ, progress=False,
                         batch_size=20)
+
+
+def merged_batches(batches, limit):
+    return [batch for batch, _, _ in merged_calls(batches, limit)]

@@ -59,7 +59,7 @@ class Call:
 
 def numbered(calls: Iterable[MergedCall] | Iterable[Batch], *, merged: bool,
              batch_size: int | None) -> Iterator[tuple[Batch, Call]]:
-    """Each call's batch with its :class:`Call` (``calls`` from ``merged_batches`` where
+    """Each call's batch with its :class:`Call` (``calls`` from ``merged_calls`` where
     ``merged``, else batches: the data's, or re-batched to ``batch_size``)."""
     row = 0
     for index, item in enumerate(calls):

@@ -23,8 +23,7 @@ from tracinfunc.grads.options import GradientOptions
 from tracinfunc.projection.spec import Layout
 from tracinfunc.types import Batch
 
-__all__ = ["MERGE_BYTES", "MERGE_EXAMPLES", "MergedCall", "merge_limit", "merged_batches",
-           "merged_calls"]
+__all__ = ["MERGE_BYTES", "MERGE_EXAMPLES", "MergedCall", "merge_limit", "merged_calls"]
 
 MergedCall = tuple[Batch, int, tuple[int, ...]]
 """``(batch, first, sizes)``: a call's batch, its first data batch and their sizes."""
@@ -52,11 +51,6 @@ def merge_limit(layout: Layout, itemsize: int, options: GradientOptions, *,
     n_params = sum(math.prod(shape) for _, shape in layout)
     per_example = max(1, DEFAULT_COPIES * n_params * itemsize)
     return min(MERGE_EXAMPLES, MERGE_BYTES // per_example)
-
-
-def merged_batches(batches: Iterable[Batch], limit: int) -> Iterator[Batch]:
-    """The batches of :func:`merged_calls`."""
-    return (batch for batch, _, _ in merged_calls(batches, limit))
 
 
 def merged_calls(batches: Iterable[Batch], limit: int) -> Iterator[MergedCall]:

@@ -108,16 +108,17 @@ def gradient_product(gradients: Tensor, weights: Tensor | None,
     with ``weights=None``, ``gradients`` is ``H [p, p]`` itself and ``V -> H V``
     (``method``: ``"gradients"``, ``"matrix"``)."""
     sizes = [math.prod(shape) for shape in shapes.values()]
+    share = None if weights is None else weights / weights.sum()  # [m], once, not per step
 
     def product(vectors: Vectors) -> Vectors:
         first = next(iter(vectors.values()))
         flat = torch.cat([vectors[name].reshape(first.shape[0], -1).to(gradients)
                           for name in shapes], dim=1)  # [t, p]
-        if weights is None:
+        if share is None:
             out = flat @ gradients  # H is symmetric
         else:
             along = flat @ gradients.T  # [t, m]: g_j . v_t
-            out = (along * (weights / weights.sum())) @ gradients  # [t, p]
+            out = (along * share) @ gradients  # [t, p]
         return {name: part.reshape(first.shape[0], *shape).to(first.device)
                 for (name, shape), part in zip(shapes.items(), out.split(sizes, dim=1),
                                                strict=True)}

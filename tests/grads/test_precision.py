@@ -117,3 +117,46 @@ def test_float16_on_cuda_matches_float32_closely():
     )(params, batch)
     assert half.dtype == torch.float32
     assert float((half - full).norm() / full.norm()) < 0.01
+
+
+# float16 loss scaling: the per-example scale is ~1/|loss|, which assumes the gradient shrinks
+# with the loss (cross-entropy near 0 does); a loss whose gradient does not overflowed.
+
+
+def _signed_residual_setup():
+    """A loss whose gradient is O(1) while the loss is ~1e-4: a signed residual near zero."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+        torch.nn.Linear(256, 1)).eval()
+    with torch.no_grad():
+        model[4].weight.mul_(20)
+        model[2].weight.mul_(3)
+        x = torch.randn(64, 20)
+        target = model(x)[:, 0] + 1e-4 * torch.randn(64)
+
+    def loss(params, example):
+        xi, ti = example
+        return torch.func.functional_call(model, params, (xi[None],))[0, 0] - ti
+
+    return loss, {k: v.detach() for k, v in model.named_parameters()}, (x, target)
+
+
+def _flat(grads):
+    return torch.cat([g.reshape(g.shape[0], -1) for _, g in sorted(grads.items())], dim=1)
+
+
+@pytest.mark.parametrize("transform", ["projected_grads", "per_sample_grads"])
+def test_float16_loss_scaling_never_overflows_a_loss_whose_gradient_stays_large(transform):
+    # A scale of 2**13 turned this loss's O(1) gradients into float16 infinities: NaN rows.
+    loss, params, batch = _signed_residual_setup()
+    half_options = tif.GradientOptions(mixed_precision=torch.float16)
+    if transform == "projected_grads":
+        full = tif.projected_grads(loss, PROJ)(params, batch)
+        half = tif.projected_grads(loss, PROJ, options=half_options)(params, batch)
+    else:
+        full = _flat(tif.per_sample_grads(loss)(params, batch))
+        half = _flat(tif.per_sample_grads(loss, options=half_options)(params, batch))
+    assert torch.isfinite(half).all()
+    per_row = (half - full).norm(dim=1) / full.norm(dim=1)
+    assert float(per_row.max()) < 0.02

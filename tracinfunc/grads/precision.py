@@ -26,13 +26,19 @@ from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidTypeError, UnsupportedPrecisionError
 
 __all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision",
-           "loss_scaled_grad", "mixed_precision_context", "with_mixed_precision"]
+           "loss_scaled_grad", "mixed_precision_context", "retry_overflowed_rows",
+           "with_mixed_precision"]
 
 # float16 flushes backward signals below 2**-24 to zero: an example with a loss near 0 gets
 # an all-zero gradient (measured: max relative error 1 on confident, correctly classified
-# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 14),
+# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 24),
 # so its logit gradients stay near those of a loss-1 example; a static scale cannot serve
 # both ends (measured: 2**10 still flushes some, 2**12 overflows wrong confident examples).
+# Not above 14: CUDA's log-softmax backward holds the loss's cotangent (the scale) in float16,
+# so 2**24 became inf there and every signal NaN (first GPU run, 2026-11-26; the CPU kernel
+# keeps it in float32 and hid this). The price: a loss that reads exactly 0 in float32 (a
+# cross-entropy margin above ~17) keeps gradients under 1e-8 that float16 flushes to zero;
+# bfloat16 keeps float32's range for those.
 _MAX_LOSS_SCALE_EXPONENT = 14
 
 # Normalisation layers whose per-example backward fails when autocast hands them 16-bit
@@ -144,22 +150,26 @@ def _float32(value: Any) -> Any:
 
 
 def loss_scaled_grad(fn: Callable[..., Any], *, has_aux: bool,
-                     mixed_precision: torch.dtype | None) -> Callable[..., Any]:
+                     mixed_precision: torch.dtype | None, scaled: bool = True
+                     ) -> Callable[..., Any]:
     """``torch.func.grad(fn, has_aux=has_aux)``, with per-example loss scaling in float16.
 
     The loss is multiplied by a power of two before the backward and the gradients divided
     by it after, both exact in float32, so only the float16 backward sees larger signals.
+    The scale assumes the gradient shrinks with the loss (cross-entropy near 0); a loss whose
+    gradient stays large can overflow: :func:`retry_overflowed_rows` recomputes those
+    examples with ``scaled=False`` (the plain float16 backward).
     """
-    if mixed_precision != torch.float16:
+    if mixed_precision != torch.float16 or not scaled:
         return grad(fn, has_aux=has_aux)
 
-    def scaled(*args: Any) -> Any:
+    def scaled_loss(*args: Any) -> Any:
         out = fn(*args)
         loss, aux = out if has_aux else (out, ())
         scale = _loss_scale(loss.detach())
         return loss.float() * scale, (scale, aux)
 
-    scaled_grad = grad(scaled, has_aux=True)
+    scaled_grad = grad(scaled_loss, has_aux=True)
 
     def unscaled(*args: Any) -> Any:
         grads, (scale, aux) = scaled_grad(*args)
@@ -167,6 +177,42 @@ def loss_scaled_grad(fn: Callable[..., Any], *, has_aux: bool,
         return (grads, aux) if has_aux else grads
 
     return unscaled
+
+
+def retry_overflowed_rows(result: Any, recompute: Callable[[Any], Any], batch: Any, *,
+                          mixed_precision: torch.dtype | None, has_aux: bool) -> Any:
+    """``result`` with its non-finite examples recomputed by ``recompute(sub_batch)``.
+
+    For float16 loss scaling only: an example whose scaled backward overflowed (a loss near
+    0 with an O(1) gradient, e.g. a signed residual) is computed again without the scale.
+    One check per batch; the retry runs only when some row is not finite. Rows still not
+    finite after it are left so: the caller's own checks name them.
+
+    Args:
+        result: ``[b, k]`` rows, or ``{name: [b, *shape]}``; with ``has_aux``, ``(that, aux)``
+            (aux is kept from the first pass: the forward does not depend on the scale).
+        recompute: The same batched computation without the scale, on a sub-batch.
+        batch: The examples, every tensor leaf ``[b, ...]``.
+    """
+    if mixed_precision != torch.float16:
+        return result
+    rows, aux = result if has_aux else (result, None)
+    leaves = list(rows.values()) if isinstance(rows, dict) else [rows]
+    finite = torch.stack([torch.isfinite(leaf.reshape(leaf.shape[0], -1)).all(1)
+                          for leaf in leaves]).all(0)  # [b]
+    if bool(finite.all()):
+        return result
+    index = (~finite).nonzero().squeeze(1)  # [n_bad]
+    sub_batch = tree_map(lambda leaf: leaf[index.to(leaf.device)]
+                         if isinstance(leaf, torch.Tensor) else leaf, batch)
+    again = recompute(sub_batch)
+    again = again[0] if has_aux else again
+    if isinstance(rows, dict):
+        rows = {name: value.index_copy(0, index.to(value.device), again[name])
+                for name, value in rows.items()}
+    else:
+        rows = rows.index_copy(0, index.to(rows.device), again)
+    return (rows, aux) if has_aux else rows
 
 
 def _loss_scale(loss: torch.Tensor) -> torch.Tensor:

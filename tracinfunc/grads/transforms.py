@@ -37,7 +37,11 @@ from tracinfunc.errors import (
 from tracinfunc.grads.factorized import factorized_projected_grads
 from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.options import GradientOptions, gradient_options
-from tracinfunc.grads.precision import loss_scaled_grad, with_mixed_precision
+from tracinfunc.grads.precision import (
+    loss_scaled_grad,
+    retry_overflowed_rows,
+    with_mixed_precision,
+)
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
 from tracinfunc.precondition.optimizer import Preconditioner
@@ -238,26 +242,40 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
                       ) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options)
-    grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision)
-    batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
-    with vmappable_attention():
-        return _call_loss_transform(batched, selected, frozen, batch)
+
+    def run(examples: Batch, *, scaled: bool) -> Any:
+        grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
+                                   scaled=scaled)
+        batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
+        with vmappable_attention():
+            return _call_loss_transform(batched, selected, frozen, examples)
+
+    return retry_overflowed_rows(run(batch, scaled=True),
+                                 lambda examples: run(examples, scaled=False), batch,
+                                 mixed_precision=options.mixed_precision, has_aux=has_aux)
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
-    grad_fn = loss_scaled_grad(_selected_loss(loss, params, options),
-                               has_aux=has_aux, mixed_precision=options.mixed_precision)
+    fn = _selected_loss(loss, params, options)
 
-    def one_example(selected: Params, frozen: Params, example: Example) -> Any:
-        if has_aux:
-            grads, aux = grad_fn(selected, frozen, example)
-            return project(grads), aux
-        return project(grad_fn(selected, frozen, example))
+    def run(examples: Batch, *, scaled: bool) -> Any:
+        grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
+                                   scaled=scaled)
 
-    batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
-    with vmappable_attention():
-        return _call_loss_transform(batched, selected, frozen, batch)
+        def one_example(selected: Params, frozen: Params, example: Example) -> Any:
+            if has_aux:
+                grads, aux = grad_fn(selected, frozen, example)
+                return project(grads), aux
+            return project(grad_fn(selected, frozen, example))
+
+        batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
+        with vmappable_attention():
+            return _call_loss_transform(batched, selected, frozen, examples)
+
+    return retry_overflowed_rows(run(batch, scaled=True),
+                                 lambda examples: run(examples, scaled=False), batch,
+                                 mixed_precision=options.mixed_precision, has_aux=has_aux)
 
 
 def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,

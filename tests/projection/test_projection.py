@@ -531,3 +531,23 @@ def test_a_projector_refuses_a_dim_no_machine_can_hold():
                                                          r"example a \[2147483647\] row"):
             make_projector(Projection(dim=2**31 - 1, kind=kind), layout)
     make_projector(Projection(dim=4096, kind="sjlt"), layout)  # ordinary sizes are fine
+
+
+def test_a_streamed_dense_block_is_one_matmul_per_row_range_under_vmap(monkeypatch):
+    # The first GPU run (2026-11-26): `slice @ rows` under vmap lowered to a bmm that read the
+    # block once per example (a batched gemv, 70% of a build's GPU time). The lowering is a
+    # property of the program, not of timing: no bmm may appear.
+    from torch.profiler import profile
+
+    from tracinfunc.projection.torch import make_projector
+
+    monkeypatch.setattr(hashing_module, "CPU_SLICE_ELEMENTS", 16 * 100)  # 12 row ranges
+    layout = {"w": (40, 30)}
+    projector = make_projector(Projection(dim=16, seed=0), layout, cache_bytes=0)
+    grads = torch.randn(8, 40, 30, dtype=torch.float64)
+    with profile(record_shapes=True) as prof:
+        rows = vmap(lambda g: projector({"w": g}))(grads)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::bmm" not in ops and "aten::mm" in ops
+    expected = torch.stack([projector({"w": g}) for g in grads])
+    torch.testing.assert_close(rows, expected, rtol=1e-12, atol=1e-12)

@@ -159,15 +159,17 @@ def pcg_flat(product: Callable[[Tensor], Tensor], precondition: Callable[[Tensor
     norm = _norm(rhs)
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
 
-    def apply(x: Tensor, active: Tensor) -> Tensor:
+    def apply(x: Tensor, active: Tensor) -> Tensor:  # (H + damping I) x, a new tensor
         if bool(active.all()):
-            return torch.add(product(x), x, alpha=damping)
+            return _owned(product(x), x).add_(x, alpha=damping)
         rows = active.nonzero().reshape(-1)  # only the systems still running
         part = x[rows]
-        return torch.zeros_like(x).index_copy_(0, rows, torch.add(product(part), part,
-                                                                  alpha=damping))
+        return torch.zeros_like(x).index_copy_(0, rows, _owned(product(part), part).add_(
+            part, alpha=damping))
 
-    x = precondition(rhs)
+    # x, the residual and the direction are this loop's own tensors, updated in place (the
+    # same arithmetic as out of place, without a new [t, p] tensor per operation)
+    x = _owned(precondition(rhs), rhs)
     residual = rhs - apply(x, torch.ones_like(norm, dtype=torch.bool))
     history = [_norm(residual) / safe]
     active = history[-1] > tolerance  # NaN: stopped here, refused below
@@ -177,20 +179,20 @@ def pcg_flat(product: Callable[[Tensor], Tensor], precondition: Callable[[Tensor
         if not bool(active.any()):
             break
         # M r only for a step that follows (none after the last one)
-        z = precondition(residual)
+        z = _owned(precondition(residual), residual)
         rz_next = _dot(residual, z)
         if direction is None:
             direction = z
         else:
             beta = torch.where(rz > 0, rz_next / torch.where(rz > 0, rz, 1.0), 0.0)
-            direction = torch.addcmul(z, beta[:, None], direction)
+            direction = z.addcmul_(beta[:, None], direction)
         rz = rz_next
         applied = apply(direction, active)
         curvature = _dot(direction, applied)
         moving = active & (curvature > 0)
         alpha = torch.where(moving, rz / torch.where(moving, curvature, 1.0), 0.0)[:, None]
-        x = torch.addcmul(x, alpha, direction)
-        residual = torch.addcmul(residual, alpha, applied, value=-1.0)
+        x.addcmul_(alpha, direction)
+        residual.addcmul_(alpha, applied, value=-1.0)
         history.append(_norm(residual) / safe)
         active = active & (history[-1] > tolerance)
     residuals = torch.stack(history)
@@ -271,8 +273,17 @@ def _round_2g(value: float, *, up: bool) -> float:
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
     """Per row ``<a_t, b_t>``, ``[t]``."""
-    return torch.linalg.vecdot(a, b)
+    return (a * b).sum(1)
 
 
 def _norm(a: Tensor) -> Tensor:
-    return _dot(a, a).clamp_min(0).sqrt()
+    """Per row ``||a_t||``, ``[t]`` (one pass, no temporary)."""
+    return torch.linalg.vector_norm(a, dim=1)
+
+
+def _owned(value: Tensor, given: Tensor) -> Tensor:
+    """``value``, or a copy of it where it shares memory with ``given`` (a product or
+    preconditioner may hand back its argument), so updating it in place changes nothing else."""
+    if value.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        return value.clone()
+    return value

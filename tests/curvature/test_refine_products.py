@@ -25,7 +25,7 @@ from tracinfunc.curvature.fisher import (
     sampled_gradients,
 )
 from tracinfunc.curvature.flat import flat_map
-from tracinfunc.curvature.refine import pcg, pcg_flat
+from tracinfunc.curvature.refine import finite_rows, pcg, pcg_flat
 from tracinfunc.curvature.test_grads import MARK
 from tracinfunc.errors import IncompatibleGradientsError
 
@@ -252,3 +252,18 @@ def test_steps_and_tolerance_are_in_the_digest(setup):
     for other in (b, c):
         with pytest.raises(IncompatibleGradientsError, match="another curvature"):
             tif.score(store, queries, curvature=other)
+
+
+def test_finite_rows_equals_isfinite_on_every_kind_of_non_finite_value():
+    """The cheap per-row check the refined solve uses (max and min) against isfinite."""
+    rows = torch.zeros(7, 5, dtype=torch.float64)
+    rows[1, 2] = float("nan")
+    rows[2, 0] = float("inf")
+    rows[3, 4] = float("-inf")
+    rows[4, 1], rows[4, 3] = float("inf"), float("-inf")
+    rows[5, 2] = 1e308
+    rows[6] = float("nan")
+    assert finite_rows(rows).tolist() == rows.isfinite().all(1).tolist()
+    assert finite_rows(rows).tolist() == [True, False, False, False, False, True, False]
+    assert finite_rows(torch.zeros(0, 5)).shape == (0,)
+    assert finite_rows(torch.zeros(3, 0)).tolist() == [True] * 3

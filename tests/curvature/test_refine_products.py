@@ -24,7 +24,8 @@ from tracinfunc.curvature.fisher import (
     gradient_product,
     sampled_gradients,
 )
-from tracinfunc.curvature.refine import pcg
+from tracinfunc.curvature.flat import flat_map
+from tracinfunc.curvature.refine import finite_rows, pcg, pcg_flat
 from tracinfunc.curvature.test_grads import MARK
 from tracinfunc.errors import IncompatibleGradientsError
 
@@ -86,6 +87,43 @@ def test_gradient_product_equals_functional_and_explicit(setup):
         torch.testing.assert_close(by_matrix[name], functional[name], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(by_matmul[name], part.reshape(3, *shapes[name]),
                                    rtol=1e-12, atol=1e-14)
+    # the flat maps conjugate gradient runs on: the same products, columns in names' order
+    for product in (gradient_product(gradients, weights, shapes),
+                    gradient_product(matrix, None, shapes),
+                    fisher_product(loss, params, names, labelled)):
+        torch.testing.assert_close(product.flat(flat_v), explicit, rtol=1e-12, atol=1e-14)
+
+
+def test_pcg_on_named_vectors_equals_pcg_on_flat_rows_and_an_explicit_solve(setup):
+    """pcg (named vectors, any key order) is pcg_flat on the flattened rows: the same
+    iterates and residuals; run to convergence, it gives (H + lambda I)^-1 g (float64)."""
+    loss, ckpts, train, test, fitted = setup
+    params = dict(ckpts[0].params)
+    names = sorted(params)[::-1]
+    labelled = _labelled(loss, params, train)
+    gradients, weights = sampled_gradients(loss, params, names, labelled)
+    product = gradient_product(gradients, weights, {n: tuple(params[n].shape) for n in names})
+    rhs = {n: v.double() for n, v in tif.per_sample_grads(
+        loss, options=tif.GradientOptions(select=names))(params, test).items()}
+    layout = tuple((n, tuple(params[n].shape)) for n in names)
+    flat_rhs = torch.cat([rhs[n].reshape(10, -1) for n in names], dim=1)  # [10, p]
+
+    def precondition(v):
+        return fitted.precondition(0, v)
+
+    named, history = pcg(product, precondition, 0.05, rhs, 3)  # rhs in another key order
+    flat, flat_history = pcg_flat(product.flat, flat_map(precondition, layout), 0.05, flat_rhs, 3)
+    torch.testing.assert_close(history, flat_history, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(torch.cat([named[n].reshape(10, -1) for n in names], dim=1),
+                               flat, rtol=1e-12, atol=1e-15)
+    flat, flat_history = pcg_flat(product.flat, flat_map(precondition, layout), 0.05, flat_rhs,
+                                  100, 1e-11)
+    assert float(flat_history[-1].max()) <= 1e-11
+    fisher_matrix = (gradients.T * weights) @ gradients / weights.sum()
+    exact = torch.linalg.solve(fisher_matrix + 0.05 * torch.eye(43, dtype=torch.float64),
+                               flat_rhs.T).T
+    # residual <= 1e-11 times the condition number (14 here) bounds each row's error
+    assert float(((flat - exact).norm(dim=1) / exact.norm(dim=1)).max()) <= 1e-8
 
 
 @pytest.mark.parametrize("inputs, method", [(20, "matrix"), (4, "gradients")])
@@ -214,3 +252,18 @@ def test_steps_and_tolerance_are_in_the_digest(setup):
     for other in (b, c):
         with pytest.raises(IncompatibleGradientsError, match="another curvature"):
             tif.score(store, queries, curvature=other)
+
+
+def test_finite_rows_equals_isfinite_on_every_kind_of_non_finite_value():
+    """The cheap per-row check the refined solve uses (max and min) against isfinite."""
+    rows = torch.zeros(7, 5, dtype=torch.float64)
+    rows[1, 2] = float("nan")
+    rows[2, 0] = float("inf")
+    rows[3, 4] = float("-inf")
+    rows[4, 1], rows[4, 3] = float("inf"), float("-inf")
+    rows[5, 2] = 1e308
+    rows[6] = float("nan")
+    assert finite_rows(rows).tolist() == rows.isfinite().all(1).tolist()
+    assert finite_rows(rows).tolist() == [True, False, False, False, False, True, False]
+    assert finite_rows(torch.zeros(0, 5)).shape == (0,)
+    assert finite_rows(torch.zeros(3, 0)).tolist() == [True] * 3

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
+from tracinfunc.curvature.flat import flat_map, flatten, unflatten
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["FORWARD_AD_LOCK", "GRADIENT_BUDGET", "checkpoint_product", "fisher_product",
@@ -58,7 +59,8 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
 
     Returns:
         ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64; its ``method`` is
-        ``"gradients"``, ``"matrix"`` (``p < 2 m``) or ``"functional"`` (``G`` over budget).
+        ``"gradients"``, ``"matrix"`` (``p < 2 m``) or ``"functional"`` (``G`` over budget);
+        its ``flat`` is the same map on flat rows ``[t, p]`` (columns in ``names``' order).
     """
     budget = GRADIENT_BUDGET if budget is None else budget
     shapes = {name: tuple(params[name].shape) for name in names}
@@ -106,24 +108,24 @@ def gradient_product(gradients: Tensor, weights: Tensor | None,
                      shapes: dict[str, tuple[int, ...]]) -> Callable[[Vectors], Vectors]:
     """``V -> G^T (w * (G V)) / sum w`` for ``G [m, p]`` (columns in ``shapes``' order);
     with ``weights=None``, ``gradients`` is ``H [p, p]`` itself and ``V -> H V``
-    (``method``: ``"gradients"``, ``"matrix"``)."""
-    sizes = [math.prod(shape) for shape in shapes.values()]
+    (``method``: ``"gradients"``, ``"matrix"``). Its ``flat`` is the same map on flat rows
+    ``[t, p]`` float64 (what conjugate gradient runs on: no conversion per step)."""
+    layout = tuple(shapes.items())
     share = None if weights is None else weights / weights.sum()  # [m], once, not per step
+
+    def flat(rows: Tensor) -> Tensor:  # [t, p] float64 -> [t, p], on the rows' device
+        device, rows = rows.device, rows.to(gradients)
+        if share is None:
+            return (rows @ gradients).to(device)  # H is symmetric
+        # [t, m]: g_j . v_t, then [t, p]
+        return (((rows @ gradients.T) * share) @ gradients).to(device)
 
     def product(vectors: Vectors) -> Vectors:
         first = next(iter(vectors.values()))
-        flat = torch.cat([vectors[name].reshape(first.shape[0], -1).to(gradients)
-                          for name in shapes], dim=1)  # [t, p]
-        if share is None:
-            out = flat @ gradients  # H is symmetric
-        else:
-            along = flat @ gradients.T  # [t, m]: g_j . v_t
-            out = (along * share) @ gradients  # [t, p]
-        return {name: part.reshape(first.shape[0], *shape).to(first.device)
-                for (name, shape), part in zip(shapes.items(), out.split(sizes, dim=1),
-                                               strict=True)}
+        return unflatten(flat(flatten(vectors, layout).to(first.device, torch.float64)), layout)
 
     product.method = "gradients" if weights is not None else "matrix"
+    product.flat = flat
     return product
 
 
@@ -170,4 +172,6 @@ def fisher_product(loss: LossFn, params: Params, names: list[str],
         return {name: value / total_weight for name, value in out.items()}
 
     product.method = "functional"
+    product.flat = flat_map(product, tuple(
+        (name, tuple(value.shape)) for name, value in selected.items()))
     return product

@@ -10,6 +10,7 @@ last column.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -17,7 +18,7 @@ from torch import Tensor
 from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.projection.spec import Layout
 
-__all__ = ["flatten", "layer_matrix", "split_layer", "unflatten"]
+__all__ = ["flat_map", "flatten", "layer_matrix", "split_layer", "unflatten"]
 
 
 def flatten(grads: dict[str, Tensor], layout: Layout) -> Tensor:
@@ -33,6 +34,16 @@ def unflatten(flat: Tensor, layout: Layout) -> dict[str, Tensor]:
         out[name] = flat[:, start:start + size].reshape(flat.shape[0], *shape)
         start += size
     return out
+
+
+def flat_map(fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], layout: Layout
+             ) -> Callable[[Tensor], Tensor]:
+    """``fn`` on named vectors ``{name: [b, *shape]}`` as a map of flat rows ``[b, p]``
+    (float64, in layout order): a dict-valued product or preconditioner, given flat rows."""
+    def on_rows(rows: Tensor) -> Tensor:
+        return flatten(fn(unflatten(rows, layout)), layout).double()
+
+    return on_rows
 
 
 def layer_matrix(grads: dict[str, Tensor], layer: KfacLayer) -> Tensor:

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tracinfunc._validate import current_caller
 from tracinfunc.batches import iter_batches
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, fisher_product
+from tracinfunc.curvature.flat import flat_map, flatten, unflatten
 from tracinfunc.errors import (
     EmptyDataError,
     IllConditionedError,
@@ -39,8 +40,9 @@ from tracinfunc.errors import (
 )
 from tracinfunc.types import Batch
 
-__all__ = ["FORWARD_AD_LOCK", "Refinement", "check_refinable", "data_digest", "fisher_product",
-           "kept_batches", "largest_eigenvalue", "pcg", "warn_unconverged"]
+__all__ = ["FORWARD_AD_LOCK", "Refinement", "check_refinable", "data_digest", "finite_rows",
+           "fisher_product", "kept_batches", "largest_eigenvalue", "pcg", "pcg_flat",
+           "warn_unconverged"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
 
@@ -119,63 +121,82 @@ def data_digest(batches: Iterable[Batch]) -> str:
 def pcg(product: Callable[[Vectors], Vectors], precondition: Callable[[Vectors], Vectors],
         damping: float, rhs: Vectors, steps: int, tolerance: float = 0.0
         ) -> tuple[Vectors, Tensor]:
+    """:func:`pcg_flat` on named vectors ``{name: [t, *shape]}`` (flattened once, in and out).
+
+    Returns:
+        ``(x {name: [t, *shape]} float64, residuals [taken + 1, t])``.
+    """
+    layout = tuple((name, tuple(value.shape[1:])) for name, value in rhs.items())
+    x, residuals = pcg_flat(flat_map(product, layout), flat_map(precondition, layout),
+                            damping, flatten(rhs, layout).double(), steps, tolerance)
+    return unflatten(x, layout), residuals
+
+
+def pcg_flat(product: Callable[[Tensor], Tensor], precondition: Callable[[Tensor], Tensor],
+             damping: float, rhs: Tensor, steps: int, tolerance: float = 0.0
+             ) -> tuple[Tensor, Tensor]:
     """Preconditioned conjugate gradient on ``(H + damping I) x = rhs``, ``t`` systems at once.
 
+    Every vector is a row of one float64 tensor ``[t, p]`` (no per-parameter loop per step).
     Starts from ``x_0 = M rhs`` (``M``: the fitted damped inverse), so zero steps return the
     fitted curvature's answer. A system stops (its ``x`` kept) once its relative residual is
     at most ``tolerance``; all stop after ``steps`` steps or once every one has. A system's
     answer does not depend on the others solved with it.
 
+    Args:
+        product: ``[t, p] -> H [t, p]`` (``t`` may be any subset's size).
+        precondition: ``[t, p] -> M [t, p]``.
+        rhs: ``[t, p]``.
+
     Returns:
-        ``(x {name: [t, *shape]} float64, residuals [taken + 1, t])``: the relative residual
+        ``(x [t, p] float64, residuals [taken + 1, t])``: the relative residual
         ``||rhs - (H + l I) x_i|| / ||rhs||`` after each step taken (``0`` for a zero ``rhs``).
 
     Raises:
         NonFiniteGradientError: a product or the solution is NaN or infinite.
     """
-    rhs = {name: value.double() for name, value in rhs.items()}
+    rhs = rhs.double()
     norm = _norm(rhs)
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
 
-    def apply(x: Vectors, active: Tensor) -> Vectors:
+    def apply(x: Tensor, active: Tensor) -> Tensor:  # (H + damping I) x, a new tensor
         if bool(active.all()):
-            return _axpy(damping, x, product(x))
+            return _owned(product(x), x).add_(x, alpha=damping)
         rows = active.nonzero().reshape(-1)  # only the systems still running
-        part = {name: value[rows] for name, value in x.items()}
-        done = _axpy(damping, part, product(part))
-        return {name: torch.zeros_like(value).index_copy(0, rows, done[name])
-                for name, value in x.items()}
+        part = x[rows]
+        return torch.zeros_like(x).index_copy_(0, rows, _owned(product(part), part).add_(
+            part, alpha=damping))
 
-    everyone = torch.ones_like(norm, dtype=torch.bool)
-    x = precondition(rhs)
-    residual = _axpy(-1.0, apply(x, everyone), rhs)
+    # x, the residual and the direction are this loop's own tensors, updated in place (the
+    # same arithmetic as out of place, without a new [t, p] tensor per operation)
+    x = _owned(precondition(rhs), rhs)
+    residual = rhs - apply(x, torch.ones_like(norm, dtype=torch.bool))
     history = [_norm(residual) / safe]
     active = history[-1] > tolerance  # NaN: stopped here, refused below
-    direction: Vectors | None = None
+    direction: Tensor | None = None
     rz = torch.zeros_like(norm)
     for _ in range(steps):
         if not bool(active.any()):
             break
         # M r only for a step that follows (none after the last one)
-        z = precondition(residual)
+        z = _owned(precondition(residual), residual)
         rz_next = _dot(residual, z)
         if direction is None:
             direction = z
         else:
             beta = torch.where(rz > 0, rz_next / torch.where(rz > 0, rz, 1.0), 0.0)
-            direction = _axpy(beta, direction, z)
+            direction = z.addcmul_(beta[:, None], direction)
         rz = rz_next
         applied = apply(direction, active)
         curvature = _dot(direction, applied)
         moving = active & (curvature > 0)
-        alpha = torch.where(moving, rz / torch.where(moving, curvature, 1.0), 0.0)
-        x = _axpy(alpha, direction, x)
-        residual = _axpy(-alpha, applied, residual)
+        alpha = torch.where(moving, rz / torch.where(moving, curvature, 1.0), 0.0)[:, None]
+        x.addcmul_(alpha, direction)
+        residual.addcmul_(alpha, applied, value=-1.0)
         history.append(_norm(residual) / safe)
         active = active & (history[-1] > tolerance)
     residuals = torch.stack(history)
-    if not (bool(residuals.isfinite().all()) and all(bool(v.isfinite().all())
-                                                      for v in x.values())):
+    if not (bool(residuals.isfinite().all()) and bool(finite_rows(x).all())):
         raise NonFiniteGradientError(
             f"{current_caller()}: the refined solve produced NaN or infinite values (a "
             "Fisher-vector product over the refinement data is not finite); check that data "
@@ -250,20 +271,30 @@ def _round_2g(value: float, *, up: bool) -> float:
     return float(f"{digits}e{math.floor(math.log10(step))}")
 
 
-def _dot(a: Vectors, b: Mapping[str, Tensor]) -> Tensor:
-    """Per vector ``<a_t, b_t>``, ``[t]``."""
-    return sum((a[n] * b[n]).reshape(a[n].shape[0], -1).sum(1) for n in a)
+def finite_rows(rows: Tensor) -> Tensor:
+    """Per row of ``[b, n]``, whether every value is finite, ``[b]`` bool: the row's max and
+    min (NaN propagates through both), two passes without the temporaries ``isfinite`` makes
+    (``[64, 23552]``: 1.3 ms against 15 ms on this machine)."""
+    if rows.shape[1] == 0:
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    if rows.shape[0] == 0:
+        return torch.ones(0, dtype=torch.bool, device=rows.device)
+    return rows.amax(1).isfinite() & rows.amin(1).isfinite()
 
 
-def _norm(a: Vectors) -> Tensor:
-    return _dot(a, a).clamp_min(0).sqrt()
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Per row ``<a_t, b_t>``, ``[t]``."""
+    return (a * b).sum(1)
 
 
-def _axpy(alpha: Tensor | float, x: Vectors, y: Mapping[str, Tensor]) -> Vectors:
-    """``alpha x + y`` per vector (``alpha`` a float or ``[t]``)."""
-    def scaled(value: Tensor) -> Tensor:
-        if isinstance(alpha, Tensor):
-            return alpha.reshape(-1, *([1] * (value.dim() - 1))) * value
-        return alpha * value
+def _norm(a: Tensor) -> Tensor:
+    """Per row ``||a_t||``, ``[t]`` (one pass, no temporary)."""
+    return torch.linalg.vector_norm(a, dim=1)
 
-    return {n: scaled(x[n]) + y[n] for n in x}
+
+def _owned(value: Tensor, given: Tensor) -> Tensor:
+    """``value``, or a copy of it where it shares memory with ``given`` (a product or
+    preconditioner may hand back its argument), so updating it in place changes nothing else."""
+    if value.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        return value.clone()
+    return value

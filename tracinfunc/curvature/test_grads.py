@@ -27,7 +27,8 @@ from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, checkpoint_product
-from tracinfunc.curvature.refine import pcg, warn_unconverged
+from tracinfunc.curvature.flat import flat_map, flatten, unflatten
+from tracinfunc.curvature.refine import finite_rows, pcg_flat, warn_unconverged
 from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import EmptyDataError, InvalidArgumentError
@@ -203,25 +204,28 @@ class RefinedSolve:
         self.product = checkpoint_product(refinement.gradients, key, loss, params, list(names),
                                           label)
         self.curvature, self.ckpt = curvature, ckpt
+        # flat rows [b, p] in the product's column order (the selection's), converted once
+        self.layout = tuple((name, tuple(params[name].shape)) for name in names)
+        self.precondition = flat_map(lambda v: curvature.precondition(ckpt, v), self.layout)
         self.history: list[Tensor] = []
 
     def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         dtype = next(iter(grads.values())).dtype
         # A non-finite test gradient is the test example's fault: solve the finite ones and
         # give NaN rows back, which marked_store names as test examples (as unrefined).
-        finite = torch.stack([value.reshape(value.shape[0], -1).isfinite().all(1)
-                              for value in grads.values()]).all(0)  # [b]
-        clean = {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)), value, 0)
-                 for name, value in grads.items()}
+        rows = flatten(grads, self.layout)  # [b, p], the selection's order
+        finite = finite_rows(rows)  # [b]
+        everyone = bool(finite.all())
+        if not everyone:
+            rows = torch.where(finite[:, None], rows, 0)
         refinement = self.curvature.refinement
-        solution, residuals = pcg(self.product,
-                                  lambda v: self.curvature.precondition(self.ckpt, v),
-                                  self.curvature.damping[self.ckpt], clean,
-                                  refinement.steps, refinement.tolerance)
+        solution, residuals = pcg_flat(self.product.flat, self.precondition,
+                                       self.curvature.damping[self.ckpt], rows.double(),
+                                       refinement.steps, refinement.tolerance)
         self.history.append(residuals)
-        return {name: torch.where(finite.reshape(-1, *[1] * (value.dim() - 1)),
-                                  value.to(dtype), torch.nan)
-                for name, value in solution.items()}
+        if not everyone:
+            solution = torch.where(finite[:, None], solution, torch.nan)
+        return {name: value.to(dtype) for name, value in unflatten(solution, self.layout).items()}
 
     def finish(self, name: str) -> list[float]:
         """Per step taken, the worst residual over every query solved (a batch that stopped

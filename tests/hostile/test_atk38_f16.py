@@ -472,3 +472,65 @@ def test_held_streamed_projector_refuses_wrong_shape_missing_and_extra_names():
                   {"w": torch.zeros(30, 41), "b": torch.zeros(30), "x": torch.zeros(1)}):
         with pytest.raises(InvalidProjectionError, match="layout"):
             pj(grads)
+
+
+# ================================================= FINDING: resume across mixed_precision
+def _interrupted(batches):
+    yield batches[0]
+    yield batches[1]
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("started", "resumed"), [(F16, None), (None, F16)])
+def test_fails_zarr_resume_with_another_mixed_precision_is_refused(tmp_path, started, resumed):
+    """docs/concepts/stores.md ("resuming over other data"): another ``mixed_precision`` is
+    refused before anything is written. With float16 loss scaling, float16 rows agree with
+    float32 to ~5e-4 of their norm, under the 1e-3 the resume check allows, so a Zarr build
+    started in float16 resumes in float32 (and back) and the finished store mixes the two
+    (bfloat16 vs float16, 3.5e-3 apart, is still refused)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).eval()
+    loss = tif.loss_from_module(net, F.cross_entropy)
+    ck = [tif.Checkpoint.from_module(net, name="c0")]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
+    proj, path = tif.Projection(dim=8), str(tmp_path / "g.zarr")
+    with pytest.raises(KeyboardInterrupt):
+        tif.build_store(loss, ck, _interrupted(batches), projection=proj, store=path,
+                        progress=False, options=tif.GradientOptions(mixed_precision=started))
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="mixed_precision"):
+        tif.build_store(loss, ck, batches, projection=proj, store=path, progress=False,
+                        options=tif.GradientOptions(mixed_precision=resumed))
+
+
+def test_held_sharded_part_resumed_with_another_mixed_precision_is_refused(tmp_path):
+    """Held: a part records mixed_precision in its marker and refuses another on resume."""
+    from torch.utils.data import DataLoader, Dataset
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).eval()
+    loss = tif.loss_from_module(net, F.cross_entropy)
+    ck = [tif.Checkpoint.from_module(net, name="c0")]
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+
+    class Rows(Dataset):
+        def __init__(self, stop=None):
+            self.stop = stop
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            if self.stop is not None and i >= self.stop:
+                raise KeyboardInterrupt
+            return x[i], y[i]
+
+    proj, path = tif.Projection(dim=8), str(tmp_path / "g.zarr")
+    with pytest.raises(KeyboardInterrupt):
+        tif.build_store(loss, ck, DataLoader(Rows(4), batch_size=4), projection=proj,
+                        store=path, shard=(0, 2), progress=False,
+                        options=tif.GradientOptions(mixed_precision=F16))
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match="mixed_precision"):
+        tif.build_store(loss, ck, DataLoader(Rows(), batch_size=4), projection=proj,
+                        store=path, shard=(0, 2), progress=False)

@@ -534,3 +534,24 @@ def test_held_sharded_part_resumed_with_another_mixed_precision_is_refused(tmp_p
     with pytest.raises(tif.errors.IncompatibleGradientsError, match="mixed_precision"):
         tif.build_store(loss, ck, DataLoader(Rows(), batch_size=4), projection=proj,
                         store=path, shard=(0, 2), progress=False)
+
+
+def test_fails_rerun_of_a_finished_float32_store_in_float16_is_refused(tmp_path):
+    """Same root as the resume finding: re-running a finished float32 Zarr build with
+    mixed_precision=torch.float16 returns the float32 store as if it matched (bfloat16 is
+    refused: 'relative difference 0.00353'); another seed is refused by the metadata."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).eval()
+    loss = tif.loss_from_module(net, F.cross_entropy)
+    ck = [tif.Checkpoint.from_module(net, name="c0")]
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
+    proj, path = tif.Projection(dim=8), str(tmp_path / "g.zarr")
+    tif.build_store(loss, ck, batches, projection=proj, store=path, progress=False)
+    with pytest.raises(tif.errors.IncompatibleGradientsError):
+        tif.build_store(loss, ck, batches, projection=proj, store=path, progress=False,
+                        options=tif.GradientOptions(mixed_precision=BF16))
+    with pytest.raises((tif.errors.IncompatibleGradientsError, tif.errors.StoreExistsError),
+                       match="mixed_precision"):
+        tif.build_store(loss, ck, batches, projection=proj, store=path, progress=False,
+                        options=tif.GradientOptions(mixed_precision=F16))

@@ -555,3 +555,51 @@ def test_fails_rerun_of_a_finished_float32_store_in_float16_is_refused(tmp_path)
                        match="mixed_precision"):
         tif.build_store(loss, ck, batches, projection=proj, store=path, progress=False,
                         options=tif.GradientOptions(mixed_precision=F16))
+
+
+@pytest.mark.parametrize("kind", ["adam", "trackstar"])
+def test_held_f16_preconditioned_rows_use_the_unscaled_gradient(kind):
+    """Held: "adam" is not linear in g, so preconditioning the 2**e-scaled gradient would be
+    wrong; float16 rows of confident examples (losses ~1e-4) stay within 1% of float32, and
+    are float32."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    xs, ys = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(net(xs), ys).backward()
+        opt.step()
+    net.eval()
+    base = _params(net)
+    params = {**base, "2.weight": base["2.weight"] * 15, "2.bias": base["2.bias"] * 15}
+    loss = tif.loss_from_module(net, F.cross_entropy)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        y = functional_call(net, params, (x,)).argmax(1)
+    pre = tif.Preconditioner.from_optimizer(opt, net, kind=kind)
+    proj = tif.Projection(dim=32, seed=0)
+    r32 = tif.projected_grads(loss, proj, precondition=pre)(params, (x, y))
+    r16 = tif.projected_grads(loss, proj, precondition=pre,
+                              options=tif.GradientOptions(mixed_precision=F16))(params, (x, y))
+    assert r16.dtype == torch.float32
+    assert _row_rel(r16, r32).max() < 0.01
+
+
+def test_fails_projected_rows_do_not_depend_on_batch_or_chunk_size_bit_for_bit():
+    """docs/concepts/projection.md, under "Reproducible bit for bit": "the result does not
+    depend on batch size, chunk_size or dict insertion order". Dict order holds bit for bit,
+    but one example's row differs in the last bits between a vmap over 6 examples, the same
+    vmap with chunk_size=2 (cached float64 blocks) and a single call (cached and streamed,
+    float32 and float64); memory.md itself says "the calls decide the rows' float rounding".
+    Expected: bit-identical rows, or docs that say "up to float rounding" there."""
+    shapes = {"big.weight": (400, 401), "big.bias": (400,), "z": (7,)}
+    layout = tif.projection.canonical_layout(shapes)
+    proj = tif.Projection(dim=16, seed=3)
+    g = torch.Generator().manual_seed(0)
+    grads = {k: torch.randn(6, *s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+    pj = tif.projection.make_projector(proj, layout, dtype=torch.float64)
+    rows = torch.func.vmap(pj)(grads)
+    assert torch.equal(rows, torch.func.vmap(pj)(dict(reversed(list(grads.items())))))
+    assert torch.equal(rows, torch.func.vmap(pj, chunk_size=2)(grads))
+    assert torch.equal(rows[0], pj({k: v[0] for k, v in grads.items()}))

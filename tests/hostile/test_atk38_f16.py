@@ -4,8 +4,9 @@ cache_bytes=0)``), attacked from docs/gpu.md, docs/concepts/memory.md and
 docs/concepts/projection.md only.
 
 Tests named ``test_fails_*`` assert the behaviour a demanding user expects and FAIL on the
-code at the start of the pass (findings). Tests named ``test_held_*`` are cheap regression
-guards for attacks that held. The reference is a float32 (or float64) Python loop with
+code at the start of the pass (findings; 9 of them, some appended after the held guards:
+resume/re-run across mixed_precision, bit-for-bit rows, float16 with stages=). Tests named
+``test_held_*`` are cheap regression guards for attacks that held. The reference is a float32 (or float64) Python loop with
 ``torch.autograd.grad`` and, for projections, the explicit matrix assembled from
 ``tif.projection.rademacher_block`` in sorted-name order.
 """

@@ -121,7 +121,38 @@ def test_loss_scaling_is_exact_where_float16_does_not_underflow():
     # Scaling by a power of two and dividing after changes nothing for ordinary losses.
     from tracinfunc.grads import precision
 
-    assert precision._loss_scale(torch.tensor(3.0)) == 1
-    assert precision._loss_scale(torch.tensor(0.3)) == 2
-    assert precision._loss_scale(torch.tensor(1e-9)) == 2**14
-    assert precision._loss_scale(torch.tensor(0.0)) == 2**14
+    assert precision.loss_scale(torch.tensor(3.0), "up") == 1
+    assert precision.loss_scale(torch.tensor(0.3), "up") == 2
+    assert precision.loss_scale(torch.tensor(1e-9), "up") == 2**14
+    assert precision.loss_scale(torch.tensor(0.0), "up") == 2**14
+    # The third attempt (large losses): scaled down to ~1, never up, at most 2**-24.
+    assert precision.loss_scale(torch.tensor(3.0), "down") == 0.25  # floor(-1.58) = -2
+    assert precision.loss_scale(torch.tensor(-3e6), "down") == 2.0**-22
+    assert precision.loss_scale(torch.tensor(1e30), "down") == 2.0**-24
+    assert precision.loss_scale(torch.tensor(0.3), "down") == 1
+    assert precision.loss_scale(torch.tensor(0.0), "down") == 1
+    assert precision.loss_scale(torch.tensor(float("nan")), "down") == 1
+
+
+def test_float16_gradients_above_65504_are_scaled_down_and_neighbours_unchanged():
+    """A large loss (mse ~1e6) has gradients ~4e5, above float16's range: the third attempt
+    scales its loss down to ~1 and the row comes back within float16 error of float32; rows
+    of the other examples are those they get alone, bit for bit."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).eval()
+    loss = tif.loss_from_module(net, F.mse_loss)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(6, 4, generator=g), torch.rand(6, 1, generator=g)
+    x[[1, 4]] *= 100
+    y[[1, 4]] *= 3000  # gradients ~1e5 on these two only
+    reference = tif.per_sample_grads(loss)(params, (x, y))
+    fn = tif.per_sample_grads(loss, options=tif.GradientOptions(mixed_precision=torch.float16))
+    got = fn(params, (x, y))
+    assert max(float(reference[n].abs().max()) for n in reference) > 65504
+    for name, value in got.items():
+        error = (value - reference[name]).flatten(1).norm(dim=1)
+        assert float((error / reference[name].flatten(1).norm(dim=1)).max()) < 0.02, name
+        for i in (0, 2, 3, 5):
+            alone = fn(params, (x[i:i + 1], y[i:i + 1]))[name][0]
+            assert torch.equal(value[i], alone), (name, i)

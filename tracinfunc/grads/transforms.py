@@ -39,7 +39,7 @@ from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.precision import (
     loss_scaled_grad,
-    retry_overflowed_rows,
+    loss_scaled_rows,
     with_mixed_precision,
 )
 from tracinfunc.grads.staged import staged_grads
@@ -243,25 +243,24 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options)
 
-    def run(examples: Batch, *, scaled: bool) -> Any:
+    def run(examples: Batch, scaling: str) -> Any:
         grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
-                                   scaled=scaled)
+                                   scaling=scaling)
         batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
         with vmappable_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
-    return retry_overflowed_rows(run(batch, scaled=True),
-                                 lambda examples: run(examples, scaled=False), batch,
-                                 mixed_precision=options.mixed_precision, has_aux=has_aux)
+    return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
+                            has_aux=has_aux)
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options)
 
-    def run(examples: Batch, *, scaled: bool) -> Any:
+    def run(examples: Batch, scaling: str) -> Any:
         grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
-                                   scaled=scaled)
+                                   scaling=scaling)
 
         def one_example(selected: Params, frozen: Params, example: Example) -> Any:
             if has_aux:
@@ -273,9 +272,8 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
         with vmappable_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
-    return retry_overflowed_rows(run(batch, scaled=True),
-                                 lambda examples: run(examples, scaled=False), batch,
-                                 mixed_precision=options.mixed_precision, has_aux=has_aux)
+    return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
+                            has_aux=has_aux)
 
 
 def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,

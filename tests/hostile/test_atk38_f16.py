@@ -13,12 +13,14 @@ resume/re-run across mixed_precision, bit-for-bit rows, float16 with stages=). T
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+import zarr
 from torch import nn
 from torch.func import functional_call
 
@@ -498,11 +500,15 @@ def test_fails_zarr_resume_with_another_mixed_precision_is_refused(tmp_path, sta
     x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
     batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
     proj, path = tif.Projection(dim=8), str(tmp_path / "g.zarr")
+    # Shards of 4 rows, so the interrupted build commits rows: with the default (~256 MiB)
+    # shards nothing is committed and the next build replaces the empty store (nothing to mix).
+    store = functools.partial(tif.store.ZarrWriter, path, chunk_rows=4, shard_rows=4)
     with pytest.raises(KeyboardInterrupt):
-        tif.build_store(loss, ck, _interrupted(batches), projection=proj, store=path,
+        tif.build_store(loss, ck, _interrupted(batches), projection=proj, store=store,
                         progress=False, options=tif.GradientOptions(mixed_precision=started))
+    assert zarr.open_group(path, mode="r").attrs["tracinfunc"]["n_train"] > 0
     with pytest.raises(tif.errors.IncompatibleGradientsError, match="mixed_precision"):
-        tif.build_store(loss, ck, batches, projection=proj, store=path, progress=False,
+        tif.build_store(loss, ck, batches, projection=proj, store=store, progress=False,
                         options=tif.GradientOptions(mixed_precision=resumed))
 
 

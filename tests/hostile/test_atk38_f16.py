@@ -595,22 +595,31 @@ def test_held_f16_preconditioned_rows_use_the_unscaled_gradient(kind):
 
 
 def test_fails_projected_rows_do_not_depend_on_batch_or_chunk_size_bit_for_bit():
-    """docs/concepts/projection.md, under "Reproducible bit for bit": "the result does not
-    depend on batch size, chunk_size or dict insertion order". Dict order holds bit for bit,
-    but one example's row differs in the last bits between a vmap over 6 examples, the same
-    vmap with chunk_size=2 (cached float64 blocks) and a single call (cached and streamed,
-    float32 and float64); memory.md itself says "the calls decide the rows' float rounding".
-    Expected: bit-identical rows, or docs that say "up to float rounding" there."""
+    """docs/concepts/projection.md, under "Reproducible bit for bit", said "the result does
+    not depend on batch size, chunk_size or dict insertion order". Dict order holds bit for
+    bit, but one example's row differs in the last bits between a vmap over 6 examples, the
+    same vmap with chunk_size=2 (cached float64 blocks) and a single call (cached and
+    streamed, float32 and float64); memory.md itself says "the calls decide the rows' float
+    rounding". Fixed in the docs (the lead's brief allowed this test to change): dict order
+    bit for bit, batch size and chunk_size up to float rounding, which is what is asserted
+    now (1e-12 relative in float64, 1e-5 in float32)."""
     shapes = {"big.weight": (400, 401), "big.bias": (400,), "z": (7,)}
     layout = tif.projection.canonical_layout(shapes)
     proj = tif.Projection(dim=16, seed=3)
     g = torch.Generator().manual_seed(0)
-    grads = {k: torch.randn(6, *s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
-    pj = tif.projection.make_projector(proj, layout, dtype=torch.float64)
-    rows = torch.func.vmap(pj)(grads)
-    assert torch.equal(rows, torch.func.vmap(pj)(dict(reversed(list(grads.items())))))
-    assert torch.equal(rows, torch.func.vmap(pj, chunk_size=2)(grads))
-    assert torch.equal(rows[0], pj({k: v[0] for k, v in grads.items()}))
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        grads = {k: torch.randn(6, *s, generator=g, dtype=torch.float64).to(dtype)
+                 for k, s in shapes.items()}
+        for cache_bytes in (2**30, 0):
+            pj = tif.projection.make_projector(proj, layout, dtype=dtype,
+                                               cache_bytes=cache_bytes)
+            rows = torch.func.vmap(pj)(grads)
+            assert torch.equal(rows, torch.func.vmap(pj)(dict(reversed(list(grads.items())))))
+            chunked = torch.func.vmap(pj, chunk_size=2)(grads)
+            alone = torch.stack([pj({k: v[i] for k, v in grads.items()}) for i in range(2)])
+            for other in (chunked, alone):
+                n = other.shape[0]
+                assert other.dtype == dtype and _row_rel(other, rows[:n]).max() < tol
 
 
 def test_fails_f16_with_stages_silently_zeroes_confident_rows():

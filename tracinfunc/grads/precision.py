@@ -31,18 +31,19 @@ __all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision", "los
 
 # float16 flushes backward signals below 2**-24 to zero: an example with a loss near 0 gets
 # an all-zero gradient (measured: max relative error 1 on confident, correctly classified
-# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 24),
+# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 14),
 # so its logit gradients stay near those of a loss-1 example; a static scale cannot serve
 # both ends (measured: 2**10 still flushes some, 2**12 overflows wrong confident examples).
 # Not above 14: CUDA's log-softmax backward holds the loss's cotangent (the scale) in float16,
-# so 2**24 became inf there and every signal NaN (first GPU run, 2026-11-26; the CPU kernel
+# so a cap of 2**24 (the first one) became inf there and every signal NaN (first GPU run, 2026-11-26; the CPU kernel
 # keeps it in float32 and hid this). The price: a loss that reads exactly 0 in float32 (a
 # cross-entropy margin above ~17) keeps gradients under 1e-8 that float16 flushes to zero;
 # bfloat16 keeps float32's range for those.
 _MAX_LOSS_SCALE_EXPONENT = 14
 # The third attempt scales a large loss down to ~1 (its gradient above 65504 otherwise
 # overflows the float16 backward); 2**-24 covers losses up to ~1.7e7 (float16 itself
-# stops at 65504, so a loss that large comes from a float32 criterion).
+# stops at 65504, so a loss that large comes from a float32 criterion). 2**-24 is float16's
+# smallest subnormal: a cotangent held in float16 (CUDA, above) still holds it exactly.
 _MIN_DOWN_SCALE_EXPONENT = 24
 
 # Normalisation layers whose per-example backward fails when autocast hands them 16-bit

@@ -162,6 +162,22 @@ def test_non_finite_gradients_name_checkpoint_and_rows(mlp_setup32):
         tif.build_store(loss, ckpts, [(x[:3], y[:3]), (x[3:], y[3:])], projection=PROJ)
 
 
+@pytest.mark.parametrize("mp", [torch.float16, torch.bfloat16])
+def test_non_finite_rows_under_mixed_precision_name_it(mp, mlp_setup32):
+    """float16 overflows where float32 does not (here: an input of 1e6, inf in a float16
+    forward): the error names mixed_precision and the wider options."""
+    loss, ckpts, (x, y), _ = mlp_setup32
+    x = x.clone()
+    x[4] = 1e6 if mp == torch.float16 else float("inf")
+    with pytest.raises(tif.errors.NonFiniteGradientError) as caught:
+        tif.build_store(loss, ckpts, [(x[:3], y[:3]), (x[3:], y[3:])], projection=PROJ,
+                        options=tif.GradientOptions(mixed_precision=mp))
+    message = str(caught.value)
+    assert "examples [4]" in message and f"mixed_precision={mp}" in message
+    assert ("pass mixed_precision=torch.bfloat16" in message) == (mp == torch.float16)
+    assert "None (float32)" in message or "mixed_precision=None (float32)" in message
+
+
 def test_batchnorm_train_mode_loss_is_reported():
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(),
                                 torch.nn.Linear(4, 3)).train()

@@ -274,7 +274,7 @@ def test_resume_of_store_without_record_does_not_record_a_guess(tmp_path):
         except IncompatibleGradientsError:
             return
     said = any("batch_size" in str(w.message) for w in caught)
-    assert said or _record(path) != {"batch_size": 12}, _record(path)
+    assert said or _record(path) != {"batch_size": 12, "mixed_precision": None}, _record(path)
 
 
 def test_finished_store_with_other_batch_size_is_refused(tmp_path):
@@ -291,10 +291,10 @@ def test_held_resume_same_batch_size_bit_identical_and_refusal_loses_nothing(tmp
     ref, path = tmp_path / "ref.zarr", tmp_path / "g.zarr"
     _build(ref, 8)
     _interrupted(path, 8)
-    assert _record(path) == {"batch_size": 8}
+    assert _record(path) == {"batch_size": 8, "mixed_precision": None}
     with pytest.raises(IncompatibleGradientsError, match=r"batch_size=8 when started, 12 now"):
         _build(path, 12)
-    assert _record(path) == {"batch_size": 8}
+    assert _record(path) == {"batch_size": 8, "mixed_precision": None}
     _build(path, 8)
     assert torch.equal(_rows(path), _rows(ref))
     before = (path / "zarr.json").read_text()

@@ -551,3 +551,17 @@ def test_a_streamed_dense_block_is_one_matmul_per_row_range_under_vmap(monkeypat
     assert "aten::bmm" not in ops and "aten::mm" in ops
     expected = torch.stack([projector({"w": g}) for g in grads])
     torch.testing.assert_close(rows, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "sjlt", "kronecker", "identity"])
+@pytest.mark.parametrize("cache_bytes", [2**30, 0])
+def test_vmapped_projector_over_zero_examples_gives_zero_rows(kind, cache_bytes):
+    """vmap over an empty batch: [0, k] rows (a reshape(-1) there is ambiguous and raised)."""
+    shapes = {"w": (30, 41), "b": (30,)}
+    layout = canonical_layout(shapes)
+    spec = Projection(kind="identity") if kind == "identity" else Projection(
+        dim=8, seed=3, kind=kind)
+    project = make_projector(spec, layout, dtype=torch.float64, cache_bytes=cache_bytes)
+    empty = {name: torch.zeros(0, *shape, dtype=torch.float64) for name, shape in shapes.items()}
+    rows = vmap(project)(empty)
+    assert rows.shape == (0, project.k) and rows.dtype == torch.float64

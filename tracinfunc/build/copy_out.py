@@ -219,12 +219,14 @@ def check_finite_flags(finite: Tensor, meta: StoreMeta, *, first_row: int) -> No
         return
     ckpt, row = (~finite).nonzero()[0].tolist()
     bad_rows = (~finite[ckpt]).nonzero().flatten().add(first_row).tolist()
-    raise NonFiniteGradientError(
+    error = NonFiniteGradientError(
         f"{current_caller()}: checkpoint {meta.checkpoints[ckpt].name!r} gives NaN/inf gradients "
         f"for examples {bad_rows[:10]}{'...' if len(bad_rows) > 10 else ''} (row {first_row + row} "
         "first); check the loss on those examples (log of zero, overflow) or the checkpoint "
         "weights."
     )
+    error.bad_rows = bad_rows  # build_store adds what mixed_precision has to do with it
+    raise error
 
 
 def check_norms(norms: Tensor, meta: StoreMeta, *, first_row: int) -> None:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["InputFingerprint", "build_record", "fingerprinted", "first_batch_recorded"]
+__all__ = ["InputFingerprint", "build_record", "fingerprinted", "first_batch_recorded",
+           "precision_name"]
 
 
 class InputFingerprint:
@@ -95,15 +96,20 @@ def build_record(meta: Any, *, mixed_precision: torch.dtype | None) -> dict[str,
     body = {key: value for key, value in meta.to_dict().items()
             if key not in ("n_train", "complete", "library_version", "integrity")}
     text = json.dumps(body, sort_keys=True, allow_nan=True)
-    return {"mixed_precision": None if mixed_precision is None
-            else str(mixed_precision).removeprefix("torch."),
+    return {"mixed_precision": precision_name(mixed_precision),
             "metadata": hashlib.sha256(text.encode()).hexdigest()[:32]}
 
 
-def first_batch_recorded(pairs: Iterable[tuple[int, Any]],
-                         writer: Any) -> Iterator[tuple[int, Any]]:
-    """``pairs`` (``(b, batch)``), recording ``{"batch_size": None, "first_batch": b}`` with
-    ``writer.record_build`` before the first is handed on (before any row is written).
+def precision_name(mixed_precision: torch.dtype | None) -> str | None:
+    """How a build record holds ``mixed_precision``: ``"float16"``, ``"bfloat16"``, ``None``."""
+    return None if mixed_precision is None else str(mixed_precision).removeprefix("torch.")
+
+
+def first_batch_recorded(pairs: Iterable[tuple[int, Any]], writer: Any, *,
+                         record: dict[str, Any]) -> Iterator[tuple[int, Any]]:
+    """``pairs`` (``(b, batch)``), recording ``{"batch_size": None, "first_batch": b,
+    **record}`` with ``writer.record_build`` before the first is handed on (before any row
+    is written).
 
     With ``batch_size=None`` the data's batches are the gradient calls: a resume re-reads the
     data from its start, so a loader with another batch size is refused at its first batch.
@@ -112,6 +118,6 @@ def first_batch_recorded(pairs: Iterable[tuple[int, Any]],
     first = True
     for size, batch in pairs:
         if first:
-            writer.record_build({"batch_size": None, "first_batch": int(size)})
+            writer.record_build({"batch_size": None, "first_batch": int(size), **record})
             first = False
         yield size, batch

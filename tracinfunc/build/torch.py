@@ -23,7 +23,12 @@ from tracinfunc.batches import (
     sized,
 )
 from tracinfunc.build.calls import CallSite, numbered
-from tracinfunc.build.inputs import build_record, fingerprinted, first_batch_recorded
+from tracinfunc.build.inputs import (
+    build_record,
+    fingerprinted,
+    first_batch_recorded,
+    precision_name,
+)
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.build.merge import merge_limit, merged_calls
 from tracinfunc.checkpoint import Checkpoint, loss_at
@@ -36,6 +41,7 @@ from tracinfunc.distributed import (
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     LossFunctionError,
+    NonFiniteGradientError,
     TracInFuncError,
 )
 from tracinfunc.grads.options import GradientOptions, gradient_options
@@ -198,8 +204,10 @@ def build_store(
     merged = batch_size is None and limit > 1
     if merged:  # a small model's fixed cost per call, paid less often
         batches = merged_calls(batches, limit)
-    if isinstance(writer, ZarrWriter) and batch_size is not None:  # a resume makes the same calls
-        writer.record_build({"batch_size": batch_size})
+    # A resume (or a re-run over a finished store) makes the same calls in the same precision.
+    precision = {"mixed_precision": precision_name(options.mixed_precision)}
+    if isinstance(writer, ZarrWriter) and batch_size is not None:
+        writer.record_build({"batch_size": batch_size, **precision})
 
     def on_device(batch: Batch) -> Batch:
         return tree_map(lambda leaf: leaf.to(device), batch)
@@ -218,18 +226,36 @@ def build_store(
 
     pairs = pairs_of()
     if isinstance(writer, ZarrWriter) and batch_size is None:  # the data's batches are the calls
-        pairs = first_batch_recorded(pairs, writer)
+        pairs = first_batch_recorded(pairs, writer, record=precision)
     if isinstance(writer, PartWriter):  # what commit compares the parts by
         writer.record_build({**build_record(meta, mixed_precision=options.mixed_precision),
                              "batch_size": batch_size})
         pairs = fingerprinted(pairs, writer)
-    result = fill_store(
-        writer, pairs, site, meta=meta,
-        check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
-                                              on_device(batch)),
-        progress=progress, total=known_size(data), stop=stop, overlap=True,
-        fresh_rows=store is None)  # a writer build_store made itself: no one else holds rows
+    try:
+        result = fill_store(
+            writer, pairs, site, meta=meta,
+            check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
+                                                  on_device(batch)),
+            progress=progress, total=known_size(data), stop=stop, overlap=True,
+            fresh_rows=store is None)  # a writer build_store made itself: no one else holds rows
+    except NonFiniteGradientError as error:
+        if options.mixed_precision is None or not hasattr(error, "bad_rows"):
+            raise
+        raise NonFiniteGradientError(_precision_hint(error, options.mixed_precision)) from error
     return commit_after_barrier(result.path) if distributed else result
+
+
+def _precision_hint(error: NonFiniteGradientError, mixed_precision: torch.dtype) -> str:
+    """``error``'s message and what ``mixed_precision`` may have to do with the NaN/inf rows."""
+    if mixed_precision == torch.float16:
+        why = ("float16 overflows above 65504: a forward value or a gradient that large (after "
+               "the loss-scaled retries) is inf. If float32 is finite on those examples, pass "
+               "mixed_precision=torch.bfloat16 (float32's range) or None (float32)")
+    else:
+        why = (f"{str(mixed_precision).removeprefix('torch.')} keeps float32's range but "
+               "rounds to 8 bits; pass mixed_precision=None (float32) to see whether those "
+               "examples are NaN/inf in full precision too")
+    return (f"{error} This build runs with mixed_precision={mixed_precision}: {why}.")
 
 
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:

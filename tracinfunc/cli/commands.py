@@ -336,6 +336,9 @@ def _with_flag(error: IncompatibleGradientsError) -> IncompatibleGradientsError:
     record = getattr(error, "build_record", None)
     if not isinstance(record, dict) or "batch_size" not in record:
         return error
+    changed = getattr(error, "changed_keys", None)
+    if changed is not None and not {"batch_size", "first_batch"} & set(changed):
+        return error  # e.g. mixed_precision: the batch size is not what differs
     size = record["batch_size"]
     flag = "without --batch-size" if size is None else f"with --batch-size {size}"
     return IncompatibleGradientsError(f"{error} On the command line: run the same command "

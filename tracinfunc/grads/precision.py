@@ -20,26 +20,31 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidTypeError, UnsupportedPrecisionError
 
-__all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision",
-           "loss_scaled_grad", "mixed_precision_context", "retry_overflowed_rows",
-           "with_mixed_precision"]
+__all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision", "loss_scale",
+           "loss_scaled_grad", "loss_scaled_rows", "mixed_precision_context",
+           "retry_overflowed_rows", "with_mixed_precision"]
 
 # float16 flushes backward signals below 2**-24 to zero: an example with a loss near 0 gets
 # an all-zero gradient (measured: max relative error 1 on confident, correctly classified
-# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 24),
+# examples). Each example's loss is scaled by 2**e, e = clamp(floor(-log2 |loss|), 0, 14),
 # so its logit gradients stay near those of a loss-1 example; a static scale cannot serve
 # both ends (measured: 2**10 still flushes some, 2**12 overflows wrong confident examples).
 # Not above 14: CUDA's log-softmax backward holds the loss's cotangent (the scale) in float16,
-# so 2**24 became inf there and every signal NaN (first GPU run, 2026-11-26; the CPU kernel
+# so a cap of 2**24 (the first one) became inf there and every signal NaN (first GPU run, 2026-11-26; the CPU kernel
 # keeps it in float32 and hid this). The price: a loss that reads exactly 0 in float32 (a
 # cross-entropy margin above ~17) keeps gradients under 1e-8 that float16 flushes to zero;
 # bfloat16 keeps float32's range for those.
 _MAX_LOSS_SCALE_EXPONENT = 14
+# The third attempt scales a large loss down to ~1 (its gradient above 65504 otherwise
+# overflows the float16 backward); 2**-24 covers losses up to ~1.7e7 (float16 itself
+# stops at 65504, so a loss that large comes from a float32 criterion). 2**-24 is float16's
+# smallest subnormal: a cotangent held in float16 (CUDA, above) still holds it exactly.
+_MIN_DOWN_SCALE_EXPONENT = 24
 
 # Normalisation layers whose per-example backward fails when autocast hands them 16-bit
 # inputs with float32 weights ("expected scalar type Half but found Float"; LayerNorm and
@@ -150,23 +155,22 @@ def _float32(value: Any) -> Any:
 
 
 def loss_scaled_grad(fn: Callable[..., Any], *, has_aux: bool,
-                     mixed_precision: torch.dtype | None, scaled: bool = True
+                     mixed_precision: torch.dtype | None, scaling: str = "up"
                      ) -> Callable[..., Any]:
     """``torch.func.grad(fn, has_aux=has_aux)``, with per-example loss scaling in float16.
 
     The loss is multiplied by a power of two before the backward and the gradients divided
-    by it after, both exact in float32, so only the float16 backward sees larger signals.
-    The scale assumes the gradient shrinks with the loss (cross-entropy near 0); a loss whose
-    gradient stays large can overflow: :func:`retry_overflowed_rows` recomputes those
-    examples with ``scaled=False`` (the plain float16 backward).
+    by it after, both exact in float32, so only the float16 backward sees other magnitudes.
+    ``scaling`` picks the power (:func:`loss_scale`): ``"up"`` (the first attempt),
+    ``"none"`` or ``"down"`` (the retries of :func:`loss_scaled_rows`).
     """
-    if mixed_precision != torch.float16 or not scaled:
+    if mixed_precision != torch.float16 or scaling == "none":
         return grad(fn, has_aux=has_aux)
 
     def scaled_loss(*args: Any) -> Any:
         out = fn(*args)
         loss, aux = out if has_aux else (out, ())
-        scale = _loss_scale(loss.detach())
+        scale = loss_scale(loss.detach(), scaling)
         return loss.float() * scale, (scale, aux)
 
     scaled_grad = grad(scaled_loss, has_aux=True)
@@ -179,19 +183,48 @@ def loss_scaled_grad(fn: Callable[..., Any], *, has_aux: bool,
     return unscaled
 
 
+def loss_scaled_rows(run: Callable[[Any, str], Any], batch: Any, *,
+                     mixed_precision: torch.dtype | None, has_aux: bool) -> Any:
+    """``run(batch, scaling)`` with float16 loss scaling and up to two retries per example.
+
+    1. ``"up"``: every loss scaled by ``2**e``, ``e = clamp(floor(-log2 |loss|), 0, 14)``;
+    2. examples whose rows are not finite (a loss near 0 with an O(1) gradient overflows
+       the scaled backward, e.g. a signed residual): again with ``"none"``, the plain
+       float16 backward;
+    3. examples still not finite (a gradient above float16's 65504, from a large loss):
+       again with ``"down"``, ``e = clamp(floor(-log2 |loss|), -24, 0)``, so the float16
+       backward sees ``loss * 2**e ~ 1`` and the gradient is scaled back in float32.
+
+    Rows finite at one step are never recomputed, so they do not depend on their
+    neighbours. Rows still not finite after step 3 (a NaN input, a loss that overflows in
+    the forward) are left so: the caller's own checks name them. Other dtypes, and an empty
+    batch, run once without scaling.
+
+    Args:
+        run: ``run(examples, scaling) -> rows`` (see :func:`retry_overflowed_rows`).
+        batch: The examples, every tensor leaf ``[b, ...]``.
+    """
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if mixed_precision != torch.float16 or (leaves and leaves[0].ndim and not leaves[0].shape[0]):
+        return run(batch, "none")  # vmap cannot return the scale's aux over 0 examples
+    result = run(batch, "up")
+    for scaling in ("none", "down"):
+        result = retry_overflowed_rows(result, functools.partial(run, scaling=scaling), batch,
+                                       mixed_precision=mixed_precision, has_aux=has_aux)
+    return result
+
+
 def retry_overflowed_rows(result: Any, recompute: Callable[[Any], Any], batch: Any, *,
                           mixed_precision: torch.dtype | None, has_aux: bool) -> Any:
     """``result`` with its non-finite examples recomputed by ``recompute(sub_batch)``.
 
-    For float16 loss scaling only: an example whose scaled backward overflowed (a loss near
-    0 with an O(1) gradient, e.g. a signed residual) is computed again without the scale.
-    One check per batch; the retry runs only when some row is not finite. Rows still not
-    finite after it are left so: the caller's own checks name them.
+    One step of :func:`loss_scaled_rows` (float16 only): one check per batch; the
+    recomputation runs only when some row is not finite.
 
     Args:
         result: ``[b, k]`` rows, or ``{name: [b, *shape]}``; with ``has_aux``, ``(that, aux)``
             (aux is kept from the first pass: the forward does not depend on the scale).
-        recompute: The same batched computation without the scale, on a sub-batch.
+        recompute: The same batched computation with another scaling, on a sub-batch.
         batch: The examples, every tensor leaf ``[b, ...]``.
     """
     if mixed_precision != torch.float16:
@@ -215,7 +248,17 @@ def retry_overflowed_rows(result: Any, recompute: Callable[[Any], Any], batch: A
     return (rows, aux) if has_aux else rows
 
 
-def _loss_scale(loss: torch.Tensor) -> torch.Tensor:
+def loss_scale(loss: torch.Tensor, scaling: str) -> torch.Tensor:
+    """The power of two each loss is multiplied by, float32, ``loss``'s shape.
+
+    ``"up"``: ``2**clamp(floor(-log2 |loss|), 0, 14)`` (small losses, whose float16
+    backward signals would flush to zero); ``"down"``: ``2**clamp(floor(-log2 |loss|),
+    -24, 0)`` (large losses, whose gradients may exceed float16's range; 1 for a NaN loss).
+    """
+    magnitude = loss.float().abs()
+    if scaling == "down":
+        exponent = torch.floor(-torch.log2(magnitude)).nan_to_num(nan=0.0)
+        return torch.exp2(exponent.clamp(-_MIN_DOWN_SCALE_EXPONENT, 0))
     tiny = 2.0 ** -_MAX_LOSS_SCALE_EXPONENT
-    exponent = torch.floor(-torch.log2(loss.float().abs().clamp_min(tiny)))
+    exponent = torch.floor(-torch.log2(magnitude.clamp_min(tiny)))
     return torch.exp2(exponent.clamp(0, _MAX_LOSS_SCALE_EXPONENT))

@@ -32,7 +32,7 @@ from tracinfunc._validate import current_caller
 from tracinfunc.errors import ParameterSelectionError
 from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.offload import ActivationStash
-from tracinfunc.grads.precision import mixed_precision_context, with_mixed_precision
+from tracinfunc.grads.precision import loss_scale, mixed_precision_context, with_mixed_precision
 from tracinfunc.grads.stages import Stage, Stages, split_batch, stage_params
 from tracinfunc.types import Batch, Params
 
@@ -78,11 +78,17 @@ def staged_grads(
     transform: StageTransform,
     chunk_size: int | None,
     mixed_precision: torch.dtype | None,
-    offload: bool) -> list[tuple[int, Any]]:
+    offload: bool,
+    scaling: str = "none") -> list[tuple[int, Any]]:
     """Run the three phases (module docstring); returns ``[(stage_index, transformed)]``.
 
     ``transformed`` is ``transform(index, grads)`` batched over examples, ``[b, ...]``, for
-    each stage with selected parameters, last stage first.
+    each stage with selected parameters, last stage first. With float16 and ``scaling``
+    other than ``"none"`` (see :func:`~tracinfunc.grads.precision.loss_scaled_rows`), each
+    example's criterion is multiplied by its :func:`~tracinfunc.grads.precision.loss_scale`:
+    the backward is linear in the output cotangent, so every stage's backward carries the
+    scaled signal and each example's parameter gradients are divided by its scale, in their
+    own dtype, before ``transform``.
     """
     first = next(i for i, names in enumerate(per_stage) if names)
     inputs, targets = split_batch(batch)
@@ -95,7 +101,9 @@ def staged_grads(
                 # The batch input is held by the caller anyway: offloading it saves nothing.
                 stash.put(index, h, offload=index > 0)
             h = stage.fn(stage_params(stage, params), h)
-    cotangent = _output_grads(stages, h, targets, chunk_size, mixed_precision, device)
+    scaling = scaling if mixed_precision == torch.float16 else "none"
+    cotangent, scales = _output_grads(stages, h, targets, chunk_size, mixed_precision, device,
+                                      scaling)
     del h
     results = []
     for index in range(len(stages.stages) - 1, first - 1, -1):
@@ -104,7 +112,7 @@ def staged_grads(
             stash.prefetch(index - 1)  # overlaps the copy back with this stage's backward
         out, cotangent = _stage_backward(
             stages.stages[index], index, params, per_stage[index], activation, cotangent,
-            need_input=index > first, transform=transform, chunk_size=chunk_size,
+            scales, need_input=index > first, transform=transform, chunk_size=chunk_size,
             mixed_precision=mixed_precision, device=device)
         del activation
         if out is not None:
@@ -130,19 +138,28 @@ def _sum_tied(results: list[tuple[int, Any]], tied: frozenset[str]) -> list[tupl
 
 
 def _output_grads(stages: Stages, outputs: Tensor, targets: Tensor, chunk_size: int | None,
-                  mixed_precision, device) -> Tensor:
-    """``[b, *out]``: per-example gradients of the criterion with respect to the outputs."""
+                  mixed_precision, device, scaling: str) -> tuple[Tensor, Tensor | None]:
+    """``([b, *out], [b] or None)``: per-example gradients of the criterion (times its loss
+    scale) with respect to the outputs, and the scales (``None`` when not scaled)."""
 
     def criterion(output: Tensor, target: Tensor) -> Tensor:
         return stages.criterion(output.unsqueeze(0), target.unsqueeze(0))
 
     criterion = with_mixed_precision(criterion, mixed_precision, device)
-    return vmap(grad(criterion), chunk_size=chunk_size)(outputs, targets)
+    if scaling == "none":
+        return vmap(grad(criterion), chunk_size=chunk_size)(outputs, targets), None
+
+    def scaled(output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        loss = criterion(output, target)
+        scale = loss_scale(loss.detach(), scaling)
+        return loss.float() * scale, scale
+
+    return vmap(grad(scaled, has_aux=True), chunk_size=chunk_size)(outputs, targets)
 
 
 def _stage_backward(
     stage: Stage, index: int, params: Params, names: list[str], activation: Any,
-    cotangent: Tensor, *, need_input: bool, transform: StageTransform,
+    cotangent: Tensor, scales: Tensor | None, *, need_input: bool, transform: StageTransform,
     chunk_size: int | None, mixed_precision, device) -> tuple[Any, Tensor | None]:
     """One stage's vjp per example: ``(transform(param grads) or None, input grads or None)``."""
     own = stage_params(stage, params)
@@ -155,18 +172,21 @@ def _stage_backward(
 
     stage_one = with_mixed_precision(stage_one, mixed_precision, device)
 
-    def one_example(selected: Params, h: Any, g: Tensor) -> tuple:
+    def one_example(selected: Params, h: Any, g: Tensor, scale: Tensor | None) -> tuple:
         if need_input:
             out, vjp_fn = vjp(stage_one, selected, h)
             param_grads, input_grads = vjp_fn(g.to(out.dtype))
         else:
             out, vjp_fn = vjp(lambda selected: stage_one(selected, h), selected)
             (param_grads,), input_grads = vjp_fn(g.to(out.dtype)), None
+        if scale is not None:  # the input gradients stay scaled for the stage before
+            param_grads = {name: v / scale.to(v.dtype) for name, v in param_grads.items()}
         parts = (transform(index, param_grads) if names else None, input_grads)
         return tuple(part for part in parts if part is not None)
 
-    mapped = vmap(one_example, in_dims=(None, 0, 0), chunk_size=chunk_size)
+    mapped = vmap(one_example, in_dims=(None, 0, 0, None if scales is None else 0),
+                  chunk_size=chunk_size)
     with vmappable_attention():
-        parts = list(mapped(selected, activation, cotangent))
+        parts = list(mapped(selected, activation, cotangent, scales))
     out = parts.pop(0) if names else None
     return out, (parts.pop(0) if need_input else None)

@@ -39,7 +39,7 @@ from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.precision import (
     loss_scaled_grad,
-    retry_overflowed_rows,
+    loss_scaled_rows,
     with_mixed_precision,
 )
 from tracinfunc.grads.staged import staged_grads
@@ -92,12 +92,18 @@ def per_sample_grads(
         if per_stage is None:
             return _plain_per_sample(loss, params, batch, names, chunk, options, has_aux)
         check_staged(params, batch)
-        results = staged_grads(
-            options.stages, params, batch, per_stage=per_stage,
-            transform=lambda index, grads: grads, chunk_size=chunk,
-            mixed_precision=options.mixed_precision, offload=options.offload)
-        merged = {name: g for _, grads in results for name, g in grads.items()}
-        return {name: merged[name] for name in names}
+
+        def run(examples: Batch, scaling: str) -> dict[str, Tensor]:
+            results = staged_grads(
+                options.stages, params, examples, per_stage=per_stage,
+                transform=lambda index, grads: grads, chunk_size=chunk,
+                mixed_precision=options.mixed_precision, offload=options.offload,
+                scaling=scaling)
+            merged = {name: g for _, grads in results for name, g in grads.items()}
+            return {name: merged[name] for name in names}
+
+        return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
+                                has_aux=False)
 
     return per_sample_grads_fn
 
@@ -243,25 +249,24 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options)
 
-    def run(examples: Batch, *, scaled: bool) -> Any:
+    def run(examples: Batch, scaling: str) -> Any:
         grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
-                                   scaled=scaled)
+                                   scaling=scaling)
         batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
         with vmappable_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
-    return retry_overflowed_rows(run(batch, scaled=True),
-                                 lambda examples: run(examples, scaled=False), batch,
-                                 mixed_precision=options.mixed_precision, has_aux=has_aux)
+    return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
+                            has_aux=has_aux)
 
 
 def _plain_projected(loss, project, params, batch, names, chunk, options, has_aux) -> Tensor:
     selected, frozen = _split(params, names)
     fn = _selected_loss(loss, params, options)
 
-    def run(examples: Batch, *, scaled: bool) -> Any:
+    def run(examples: Batch, scaling: str) -> Any:
         grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
-                                   scaled=scaled)
+                                   scaling=scaling)
 
         def one_example(selected: Params, frozen: Params, example: Example) -> Any:
             if has_aux:
@@ -273,9 +278,8 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
         with vmappable_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
-    return retry_overflowed_rows(run(batch, scaled=True),
-                                 lambda examples: run(examples, scaled=False), batch,
-                                 mixed_precision=options.mixed_precision, has_aux=has_aux)
+    return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
+                            has_aux=has_aux)
 
 
 def _staged_projected(projection, projector_for, params, batch, names, per_stage, chunk,
@@ -291,16 +295,21 @@ def _staged_projected(projection, projector_for, params, batch, names, per_stage
         def transform(index: int, grads: dict[str, Tensor]) -> Tensor:
             return projectors[index](grads)  # this stage's share of P @ g, [k]
 
-    results = staged_grads(
-        options.stages, params, batch, per_stage=per_stage, transform=transform,
-        chunk_size=chunk, mixed_precision=options.mixed_precision, offload=options.offload)
-    if projection.kind == "identity":
-        flat = {name: g for _, part in results for name, g in part.items()}
-        return torch.cat([flat[name] for name in sorted(names)], dim=1)
-    total = results[0][1]
-    for _, part in results[1:]:
-        total = total + part
-    return total
+    def run(examples: Batch, scaling: str) -> Tensor:
+        results = staged_grads(
+            options.stages, params, examples, per_stage=per_stage, transform=transform,
+            chunk_size=chunk, mixed_precision=options.mixed_precision,
+            offload=options.offload, scaling=scaling)
+        if projection.kind == "identity":
+            flat = {name: g for _, part in results for name, g in part.items()}
+            return torch.cat([flat[name] for name in sorted(names)], dim=1)
+        total = results[0][1]
+        for _, part in results[1:]:
+            total = total + part
+        return total
+
+    return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
+                            has_aux=False)
 
 
 def _projector_cache(projection: Projection, *, compile: bool

@@ -159,7 +159,8 @@ class _SparseBlock(_Block):
         for a, b, (cols, signs) in blocks:
             values = flat[a:b, None] * signs  # [rows, nnz]: cost p * nnz, never p * k
             # Out of place: index_add has a vmap batching rule, so the zeros stay unbatched.
-            out = out.index_add(0, cols.reshape(-1), values.reshape(-1))
+            size = (b - a) * nnz  # explicit: -1 is ambiguous under vmap over 0 examples
+            out = out.index_add(0, cols.reshape(size), values.reshape(size))
         return out
 
 
@@ -178,10 +179,11 @@ class _KroneckerSides(_Block):
 
     def project(self, flat, entry, keys, plan, rows_fn):
         p_out, p_in = entry
-        matrix = flat.reshape(p_out.shape[0], -1)  # [d_out, d_in]
+        matrix = flat.reshape(p_out.shape[0], p_in.shape[0])  # [d_out, d_in]
+        k = p_out.shape[1] * p_in.shape[1]  # explicit sizes: -1 fails under vmap over 0 examples
         if p_out.shape[1] <= p_in.shape[1]:  # contract the larger side with the smaller k first
-            return ((p_out.T @ matrix) @ p_in).reshape(-1)  # [k_out, k_in] -> [k]
-        return (p_out.T @ (matrix @ p_in)).reshape(-1)
+            return ((p_out.T @ matrix) @ p_in).reshape(k)  # [k_out, k_in] -> [k]
+        return (p_out.T @ (matrix @ p_in)).reshape(k)
 
 
 _DENSE, _SPARSE, _SIDES = _DenseBlock(), _SparseBlock(), _KroneckerSides()
@@ -239,13 +241,15 @@ class Projector:
         """
         self._check(grads)
         if not self._blocks:  # identity: every entry, in sorted-name order
-            return torch.cat([grads[name].reshape(-1) for name, _ in self.layout])
+            # Explicit sizes, never -1: under vmap over 0 examples -1 is ambiguous.
+            return torch.cat([grads[name].reshape(math.prod(shape))
+                              for name, shape in self.layout])
         dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads.values()))
         device = grads[self.layout[0][0]].device
         total = None
         for name, shape in self.layout:  # canonical order fixes the float summation order
             if math.prod(shape) > 0:
-                flat = grads[name].reshape(-1).to(dtype)
+                flat = grads[name].reshape(math.prod(shape)).to(dtype)
                 part = self._blocks[name].project(flat, self._entry(name, dtype, device),
                                                   self.plan.keys[name], self.plan,
                                                   self._rows_fn)

@@ -162,12 +162,14 @@ class ZarrWriter:
         return read_back_rows(self._meta, self._rows, self._scales, start, stop)
 
     def record_build(self, build: dict) -> None:
-        """Record how the rows are cut into gradient calls (``build_store`` passes
-        ``{"batch_size": ...}``, with ``"first_batch"``, the size of the data's first batch,
-        when ``batch_size`` is ``None``): the calls decide the rows' float rounding, so a
+        """Record how the rows are computed (``build_store`` passes ``{"batch_size": ...,
+        "mixed_precision": ...}``, with ``"first_batch"``, the size of the data's first batch,
+        when ``batch_size`` is ``None``): the calls decide the rows' float rounding and
+        ``mixed_precision`` (``"float16"``, ``"bfloat16"`` or ``None``) their precision, so a
         resumed build is bit-identical only with the same record. Keys that only one of the
-        records holds are not compared; a store started before the record (or a finished
-        one) is never given one: it would be a guess.
+        records holds are not compared (a store from before ``mixed_precision`` was recorded
+        is accepted); a store started before the record (or a finished one) is never given
+        one: it would be a guess.
 
         Raises:
             IncompatibleGradientsError: the store (incomplete, or finished and called again)
@@ -188,11 +190,13 @@ class ZarrWriter:
         fix = ("pass overwrite=True to rebuild it" if self._rerun is not None
                else "remove the store to start over")
         error = IncompatibleGradientsError(
-            f"{current_caller()}: cannot {what} at {str(self._path)!r}: {said}. The gradient "
-            "calls (and so the rows' float rounding) depend on it; call again with the value "
-            f"it was {when} with (or {fix})."
+            f"{current_caller()}: cannot {what} at {str(self._path)!r}: {said}. The rows "
+            "depend on it (the gradient calls decide their float rounding, mixed_precision "
+            f"their precision); call again with the value it was {when} with (or {fix}, or "
+            "write to another path)."
         )
         error.build_record = dict(earlier)  # the command line names its flag from it
+        error.changed_keys = tuple(changed)
         raise error
 
     @entry_point("ZarrWriter.append")
@@ -264,4 +268,12 @@ def _changed(key: str, earlier: object, now: object, when: str) -> str:
     if key == "first_batch":
         return (f"the data's first batch held {earlier!r} examples when {when}, {now!r} now "
                 "(batch_size=None keeps the data's batches as gradient calls)")
+    if key == "mixed_precision":
+        return (f"mixed_precision={_dtype(earlier)} when {when}, {_dtype(now)} now (pass "
+                f"GradientOptions(mixed_precision={_dtype(earlier)}))")
     return f"{key}={earlier!r} when {when}, {now!r} now"
+
+
+def _dtype(name: object) -> str:
+    """``"float16"`` -> ``torch.float16``; ``None`` stays ``None`` (full precision)."""
+    return "None" if name is None else f"torch.{name}"

@@ -35,10 +35,10 @@ __all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision", "los
 # so its logit gradients stay near those of a loss-1 example; a static scale cannot serve
 # both ends (measured: 2**10 still flushes some, 2**12 overflows wrong confident examples).
 # Not above 14: CUDA's log-softmax backward holds the loss's cotangent (the scale) in float16,
-# so a cap of 2**24 (the first one) became inf there and every signal NaN (first GPU run, 2026-11-26; the CPU kernel
-# keeps it in float32 and hid this). The price: a loss that reads exactly 0 in float32 (a
-# cross-entropy margin above ~17) keeps gradients under 1e-8 that float16 flushes to zero;
-# bfloat16 keeps float32's range for those.
+# so a cap of 2**24 (tried first) became inf there and every signal NaN (first GPU run,
+# 2026-11-26; the CPU kernel keeps it in float32 and hid this). The price: a loss that reads
+# exactly 0 in float32 (a cross-entropy margin above ~17) keeps gradients under 1e-8 that
+# float16 flushes to zero; bfloat16 keeps float32's range for those.
 _MAX_LOSS_SCALE_EXPONENT = 14
 # The third attempt scales a large loss down to ~1 (its gradient above 65504 otherwise
 # overflows the float16 backward); 2**-24 covers losses up to ~1.7e7 (float16 itself

@@ -119,5 +119,19 @@ def test_a_merged_call_failing_on_one_batch_names_that_batch():
                         batch_size=20)
 
 
+def test_merged_cpu_batches_are_one_copy_and_others_as_large_as_the_call():
+    data = [(torch.arange(i, i + 3), torch.full((3, 2), float(i))) for i in range(0, 12, 3)]
+    first = merged_batches(data, 100)[0]
+    assert torch.equal(first[0], torch.arange(12))
+    assert torch.equal(first[1][:, 0], torch.arange(12).float().div(3).floor().mul(3))
+    for leaf in first:  # copies: no storage shared with the loader's tensors
+        assert all(leaf.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+                   for batch in data for x in batch)
+    on_meta = [tuple(x.to("meta") for x in batch) for batch in data]
+    (call,) = merged_batches(on_meta, 100)
+    assert [tuple(leaf.shape) for leaf in call] == [(12,), (12, 2)]
+    assert call[0].untyped_storage().nbytes() == 12 * 8  # the call's size, not the limit's
+
+
 def merged_batches(batches, limit):
     return [batch for batch, _, _ in merged_calls(batches, limit)]

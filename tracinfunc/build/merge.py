@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tracinfunc.batches import batch_size_of
 from tracinfunc.grads.chunking import DEFAULT_COPIES
@@ -59,39 +59,64 @@ def merged_calls(batches: Iterable[Batch], limit: int) -> Iterator[MergedCall]:
     A batch is never split (one larger than ``limit`` goes alone), the order of the examples
     is kept, and only batches of one structure (pytree, leaf dtypes and trailing shapes) are
     merged: a batch that differs goes to its own call, which reports it as before. A batch
-    held while the next one is read is copied first: a loader may refill one buffer for
-    every batch (a prefetcher, a ``collate_fn`` writing into a preallocated tensor).
+    held while the next one is read is copied first (a loader may refill one buffer for
+    every batch: a prefetcher, a ``collate_fn`` writing into a preallocated tensor), straight
+    into its call's leaves: one copy of the data, not a copy and then a concatenation.
 
     Yields:
         ``(batch, first, sizes)``: the call's batch, the index of its first batch in
         ``batches`` and the sizes of the batches it holds.
     """
-    pending: list[Batch] = []
-    sizes: list[int] = []
-    first, count, kind = 0, 0, None
+    call: _Call | None = None
     for index, batch in enumerate(batches):
         size, batch_kind = batch_size_of(batch), _kind(batch)
-        if pending and (count + size > limit or batch_kind != kind):
-            yield _concat(pending), first, tuple(sizes)
-            pending, sizes, count = [], [], 0
-        if not pending:
-            first, kind = index, batch_kind
-        if not pending and size >= limit:  # alone in its call: computed before the next read
+        if call is not None and (call.count + size > limit or batch_kind != call.kind):
+            yield call.batch(), call.first, tuple(call.sizes)
+            call = None
+        if call is None and size >= limit:  # alone in its call: computed before the next read
             yield batch, index, (size,)
             continue
-        pending.append(tree_map(torch.clone, batch))  # held past the next read: a copy
-        sizes.append(size)
-        count += size
-    if pending:
-        yield _concat(pending), first, tuple(sizes)
+        if call is None:
+            call = _Call(batch, index, batch_kind, limit)
+        call.add(batch, size)  # held past the next read: a copy
+    if call is not None:
+        yield call.batch(), call.first, tuple(call.sizes)
+
+
+class _Call:
+    """One merged call's batches, copied as they arrive; ``batch()`` is the call's batch.
+
+    CPU leaves are copied into ``[limit, *trailing]`` tensors (pages past what is written
+    are never touched, so cost nothing) and ``batch()`` is a view of the rows filled: one
+    copy. Leaves on an accelerator, whose memory is reserved as allocated, are cloned and
+    concatenated at the end, as large as the call and no larger."""
+
+    def __init__(self, batch: Batch, first: int, kind: tuple, limit: int) -> None:
+        leaves, self.spec = tree_flatten(batch)
+        self.in_place = all(leaf.device.type == "cpu" for leaf in leaves)
+        self.leaves = ([leaf.new_empty((limit, *leaf.shape[1:])) for leaf in leaves]
+                       if self.in_place else [[] for _ in leaves])
+        self.first, self.kind = first, kind
+        self.sizes: list[int] = []
+        self.count = 0
+
+    def add(self, batch: Batch, size: int) -> None:
+        with torch.no_grad():
+            for target, leaf in zip(self.leaves, tree_flatten(batch)[0], strict=True):
+                if self.in_place:
+                    target[self.count:self.count + size].copy_(leaf)
+                else:
+                    target.append(leaf.clone())
+        self.sizes.append(size)
+        self.count += size
+
+    def batch(self) -> Batch:
+        if self.in_place:
+            return tree_unflatten([leaf[:self.count] for leaf in self.leaves], self.spec)
+        return tree_unflatten([parts[0] if len(parts) == 1 else torch.cat(parts)
+                               for parts in self.leaves], self.spec)
 
 
 def _kind(batch: Batch) -> tuple:
     leaves, spec = tree_flatten(batch)
     return spec, tuple((leaf.dtype, leaf.shape[1:]) for leaf in leaves)
-
-
-def _concat(batches: list[Batch]) -> Batch:
-    if len(batches) == 1:
-        return batches[0]
-    return tree_map(lambda *leaves: torch.cat(leaves), *batches)

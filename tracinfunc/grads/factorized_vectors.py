@@ -92,7 +92,7 @@ class VectorBlocks:
         for start, stop in row_ranges(self.bits.shape[0], self.k, self.bits.device):
             signs = F.embedding(self.bits[start:stop].long(), self.table)  # [rows, k/8, 8]
             part = flat[..., start:stop] @ signs.reshape(stop - start, -1)[:, :self.k]
-            total = part if total is None else total + part
+            total = part if total is None else total.add_(part)  # the first part is new
         return total
 
 

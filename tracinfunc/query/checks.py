@@ -33,7 +33,12 @@ def query_matrix(
     check_test_type(test_grads)
     check_compatible(meta, test_grads.meta)
     n_test = test_grads.meta.n_train
-    rows = torch.stack([test_grads.read_rows(c, 0, n_test) for c in range(meta.n_ckpt)])
+    # Read straight into one tensor (a copy of the rows, not a copy per checkpoint stacked).
+    rows = torch.empty(meta.n_ckpt, n_test, meta.k, dtype=test_grads.meta.torch_dtype)
+    for c in range(meta.n_ckpt):
+        got = test_grads.read_rows(c, 0, n_test, out=rows[c])
+        if got.data_ptr() != rows[c].data_ptr():  # a store that returned its own tensor
+            rows[c].copy_(got)
     norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
     return rows.to(device), norms.to(device)
 

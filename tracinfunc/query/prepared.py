@@ -124,4 +124,7 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
     scale = torch.tensor(meta.lrs, dtype=dtype, device=device)[:, None, None]
     if normalize:
         scale = scale * safe_reciprocal(norms.to(dtype))[..., None]
-    return test.to(dtype) * scale, norms
+    test = test.to(dtype)
+    if isinstance(grads, Tensor):  # the caller's rows: never written to
+        return test * scale, norms
+    return test.mul_(scale), norms  # read from a store into a new tensor: scaled in place

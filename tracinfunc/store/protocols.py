@@ -34,6 +34,7 @@ __all__ = [
     "SupportsRowViews",
     "aligned_rows",
     "check_block",
+    "check_block_shape",
     "check_out_buffer",
     "check_row_range",
     "store_meta",
@@ -306,7 +307,31 @@ class StoreWriter(Protocol):
 
 
 def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
-    """Raise unless ``rows`` is ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``.
+    """Raise unless ``rows`` is ``[n_ckpt, b, k]`` and ``norms`` ``[n_ckpt, b]``, all finite.
+
+    Raises:
+        IncompatibleGradientsError: (a ``ValueError``) the block does not fit the store.
+        NonFiniteGradientError: a value is NaN or inf.
+    """
+    check_block_shape(meta, rows, norms)
+    if rows.numel() and norms.numel():  # one pass, no [n_ckpt, b, k] mask: NaN propagates
+        low, high = torch.aminmax(rows)
+        if bool(torch.isfinite(low) & torch.isfinite(high) & torch.isfinite(norms).all()):
+            return
+    finite = torch.isfinite(rows).all(dim=-1) & torch.isfinite(norms)  # [n_ckpt, b]
+    if not bool(finite.all()):
+        ckpt, row = (~finite).nonzero()[0].tolist()
+        raise NonFiniteGradientError(
+            f"{current_caller()}: the block holds NaN/inf values (checkpoint index {ckpt}, row "
+            f"{row} of "
+            "the block first); they would rank as the strongest proponents. Check the loss and "
+            "the checkpoint weights on those examples, or drop them."
+        )
+
+
+def check_block_shape(meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
+    """:func:`check_block` without its pass over the values, for a block whose norms the
+    caller has already found finite (a finite norm means a finite row): the build loop's.
 
     Raises:
         IncompatibleGradientsError: (a ``ValueError``) the block does not fit the store.
@@ -326,17 +351,4 @@ def check_block(meta: StoreMeta, rows: Tensor, norms: Tensor) -> None:
         raise InvalidTypeError(
             f"{current_caller()}: rows and norms must be floating point, got {rows.dtype} and "
             f"{norms.dtype}; pass the projected gradients as computed (e.g. float32)."
-        )
-    if rows.numel() and norms.numel():  # one pass, no [n_ckpt, b, k] mask: NaN propagates
-        low, high = torch.aminmax(rows)
-        if bool(torch.isfinite(low) & torch.isfinite(high) & torch.isfinite(norms).all()):
-            return
-    finite = torch.isfinite(rows).all(dim=-1) & torch.isfinite(norms)  # [n_ckpt, b]
-    if not bool(finite.all()):
-        ckpt, row = (~finite).nonzero()[0].tolist()
-        raise NonFiniteGradientError(
-            f"{current_caller()}: the block holds NaN/inf values (checkpoint index {ckpt}, row "
-            f"{row} of "
-            "the block first); they would rank as the strongest proponents. Check the loss and "
-            "the checkpoint weights on those examples, or drop them."
         )

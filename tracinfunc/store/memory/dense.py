@@ -15,7 +15,12 @@ from tracinfunc.store.codes import check_codes, code_dtype, stored_empty, to_sto
 from tracinfunc.store.memory.quantized import QuantizedMemoryStore
 from tracinfunc.store.meta import StoreMeta, norm_dtype
 from tracinfunc.store.properties import StoreProperties
-from tracinfunc.store.protocols import check_block, check_out_buffer, check_row_range
+from tracinfunc.store.protocols import (
+    check_block,
+    check_block_shape,
+    check_out_buffer,
+    check_row_range,
+)
 
 __all__ = ["MemoryStore", "MemoryWriter"]
 
@@ -152,13 +157,15 @@ class MemoryWriter:
 
 def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
     """``writer.append(rows, norms)`` for tensors no one else holds or changes (the build
-    loop's own rows): a float store keeps them as they are when they already have its
-    storage dtype and device, without the copy that protects a caller's tensors (one pass
-    over every row fewer); a quantised store encodes them as ``append`` does."""
+    loop's own rows, whose every norm it has found finite and whose values it has found
+    storable): a float store keeps them as they are when they already have its storage dtype
+    and device, without the copy that protects a caller's tensors nor a second finiteness
+    pass (two passes over every row fewer); a quantised store encodes them as ``append``
+    does."""
     if writer._finished or writer._meta.quantization is not None:
         writer.append(rows, norms)
         return
-    check_block(writer._meta, rows, norms)
+    check_block_shape(writer._meta, rows, norms)  # finite: the loop checked every norm
     writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
     writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
 

@@ -95,14 +95,20 @@ def _pwrite(path, data, offset=0):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk_rows,n", [(1, 40), (7, 50)])
-def test_default_score_over_tiny_chunks_equals_its_memory_copy_bit_for_bit(tmp_path, chunk_rows, n):
+@pytest.mark.parametrize("n,k,writer", [
+    (40, 16, dict(chunk_rows=1, shard_rows=8)),
+    (50, 16, dict(chunk_rows=7, shard_rows=56)),
+    (6, 1_100_000, {}),  # the writer's default: ~4 MiB chunks are one row at this k
+], ids=["chunk1", "chunk7", "default-writer-wide-rows"])
+def test_default_score_over_small_chunks_equals_its_memory_copy_bit_for_bit(tmp_path, n, k, writer):
     """A store of small stored chunks scores each mapped chunk as its own matmul by default,
-    so ``score(z, t)`` differed by 1 ulp from ``score(tif.to_memory(z), t)``, from the same
-    store read through zarr (a zstd copy) and from ``score(z, t, rows=(0, n))`` (which agree
-    with one another): one question, two answers. Same for ``top_k``'s values."""
-    ref, z = _store(tmp_path / "g.zarr", n=n, chunk_rows=chunk_rows, shard_rows=8 * chunk_rows)
-    t = _tests(z)
+    so ``score(z, t)`` differed (1 ulp; 7.6e-4 on scores of ~150 at k = 1.1M, where the
+    writer's default ~4 MiB chunks hold one row: an unprojected store of a 1M-parameter
+    model) from ``score(tif.to_memory(z), t)``, from the same store read through zarr (a
+    zstd copy) and from ``score(z, t, rows=(0, n))``, which agree with one another: one
+    question, two answers. Same for ``top_k``'s values."""
+    ref, z = _store(tmp_path / "g.zarr", n=n, k=k, n_ckpt=1 if k > 1000 else 2, **writer)
+    t = _tests(z, n_test=2)
     mem = tif.score(tif.to_memory(z), t)
     assert torch.equal(tif.score(z, t, rows=(0, n)), mem)  # held: the explicit whole range
     assert torch.equal(tif.score(z, t), mem)
@@ -468,3 +474,20 @@ def test_held_queries_change_nothing_on_disk(tmp_path):
     tif.score(z, t, output="numpy")
     tif.score(z, t, candidates=np.array([[49, 0, 7], [1, 2, 3], [6, 7, 13]]))
     assert _tree(path) == before and sorted(os.listdir(tmp_path)) == siblings
+
+
+def test_held_a_store_opened_through_a_symlink_retargeted_to_another_store(tmp_path):
+    """``GradientStore.open`` twice on one path, the symlink moved between them to a store
+    of the same shape: the first object refuses ("replaced"), the second reads the new rows."""
+    ref_a, _ = _store(tmp_path / "a.zarr", chunk_rows=8, shard_rows=16)
+    ref_b, _ = _store(tmp_path / "b.zarr", seed=4, chunk_rows=8, shard_rows=16)
+    link = tmp_path / "link.zarr"
+    link.symlink_to(tmp_path / "a.zarr")
+    first = tif.GradientStore.open(link)
+    t = _tests(first)
+    _assert_same(first, ref_a, t)
+    link.unlink()
+    link.symlink_to(tmp_path / "b.zarr")
+    with pytest.raises(CorruptStoreError, match="replaced"):
+        tif.score(first, t)
+    _assert_same(tif.GradientStore.open(link), ref_b, t)

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from tracinfunc.errors import CorruptStoreError
-from tracinfunc.store.zarr.integrity import file_identity
+from tracinfunc.store.zarr.integrity import file_identity, open_regular
 from tracinfunc.store.zarr.raw_layout import CRC_BYTES, RawLayout
 
 __all__ = ["ShardMaps"]
@@ -148,7 +148,7 @@ class ShardMaps:
 
     def _open(self, shard: int, path: str) -> int:
         try:
-            return os.open(path, os.O_RDONLY)
+            return open_regular(path)  # a named pipe there is refused, not waited on
         except FileNotFoundError:
             layout = self._layout
             raise CorruptStoreError(

@@ -215,3 +215,15 @@ def test_only_chunks_of_a_usual_piece_are_lent_by_default(tmp_path, monkeypatch)
         blocks = [block.shape[1] for _, block in tif.score_chunks(opened, test)]
         assert len(calls) == lends and min(blocks[:-1] or blocks) >= 256
         assert torch.equal(tif.score(opened, test), tif.score(source, test))
+
+
+def test_a_read_error_names_its_caller_and_its_fix_once(store):
+    """A damaged chunk under ``score``: the message starts with ``score:``, names no inner
+    method and gives the fix once (it nested ``ZarrStore.map_rows: ... score: ...``)."""
+    source, opened, shard = store
+    flip_first_chunk(shard)
+    with pytest.raises(tif.errors.CorruptStoreError) as info:
+        tif.score(opened, torch.randn(2, 3, source.meta.k), **LENT)
+    message = str(info.value)
+    assert message.startswith("score: checkpoint ") and "ZarrStore" not in message
+    assert message.lower().count("rebuild") == 1 and message.count("score:") == 1

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(),
                                 reason="lists threads through /proc (Linux)")
 
 _SCRIPT = """
-import os, torch
+import os, time, torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tracinfunc as tif
@@ -39,6 +39,12 @@ def gloo_threads():
     return sorted(n for n in names if "gloo" in n)
 
 dist.init_process_group("gloo")
+# gloo's threads name themselves after they start: wait for the names (a loaded machine can
+# take a while), so the precondition does not depend on scheduling.
+for _ in range(600):
+    if gloo_threads():
+        break
+    time.sleep(0.05)
 assert gloo_threads(), "gloo runs threads while the group exists"
 model = make_mlp(dtype=torch.float32).eval()
 loss = tif.loss_from_module(model, F.cross_entropy)

@@ -192,7 +192,7 @@ def test_missing_files_on_every_read_path_are_reported(mlp_setup32, tmp_path, co
     ):
         reopened.read_rows(0, 0, 40)
     with pytest.raises(
-        tif.errors.CorruptStoreError, match=r"read_norms: checkpoint 'epoch-1'.*missing"
+        tif.errors.CorruptStoreError, match=r"self_influence: checkpoint 'epoch-1'.*missing"
     ):
         tif.self_influence(reopened)
     assert reopened.read_rows(0, 0, 16).shape == (16, 16)  # the rest stays readable

@@ -127,7 +127,7 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
         for ckpt in range(meta.n_ckpt)
     ]
     _check_out(out, (query.n_test, meta.n_train), dtype, device)
-    threads = compute_threads(store, device)
+    threads = compute_threads(store, device, pieces)
     block = torch.empty(0)
     bar = progress_bar(progress, total=meta.n_train, desc="score", unit="row")
     for (ckpt, start, stop), train_rows in stream_rows(store, pieces, device=device,
@@ -190,8 +190,12 @@ def _chunk_rows(store: GradientStore, chunk_rows: int | None, meta: StoreMeta,
         chunk_rows = check_int(chunk_rows, "chunk_rows", optional=True,
                   fix="pass None to let it choose from its memory budget")
         return min(chunk_rows, max(1, meta.n_train))
-    if isinstance(store, SupportsMappedRows) and store.mapped_chunk_rows:
-        return min(store.mapped_chunk_rows, max(1, meta.n_train))  # lent whole, in place
+    lent = store.mapped_chunk_rows if isinstance(store, SupportsMappedRows) else None
+    if lent and lent >= min(_MIN_CHUNK_ROWS, meta.n_train):
+        # Lent whole, in place. Smaller stored chunks are read into pieces of the usual
+        # size instead: a piece of a few rows is its own small matmul (BLAS then sums in
+        # another order: scores 1 ulp off the memory copy's) and its own score block.
+        return min(lent, max(1, meta.n_train))
     in_memory = isinstance(store, SupportsRowViews)
     budget = _CHUNK_BUDGET_BYTES if in_memory else _STREAM_BUDGET_BYTES
     rows = _default_chunk_rows(meta.k, n_test, meta.n_train, budget)

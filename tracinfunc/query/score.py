@@ -53,7 +53,9 @@ def score(
             inner products. A zero gradient has cosine 0 with everything.
         device: Where to compute. Default: the test tensor's accelerator, else CUDA when
             available, else CPU.
-        chunk_rows: Training rows per streamed chunk (default: sized to ~64 MiB).
+        chunk_rows: Training rows per streamed chunk (default: sized to ~64 MiB; one
+            stored chunk of 256 rows or more where a local Zarr store lends it in place).
+            Two stores give bit-identical scores when they multiply the same pieces.
         progress: A progress bar over training rows: ``None`` (default) shows one on a
             terminal once scoring has run for 2 s, ``True`` always, ``False`` never.
         rows: ``(start, stop)``: score only training rows ``[start, stop)`` (a worker's part

@@ -241,9 +241,10 @@ class ComputeThreads:
             torch.set_num_threads(self._saved)
 
 
-def compute_threads(store: GradientStore, device: torch.device) -> ComputeThreads:
-    """The thread policy for compute over ``stream_rows(store, ...)`` on ``device``."""
+def compute_threads(store: GradientStore, device: torch.device,
+                    pieces: Sequence[Piece]) -> ComputeThreads:
+    """The thread policy for compute over ``stream_rows(store, pieces, ...)`` on ``device``."""
     streamed = device.type == "cpu" and not isinstance(store, SupportsRowViews) and \
-        not (isinstance(store, SupportsMappedRows) and store.mapped_chunk_rows)
+        not lends_chunks(store, pieces)
     threads = torch.get_num_threads()
     return ComputeThreads(max(1, threads - 1) if streamed and threads > 1 else None)

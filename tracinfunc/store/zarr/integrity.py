@@ -19,10 +19,12 @@ The tail and the manifest are cheap (one small read per shard), so reads stay at
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,8 @@ from typing import Any
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import CorruptStoreError
 
-__all__ = ["INTEGRITY_KEY", "TAIL_BYTES", "FileGuard", "check_digest", "file_identity", "seal",
-           "sync_files"]
+__all__ = ["INTEGRITY_KEY", "TAIL_BYTES", "FileGuard", "check_digest", "file_identity",
+           "open_regular", "seal", "sync_files"]
 
 INTEGRITY_KEY = "integrity"
 TAIL_BYTES = 64 * 2**10  # covers a shard index of 1024 chunks plus its last chunk's checksum
@@ -53,6 +55,39 @@ def file_identity(st: os.stat_result) -> tuple[int, ...]:
     """What tells a file apart from its replacement or its edited self: device, inode, size,
     modification and status-change times (``st`` from ``os.stat``/``os.fstat``)."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def open_regular(path: Path | str) -> int:
+    """``path`` opened read-only, refused unless it is a regular file.
+
+    Opened without blocking (``O_NONBLOCK``, cleared once the file is found regular): a
+    named pipe in place of a store file would otherwise block ``open`` until a writer comes.
+
+    Raises:
+        FileNotFoundError: nothing is there (callers name the missing file).
+        CorruptStoreError: a directory, pipe, socket or device is there.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptStoreError(_not_regular(path, mode))
+        fcntl.fcntl(fd, fcntl.F_SETFL, os.O_RDONLY)  # blocking reads, as any regular file
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(path: Path | str, mode: int) -> str:
+    kind = next((name for test, name in ((stat.S_ISDIR, "a directory"),
+                                         (stat.S_ISFIFO, "a named pipe"),
+                                         (stat.S_ISSOCK, "a socket"),
+                                         (stat.S_ISCHR, "a character device"),
+                                         (stat.S_ISBLK, "a block device")) if test(mode)),
+                "not a regular file")
+    return (f"{current_caller()}: {str(path)!r} is {kind}, not a regular file as the store "
+            "was written with; the store is damaged. Rebuild it or restore it from a copy.")
 
 
 def manifest(root: Path) -> dict[str, list]:
@@ -208,20 +243,25 @@ class FileGuard:
     def _check_size(self, path: Path, name: str, size: int | None, fd: int | None = None
                     ) -> None:
         try:
-            actual = os.fstat(fd).st_size if fd is not None else path.stat().st_size
+            st = os.fstat(fd) if fd is not None else path.stat()
         except FileNotFoundError:
             raise CorruptStoreError(
                 f"{current_caller()}: {str(path)!r} is missing; the store is damaged. Rebuild it "
                 "or restore it from a copy."
             ) from None
+        if not stat.S_ISREG(st.st_mode):  # before reading it: a named pipe would block
+            raise CorruptStoreError(_not_regular(path, st.st_mode))
+        actual = st.st_size
         # Empty is never right, even where a store was sealed with an empty file (before
         # sealing refused them): zarr would read it as zeros.
         if actual == 0 or (size is not None and actual != size):
             expected = "a non-empty file" if size is None else f"{size} bytes"
+            found = ("it grew: bytes appended, or another file copied over it"
+                     if size is not None and actual > size
+                     else "truncated, e.g. by a power loss")
             raise CorruptStoreError(
                 f"{current_caller()}: {str(path)!r} has {actual} bytes, expected {expected} "
-                "(truncated, e.g. by a power loss); the store is damaged. Rebuild it or restore "
-                "it from a copy."
+                f"({found}); the store is damaged. Rebuild it or restore it from a copy."
             )
 
 

@@ -11,8 +11,9 @@ file, another lend or a later score, and a dropped store holds no mapping and no
 
 Integrity, as in :mod:`tracinfunc.store.zarr.local_reads`:
 
-* Each lend opens the shard file and takes its identity (``fstat``): device, inode, size,
-  modification and status-change times. A new identity (a write, a truncation,
+* Each lend opens the shard file without blocking and refuses anything but a regular file
+  (a named pipe there would block ``open``), then takes its identity (``fstat``): device,
+  inode, size, modification and status-change times. A new identity (a write, a truncation,
   ``os.utime``, a file renamed, hard-linked or copied over it) runs the check a fresh open
   runs (the store's guard: the file sealed at this position, by size and tail hash), then
   re-reads the index and forgets which chunks were verified.
@@ -43,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from tracinfunc.errors import CorruptStoreError
-from tracinfunc.store.zarr.integrity import file_identity
+from tracinfunc.store.zarr.integrity import file_identity, open_regular
 from tracinfunc.store.zarr.raw_layout import CRC_BYTES, RawLayout
 
 __all__ = ["ShardMaps"]
@@ -148,7 +149,7 @@ class ShardMaps:
 
     def _open(self, shard: int, path: str) -> int:
         try:
-            return os.open(path, os.O_RDONLY)
+            return open_regular(path)  # a named pipe there is refused, not waited on
         except FileNotFoundError:
             layout = self._layout
             raise CorruptStoreError(

@@ -29,7 +29,7 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from tracinfunc.errors import CorruptStoreError
-from tracinfunc.store.zarr.integrity import file_identity
+from tracinfunc.store.zarr.integrity import file_identity, open_regular
 from tracinfunc.store.zarr.raw_layout import CRC_BYTES, RawLayout, copy_chunk_rows
 
 __all__ = ["ShardReader"]
@@ -83,7 +83,7 @@ class ShardReader:
         layout = self._layout
         path = self._directory / layout.chunk_key(shard)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)  # a named pipe there is refused, not waited on
         except FileNotFoundError:
             if self._guard is not None:
                 self._guard.check(path)  # names the missing file as the store's

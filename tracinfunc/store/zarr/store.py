@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -163,6 +164,7 @@ class ZarrStore(StoreProperties):
         uncompressed shard files (:meth:`map_rows`); ``None`` otherwise."""
         return self.chunk_rows if self._maps and all(self._maps) else None
 
+    @entry_point("ZarrStore.map_rows")
     def map_rows(self, ckpt: int, start: int, stop: int
                  ) -> tuple[Tensor, Callable[[], None]] | None:
         """Rows ``[start, stop)`` of one whole stored chunk as a view of a private mapping of
@@ -171,8 +173,14 @@ class ZarrStore(StoreProperties):
         does), and ``release`` to call once done with them
         (it raises :class:`CorruptStoreError` if the file changed meanwhile); ``None`` where
         the rows cannot be lent (not one stored chunk, not mappable): read them instead.
-        See :mod:`tracinfunc.store.zarr.local_maps`."""
-        maps = self._maps[ckpt] if 0 <= ckpt < len(self._maps) else None
+        See :mod:`tracinfunc.store.zarr.local_maps`.
+
+        Raises:
+            InvalidTypeError, RowRangeError: as :meth:`read_rows` does, for arguments that
+                are not integers or rows not in the store.
+        """
+        check_row_range(self._meta, ckpt, start, stop)
+        maps = self._maps[ckpt]
         if maps is None:
             return None
         try:  # the store's identity is checked whenever a file is mapped (again)
@@ -283,12 +291,20 @@ class ZarrStore(StoreProperties):
 
     def _corrupt(self, method: str, ckpt: int, start: int, stop: int,
                  error: Exception) -> CorruptStoreError:
-        name = self._meta.checkpoints[ckpt].name
+        """``error`` (what was found) said once, under the caller's name, with the fix."""
+        name, caller = self._meta.checkpoints[ckpt].name, current_caller(f"ZarrStore.{method}")
+        found = str(error).removeprefix(f"{caller}: ")
+        found = _FIX.sub("", found).rstrip(". ")
         return CorruptStoreError(
-            f"ZarrStore.{method}: checkpoint {name!r} (index {ckpt}), rows [{start}, {stop}) of "
-            f"{str(self._path)!r} cannot be read: {error}. The store is damaged on disk; "
+            f"{caller}: checkpoint {name!r} (index {ckpt}), rows [{start}, {stop}) of "
+            f"{str(self._path)!r} cannot be read: {found}. The store is damaged on disk; "
             "rebuild it (or restore it from a copy) instead of trusting its scores."
         )
+
+
+# The fix an inner error already states, dropped where the store states its own.
+_FIX = re.compile(r"[;.]\s*(the store is damaged\.\s*)?rebuild (it|the store) or restore it "
+                  r"from a copy\.?\s*$", re.IGNORECASE)
 
 
 def _weak(method: Callable[[], None]) -> Callable[[], None]:

@@ -244,6 +244,14 @@ def _selected_loss(loss: LossFn, params: Params, options: GradientOptions):
     return with_mixed_precision(selected_loss, options.mixed_precision, device)
 
 
+def _chunk_for(batch: Batch, chunk: int | None) -> int | None:
+    """``chunk``, or ``None`` for a batch of 0 examples (torch's chunked vmap cannot split
+    an empty batch: a bare ``AssertionError``; unchunked, it returns empty results)."""
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
+    empty = bool(leaves) and leaves[0].ndim > 0 and leaves[0].shape[0] == 0
+    return None if empty else chunk
+
+
 def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
                       ) -> dict[str, Tensor]:
     selected, frozen = _split(params, names)
@@ -252,7 +260,7 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
     def run(examples: Batch, scaling: str) -> Any:
         grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
                                    scaling=scaling)
-        batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=chunk)
+        batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=_chunk_for(examples, chunk))
         with vmappable_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
@@ -274,7 +282,8 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
                 return project(grads), aux
             return project(grad_fn(selected, frozen, example))
 
-        batched = vmap(one_example, in_dims=(None, None, 0), chunk_size=chunk)
+        batched = vmap(one_example, in_dims=(None, None, 0),
+                       chunk_size=_chunk_for(examples, chunk))
         with vmappable_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 

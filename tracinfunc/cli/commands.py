@@ -332,17 +332,26 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _with_flag(error: IncompatibleGradientsError) -> IncompatibleGradientsError:
-    """A refused resume in the command's words: the flag that gives the recorded batch size."""
+    """A refused resume in the command's words: the flags that give the recorded batch size
+    and mixed precision (only those that differ)."""
     record = getattr(error, "build_record", None)
-    if not isinstance(record, dict) or "batch_size" not in record:
+    if not isinstance(record, dict):
         return error
     changed = getattr(error, "changed_keys", None)
-    if changed is not None and not {"batch_size", "first_batch"} & set(changed):
-        return error  # e.g. mixed_precision: the batch size is not what differs
-    size = record["batch_size"]
-    flag = "without --batch-size" if size is None else f"with --batch-size {size}"
+    changed = set(record) if changed is None else set(changed)
+    flags = []
+    if "batch_size" in record and {"batch_size", "first_batch"} & changed:
+        size = record["batch_size"]
+        flags.append("without --batch-size" if size is None else f"with --batch-size {size}")
+    if "mixed_precision" in record and "mixed_precision" in changed:
+        names = {str(dtype).removeprefix("torch."): flag for flag, dtype in _AUTOCAST.items()}
+        recorded = record["mixed_precision"]
+        flags.append("without --mixed-precision" if recorded is None
+                     else f"with --mixed-precision {names.get(recorded, recorded)}")
+    if not flags:
+        return error
     return IncompatibleGradientsError(f"{error} On the command line: run the same command "
-                                      f"{flag}.")
+                                      f"{' and '.join(flags)}.")
 
 
 def _build_store(args: argparse.Namespace, sharded: bool) -> int:

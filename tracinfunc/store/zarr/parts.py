@@ -246,6 +246,7 @@ class PartWriter:
                 "interrupted run (or remove its progress, parts/<index>, to start it over)."
             )
             error.build_record = dict(earlier)  # the command line names its flag from it
+            self._lock.release()  # refused: nothing may be written, no lock file left
             raise error
         self._notes["build"] = build
         self._record(complete=self._complete)

@@ -197,6 +197,7 @@ class ZarrWriter:
         )
         error.build_record = dict(earlier)  # the command line names its flag from it
         error.changed_keys = tuple(changed)
+        self._lock.release()  # refused: nothing may be written, no lock file left
         raise error
 
     @entry_point("ZarrWriter.append")

@@ -295,8 +295,10 @@ class ZarrStore(StoreProperties):
         name, caller = self._meta.checkpoints[ckpt].name, current_caller(f"ZarrStore.{method}")
         found = str(error).removeprefix(f"{caller}: ")
         found = _FIX.sub("", found).rstrip(". ")
+        # which array: a damaged norms file is not a damaged rows file
+        what = "the norms of rows" if method == "read_norms" else "rows"
         return CorruptStoreError(
-            f"{caller}: checkpoint {name!r} (index {ckpt}), rows [{start}, {stop}) of "
+            f"{caller}: checkpoint {name!r} (index {ckpt}), {what} [{start}, {stop}) of "
             f"{str(self._path)!r} cannot be read: {found}. The store is damaged on disk; "
             "rebuild it (or restore it from a copy) instead of trusting its scores."
         )

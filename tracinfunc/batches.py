@@ -133,3 +133,10 @@ def _check_batch(batch: Batch) -> Batch:
 
 def batch_size_of(batch: Batch) -> int:
     return tree_leaves(batch)[0].shape[0]
+
+
+def has_no_examples(batch: Batch) -> bool:
+    """Whether ``batch``'s first tensor leaf has a leading dimension of 0 (a batch of no
+    examples; one without tensors, or a 0-dim leaf, is left to the caller's own checks)."""
+    leaf = next((leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)), None)
+    return leaf is not None and leaf.ndim > 0 and leaf.shape[0] == 0

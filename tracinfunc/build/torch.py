@@ -252,7 +252,7 @@ def _precision_hint(error: NonFiniteGradientError, mixed_precision: torch.dtype)
                "the loss-scaled retries) is inf. If float32 is finite on those examples, pass "
                "mixed_precision=torch.bfloat16 (float32's range) or None (float32)")
     else:
-        why = (f"{str(mixed_precision).removeprefix('torch.')} keeps float32's range but "
+        why = (f"{precision_name(mixed_precision)} keeps float32's range but "
                "rounds to 8 bits; pass mixed_precision=None (float32) to see whether those "
                "examples are NaN/inf in full precision too")
     return (f"{error} This build runs with mixed_precision={mixed_precision}: {why}.")

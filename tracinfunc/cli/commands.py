@@ -27,6 +27,7 @@ import torch
 from tracinfunc._artifacts import check_writable
 from tracinfunc._validate import calling
 from tracinfunc._version import __version__
+from tracinfunc.build.inputs import precision_name
 from tracinfunc.build.torch import build_store
 from tracinfunc.checkpoint import Checkpoint
 from tracinfunc.cli.attribution import add_attribution_commands
@@ -344,7 +345,7 @@ def _with_flag(error: IncompatibleGradientsError) -> IncompatibleGradientsError:
         size = record["batch_size"]
         flags.append("without --batch-size" if size is None else f"with --batch-size {size}")
     if "mixed_precision" in record and "mixed_precision" in changed:
-        names = {str(dtype).removeprefix("torch."): flag for flag, dtype in _AUTOCAST.items()}
+        names = {precision_name(dtype): flag for flag, dtype in _AUTOCAST.items()}
         recorded = record["mixed_precision"]
         flags.append("without --mixed-precision" if recorded is None
                      else f"with --mixed-precision {names.get(recorded, recorded)}")

@@ -20,14 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from tracinfunc._validate import current_caller
+from tracinfunc.batches import has_no_examples
 from tracinfunc.errors import InvalidTypeError, UnsupportedPrecisionError
 
 __all__ = ["NormsInFloat32", "autocast_supported", "check_mixed_precision", "loss_scale",
            "loss_scaled_grad", "loss_scaled_rows", "mixed_precision_context",
-           "retry_overflowed_rows", "with_mixed_precision"]
+           "with_mixed_precision"]
 
 # float16 flushes backward signals below 2**-24 to zero: an example with a loss near 0 gets
 # an all-zero gradient (measured: max relative error 1 on confident, correctly classified
@@ -201,25 +202,24 @@ def loss_scaled_rows(run: Callable[[Any, str], Any], batch: Any, *,
     batch, run once without scaling.
 
     Args:
-        run: ``run(examples, scaling) -> rows`` (see :func:`retry_overflowed_rows`).
+        run: ``run(examples, scaling) -> rows`` (see :func:`_retry_rows`).
         batch: The examples, every tensor leaf ``[b, ...]``.
     """
-    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
-    if mixed_precision != torch.float16 or (leaves and leaves[0].ndim and not leaves[0].shape[0]):
+    if mixed_precision != torch.float16 or has_no_examples(batch):
         return run(batch, "none")  # vmap cannot return the scale's aux over 0 examples
     result = run(batch, "up")
     for scaling in ("none", "down"):
-        result = retry_overflowed_rows(result, functools.partial(run, scaling=scaling), batch,
-                                       mixed_precision=mixed_precision, has_aux=has_aux)
+        result = _retry_rows(result, functools.partial(run, scaling=scaling), batch,
+                             has_aux=has_aux)
     return result
 
 
-def retry_overflowed_rows(result: Any, recompute: Callable[[Any], Any], batch: Any, *,
-                          mixed_precision: torch.dtype | None, has_aux: bool) -> Any:
+def _retry_rows(result: Any, recompute: Callable[[Any], Any], batch: Any, *,
+                has_aux: bool) -> Any:
     """``result`` with its non-finite examples recomputed by ``recompute(sub_batch)``.
 
-    One step of :func:`loss_scaled_rows` (float16 only): one check per batch; the
-    recomputation runs only when some row is not finite.
+    One step of :func:`loss_scaled_rows`: one check per batch; the recomputation runs only
+    when some row is not finite.
 
     Args:
         result: ``[b, k]`` rows, or ``{name: [b, *shape]}``; with ``has_aux``, ``(that, aux)``
@@ -227,8 +227,6 @@ def retry_overflowed_rows(result: Any, recompute: Callable[[Any], Any], batch: A
         recompute: The same batched computation with another scaling, on a sub-batch.
         batch: The examples, every tensor leaf ``[b, ...]``.
     """
-    if mixed_precision != torch.float16:
-        return result
     rows, aux = result if has_aux else (result, None)
     leaves = list(rows.values()) if isinstance(rows, dict) else [rows]
     finite = torch.stack([torch.isfinite(leaf.reshape(leaf.shape[0], -1)).all(1)

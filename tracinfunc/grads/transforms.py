@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from tracinfunc._devices import in_full_float32
 from tracinfunc._validate import check_bool, current_caller, entry_point
+from tracinfunc.batches import has_no_examples
 from tracinfunc.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -247,9 +248,7 @@ def _selected_loss(loss: LossFn, params: Params, options: GradientOptions):
 def _chunk_for(batch: Batch, chunk: int | None) -> int | None:
     """``chunk``, or ``None`` for a batch of 0 examples (torch's chunked vmap cannot split
     an empty batch: a bare ``AssertionError``; unchunked, it returns empty results)."""
-    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
-    empty = bool(leaves) and leaves[0].ndim > 0 and leaves[0].shape[0] == 0
-    return None if empty else chunk
+    return None if has_no_examples(batch) else chunk
 
 
 def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux

@@ -37,10 +37,29 @@ def query_matrix(
     rows = torch.empty(meta.n_ckpt, n_test, meta.k, dtype=test_grads.meta.torch_dtype)
     for c in range(meta.n_ckpt):
         got = test_grads.read_rows(c, 0, n_test, out=rows[c])
-        if got.data_ptr() != rows[c].data_ptr():  # a store that returned its own tensor
-            rows[c].copy_(got)
+        if got is not None:  # None: written into out, as the protocol allows
+            _check_read(got, c, n_test, meta.k)
+            if got.data_ptr() != rows[c].data_ptr():  # a store that returned its own tensor
+                rows[c].copy_(got)
+    check_test_tensor(meta, rows)  # finite, as test rows given as a tensor are
     norms = torch.stack([test_grads.read_norms(c, 0, n_test) for c in range(meta.n_ckpt)])
     return rows.to(device), norms.to(device)
+
+
+def _check_read(got: object, ckpt: int, n_test: int, k: int) -> None:
+    """A test store's ``read_rows`` result is ``[n_test, k]``: copied into ``out``, anything
+    else would broadcast (one row for all) or fail deep in torch."""
+    if not isinstance(got, Tensor):
+        raise InvalidTypeError(
+            f"{current_caller()}: test_grads.read_rows({ckpt}, 0, {n_test}) returned "
+            f"{type(got).__name__}; a store's read_rows returns a torch tensor "
+            f"[stop - start, k] (or fills out= and returns it); fix the store's read_rows."
+        )
+    if tuple(got.shape) != (n_test, k):
+        raise IncompatibleGradientsError(
+            f"{current_caller()}: test_grads.read_rows({ckpt}, 0, {n_test}) returned shape "
+            f"{list(got.shape)}, expected [{n_test}, {k}]; fix the store's read_rows."
+        )
 
 
 def check_test_type(test_grads: object) -> None:

@@ -12,19 +12,18 @@ benchmarks train them (no retraining: cost only):
   5 steps (its ``--refine-examples`` / ``--refine-steps`` defaults).
 
 Timed in one run, interleaved, process CPU time, medians over ``--repeats``: ``plain`` (the
-EK-FAC query), ``refined`` (the same refined curvature queried again: the per-example
-gradients kept), ``refined-first`` (a fresh ``with_refinement`` each time: the first query
-also computes the per-example gradients, once per checkpoint) and ``functional`` (a fresh one
-with ``GRADIENT_BUDGET = 0``: the jvp/vjp product, what every query cost before; timed in the
-first repeat only, as it is slow).
+EK-FAC query), ``refined`` (the refined curvature at its default ``solver="auto"``, queried
+again: the sampled Fisher and its Cholesky factor kept, so a direct solve), ``cg`` (the same
+with ``solver="cg"``: conjugate gradient from the EK-FAC answer, ``steps`` at most),
+``refined-first`` (a fresh ``with_refinement`` each time: the first query also computes the
+per-example gradients and the factor, once per checkpoint) and ``functional`` (a fresh one with
+``GRADIENT_BUDGET = 0``: nothing kept, so conjugate gradient with the jvp/vjp product; timed in
+the first repeat only, as it is slow). Checked beside the times: the direct answer's worst
+relative residual, its distance to the explicit float64 solve (``p <= EXPLICIT_MAX``), and how
+far the conjugate-gradient answer ends from it.
 
     python benchmarks/refine_cost.py --quick     # tiny sizes, one repeat (tests/ runs it)
     python benchmarks/refine_cost.py             # the sizes above (~5 min CPU)
-    python benchmarks/refine_cost.py --models logreg,mlp --direct   # and the direct solves
-
-``--direct`` also measures what an exact solve would cost where the per-example gradients
-``G`` or ``H`` are kept (:func:`direct_solves`; not a library path): its residual, its
-distance to the explicit float64 solve (small ``p``), and the refined answer's distance to it.
 """
 
 from __future__ import annotations
@@ -47,13 +46,10 @@ import quality
 import quality_lm
 
 import tracinfunc as tif
-from tracinfunc.curvature import DEFAULT_SCALES, Damping, classification_sampler
-from tracinfunc.curvature.refine import pcg_flat
-
-try:  # the product by kept gradients (absent before it: every query was functional)
-    from tracinfunc.curvature import fisher
-except ImportError:
-    fisher = None
+from tracinfunc.checkpoint import loss_at
+from tracinfunc.curvature import DEFAULT_SCALES, Damping, classification_sampler, fisher
+from tracinfunc.curvature.flat import flatten, unflatten
+from tracinfunc.grads.selection import selected_names
 
 EXACT = tif.Projection(kind="identity")
 
@@ -81,13 +77,14 @@ def digits_case(name: str, quick: bool) -> dict:
 
 
 def measure(case: dict, repeats: int) -> dict:
-    """Medians of process CPU seconds per query call, interleaved; steps taken; residuals."""
+    """Medians of process CPU seconds per query call, interleaved; steps taken; residuals; the
+    direct answer against the explicit solve and the conjugate-gradient answer."""
     fitted = tif.fit_curvature(case["loss"], case["ckpts"], case["train"], kind="ekfac",
                                options=case["options"], sampler=case["sampler"],
                                damping=Damping(), batch_size=case["batch_size"])
 
-    def refine():
-        return fitted.with_refinement(case["train"], steps=case["steps"],
+    def refine(solver="auto"):
+        return fitted.with_refinement(case["train"], steps=case["steps"], solver=solver,
                                       max_examples=case["examples"], sampler=case["sampler"])
 
     def query(curvature):
@@ -97,115 +94,63 @@ def measure(case: dict, repeats: int) -> dict:
                                                  options=case["options"])
 
     def functional():
-        if fisher is None:  # before the kept gradients: a fresh refinement is functional
-            return query(refine())
         budget, fisher.GRADIENT_BUDGET = fisher.GRADIENT_BUDGET, 0
         try:
             return query(refine())
         finally:
             fisher.GRADIENT_BUDGET = budget
 
-    kept = refine()
+    kept, kept_cg = refine(), refine("cg")
     runs = {"plain": lambda: query(fitted), "refined": lambda: query(kept),
-            "refined-first": lambda: query(refine()), "functional": functional}
-    query(kept)  # fills the kept gradients (timed separately as refined-first)
+            "cg": lambda: query(kept_cg), "refined-first": lambda: query(refine()),
+            "functional": functional}
+    results = {"refined": query(kept), "cg": query(kept_cg)}  # fills the kept Fisher, factors
     seconds: dict[str, list[float]] = {label: [] for label in runs}
     for repeat in range(repeats):
         for label, run in runs.items():
             if label == "functional" and repeat:
                 continue
             start = time.process_time()
-            result = run()
-            seconds[label].append(time.process_time() - start)
-            if label == "refined":
-                residuals = result.meta.extra["curvature"]["residuals"]
-    median = {label: statistics.median(values) for label, values in seconds.items()}
-    return {"seconds": median, "n_test": case["n_test"], "steps": case["steps"],
-            "examples": case["examples"], "taken": max(len(r) - 1 for r in residuals),
-            "residual": [max(r[0] for r in residuals), max(r[-1] for r in residuals)],
-            "checkpoints": len(case["ckpts"]), "scale": DEFAULT_SCALES["ekfac"]}
-
-
-def direct_solves(case: dict, repeats: int) -> dict:
-    """Measured only, not a library path (issue 33): the exact solve where the product keeps
-    ``H`` (Cholesky of ``H + lambda I``, then its inverse: one matmul per query) or ``G``
-    (Woodbury with ``B = sqrt(w / sum w) G``: ``R = L^-1 B`` from the Cholesky
-    ``L L^T = lambda I + B B^T``, then ``x = (v - R^T (R v)) / lambda``: two matmuls per query).
-    Timed interleaved with the plain query: the test gradients plus the solves, factors kept
-    (``ratio``) or made again (``first``, the per-example gradients kept). Checked: the direct
-    answer's relative residual ``||g - (H + lambda I) x|| / ||g||`` (by the product), its
-    distance to the explicit float64 solve (``p <= EXPLICIT_MAX`` only; ``nan`` above), and the
-    refined (conjugate-gradient) answer's distance to it (worst rows)."""
-    from tracinfunc.checkpoint import loss_at
-    from tracinfunc.curvature.flat import flatten
-    from tracinfunc.curvature.samplers import default_sampler
-    from tracinfunc.curvature.test_grads import RefinedSolve
-
-    fitted = tif.fit_curvature(case["loss"], case["ckpts"], case["train"], kind="ekfac",
-                               options=case["options"], sampler=case["sampler"],
-                               damping=Damping(), batch_size=case["batch_size"])
-    refined = fitted.with_refinement(case["train"], steps=case["steps"],
-                                     max_examples=case["examples"], sampler=case["sampler"])
-    names, systems = [name for name, _ in fitted.layout], []
-    for c, ckpt in enumerate(case["ckpts"]):
-        loss, params, lam = loss_at(case["loss"], ckpt), dict(ckpt.params), refined.damping[c]
-        solve = RefinedSolve(loss, refined, c, names, params,
-                             case["sampler"] or default_sampler(case["loss"]), key=c)
-        if solve.product.method == "functional":
-            return {}
-        kept, weights = refined.refinement.gradients[c]
-        grads = tif.per_sample_grads(loss, options=case["options"])
-        rhs = flatten(grads(params, case["test"]), solve.layout).double()
-        systems.append((loss, params, lam, kept, weights, grads, solve, rhs))
-
-    def factor(lam, kept, weights):
-        if weights is None:  # H [p, p]
-            return torch.cholesky_inverse(torch.linalg.cholesky(
-                kept + lam * torch.eye(kept.shape[0], dtype=kept.dtype)))
-        b = kept * (weights / weights.sum()).sqrt()[:, None]  # [m, p]
-        inner = b @ b.T + lam * torch.eye(b.shape[0], dtype=b.dtype)
-        return torch.linalg.solve_triangular(torch.linalg.cholesky(inner), b, upper=False)
-
-    def apply(lam, weights, made, rhs):
-        return rhs @ made if weights is None else (rhs - (rhs @ made.T) @ made) / lam
-
-    made = [factor(lam, kept, w) for _, _, lam, kept, w, *_ in systems]
-
-    def query(first):
-        for (_, params, lam, kept, w, grads, solve, _), f in zip(systems, made, strict=True):
-            rhs = flatten(grads(params, case["test"]), solve.layout).double()
-            apply(lam, w, factor(lam, kept, w) if first else f, rhs)
-
-    def plain():
-        with warnings.catch_warnings(record=True):
-            tif.preconditioned_test_grads(case["loss"], case["ckpts"], case["test"], fitted,
-                                          projection=EXACT, options=case["options"])
-
-    seconds: dict[str, list[float]] = {"plain": [], "direct": [], "first": []}
-    for _ in range(repeats):
-        for label, run in (("plain", plain), ("direct", lambda: query(False)),
-                           ("first", lambda: query(True))):
-            start = time.process_time()
             run()
             seconds[label].append(time.process_time() - start)
     median = {label: statistics.median(values) for label, values in seconds.items()}
-    off_direct, off_cg, residual = 0.0, 0.0, 0.0
-    for (_, _, lam, kept, w, _, solve, rhs), f in zip(systems, made, strict=True):
-        direct = apply(lam, w, f, rhs)
-        applied = solve.product.flat(direct) + lam * direct
-        residual = max(residual, _worst_relative(applied, rhs))
-        cg, _ = pcg_flat(solve.product.flat, solve.precondition, lam, rhs, case["steps"],
-                         refined.refinement.tolerance)
-        off_cg = max(off_cg, _worst_relative(cg, direct))
-        if rhs.shape[1] <= EXPLICIT_MAX:  # H + lambda I [p, p] formed and solved
-            h = kept if w is None else (kept.T * (w / w.sum())) @ kept
-            exact = torch.linalg.solve(h + lam * torch.eye(h.shape[0], dtype=h.dtype), rhs.T).T
-            off_direct = max(off_direct, _worst_relative(direct, exact))
-        else:
-            off_direct = math.nan
-    return {"kept": "H" if systems[0][4] is None else "G", "off_direct": off_direct,
-            "off_cg": off_cg, "steps": case["steps"], "residual": residual,
-            **{label: median[label] / max(median["plain"], 1e-9) for label in median}}
+    mark, cg_mark = (results[label].meta.extra["curvature"] for label in ("refined", "cg"))
+    direct_rows = [results["refined"].read_rows(c, 0, case["n_test"])
+                   for c in range(len(case["ckpts"]))]
+    off_cg = max(_worst_relative(results["cg"].read_rows(c, 0, case["n_test"]), rows)
+                 for c, rows in enumerate(direct_rows))
+    return {"seconds": median, "n_test": case["n_test"], "steps": case["steps"],
+            "examples": case["examples"], "solver": "/".join(sorted(set(mark["solvers"]))),
+            "taken": max(len(r) - 1 for r in cg_mark["residuals"]),
+            "residual": max(r[-1] for r in mark["residuals"]),
+            "cg_residual": [max(r[0] for r in cg_mark["residuals"]),
+                            max(r[-1] for r in cg_mark["residuals"])],
+            "off_cg": off_cg, "off_explicit": explicit_distance(case, fitted, kept, direct_rows),
+            "checkpoints": len(case["ckpts"]), "scale": DEFAULT_SCALES["ekfac"]}
+
+
+def explicit_distance(case: dict, fitted, refined, direct_rows) -> float:
+    """The worst row's distance of the direct answer to ``torch.linalg.solve`` of the explicit
+    ``H + lambda I`` ``[p, p]`` (``H`` from the kept Fisher; ``nan`` above ``EXPLICIT_MAX``)."""
+    entries = list(refined.refinement.gradients.values())
+    if not entries or entries[0].matrix.shape[1] > EXPLICIT_MAX:
+        return math.nan
+    worst = 0.0
+    # the kept Fisher's columns follow the selection's order (module order), not the layout's
+    names = list(selected_names(case["ckpts"][0].params, [name for name, _ in fitted.layout]))
+    for c, (ckpt, entry) in enumerate(zip(case["ckpts"], entries, strict=True)):
+        loss, params = loss_at(case["loss"], ckpt), dict(ckpt.params)
+        h = entry.matrix if entry.weights is None else \
+            (entry.matrix.T * (entry.weights / entry.weights.sum())) @ entry.matrix
+        layout = tuple((name, tuple(params[name].shape)) for name in names)
+        rhs = flatten(tif.per_sample_grads(loss, options=case["options"])(params, case["test"]),
+                      layout).double()
+        lam = refined.damping[c]
+        exact = torch.linalg.solve(h + lam * torch.eye(h.shape[0], dtype=h.dtype), rhs.T).T
+        # the identity projection's rows are in sorted-name order, the solve's in the selection's
+        exact = flatten(unflatten(exact, layout), tuple(sorted(layout)))
+        worst = max(worst, _worst_relative(direct_rows[c].double(), exact))
+    return worst
 
 
 def _worst_relative(value: Tensor, exact: Tensor) -> float:
@@ -213,25 +158,24 @@ def _worst_relative(value: Tensor, exact: Tensor) -> float:
     return float(((value - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)).max())
 
 
-DIRECT_HEADER = ("| model | kept | direct solve ratio | factorising too | direct: residual | "
-                 "direct vs explicit solve | refined (CG) vs direct |\n"
-                 "|---|---|---:|---:|---:|---:|---:|")
-EXPLICIT_MAX = 4096  # p up to which --direct also forms and solves H + lambda I [p, p]
+EXPLICIT_MAX = 4096  # p up to which the direct answer is checked against H + lambda I [p, p]
 
 
-HEADER = ("| model | ckpts | refine (examples, steps, taken) | plain ms/ex | refined ms/ex "
-          "| ratio | first query ratio | functional ratio | residual first -> last |\n"
-          "|---|---:|---|---:|---:|---:|---:|---:|---|")
+HEADER = ("| model | ckpts | refine (examples, cg steps, taken) | solver | plain ms/ex "
+          "| refined ms/ex | ratio | first query ratio | cg ratio | functional ratio "
+          "| direct residual | direct vs explicit | cg vs direct | cg residual first -> last |\n"
+          "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def table_row(name: str, r: dict) -> str:
     s, n = r["seconds"], r["n_test"]
     base = max(s["plain"], 1e-9)
     return (f"| {name} | {r['checkpoints']} | {r['examples']}, {r['steps']}, {r['taken']} | "
-            f"{1e3 * s['plain'] / n:.2f} | {1e3 * s['refined'] / n:.2f} | "
+            f"{r['solver']} | {1e3 * s['plain'] / n:.2f} | {1e3 * s['refined'] / n:.2f} | "
             f"{s['refined'] / base:.2f}x | {s['refined-first'] / base:.2f}x | "
-            f"{s['functional'] / base:.2f}x | "
-            f"{r['residual'][0]:.3g} -> {r['residual'][1]:.3g} |")
+            f"{s['cg'] / base:.2f}x | {s['functional'] / base:.2f}x | {r['residual']:.1e} | "
+            f"{r['off_explicit']:.1e} | {r['off_cg']:.2e} | "
+            f"{r['cg_residual'][0]:.3g} -> {r['cg_residual'][1]:.3g} |")
 
 
 def main() -> None:
@@ -240,30 +184,16 @@ def main() -> None:
     parser.add_argument("--models", default="llama,logreg,mlp",
                         help="comma-separated: llama, logreg, mlp")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
-    parser.add_argument("--direct", action="store_true",
-                        help="also measure an exact direct solve where H or G is kept "
-                             "(measured only, not a library path)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a shared machine: one core, comparable CPU times
     repeats = 1 if args.quick else args.repeats
     print(f"refined vs plain EK-FAC query, process CPU time, median of {repeats} "
           f"(tracinfunc from {Path(tif.__file__).parent})")
     print(HEADER, flush=True)
-    cases = {}
     for name in args.models.split(","):
         case = llama_case(args.quick) if name == "llama" else digits_case(name, args.quick)
         print(table_row(name, measure(case, repeats)), flush=True)
-        if args.direct:
-            cases[name] = case
-    if cases:
-        print(f"\nexact direct solves where H or G is kept (measured only), median of "
-              f"{repeats}\n{DIRECT_HEADER}", flush=True)
-    for name, case in cases.items():
-        r = direct_solves(case, repeats)
-        print(f"| {name} | functional product: none |" if not r else
-              f"| {name} | {r['kept']} | {r['direct']:.2f}x | {r['first']:.2f}x | "
-              f"{r['residual']:.1e} | {r['off_direct']:.1e} | {r['off_cg']:.2e} "
-              f"({r['steps']} steps) |", flush=True)
+
 
 if __name__ == "__main__":
     main()

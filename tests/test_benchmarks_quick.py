@@ -42,7 +42,7 @@ PRINTS = {"quality.py": "| exact-all | identity | p | all | dot |",
           "curvature.py": "| dense-exact |", "gpu.py": "verdict: PASS",
           "curvature_fit.py": "| lm (",
           "quality_lm.py": "| tracin-all | tracin | all |",
-          "refine_cost.py": "| mlp | 3 | 100, 5,",
+          "refine_cost.py": "| mlp | 3 | 100, 5, 5 | direct |",
           "rerank.py": "| LM projected curvature, retrieve with curvature |",
           "token_attribution.py": "| canary document top-1 proponent |",
           "report.py": "| page top-10 rows == tif.top_k's | True |"}

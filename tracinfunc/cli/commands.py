@@ -203,10 +203,14 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--curvature", type=Path, metavar="PATH",
                        help="curvature-aware TracIn with a curvature saved by save_curvature")
     score.add_argument("--refine-steps", type=_positive_int, metavar="N",
-                       help="with --curvature: refine each query by N conjugate-gradient steps "
-                            "on the Fisher of the spec's training data")
+                       help="with --curvature: solve each query with the Fisher of the spec's "
+                            "training data (exactly where it is kept in memory, else by at "
+                            "most N conjugate-gradient steps)")
     score.add_argument("--refine-examples", type=_positive_int, metavar="M",
                        help="with --refine-steps: use the first M training examples")
+    score.add_argument("--refine-solver", choices=("auto", "direct", "cg"), default=None,
+                       help="with --refine-steps: 'auto' (default: exact where the Fisher is "
+                            "kept, else conjugate gradient), 'direct' or 'cg'")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
     score.add_argument("--overwrite", action="store_true", help="replace an existing output")
     score.set_defaults(run=_score)
@@ -535,15 +539,18 @@ def _score(args: argparse.Namespace) -> int:
 def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature | None:
     """``curvature`` refined on the spec's training data when ``--refine-steps`` asks."""
     if args.refine_steps is None:
-        if args.refine_examples is not None:
-            raise SpecError("score: --refine-examples needs --refine-steps N.")
+        for flag, value in (("--refine-examples", args.refine_examples),
+                            ("--refine-solver", args.refine_solver)):
+            if value is not None:
+                raise SpecError(f"score: {flag} needs --refine-steps N.")
         return curvature
     if curvature is None or args.spec is None or args.test_store is not None:
         raise SpecError("score: --refine-steps needs --curvature PATH and --spec (with --test "
                         "NAME): the queries are refined on the spec's training data, so "
                         "precomputed --test-store gradients cannot be.")
     return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
-                                     max_examples=args.refine_examples)
+                                     max_examples=args.refine_examples,
+                                     solver=args.refine_solver or "auto")
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,

@@ -19,17 +19,20 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
+from tracinfunc._validate import current_caller
 from tracinfunc.curvature.flat import flat_map, flatten, unflatten
+from tracinfunc.errors import IllConditionedError, NonFiniteGradientError
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["FORWARD_AD_LOCK", "GRADIENT_BUDGET", "checkpoint_product", "fisher_product",
-           "gradient_product", "sampled_gradients"]
+__all__ = ["FORWARD_AD_LOCK", "GRADIENT_BUDGET", "KeptFisher", "checkpoint_product",
+           "fisher_product", "gradient_product", "sampled_gradients"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
 
@@ -46,40 +49,138 @@ FORWARD_AD_LOCK = threading.RLock()
 GRADIENT_BUDGET = 256 * 2**20
 
 
+@dataclass(eq=False)
+class KeptFisher:
+    """One checkpoint's sampled Fisher, kept: ``G [m, p]`` with its weights ``[m]``, or
+    ``H [p, p]`` itself (``weights is None``); and the Cholesky factor of its damped system at
+    the last damping solved (:meth:`solve`), replaced when the damping changes.
+
+    Attributes:
+        matrix: ``G [m, p]`` or ``H [p, p]``, float64.
+        weights: ``[m]`` float64, or ``None`` (``matrix`` is ``H``).
+        factor: ``(damping, L)``: ``L L^T = H + damping I`` ``[p, p]`` (``H`` kept) or
+            ``L L^T = damping I + B B^T`` ``[m, m]`` with ``B = sqrt(w / sum w) G`` (``G``
+            kept); ``None`` until the first direct solve.
+    """
+
+    matrix: Tensor
+    weights: Tensor | None
+    factor: tuple[float, Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the matrix, the weights and the factor)."""
+        held = [self.matrix, self.weights, None if self.factor is None else self.factor[1]]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    @property
+    def factor_bytes(self) -> int:
+        """Bytes of one factor: ``[p, p]`` or ``[m, m]`` float64."""
+        return min(self.matrix.shape) ** 2 * 8 if self.weights is not None \
+            else self.matrix.shape[0] ** 2 * 8
+
+    @property
+    def solvable(self) -> bool:
+        """Whether :meth:`solve` applies: every weight ``>= 0`` (``B = sqrt(w) G`` is real)."""
+        return self.weights is None or bool((self.weights >= 0).all())
+
+    def product(self, shapes: dict[str, tuple[int, ...]]) -> Callable[[Vectors], Vectors]:
+        """:func:`gradient_product` of the kept matrix (its ``kept`` is this)."""
+        product = gradient_product(self.matrix, self.weights, shapes)
+        product.kept = self
+        return product
+
+    def solve(self, damping: float, rhs: Tensor) -> Tensor:
+        """``(H + damping I)^-1 rhs`` exactly, ``rhs [t, p]`` float64 -> ``[t, p]`` float64.
+
+        ``H`` kept: Cholesky of ``H + damping I``. ``G`` kept: Woodbury, ``(damping I +
+        B^T B)^-1 v = (v - B^T (damping I + B B^T)^-1 B v) / damping`` with ``B = sqrt(w /
+        sum w) G`` (``B`` never formed: its rows are ``G``'s scaled), an ``[m, m]`` Cholesky.
+        The factor is made at the first solve at a damping and kept.
+
+        Raises:
+            NonFiniteGradientError: the kept matrix holds NaN or infinite values.
+            IllConditionedError: ``H + damping I`` is not positive definite (negative sampler
+                weights with ``H`` kept; with ``G`` kept they are refused before,
+                :attr:`solvable`).
+        """
+        if self.factor is None or self.factor[0] != damping:
+            self.factor = None  # the old one's memory first
+            self.factor = (damping, self._factorise(damping))
+        factor = self.factor[1]
+        rows = rhs.to(self.matrix)
+        if self.weights is None:  # (H + l I) x = v, both triangles
+            return torch.cholesky_solve(rows.T, factor).T.to(rhs.device)
+        root = (self.weights / self.weights.sum()).sqrt()  # [m]
+        inner = torch.cholesky_solve(((rows @ self.matrix.T) * root).T, factor)  # [m, t]
+        return ((rows - (inner.T * root) @ self.matrix) / damping).to(rhs.device)
+
+    def _factorise(self, damping: float) -> Tensor:
+        if self.weights is None:
+            system = self.matrix + damping * torch.eye(self.matrix.shape[0], dtype=torch.float64,
+                                                       device=self.matrix.device)
+        else:
+            scaled = self.matrix * (self.weights / self.weights.sum()).sqrt()[:, None]
+            system = scaled @ scaled.T
+            system.diagonal().add_(damping)
+        if not bool(system.isfinite().all()):
+            raise NonFiniteGradientError(
+                f"{current_caller()}: the sampled Fisher holds NaN or infinite values, so it "
+                "cannot be solved (its per-example gradients are not finite); check the "
+                "refinement data and the model at this checkpoint, or refine with other data.")
+        factor, info = torch.linalg.cholesky_ex(system)
+        if int(info) != 0:
+            raise IllConditionedError(
+                f"{current_caller()}: the damped sampled Fisher (damping {damping:.3g}) is not "
+                "positive definite, so it cannot be solved directly: the sampler's weights "
+                "make it indefinite (a Fisher's are non-negative); use a sampler with "
+                "non-negative weights, or a larger damping.")
+        return factor
+
+
 def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, params: Params,
                        names: list[str], label: Callable[[], list[tuple[Batch, Tensor]]],
-                       budget: int | None = None) -> Callable[[Vectors], Vectors]:
+                       budget: int | None = None, factor: bool = False
+                       ) -> Callable[[Vectors], Vectors]:
     """``v -> H v`` at one checkpoint, by :func:`gradient_product` when ``G`` fits ``budget``.
 
     Args:
-        cache: Where ``G`` is kept (the refinement's), ``{key: (G, weights)}``.
+        cache: Where the sampled Fisher is kept (the refinement's), ``{key: KeptFisher}``.
         key: Identifies the checkpoint, loss and selection ``G`` was computed for.
         label: ``() -> [(labelled batch, weights [b])]``, the sampler's draws (run on a miss).
         budget: Bytes kept at most (default :data:`GRADIENT_BUDGET`, read at call time).
+        factor: Count one Cholesky factor (``[min(m, p)]^2`` float64) in the budget too: the
+            direct solve (:meth:`KeptFisher.solve`) keeps one.
 
     Returns:
         ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64; its ``method`` is
         ``"gradients"``, ``"matrix"`` (``p < 2 m``) or ``"functional"`` (``G`` over budget);
-        its ``flat`` is the same map on flat rows ``[t, p]`` (columns in ``names``' order).
+        its ``flat`` is the same map on flat rows ``[t, p]`` (columns in ``names``' order);
+        its ``kept`` the :class:`KeptFisher` (``None`` for ``"functional"``).
     """
     budget = GRADIENT_BUDGET if budget is None else budget
     shapes = {name: tuple(params[name].shape) for name in names}
     with FORWARD_AD_LOCK:
         if key in cache:
-            return gradient_product(*cache[key], shapes)
+            return cache[key].product(shapes)
         labelled = label()
         rows = sum(int(weights.shape[0]) for _, weights in labelled)
-        size = rows * sum(math.prod(shape) for shape in shapes.values()) * 8
-        if size > budget:
-            return fisher_product(loss, params, names, labelled)
+        p = sum(math.prod(shape) for shape in shapes.values())
+        side = p if p < 2 * rows else rows  # H [p, p] is kept when p < 2m, else G [m, p]
+        kept_size = side * p * 8 + (side * side * 8 if factor else 0)
+        if rows * p * 8 > budget or kept_size > budget:  # G is made before H is
+            product = fisher_product(loss, params, names, labelled)
+            product.kept = None
+            return product
         gradients, weights = sampled_gradients(loss, params, names, labelled)
         if gradients.shape[1] < 2 * rows:  # p < 2m: H [p, p] is smaller and cheaper to apply
             gradients, weights = (gradients.T * (weights / weights.sum())) @ gradients, None
-        size = gradients.numel() * 8
-        while cache and size + sum(g.numel() * 8 for g, _ in cache.values()) > budget:
+        kept = KeptFisher(gradients, weights)
+        size = kept.nbytes + (kept.factor_bytes if factor else 0)
+        while cache and size + sum(k.nbytes for k in cache.values()) > budget:
             del cache[next(iter(cache))]  # the oldest checkpoint's
-        cache[key] = (gradients, weights)
-        return gradient_product(gradients, weights, shapes)
+        cache[key] = kept
+        return kept.product(shapes)
 
 
 def sampled_gradients(loss: LossFn, params: Params, names: list[str],
@@ -126,6 +227,7 @@ def gradient_product(gradients: Tensor, weights: Tensor | None,
 
     product.method = "gradients" if weights is not None else "matrix"
     product.flat = flat
+    product.kept = None  # set by KeptFisher.product
     return product
 
 

@@ -1,11 +1,20 @@
-"""Iterative refinement: preconditioned conjugate gradient on ``(H_c + lambda_c I) x = g``.
+"""Refinement: solving ``(H_c + lambda_c I) x = g`` with the sampled Fisher itself.
 
 A fitted curvature (K-FAC, EK-FAC, dense) is an approximation of the Gauss-Newton (true
 Fisher) matrix ``H_c``; its damped inverse is cheap and close. Refinement solves the damped
 system of the Fisher itself, over a fixed sample of training batches with labels drawn once
-by the same sampler :func:`~tracinfunc.fit_curvature` uses, by a few steps of conjugate
-gradient preconditioned by the fitted inverse (starting from its answer), each query until
-its relative residual is at most the tolerance (at most ``steps`` steps). Fisher-vector
+by the same sampler :func:`~tracinfunc.fit_curvature` uses. Two solvers (``solver=``):
+
+- ``"direct"``: exactly, where the sampled Fisher is kept in memory (``G [m, p]`` or
+  ``H [p, p]``): a Cholesky factor per checkpoint and damping, made once and kept
+  (:class:`~tracinfunc.curvature.fisher.KeptFisher`); a query costs about two Fisher-vector
+  products (the solve and its residual check).
+- ``"cg"``: a few steps of conjugate gradient preconditioned by the fitted inverse (starting
+  from its answer), each query until its relative residual is at most the tolerance (at most
+  ``steps`` steps).
+- ``"auto"`` (the default): ``"direct"`` where the Fisher is kept, else ``"cg"``.
+
+Fisher-vector
 products ``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` never form ``H``: two matrix products
 with the per-example gradients ``G``, computed once per checkpoint and kept while they fit
 :data:`~tracinfunc.curvature.fisher.GRADIENT_BUDGET`, else functionally (a jvp and a vjp of the
@@ -40,9 +49,9 @@ from tracinfunc.errors import (
 )
 from tracinfunc.types import Batch
 
-__all__ = ["FORWARD_AD_LOCK", "Refinement", "check_refinable", "data_digest", "finite_rows",
-           "fisher_product", "kept_batches", "largest_eigenvalue", "pcg", "pcg_flat",
-           "warn_unconverged"]
+__all__ = ["FORWARD_AD_LOCK", "SOLVERS", "Refinement", "check_refinable", "data_digest",
+           "direct_solve", "finite_rows", "fisher_product", "kept_batches",
+           "largest_eigenvalue", "pcg", "pcg_flat", "warn_unconverged"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
 
@@ -52,7 +61,7 @@ class Refinement:
     """How queries are refined (held by a :class:`~tracinfunc.Curvature`).
 
     Attributes:
-        steps: Conjugate-gradient steps per query at most (``>= 1``).
+        steps: Conjugate-gradient steps per query at most (``>= 1``; unused by a direct solve).
         batches: The training batches the Fisher-vector products average over (a list).
         sampler: Draws their labels (``None``: the loss's default sampler).
         seed: Seeds the label draws (``seed + checkpoint position``).
@@ -60,9 +69,11 @@ class Refinement:
             is at most this; one still above it after ``steps`` is reported (a
             ``RuntimeWarning``) as not converged.
         digest: SHA-256 of the batches' tensors (part of the curvature's digest).
-        gradients: Per checkpoint, the per-example gradients and weights the Fisher-vector
-            products use (filled by the first refined query, shared by every curvature made
-            from this one by ``with_damping``; not part of the digest).
+        solver: ``"auto"``, ``"direct"`` or ``"cg"`` (:data:`SOLVERS`).
+        gradients: Per checkpoint, the sampled Fisher the products and direct solves use
+            (:class:`~tracinfunc.curvature.fisher.KeptFisher`; filled by the first refined
+            query, shared by every curvature made from this one by ``with_damping``; not part
+            of the digest).
     """
 
     steps: int
@@ -71,13 +82,17 @@ class Refinement:
     seed: int = 0
     tolerance: float = 1e-2
     digest: str = field(default="")
+    solver: str = "auto"
     gradients: dict = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """JSON types for the curvature's metadata (no tensors)."""
         return {"steps": self.steps, "n_batches": len(self.batches), "seed": self.seed,
-                "tolerance": self.tolerance, "data": self.digest,
+                "tolerance": self.tolerance, "data": self.digest, "solver": self.solver,
                 "sampler": None if self.sampler is None else repr(self.sampler)}
+
+
+SOLVERS = ("auto", "direct", "cg")  # Refinement.solver: see the module's docstring
 
 
 def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
@@ -204,10 +219,49 @@ def pcg_flat(product: Callable[[Tensor], Tensor], precondition: Callable[[Tensor
     return x, residuals
 
 
-def warn_unconverged(residuals: Tensor, tolerance: float, checkpoint: str) -> None:
-    """A ``RuntimeWarning`` naming the worst final residual when it is above ``tolerance``."""
+def direct_solve(product: Callable[[Tensor], Tensor], damping: float, rhs: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """``(H + damping I)^-1 rhs`` exactly by the kept Fisher of ``product`` (its ``kept``,
+    :meth:`~tracinfunc.curvature.fisher.KeptFisher.solve`), ``t`` systems at once.
+
+    Args:
+        product: A kept product (:func:`~tracinfunc.curvature.fisher.checkpoint_product`).
+        rhs: ``[t, p]``.
+
+    Returns:
+        ``(x [t, p] float64, residuals [1, t])``: the relative residual
+        ``||rhs - (H + l I) x|| / ||rhs||`` by the product (rounding only, unless the system is
+        ill-conditioned; ``0`` for a zero ``rhs``).
+
+    Raises:
+        NonFiniteGradientError: the factor or the solution is NaN or infinite.
+    """
+    rhs = rhs.double()
+    norm = _norm(rhs)
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    x = product.kept.solve(damping, rhs)
+    residual = rhs - product.flat(x).add_(x, alpha=damping)
+    residuals = (_norm(residual) / safe)[None]
+    if not (bool(residuals.isfinite().all()) and bool(finite_rows(x).all())):
+        raise NonFiniteGradientError(
+            f"{current_caller()}: the refined solve produced NaN or infinite values (the "
+            "sampled Fisher over the refinement data is not finite); check that data and the "
+            "model at this checkpoint, or refine with other data.")
+    return x, residuals
+
+
+def warn_unconverged(residuals: Tensor, tolerance: float, checkpoint: str,
+                     direct: bool = False) -> None:
+    """A ``RuntimeWarning`` naming the worst final residual when it is above ``tolerance``
+    (``direct``: of the direct solve, where only rounding leaves one)."""
     worst = float(residuals[-1].max()) if residuals.numel() else 0.0
-    if worst > tolerance:
+    if worst > tolerance and direct:
+        warnings.warn(
+            f"{current_caller()}: the direct solve at checkpoint {checkpoint!r} left a relative "
+            f"residual of {worst:.3g}, above the tolerance {tolerance:g}: the damped system is "
+            "too ill-conditioned for float64 rounding at this damping; a larger damping "
+            "(with_damping) solves it.", RuntimeWarning, stacklevel=3)
+    elif worst > tolerance:
         warnings.warn(
             f"{current_caller()}: refinement at checkpoint {checkpoint!r} stopped at a relative "
             f"residual of {worst:.3g} after {residuals.shape[0] - 1} steps (first "

@@ -28,7 +28,12 @@ from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, checkpoint_product
 from tracinfunc.curvature.flat import flat_map, flatten, unflatten
-from tracinfunc.curvature.refine import finite_rows, pcg_flat, warn_unconverged
+from tracinfunc.curvature.refine import (
+    direct_solve,
+    finite_rows,
+    pcg_flat,
+    warn_unconverged,
+)
 from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import EmptyDataError, InvalidArgumentError
@@ -95,16 +100,18 @@ def preconditioned_test_grads(
     sampler = None if curvature.refinement is None else (
         curvature.refinement.sampler or default_sampler(loss))
     with FORWARD_AD_LOCK if sampler is not None else contextlib.nullcontext():
-        per_ckpt, residuals = _per_checkpoint(loss, checkpoints, metas, data, curvature, names,
-                                              projection, options, sampler)
-    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None)
+        per_ckpt, residuals, solvers = _per_checkpoint(loss, checkpoints, metas, data,
+                                                       curvature, names, projection, options,
+                                                       sampler)
+    return marked_store(meta, per_ckpt, curvature, residuals=residuals or None,
+                        solvers=solvers or None)
 
 
 def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection, options,
-                    sampler) -> tuple[list[Tensor], list[list[float]]]:
+                    sampler) -> tuple[list[Tensor], list[list[float]], list[str]]:
     """Per checkpoint, the preconditioned projected test rows ``[n_test, k]`` (and, refined,
-    the residuals)."""
-    per_ckpt, residuals = [], []
+    the residuals and the solver used)."""
+    per_ckpt, residuals, solvers = [], [], []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         params = dict(ckpt.params)
         solve = None if sampler is None else RefinedSolve(
@@ -118,15 +125,18 @@ def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection
         per_ckpt.append(torch.cat(parts))
         if solve is not None:
             residuals.append(solve.finish(ckpt_meta.name))
-    return per_ckpt, residuals
+            solvers.append(solve.solver)
+    return per_ckpt, residuals, solvers
 
 
 def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvature, *,
-                 residuals: list[list[float]] | None = None) -> MemoryStore:
+                 residuals: list[list[float]] | None = None,
+                 solvers: list[str] | None = None) -> MemoryStore:
     """Preconditioned rows (``[n_test, k]`` per checkpoint) as a store marked with the
     curvature's digest, which ``score(..., curvature=)`` checks (torch and JAX frontends).
     A refined curvature's ``residuals`` (per checkpoint, the worst relative residual after
-    each conjugate-gradient step) are kept in the mark.
+    each conjugate-gradient step; one value for a direct solve) and ``solvers`` (per
+    checkpoint, ``"direct"`` or ``"cg"``) are kept in the mark.
 
     Raises:
         NonFiniteGradientError: a row is NaN/inf (names the checkpoint and test examples).
@@ -136,6 +146,8 @@ def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvatu
     mark = {"kind": curvature.kind, "digest": curvature.digest}
     if residuals is not None:
         mark["residuals"] = residuals
+        if solvers is not None:
+            mark["solvers"] = solvers
         # the unrefined curvature's digest: a saved (hence plain) one is told apart, with advice
         mark["plain"] = curvature.without_refinement().digest
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
@@ -176,13 +188,18 @@ class GradientPreconditioner:
 
 
 class RefinedSolve:
-    """``grads {name: [b, *shape]} -> (H_c + lambda_c I)^-1 grads`` by preconditioned
-    conjugate gradient (:mod:`tracinfunc.curvature.refine`), over the refinement's batches
-    labelled once; keeps the worst relative residual after each step.
+    """``grads {name: [b, *shape]} -> (H_c + lambda_c I)^-1 grads`` with the sampled Fisher
+    over the refinement's batches labelled once, exactly or by preconditioned conjugate
+    gradient (the refinement's ``solver``; :mod:`tracinfunc.curvature.refine`); keeps the
+    worst relative residual after each step (a direct solve's: one).
 
-    ``key`` names the checkpoint's state, the selection and the loss: the per-example
-    gradients kept on the refinement under it are reused (the parameters' fingerprint is
-    recomputed, so parameters changed in place are not served stale gradients).
+    ``key`` names the checkpoint's state, the selection and the loss: the sampled Fisher kept
+    on the refinement under it is reused (the parameters' fingerprint is recomputed, so
+    parameters changed in place are not served a stale Fisher).
+
+    Raises:
+        InvalidArgumentError: ``solver="direct"`` where the Fisher is not kept (over
+            ``GRADIENT_BUDGET``) or its sampler's weights are negative.
     """
 
     def __init__(self, loss: LossFn, curvature: Curvature, ckpt: int, names, params: Params,
@@ -202,12 +219,27 @@ class RefinedSolve:
                     "training batches of this model's input shape and dtype.") from err
 
         self.product = checkpoint_product(refinement.gradients, key, loss, params, list(names),
-                                          label)
+                                          label, factor=refinement.solver != "cg")
+        kept = self.product.kept
+        self.direct = refinement.solver != "cg" and kept is not None and kept.solvable
+        if refinement.solver == "direct" and not self.direct:
+            why = ("its per-example gradients are over tracinfunc.curvature.fisher."
+                   "GRADIENT_BUDGET, so it is not kept" if kept is None else
+                   "the sampler gave negative weights, so sqrt(w) G is not real")
+            raise InvalidArgumentError(
+                f"{current_caller()}: solver='direct' solves the sampled Fisher exactly, but at "
+                f"checkpoint {name!r} {why}; use solver='auto' (conjugate gradient where it "
+                "cannot), fewer refinement examples (max_examples=), or raise the budget.")
         self.curvature, self.ckpt = curvature, ckpt
         # flat rows [b, p] in the product's column order (the selection's), converted once
         self.layout = tuple((name, tuple(params[name].shape)) for name in names)
         self.precondition = flat_map(lambda v: curvature.precondition(ckpt, v), self.layout)
         self.history: list[Tensor] = []
+
+    @property
+    def solver(self) -> str:
+        """The solver used at this checkpoint: ``"direct"`` or ``"cg"``."""
+        return "direct" if self.direct else "cg"
 
     def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         dtype = next(iter(grads.values())).dtype
@@ -219,9 +251,12 @@ class RefinedSolve:
         if not everyone:
             rows = torch.where(finite[:, None], rows, 0)
         refinement = self.curvature.refinement
-        solution, residuals = pcg_flat(self.product.flat, self.precondition,
-                                       self.curvature.damping[self.ckpt], rows.double(),
-                                       refinement.steps, refinement.tolerance)
+        damping = self.curvature.damping[self.ckpt]
+        if self.direct:
+            solution, residuals = direct_solve(self.product, damping, rows.double())
+        else:
+            solution, residuals = pcg_flat(self.product.flat, self.precondition, damping,
+                                           rows.double(), refinement.steps, refinement.tolerance)
         self.history.append(residuals)
         if not everyone:
             solution = torch.where(finite[:, None], solution, torch.nan)
@@ -234,7 +269,7 @@ class RefinedSolve:
         residuals = (torch.cat([torch.cat([r, r[-1:].expand(taken - r.shape[0], -1)])
                                 for r in self.history], dim=1)
                      if self.history else torch.zeros(1, 0))
-        warn_unconverged(residuals, self.curvature.refinement.tolerance, name)
+        warn_unconverged(residuals, self.curvature.refinement.tolerance, name, self.direct)
         return [float(r.max()) if r.numel() else 0.0 for r in residuals]
 
 

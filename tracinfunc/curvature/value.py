@@ -194,40 +194,53 @@ class Curvature:
     @entry_point("Curvature.with_refinement")
     def with_refinement(self, data: Batch | Iterable[Batch], *, steps: int = 5,
                         max_examples: int | None = None, sampler: Any = None, seed: int = 0,
-                        tolerance: float = 1e-2) -> Curvature:
-        """The same curvature, its queries refined by preconditioned conjugate gradient.
+                        tolerance: float = 1e-2, solver: str = "auto") -> Curvature:
+        """The same curvature, its queries solved with the sampled Fisher itself.
 
         Each query ``g`` is solved on ``(H_c + lambda_c I) x = g`` with ``H_c`` the Fisher of
         the training examples in ``data`` (labels drawn by ``sampler``, as in
-        :func:`~tracinfunc.fit_curvature`), starting from this curvature's answer and
-        preconditioned by it, by conjugate gradient: each query stops once its relative
-        residual ``||g - (H + lambda I) x|| / ||g||`` is at most ``tolerance``, or after
-        ``steps`` steps. Each step is one Fisher-vector product for a batch of queries: two
-        matrix products with the per-example gradients ``G [m, p]`` of the ``m`` labelled
-        examples, computed once per checkpoint at the first refined query and kept on this
-        curvature (and those ``with_damping`` makes from it) while ``m x p x 8`` bytes fit
+        :func:`~tracinfunc.fit_curvature`). The per-example gradients ``G [m, p]`` of the
+        ``m`` labelled examples are computed once per checkpoint at the first refined query
+        and kept on this curvature (and those ``with_damping`` makes from it) while
+        ``m x p x 8`` bytes (and one Cholesky factor, ``min(m, p)^2 x 8``) fit
         :data:`tracinfunc.curvature.fisher.GRADIENT_BUDGET` (256 MiB, over all checkpoints);
-        a larger ``G`` is never formed and each product is a jvp and a vjp over every
-        example instead. Applied by :func:`~tracinfunc.preconditioned_test_grads` (so
-        ``score``, ``top_k``, ``indexed_top_k`` and the CLI get it through ``curvature=``).
-        ``steps`` and ``tolerance`` are part of the digest: queries refined differently are
-        never mixed.
+        ``H = G^T diag(w) G / sum w`` ``[p, p]`` is kept instead when ``p < 2 m``. Then:
+
+        - ``solver="direct"``: solved exactly (Cholesky of ``H + lambda I``, or Woodbury
+          through an ``[m, m]`` Cholesky when ``G`` is kept; the factor made once per
+          checkpoint and damping): the answer conjugate gradient converges to, at about two
+          Fisher-vector products per query. Refused at the query when the Fisher is not kept.
+        - ``solver="cg"``: conjugate gradient preconditioned by this curvature, starting from
+          its answer: each query stops once its relative residual
+          ``||g - (H + lambda I) x|| / ||g||`` is at most ``tolerance``, or after ``steps``
+          steps. Each step is one Fisher-vector product for a batch of queries: two matrix
+          products with ``G`` (or one with ``H``); a Fisher that is not kept is never formed
+          and each product is a jvp and a vjp over every example instead.
+        - ``solver="auto"`` (default): ``"direct"`` where the Fisher is kept (and its weights
+          are non-negative), else ``"cg"``.
+
+        Applied by :func:`~tracinfunc.preconditioned_test_grads` (so ``score``, ``top_k``,
+        ``indexed_top_k`` and the CLI get it through ``curvature=``); the test gradients'
+        metadata holds, per checkpoint, the worst residual after each step (one value for a
+        direct solve) and the solver used. ``steps``, ``tolerance`` and ``solver`` are part of
+        the digest: queries refined differently are never mixed.
 
         Args:
             data: Training batches (or a sample of them), copied and kept in memory
                 (changing ``data`` in place later changes nothing).
-            steps: Conjugate-gradient steps at most, ``>= 1``.
+            steps: Conjugate-gradient steps at most, ``>= 1`` (a direct solve takes none).
             max_examples: Keep only the first this many inputs of ``data``.
             sampler: Draws labels (``None``: the loss's default sampler).
             seed: Seeds the label draws (``seed + checkpoint position``).
             tolerance: The stop criterion: a query whose relative residual is at most this
                 stops (its answer does not depend on the queries batched with it); one still
-                above it after ``steps`` is reported (a ``RuntimeWarning``). Every step's
-                worst residual is in the test gradients' metadata.
+                above it after ``steps`` (or after a direct solve, from rounding) is reported
+                (a ``RuntimeWarning``).
+            solver: ``"auto"``, ``"direct"`` or ``"cg"`` (above).
 
         Raises:
             InvalidArgumentError: ``kind="projected"`` (its space has no Fisher-vector
-                product), ``steps < 1``, a bad tolerance, or no examples in ``data``.
+                product), ``steps < 1``, a bad tolerance or solver, or no examples in ``data``.
             IllConditionedError: a zero, tiny or huge damping (:func:`refine.check_refinable`).
         """
         steps = check_int(steps, "steps", minimum=1)
@@ -242,6 +255,11 @@ class Curvature:
                 f"{current_caller()}: tolerance must be a positive finite float, got "
                 f"{tolerance!r}; e.g. tolerance=1e-2.")
         seed = check_int(seed, "seed", minimum=0, fix="e.g. seed=0")
+        if not isinstance(solver, str) or solver not in refine.SOLVERS:
+            raise InvalidArgumentError(
+                f"{current_caller()}: solver must be one of {', '.join(map(repr, refine.SOLVERS))}"
+                f", got {solver!r}; e.g. solver='auto' (exact where the sampled Fisher is kept, "
+                "else conjugate gradient).")
         if sampler is not None and not callable(sampler):
             raise InvalidArgumentError(
                 f"{current_caller()}: sampler must be None (the loss's default) or a sampler "
@@ -250,7 +268,8 @@ class Curvature:
         batches = refine.kept_batches(data, check_int(max_examples, "max_examples",
                                                       optional=True, minimum=1))
         refined = replace(self, refinement=refine.Refinement(
-            steps, batches, sampler, seed, float(tolerance), refine.data_digest(batches)))
+            steps, batches, sampler, seed, float(tolerance), refine.data_digest(batches),
+            solver))
         refined._cache.update({key: value for key, value in self._cache.items()
                                if key != "digest"})  # a str key: its own digest
         refined.check_refinable()

@@ -1,0 +1,223 @@
+"""The direct refined solve (issue 33): where the sampled Fisher is kept, ``(H + lambda I) x = g``
+is solved exactly (Cholesky of ``H + lambda I`` when ``H [p, p]`` is kept, Woodbury through an
+``[m, m]`` Cholesky when ``G [m, p]`` is), checked against the explicit float64 solve with the
+Fisher built by hand (``tests.reference.flat_loop_grads`` at every class, by its probability)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tracinfunc as tif
+from tests.reference import flat_loop_grads
+from tracinfunc.curvature import classification_sampler, fisher, fit_curvature
+from tracinfunc.curvature.test_grads import MARK
+from tracinfunc.errors import InvalidArgumentError
+
+EXACT = classification_sampler(exact=True)
+IDENTITY = tif.Projection(kind="identity")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 4, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (24,), generator=g)
+    ckpts = [tif.Checkpoint.from_module(model, lr=0.5, name="a")]
+    fitted = fit_curvature(loss, ckpts, (x[:20], y[:20]), kind="ekfac", damping=0.05,
+                           sampler=EXACT)
+    return model, loss, ckpts, (x[:20], y[:20]), (x[20:], y[20:]), fitted
+
+
+def _explicit_solution(model, loss, ckpt, inputs, test, lam) -> torch.Tensor:
+    """``(H + lam I)^-1 g`` ``[n_test, p]``, ``H = sum_i sum_c p_ic g_ic g_ic^T / n``."""
+    params = dict(ckpt.params)
+    with torch.no_grad():
+        probs = torch.func.functional_call(model, params, (inputs,)).softmax(-1)  # [n, C]
+    fisher_matrix = 0
+    for c in range(probs.shape[1]):
+        grads = flat_loop_grads(loss, params, (inputs, torch.full((inputs.shape[0],), c)))
+        fisher_matrix = fisher_matrix + (grads * probs[:, c:c + 1]).T @ grads
+    fisher_matrix = fisher_matrix / inputs.shape[0]
+    g = flat_loop_grads(loss, params, test)
+    eye = torch.eye(fisher_matrix.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(fisher_matrix + lam * eye, g.T).T
+
+
+def _query(loss, ckpts, test, refined):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a direct solve converges: no warning
+        return tif.preconditioned_test_grads(loss, ckpts, test, refined, projection=IDENTITY)
+
+
+# 20 examples x 3 classes = 60 rows, p = 43 < 2 x 60: H [43, 43] kept; 5 examples: 15 rows,
+# 43 >= 30: G [15, 43] kept (the Woodbury path)
+@pytest.mark.parametrize(("examples", "kept"), [(None, "H"), (5, "G")])
+@pytest.mark.parametrize("solver", ["auto", "direct"])
+def test_direct_solve_equals_the_explicit_float64_solve(setup, examples, kept, solver):
+    model, loss, ckpts, train, test, fitted = setup
+    refined = fitted.with_refinement(train, sampler=EXACT, max_examples=examples, solver=solver,
+                                     tolerance=1e-10)
+    queries = _query(loss, ckpts, test, refined)
+    n = 20 if examples is None else examples
+    expected = _explicit_solution(model, loss, ckpts[0], train[0][:n], test, 0.05)
+    torch.testing.assert_close(queries.read_rows(0, 0, 4), expected, rtol=1e-9, atol=1e-11)
+    mark = queries.meta.extra[MARK]
+    assert mark["solvers"] == ["direct"]
+    assert len(mark["residuals"][0]) == 1 and mark["residuals"][0][0] < 1e-12
+    (entry,) = refined.refinement.gradients.values()
+    assert (entry.weights is None) == (kept == "H")
+    assert entry.factor is not None and entry.factor[0] == 0.05
+
+
+def test_direct_equals_converged_cg_and_plain_is_not_it(setup):
+    _, loss, ckpts, train, test, fitted = setup
+    direct = _query(loss, ckpts, test, fitted.with_refinement(train, sampler=EXACT))
+    cg = fitted.with_refinement(train, sampler=EXACT, solver="cg", steps=200, tolerance=1e-13)
+    converged = _query(loss, ckpts, test, cg)
+    torch.testing.assert_close(direct.read_rows(0, 0, 4), converged.read_rows(0, 0, 4),
+                               rtol=1e-8, atol=1e-10)
+    assert converged.meta.extra[MARK]["solvers"] == ["cg"]
+    plain = tif.preconditioned_test_grads(loss, ckpts, test, fitted, projection=IDENTITY)
+    assert not torch.allclose(plain.read_rows(0, 0, 4), direct.read_rows(0, 0, 4), rtol=1e-3)
+
+
+def test_factor_is_kept_per_damping_and_replaced_at_another(setup, monkeypatch):
+    model, loss, ckpts, train, test, fitted = setup
+    refined = fitted.with_refinement(train, sampler=EXACT)
+    calls = []
+    factorise = fisher.KeptFisher._factorise
+    monkeypatch.setattr(fisher.KeptFisher, "_factorise",
+                        lambda self, damping: calls.append(damping) or factorise(self, damping))
+    first = _query(loss, ckpts, test, refined)
+    again = _query(loss, ckpts, test, refined)
+    assert calls == [0.05]  # one factor, reused by the second query
+    torch.testing.assert_close(first.read_rows(0, 0, 4), again.read_rows(0, 0, 4), rtol=0,
+                               atol=0)
+    other = refined.with_damping(0.2)  # shares the kept Fisher; its own factor
+    got = _query(loss, ckpts, test, other)
+    assert calls == [0.05, 0.2]
+    expected = _explicit_solution(model, loss, ckpts[0], train[0], test, 0.2)
+    torch.testing.assert_close(got.read_rows(0, 0, 4), expected, rtol=1e-9, atol=1e-11)
+    back = _query(loss, ckpts, test, refined)  # the old damping again: factorised again
+    assert calls == [0.05, 0.2, 0.05]
+    torch.testing.assert_close(back.read_rows(0, 0, 4), first.read_rows(0, 0, 4), rtol=1e-12,
+                               atol=1e-14)
+
+
+def test_over_the_budget_auto_uses_cg_and_direct_is_refused(setup, monkeypatch):
+    _, loss, ckpts, train, test, fitted = setup
+    # H [43, 43] fits, but not with its factor: the direct solve cannot keep one
+    monkeypatch.setattr(fisher, "GRADIENT_BUDGET", 60 * 43 * 8)
+    auto = fitted.with_refinement(train, sampler=EXACT, steps=100, tolerance=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        queries = tif.preconditioned_test_grads(loss, ckpts, test, auto, projection=IDENTITY)
+    assert queries.meta.extra[MARK]["solvers"] == ["cg"]
+    assert not auto.refinement.gradients  # functional: nothing kept
+    direct = fitted.with_refinement(train, sampler=EXACT, solver="direct")
+    with pytest.raises(InvalidArgumentError, match=r"solver='direct'.*GRADIENT_BUDGET"):
+        tif.preconditioned_test_grads(loss, ckpts, test, direct, projection=IDENTITY)
+
+
+def _negative_sampler(loss, params, batch, generator):
+    """Every class, one weight made negative (an indefinite "Fisher")."""
+    labelled, weights = EXACT(loss, params, batch, generator)
+    return labelled, torch.where(torch.arange(weights.shape[0]) == 0, -weights, weights)
+
+
+def test_negative_weights_use_cg_under_auto_and_are_refused_by_direct(setup):
+    """With ``G`` kept (5 examples), ``sqrt(w) G`` is not real: conjugate gradient instead."""
+    _, loss, ckpts, train, test, fitted = setup
+    auto = fitted.with_refinement(train, sampler=_negative_sampler, steps=2, max_examples=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        queries = tif.preconditioned_test_grads(loss, ckpts, test, auto, projection=IDENTITY)
+    assert queries.meta.extra[MARK]["solvers"] == ["cg"]
+    direct = fitted.with_refinement(train, sampler=_negative_sampler, solver="direct",
+                                    max_examples=5)
+    with pytest.raises(InvalidArgumentError, match="negative weights"):
+        tif.preconditioned_test_grads(loss, ckpts, test, direct, projection=IDENTITY)
+
+
+def test_an_indefinite_kept_fisher_is_refused_not_solved():
+    """``H + lambda I`` not positive definite (``H`` from negative weights): a clear error."""
+    h = torch.diag(torch.tensor([1.0, -0.5, 0.2], dtype=torch.float64))
+    with pytest.raises(tif.errors.IllConditionedError, match="not positive definite"):
+        fisher.KeptFisher(h, None).solve(0.1, torch.ones(2, 3, dtype=torch.float64))
+    nan = fisher.KeptFisher(torch.full((2, 3), torch.nan, dtype=torch.float64),
+                            torch.ones(2, dtype=torch.float64))
+    with pytest.raises(tif.errors.NonFiniteGradientError, match="NaN or infinite"):
+        nan.solve(0.1, torch.ones(2, 3, dtype=torch.float64))
+
+
+def test_a_nan_test_example_is_named(setup):
+    _, loss, ckpts, train, test, fitted = setup
+    refined = fitted.with_refinement(train, sampler=EXACT)
+    x = test[0].clone()
+    x[1, 0] = float("nan")
+    with pytest.raises(tif.errors.NonFiniteGradientError, match=r"examples \[1\]"):
+        tif.preconditioned_test_grads(loss, ckpts, (x, test[1]), refined, projection=IDENTITY)
+
+
+@pytest.mark.parametrize("solver", ["Direct", "exact", 1, None])
+def test_bad_solver_is_refused_with_the_choices(setup, solver):
+    _, _, _, train, _, fitted = setup
+    with pytest.raises(InvalidArgumentError, match=r"'auto', 'direct', 'cg'"):
+        fitted.with_refinement(train, solver=solver)
+
+
+def test_solvers_have_their_own_digests(setup):
+    _, _, _, train, _, fitted = setup
+    digests = {fitted.with_refinement(train, sampler=EXACT, solver=solver).digest
+               for solver in ("auto", "direct", "cg")}
+    assert len(digests) == 3
+
+
+@pytest.mark.parametrize("solver", ["direct", "cg"])
+def test_cli_refine_solver_matches_the_api(tmp_path, capsys, solver):
+    from pathlib import Path
+
+    import numpy as np
+
+    from tracinfunc.cli import main
+    from tracinfunc.cli.spec import load_spec
+
+    spec_path = str(Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny_spec.py")
+    spec = load_spec(f"{spec_path}:make")
+    projection = tif.Projection(dim=16, seed=2)
+    store = tif.build_store(spec.loss, spec.checkpoints, spec.train, projection=projection,
+                            store=str(tmp_path / "grads.zarr"), progress=False)
+    curvature = tif.fit_curvature(spec.loss, spec.checkpoints, spec.train, kind="ekfac")
+    tif.save_curvature(curvature, tmp_path / "curvature.zarr")
+    out = tmp_path / "scores.npy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        code = main(["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
+                     "--curvature", str(tmp_path / "curvature.zarr"), "--refine-steps", "1",
+                     "--refine-examples", "8", "--refine-solver", solver, "--output", str(out),
+                     "--quiet"])
+        assert code == 0
+        queries = {name: tif.preconditioned_test_grads(
+            spec.loss, spec.checkpoints, spec.test["test"],
+            curvature.with_refinement(spec.train, steps=1, max_examples=8, solver=name),
+            projection=projection) for name in ("direct", "cg")}
+    assert queries[solver].meta.extra[MARK]["solvers"] == [solver] * len(spec.checkpoints)
+    refined = curvature.with_refinement(spec.train, steps=1, max_examples=8, solver=solver)
+    expected = tif.score(store, queries[solver], curvature=refined).numpy()
+    np.testing.assert_allclose(np.load(out), expected, rtol=1e-5, atol=1e-6)
+    # one conjugate-gradient step is not the exact solve: the flag changes the scores
+    assert not np.allclose(queries["direct"].read_rows(0, 0, 2).numpy(),
+                           queries["cg"].read_rows(0, 0, 2).numpy(), rtol=1e-4)
+    code = main(["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
+                 "--curvature", str(tmp_path / "curvature.zarr"), "--refine-solver", solver,
+                 "--output", str(tmp_path / "x.npy"), "--quiet"])
+    assert code != 0 and "--refine-solver needs --refine-steps" in capsys.readouterr().err
+    assert not (tmp_path / "x.npy").exists()

@@ -14,10 +14,11 @@ Issue 33 added: a CNN with BatchNorm and dropout (``--model cnn``: conv + BN + R
 dropout + linear, trained in train mode, attributed in eval mode; the curvature and the stores
 cover the conv and linear layers K-FAC covers); the rank-aware rule (``-rank`` rows:
 ``lambda_c = scale x tr(H_c) / rank(H_c)``); the per-checkpoint terms of the all-checkpoint
-EK-FAC sum (``-ckpt<c>`` rows); refined EK-FAC (``ekfac-exact-refined``: conjugate gradient on
-the Fisher of ``--refine-examples`` training examples) with its query cost against the plain
-EK-FAC query (process CPU time, interleaved); kronfluence's EK-FAC at every checkpoint and
-summed (its own venv, ``_kronfluence_child.py``), over the same multiples; peak RSS.
+EK-FAC sum (``-ckpt<c>`` rows); refined EK-FAC on the Fisher of ``--refine-examples`` training
+examples (``ekfac-exact-refined``: ``--refine-steps`` conjugate-gradient steps, the default
+solver; ``ekfac-exact-refined-direct``: the exact solve) with its query cost
+against the plain EK-FAC query (process CPU time, interleaved); kronfluence's EK-FAC at every
+checkpoint and summed (its own venv, ``_kronfluence_child.py``), over the same multiples; peak RSS.
 
     python benchmarks/curvature.py --quick          # seconds; tests/ runs it
     python benchmarks/curvature.py --medium         # 500 train / 100 test, 30 subsets, no k sweep
@@ -197,7 +198,7 @@ def evaluate_model(name: str, sizes: quality.Sizes, scales, out: Path, *,
                 choose(f"{kind}-exact", kind, fitted)
             if kind == "ekfac" and not suffix and refine_steps:
                 costs = refine_rows(fitted, chosen, (x, y), train, queries_for, measure,
-                                    refine_examples, refine_steps)
+                                    refine_examples, refine_steps, scales)
     for k in sizes.ks:
         for projection, kind in ((tif.Projection(dim=k, seed=0), "projected"),
                                  (tif.Projection(dim=k, kind="kronecker", seed=0), "kfac")):
@@ -228,33 +229,51 @@ def per_checkpoint(store, queries) -> list[torch.Tensor]:
             for c, lr in enumerate(store.meta.lrs)]
 
 
-def refine_rows(fitted, chosen, data, train, queries_for, measure, n_examples, steps) -> dict:
+def refine_rows(fitted, chosen, data, train, queries_for, measure, n_examples, steps,
+                scales=()) -> dict:
     """Refined EK-FAC at the default multiple, LDS and the query cost against plain EK-FAC
-    (process CPU time per test example, plain and refined interleaved twice)."""
+    (process CPU time per test example, plain and refined interleaved twice): ``steps``
+    conjugate-gradient steps (the default solver) as ``ekfac-exact-refined`` and the exact
+    solve (``solver="direct"``) as ``ekfac-exact-refined-direct``, also at every multiple in
+    ``scales`` (its Cholesky factor per damping: the damping of the sampled Fisher's own
+    solve, not EK-FAC's)."""
     import warnings
 
     scale = DEFAULT_SCALES["ekfac"]
     plain = _with_scale(fitted, 1.0, scale)
-    refined = plain.with_refinement(data, steps=steps, max_examples=n_examples,
-                                    sampler=classification_sampler(exact=True))
+    refined = {solver: plain.with_refinement(data, steps=steps, max_examples=n_examples,
+                                             sampler=classification_sampler(exact=True),
+                                             solver=solver) for solver in ("cg", "direct")}
     exact = tif.Projection(kind="identity")
-    seconds = {"plain": 0.0, "refined": 0.0}
+    seconds = {"plain": 0.0, "cg": 0.0, "direct": 0.0}
+    results = {}
     for _ in range(2):
-        for label, curvature in (("plain", plain), ("refined", refined)):
+        for label, curvature in (("plain", plain), *refined.items()):
             start = time.process_time()
             with warnings.catch_warnings(record=True):
                 queries = queries_for(chosen, curvature, exact)
             seconds[label] += time.process_time() - start
-            if label == "refined":
-                result = queries
-    residuals = result.meta.extra["curvature"]["residuals"]
-    measure("ekfac-exact-refined", "ekfac", None, scale,
-            tif.score(train, result, curvature=refined), 0.0)
+            results[label] = queries
+    for solver, name in (("cg", "ekfac-exact-refined"), ("direct", "ekfac-exact-refined-direct")):
+        measure(name, "ekfac", None, scale,
+                tif.score(train, results[solver], curvature=refined[solver]), 0.0)
+    residuals = {solver: results[solver].meta.extra["curvature"]["residuals"]
+                 for solver in refined}
+    for other in scales:
+        if other == scale:
+            continue
+        curvature = _with_scale(refined["direct"], scale, other)
+        with warnings.catch_warnings(record=True):
+            queries = queries_for(chosen, curvature, exact)
+        measure("ekfac-exact-refined-direct", "ekfac", None, other,
+                tif.score(train, queries, curvature=curvature), 0.0)
     return {"steps": steps, "examples": n_examples, "plain_s": seconds["plain"] / 2,
-            "refined_s": seconds["refined"] / 2,
-            "ratio": seconds["refined"] / max(seconds["plain"], 1e-9),
-            "final_residual": max(r[-1] for r in residuals),
-            "first_residual": max(r[0] for r in residuals)}
+            "refined_s": seconds["cg"] / 2, "direct_s": seconds["direct"] / 2,
+            "ratio": seconds["cg"] / max(seconds["plain"], 1e-9),
+            "direct_ratio": seconds["direct"] / max(seconds["plain"], 1e-9),
+            "first_residual": max(r[0] for r in residuals["cg"]),
+            "final_residual": max(r[-1] for r in residuals["cg"]),
+            "direct_residual": max(r[-1] for r in residuals["direct"])}
 
 
 def kronfluence_rows(make, ckpts, train, test, scales, measure) -> dict:
@@ -371,11 +390,15 @@ def print_fair(result: dict) -> None:
     refined = find("ekfac-exact-refined")
     cost = result.get("refine_cost") or {}
     if refined is not None:
-        print(f"\nrefined EK-FAC (all checkpoints, {cost['steps']} CG steps over "
-              f"{cost['examples']} training examples): LDS {cell(refined)}; query cost "
-              f"{cost['ratio']:.1f}x the plain EK-FAC query (CPU {cost['refined_s']:.2f} s vs "
-              f"{cost['plain_s']:.2f} s); worst relative residual {cost['first_residual']:.3g}"
-              f" -> {cost['final_residual']:.3g}")
+        print(f"\nrefined EK-FAC (all checkpoints, over {cost['examples']} training examples, "
+              f"the exact Fisher): {cost['steps']} CG steps (the default) LDS {cell(refined)}, "
+              f"query cost {cost['ratio']:.1f}x the plain EK-FAC query (CPU "
+              f"{cost['refined_s']:.2f} s vs {cost['plain_s']:.2f} s), worst relative residual "
+              f"{cost['first_residual']:.3g} -> {cost['final_residual']:.3g}; the exact solve "
+              f"(solver='direct') LDS "
+              f"{cell(find('ekfac-exact-refined-direct', DEFAULT_SCALES['ekfac']))}, best "
+              f"{cell(find('ekfac-exact-refined-direct'))}, {cost['direct_ratio']:.1f}x, "
+              f"residual {cost['direct_residual']:.3g}")
     peer = result.get("peer") or {}
     rss = peer.get("peak_rss_mib")
     print(f"\npeer kronfluence: {peer.get('status')} {peer.get('version', '')}"

@@ -87,7 +87,7 @@ QUICK = Sizes(40, 8, 6, 2, 1, 16, 8, (64,), (0.3, 3.0), 20, False)
 # A reduced run for a shared 2-core machine (issue 33's measurements): minutes, not an hour.
 MEDIUM = Sizes(96, 24, 24, 6, 2, 24, 16, (256,), (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0), 200,
                False)
-REFINE_EXAMPLES, REFINE_STEPS = 32, 3  # the refined EK-FAC row: CG over this many sequences
+REFINE_EXAMPLES, REFINE_STEPS = 32, 3  # the refined EK-FAC rows: over this many sequences
 
 
 ARCHS = ("llama", "gpt-neo")  # --model: the transformers class each is built from
@@ -317,24 +317,31 @@ def rank_rows(loss, chosen, test_set, store, fitted, options, measure, which, sc
 
 def refined_row(loss, chosen, train_set, test_set, store, curvature, options, measure, which,
                 plain, costs) -> None:
-    """EK-FAC refined by conjugate gradient on the Fisher of ``REFINE_EXAMPLES`` training
-    sequences; its LDS and its query cost against the plain EK-FAC query (CPU time)."""
+    """EK-FAC refined on the Fisher of ``REFINE_EXAMPLES`` training sequences: by
+    ``REFINE_STEPS`` conjugate-gradient steps (``ekfac-<which>-refined``, the default solver)
+    and by the exact solve (``-refined-direct``); their LDS and query cost against the plain
+    EK-FAC query (CPU time)."""
     exact = tif.Projection(kind="identity")
-    refined = curvature.with_refinement(train_set, steps=REFINE_STEPS,
-                                        max_examples=REFINE_EXAMPLES)
     seconds = {}
-    for label, value in (("plain", curvature), ("refined", refined)):
-        start = time.process_time()
-        with warnings.catch_warnings(record=True):
-            queries = tif.preconditioned_test_grads(loss, chosen, test_set, value,
-                                                    projection=exact, options=options)
-        seconds[label] = time.process_time() - start
-    residuals = queries.meta.extra["curvature"]["residuals"]
-    measure(f"ekfac-{which}-refined", "ekfac-refined", which, None, None,
-            tif.score(store, queries, curvature=refined))
-    costs[which] = {"ratio": seconds["refined"] / max(seconds["plain"], 1e-9), **seconds,
-                    "steps": REFINE_STEPS, "examples": REFINE_EXAMPLES,
-                    "residual": [max(r[0] for r in residuals), max(r[-1] for r in residuals)]}
+    for solver, suffix in (("cg", "refined"), ("direct", "refined-direct")):
+        refined = curvature.with_refinement(train_set, steps=REFINE_STEPS,
+                                            max_examples=REFINE_EXAMPLES, solver=solver)
+        for label, value in (("plain", curvature), (solver, refined)):
+            start = time.process_time()
+            with warnings.catch_warnings(record=True):
+                queries = tif.preconditioned_test_grads(loss, chosen, test_set, value,
+                                                        projection=exact, options=options)
+            seconds[label] = time.process_time() - start
+        mark = queries.meta.extra["curvature"]
+        measure(f"ekfac-{which}-{suffix}", f"ekfac-{suffix}", which, None, None,
+                tif.score(store, queries, curvature=refined))
+        costs.setdefault(which, {"steps": REFINE_STEPS, "examples": REFINE_EXAMPLES})
+        costs[which][solver] = {
+            "ratio": seconds[solver] / max(seconds["plain"], 1e-9),
+            "refined": seconds[solver], "plain": seconds["plain"],
+            "solvers": mark["solvers"],
+            "residual": [max(r[0] for r in mark["residuals"]),
+                         max(r[-1] for r in mark["residuals"])]}
 
 
 def kronfluence_python() -> str:
@@ -457,10 +464,12 @@ def print_tables(result: dict) -> None:
               + f" | {best - base['lds']:+.3f} |")
     print_fair(result)
     for which, cost in result.get("refine_cost", {}).items():
-        print(f"\nrefined EK-FAC ({which}, {cost['steps']} CG steps over {cost['examples']} "
-              f"sequences): query cost {cost['ratio']:.1f}x the plain EK-FAC query (CPU "
-              f"{cost['refined']:.1f} s vs {cost['plain']:.1f} s); worst relative residual "
-              f"{cost['residual'][0]:.3g} -> {cost['residual'][1]:.3g}")
+        for solver, how in (("cg", f"{cost['steps']} CG steps"), ("direct", "exact solve")):
+            got = cost[solver]
+            print(f"\nrefined EK-FAC ({which}, {how}: {'/'.join(sorted(set(got['solvers'])))}, "
+                  f"over {cost['examples']} sequences): query cost {got['ratio']:.1f}x the "
+                  f"plain EK-FAC query (CPU {got['refined']:.1f} s vs {got['plain']:.1f} s); "
+                  f"worst relative residual {got['residual'][0]:.3g} -> {got['residual'][1]:.3g}")
     for peer in result["peers"]:
         if peer["status"] != "ran":
             print(f"\npeer {peer['name']}: {peer['status']} ({peer['reason']})")

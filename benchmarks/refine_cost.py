@@ -12,9 +12,9 @@ benchmarks train them (no retraining: cost only):
   5 steps (its ``--refine-examples`` / ``--refine-steps`` defaults).
 
 Timed in one run, interleaved, process CPU time, medians over ``--repeats``: ``plain`` (the
-EK-FAC query), ``refined`` (the refined curvature at its default ``solver="auto"``, queried
-again: the sampled Fisher and its Cholesky factor kept, so a direct solve), ``cg`` (the same
-with ``solver="cg"``: conjugate gradient from the EK-FAC answer, ``steps`` at most),
+EK-FAC query), ``refined`` (the refined curvature with ``solver="direct"``, queried again:
+the sampled Fisher and its Cholesky factor kept), ``cg`` (the same with the default
+``solver="cg"``: conjugate gradient from the EK-FAC answer, ``steps`` at most),
 ``refined-first`` (a fresh ``with_refinement`` each time: the first query also computes the
 per-example gradients and the factor, once per checkpoint) and ``functional`` (a fresh one with
 ``GRADIENT_BUDGET = 0``: nothing kept, so conjugate gradient with the jvp/vjp product; timed in
@@ -83,7 +83,7 @@ def measure(case: dict, repeats: int) -> dict:
                                options=case["options"], sampler=case["sampler"],
                                damping=Damping(), batch_size=case["batch_size"])
 
-    def refine(solver="auto"):
+    def refine(solver="direct"):
         return fitted.with_refinement(case["train"], steps=case["steps"], solver=solver,
                                       max_examples=case["examples"], sampler=case["sampler"])
 
@@ -96,7 +96,7 @@ def measure(case: dict, repeats: int) -> dict:
     def functional():
         budget, fisher.GRADIENT_BUDGET = fisher.GRADIENT_BUDGET, 0
         try:
-            return query(refine())
+            return query(refine("cg"))
         finally:
             fisher.GRADIENT_BUDGET = budget
 

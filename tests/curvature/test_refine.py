@@ -66,8 +66,7 @@ def test_refined_queries_converge_to_the_explicit_damped_solve(setup, kind):
     plain = tif.preconditioned_test_grads(loss, ckpts, test, fitted, projection=IDENTITY)
     errors = []
     for steps in (1, 3, 60):
-        refined = fitted.with_refinement(train, steps=steps, sampler=EXACT, solver="cg",
-                                         tolerance=1e-12)
+        refined = fitted.with_refinement(train, steps=steps, sampler=EXACT, tolerance=1e-12)
         with warnings.catch_warnings():  # not converged yet at 1 and 3 steps: tested below
             warnings.simplefilter("ignore" if steps < 60 else "error", RuntimeWarning)
             queries = tif.preconditioned_test_grads(loss, ckpts, test, refined,

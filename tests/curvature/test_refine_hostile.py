@@ -70,7 +70,7 @@ def test_huge_damping_is_refused_as_changing_nothing(setup):
 def test_non_convergence_is_reported_with_the_residual(setup):
     _, loss, ckpts, train, test, fitted = setup
     refined = fitted.with_damping(1e-4).with_refinement(train, steps=1, sampler=EXACT,
-                                                       solver="cg", tolerance=1e-6)
+                                                       tolerance=1e-6)
     with pytest.warns(RuntimeWarning, match=r"relative residual of [0-9.e-]+ after 1 steps"):
         queries = tif.preconditioned_test_grads(loss, ckpts, test, refined,
                                                 projection=IDENTITY)
@@ -145,7 +145,7 @@ def test_saved_plain_curvature_on_refined_queries_gives_advice_that_works(setup,
     plain one: refused (never scored as plain), and the advice (omit curvature=) gives the
     refined scores."""
     _, loss, ckpts, train, test, fitted = setup
-    refined = fitted.with_refinement(train, steps=3, sampler=EXACT, solver="cg")
+    refined = fitted.with_refinement(train, steps=3, sampler=EXACT)
     with pytest.warns(RuntimeWarning):
         queries = tif.preconditioned_test_grads(loss, ckpts, test, refined, projection=IDENTITY)
     store = tif.build_store(loss, ckpts, train, projection=IDENTITY, progress=False)

@@ -159,15 +159,13 @@ def test_matmul_chosen_under_the_budget_functional_above(setup, inputs, method):
 
 def test_refined_queries_equal_with_either_product(setup, monkeypatch):
     loss, ckpts, train, test, fitted = setup
-    refined = fitted.with_refinement(train, steps=4, sampler=EXACT, solver="cg",
-                                     tolerance=1e-12)
+    refined = fitted.with_refinement(train, steps=4, sampler=EXACT, tolerance=1e-12)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         kept = tif.preconditioned_test_grads(loss, ckpts, test, refined, projection=IDENTITY)
         assert len(refined.refinement.gradients) == 1  # one checkpoint's G, kept
         monkeypatch.setattr(fisher, "GRADIENT_BUDGET", 0)
-        fresh = fitted.with_refinement(train, steps=4, sampler=EXACT, solver="cg",
-                                       tolerance=1e-12)
+        fresh = fitted.with_refinement(train, steps=4, sampler=EXACT, tolerance=1e-12)
         functional = tif.preconditioned_test_grads(loss, ckpts, test, fresh,
                                                    projection=IDENTITY)
     assert not fresh.refinement.gradients  # over the budget: nothing kept
@@ -228,8 +226,7 @@ def test_pcg_stops_each_system_at_the_tolerance_alone(setup):
 
 def test_refined_queries_stop_early_whatever_they_are_batched_with(setup):
     loss, ckpts, train, test, fitted = setup
-    refined = fitted.with_refinement(train, steps=40, sampler=EXACT, solver="cg",
-                                     tolerance=1e-4)
+    refined = fitted.with_refinement(train, steps=40, sampler=EXACT, tolerance=1e-4)
     together = tif.preconditioned_test_grads(loss, ckpts, test, refined, projection=IDENTITY)
     residuals = together.meta.extra[MARK]["residuals"][0]
     assert residuals[-1] <= 1e-4 < residuals[-2] and len(residuals) < 41  # stopped early

@@ -159,8 +159,7 @@ def test_held_refined_equals_float64_solve_under_and_over_budget(env, monkeypatc
     model, loss, checkpoints, data, sampler, curvature = env
     if budget is not None:
         monkeypatch.setattr(fisher, "GRADIENT_BUDGET", budget)
-    refined = curvature.with_refinement(data, steps=300, sampler=sampler, solver="cg",
-                                        tolerance=1e-12)
+    refined = curvature.with_refinement(data, steps=300, sampler=sampler, tolerance=1e-12)
     got = _query(loss, checkpoints, _tests(data), refined)
     for c, ckpt in enumerate(checkpoints):
         assert _rel(_rows(got, c), _brute(model, ckpt, data, _tests(data))) < 1e-5
@@ -170,8 +169,7 @@ def test_held_refined_equals_float64_solve_under_and_over_budget(env, monkeypatc
 
 def test_held_huge_tolerance_takes_no_step_and_equals_plain(env):
     _, loss, checkpoints, data, sampler, curvature = env
-    refined = curvature.with_refinement(data, steps=10, sampler=sampler, solver="cg",
-                                        tolerance=1e9)
+    refined = curvature.with_refinement(data, steps=10, sampler=sampler, tolerance=1e9)
     got = _query(loss, checkpoints, _tests(data), refined)
     assert [len(r) for r in got.meta.extra["curvature"]["residuals"]] == [1, 1]
     plain = _query(loss, checkpoints, _tests(data), curvature)
@@ -180,8 +178,7 @@ def test_held_huge_tolerance_takes_no_step_and_equals_plain(env):
 
 def test_held_tiny_tolerance_runs_all_steps_and_warns(env):
     _, loss, checkpoints, data, sampler, curvature = env
-    refined = curvature.with_refinement(data, steps=3, sampler=sampler, solver="cg",
-                                        tolerance=1e-14)
+    refined = curvature.with_refinement(data, steps=3, sampler=sampler, tolerance=1e-14)
     with pytest.warns(RuntimeWarning, match="tolerance"):
         got = _query(loss, checkpoints, _tests(data), refined)
     assert [len(r) for r in got.meta.extra["curvature"]["residuals"]] == [4, 4]

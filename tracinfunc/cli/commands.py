@@ -203,14 +203,13 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--curvature", type=Path, metavar="PATH",
                        help="curvature-aware TracIn with a curvature saved by save_curvature")
     score.add_argument("--refine-steps", type=_positive_int, metavar="N",
-                       help="with --curvature: solve each query with the Fisher of the spec's "
-                            "training data (exactly where it is kept in memory, else by at "
-                            "most N conjugate-gradient steps)")
+                       help="with --curvature: refine each query by N conjugate-gradient steps "
+                            "on the Fisher of the spec's training data")
     score.add_argument("--refine-examples", type=_positive_int, metavar="M",
                        help="with --refine-steps: use the first M training examples")
-    score.add_argument("--refine-solver", choices=("auto", "direct", "cg"), default=None,
-                       help="with --refine-steps: 'auto' (default: exact where the Fisher is "
-                            "kept, else conjugate gradient), 'direct' or 'cg'")
+    score.add_argument("--refine-solver", choices=("cg", "direct"), default=None,
+                       help="with --refine-steps: 'cg' (default) or 'direct' (the exact solve "
+                            "of that Fisher, held in memory; N is then unused)")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
     score.add_argument("--overwrite", action="store_true", help="replace an existing output")
     score.set_defaults(run=_score)
@@ -550,7 +549,7 @@ def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature
                         "precomputed --test-store gradients cannot be.")
     return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
                                      max_examples=args.refine_examples,
-                                     solver=args.refine_solver or "auto")
+                                     solver=args.refine_solver or "cg")
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,

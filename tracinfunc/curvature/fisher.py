@@ -58,9 +58,10 @@ class KeptFisher:
     Attributes:
         matrix: ``G [m, p]`` or ``H [p, p]``, float64.
         weights: ``[m]`` float64, or ``None`` (``matrix`` is ``H``).
-        factor: ``(damping, L)``: ``L L^T = H + damping I`` ``[p, p]`` (``H`` kept) or
-            ``L L^T = damping I + B B^T`` ``[m, m]`` with ``B = sqrt(w / sum w) G`` (``G``
-            kept); ``None`` until the first direct solve.
+        factor: ``(damping, L, gram)``: ``L L^T = H + damping I`` ``[p, p]`` and ``gram =
+            None`` (``H`` kept), or ``L L^T = damping I + B B^T`` ``[m, m]`` and ``gram = B
+            B^T`` with ``B = sqrt(w / sum w) G`` (``G`` kept); ``None`` until the first
+            direct solve.
     """
 
     matrix: Tensor
@@ -70,14 +71,13 @@ class KeptFisher:
     @property
     def nbytes(self) -> int:
         """Bytes held (the matrix, the weights and the factor)."""
-        held = [self.matrix, self.weights, None if self.factor is None else self.factor[1]]
+        held = [self.matrix, self.weights, *(self.factor[1:] if self.factor else ())]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     @property
     def factor_bytes(self) -> int:
-        """Bytes of one factor: ``[p, p]`` or ``[m, m]`` float64."""
-        return min(self.matrix.shape) ** 2 * 8 if self.weights is not None \
-            else self.matrix.shape[0] ** 2 * 8
+        """Bytes of one factor: ``L [p, p]``, or ``L`` and ``B B^T`` ``[m, m]``, float64."""
+        return self.matrix.shape[0] ** 2 * 8 * (1 if self.weights is None else 2)
 
     @property
     def solvable(self) -> bool:
@@ -90,13 +90,20 @@ class KeptFisher:
         product.kept = self
         return product
 
-    def solve(self, damping: float, rhs: Tensor) -> Tensor:
-        """``(H + damping I)^-1 rhs`` exactly, ``rhs [t, p]`` float64 -> ``[t, p]`` float64.
+    def solve(self, damping: float, rhs: Tensor) -> tuple[Tensor, Tensor]:
+        """``(H + damping I)^-1 rhs`` exactly, ``rhs [t, p]`` float64, with each row's relative
+        residual ``||rhs - (H + damping I) x|| / ||rhs||``.
 
-        ``H`` kept: Cholesky of ``H + damping I``. ``G`` kept: Woodbury, ``(damping I +
-        B^T B)^-1 v = (v - B^T (damping I + B B^T)^-1 B v) / damping`` with ``B = sqrt(w /
-        sum w) G`` (``B`` never formed: its rows are ``G``'s scaled), an ``[m, m]`` Cholesky.
-        The factor is made at the first solve at a damping and kept.
+        ``H`` kept: Cholesky of ``H + damping I``; the residual by one product with ``H``.
+        ``G`` kept: Woodbury, ``x = (v - B^T y) / damping`` with ``y = K^-1 B v``, ``K =
+        damping I + B B^T`` ``[m, m]`` and ``B = sqrt(w / sum w) G`` (``B`` never formed: its
+        rows are ``G``'s scaled). Then ``rhs - (H + damping I) x = B^T d`` with ``d = (K y -
+        B v) / damping`` (up to the rounding of forming ``x``), so the residual's norm is
+        ``sqrt(d^T B B^T d)``, computed in ``[m, m]`` (no third product with ``G``). The factor
+        (and ``B B^T``) is made at the first solve at a damping and kept.
+
+        Returns:
+            ``(x [t, p] float64, residuals [t] float64)`` (``0`` for a zero row).
 
         Raises:
             NonFiniteGradientError: the kept matrix holds NaN or infinite values.
@@ -106,23 +113,35 @@ class KeptFisher:
         """
         if self.factor is None or self.factor[0] != damping:
             self.factor = None  # the old one's memory first
-            self.factor = (damping, self._factorise(damping))
-        factor = self.factor[1]
+            self.factor = (damping, *self._factorise(damping))
+        _, factor, gram = self.factor
         rows = rhs.to(self.matrix)
-        if self.weights is None:  # (H + l I) x = v, both triangles
-            return torch.cholesky_solve(rows.T, factor).T.to(rhs.device)
+        norm = torch.linalg.vector_norm(rows, dim=1)
+        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+        if gram is None:  # (H + l I) x = v, both triangles
+            x = torch.cholesky_solve(rows.T, factor).T
+            residual = torch.linalg.vector_norm(rows - (x @ self.matrix).add_(x, alpha=damping),
+                                                dim=1)
+            return x.to(rhs.device), (residual / safe).to(rhs.device)
         root = (self.weights / self.weights.sum()).sqrt()  # [m]
-        inner = torch.cholesky_solve(((rows @ self.matrix.T) * root).T, factor)  # [m, t]
-        return ((rows - (inner.T * root) @ self.matrix) / damping).to(rhs.device)
+        projected = (rows @ self.matrix.T) * root  # B v: [t, m]
+        inner = torch.cholesky_solve(projected.T, factor).T  # y: [t, m]
+        x = (rows - (inner * root) @ self.matrix) / damping
+        misfit = (inner @ gram).add_(inner, alpha=damping).sub_(projected) / damping  # d
+        squared = ((misfit @ gram) * misfit).sum(1).clamp_min(0)  # ||B^T d||^2
+        return x.to(rhs.device), (squared.sqrt() / safe).to(rhs.device)
 
-    def _factorise(self, damping: float) -> Tensor:
+    def _factorise(self, damping: float) -> tuple[Tensor, Tensor | None]:
+        """``(L, B B^T or None)``: the Cholesky factor of the damped system."""
+        gram = None
         if self.weights is None:
             system = self.matrix + damping * torch.eye(self.matrix.shape[0], dtype=torch.float64,
                                                        device=self.matrix.device)
         else:
             scaled = self.matrix * (self.weights / self.weights.sum()).sqrt()[:, None]
-            system = scaled @ scaled.T
-            system.diagonal().add_(damping)
+            gram = scaled @ scaled.T
+            system = gram + damping * torch.eye(gram.shape[0], dtype=torch.float64,
+                                                device=gram.device)
         if not bool(system.isfinite().all()):
             raise NonFiniteGradientError(
                 f"{current_caller()}: the sampled Fisher holds NaN or infinite values, so it "
@@ -135,7 +154,7 @@ class KeptFisher:
                 "positive definite, so it cannot be solved directly: the sampler's weights "
                 "make it indefinite (a Fisher's are non-negative); use a sampler with "
                 "non-negative weights, or a larger damping.")
-        return factor
+        return factor, gram
 
 
 def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, params: Params,
@@ -149,8 +168,9 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         key: Identifies the checkpoint, loss and selection ``G`` was computed for.
         label: ``() -> [(labelled batch, weights [b])]``, the sampler's draws (run on a miss).
         budget: Bytes kept at most (default :data:`GRADIENT_BUDGET`, read at call time).
-        factor: Count one Cholesky factor (``[min(m, p)]^2`` float64) in the budget too: the
-            direct solve (:meth:`KeptFisher.solve`) keeps one.
+        factor: Count one Cholesky factor in the budget too (``[p, p]``, or ``[m, m]`` and
+            ``B B^T`` beside it, float64): the direct solve (:meth:`KeptFisher.solve`) keeps
+            one.
 
     Returns:
         ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64; its ``method`` is
@@ -167,7 +187,8 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         rows = sum(int(weights.shape[0]) for _, weights in labelled)
         p = sum(math.prod(shape) for shape in shapes.values())
         side = p if p < 2 * rows else rows  # H [p, p] is kept when p < 2m, else G [m, p]
-        kept_size = side * p * 8 + (side * side * 8 if factor else 0)
+        factor_size = side * side * 8 * (1 if side == p else 2)  # L (and B B^T for G)
+        kept_size = side * p * 8 + (factor_size if factor else 0)
         if rows * p * 8 > budget or kept_size > budget:  # G is made before H is
             product = fisher_product(loss, params, names, labelled)
             product.kept = None

@@ -5,14 +5,14 @@ Fisher) matrix ``H_c``; its damped inverse is cheap and close. Refinement solves
 system of the Fisher itself, over a fixed sample of training batches with labels drawn once
 by the same sampler :func:`~tracinfunc.fit_curvature` uses. Two solvers (``solver=``):
 
+- ``"cg"`` (the default): a few steps of conjugate gradient preconditioned by the fitted
+  inverse (starting from its answer), each query until its relative residual is at most the
+  tolerance (at most ``steps`` steps).
 - ``"direct"``: exactly, where the sampled Fisher is kept in memory (``G [m, p]`` or
   ``H [p, p]``): a Cholesky factor per checkpoint and damping, made once and kept
   (:class:`~tracinfunc.curvature.fisher.KeptFisher`); a query costs about two Fisher-vector
-  products (the solve and its residual check).
-- ``"cg"``: a few steps of conjugate gradient preconditioned by the fitted inverse (starting
-  from its answer), each query until its relative residual is at most the tolerance (at most
-  ``steps`` steps).
-- ``"auto"`` (the default): ``"direct"`` where the Fisher is kept, else ``"cg"``.
+  products. The exact answer of a small sample's Fisher can attribute worse than a few steps
+  from the fitted curvature (measured: ``docs/curvature.md``), so it is asked for, not chosen.
 
 Fisher-vector
 products ``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` never form ``H``: two matrix products
@@ -69,7 +69,7 @@ class Refinement:
             is at most this; one still above it after ``steps`` is reported (a
             ``RuntimeWarning``) as not converged.
         digest: SHA-256 of the batches' tensors (part of the curvature's digest).
-        solver: ``"auto"``, ``"direct"`` or ``"cg"`` (:data:`SOLVERS`).
+        solver: ``"cg"`` or ``"direct"`` (:data:`SOLVERS`).
         gradients: Per checkpoint, the sampled Fisher the products and direct solves use
             (:class:`~tracinfunc.curvature.fisher.KeptFisher`; filled by the first refined
             query, shared by every curvature made from this one by ``with_damping``; not part
@@ -82,7 +82,7 @@ class Refinement:
     seed: int = 0
     tolerance: float = 1e-2
     digest: str = field(default="")
-    solver: str = "auto"
+    solver: str = "cg"
     gradients: dict = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
@@ -92,7 +92,7 @@ class Refinement:
                 "sampler": None if self.sampler is None else repr(self.sampler)}
 
 
-SOLVERS = ("auto", "direct", "cg")  # Refinement.solver: see the module's docstring
+SOLVERS = ("cg", "direct")  # Refinement.solver: see the module's docstring
 
 
 def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
@@ -230,18 +230,14 @@ def direct_solve(product: Callable[[Tensor], Tensor], damping: float, rhs: Tenso
 
     Returns:
         ``(x [t, p] float64, residuals [1, t])``: the relative residual
-        ``||rhs - (H + l I) x|| / ||rhs||`` by the product (rounding only, unless the system is
+        ``||rhs - (H + l I) x|| / ||rhs||`` (rounding only, unless the system is
         ill-conditioned; ``0`` for a zero ``rhs``).
 
     Raises:
         NonFiniteGradientError: the factor or the solution is NaN or infinite.
     """
-    rhs = rhs.double()
-    norm = _norm(rhs)
-    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-    x = product.kept.solve(damping, rhs)
-    residual = rhs - product.flat(x).add_(x, alpha=damping)
-    residuals = (_norm(residual) / safe)[None]
+    x, residuals = product.kept.solve(damping, rhs.double())
+    residuals = residuals[None]
     if not (bool(residuals.isfinite().all()) and bool(finite_rows(x).all())):
         raise NonFiniteGradientError(
             f"{current_caller()}: the refined solve produced NaN or infinite values (the "

@@ -219,17 +219,17 @@ class RefinedSolve:
                     "training batches of this model's input shape and dtype.") from err
 
         self.product = checkpoint_product(refinement.gradients, key, loss, params, list(names),
-                                          label, factor=refinement.solver != "cg")
+                                          label, factor=refinement.solver == "direct")
         kept = self.product.kept
-        self.direct = refinement.solver != "cg" and kept is not None and kept.solvable
-        if refinement.solver == "direct" and not self.direct:
+        self.direct = refinement.solver == "direct"
+        if self.direct and (kept is None or not kept.solvable):
             why = ("its per-example gradients are over tracinfunc.curvature.fisher."
                    "GRADIENT_BUDGET, so it is not kept" if kept is None else
                    "the sampler gave negative weights, so sqrt(w) G is not real")
             raise InvalidArgumentError(
                 f"{current_caller()}: solver='direct' solves the sampled Fisher exactly, but at "
-                f"checkpoint {name!r} {why}; use solver='auto' (conjugate gradient where it "
-                "cannot), fewer refinement examples (max_examples=), or raise the budget.")
+                f"checkpoint {name!r} {why}; use solver='cg', fewer refinement examples "
+                "(max_examples=), or raise the budget.")
         self.curvature, self.ckpt = curvature, ckpt
         # flat rows [b, p] in the product's column order (the selection's), converted once
         self.layout = tuple((name, tuple(params[name].shape)) for name in names)

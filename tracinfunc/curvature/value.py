@@ -194,7 +194,7 @@ class Curvature:
     @entry_point("Curvature.with_refinement")
     def with_refinement(self, data: Batch | Iterable[Batch], *, steps: int = 5,
                         max_examples: int | None = None, sampler: Any = None, seed: int = 0,
-                        tolerance: float = 1e-2, solver: str = "auto") -> Curvature:
+                        tolerance: float = 1e-2, solver: str = "cg") -> Curvature:
         """The same curvature, its queries solved with the sampled Fisher itself.
 
         Each query ``g`` is solved on ``(H_c + lambda_c I) x = g`` with ``H_c`` the Fisher of
@@ -206,18 +206,18 @@ class Curvature:
         :data:`tracinfunc.curvature.fisher.GRADIENT_BUDGET` (256 MiB, over all checkpoints);
         ``H = G^T diag(w) G / sum w`` ``[p, p]`` is kept instead when ``p < 2 m``. Then:
 
-        - ``solver="direct"``: solved exactly (Cholesky of ``H + lambda I``, or Woodbury
-          through an ``[m, m]`` Cholesky when ``G`` is kept; the factor made once per
-          checkpoint and damping): the answer conjugate gradient converges to, at about two
-          Fisher-vector products per query. Refused at the query when the Fisher is not kept.
-        - ``solver="cg"``: conjugate gradient preconditioned by this curvature, starting from
-          its answer: each query stops once its relative residual
+        - ``solver="cg"`` (default): conjugate gradient preconditioned by this curvature,
+          starting from its answer: each query stops once its relative residual
           ``||g - (H + lambda I) x|| / ||g||`` is at most ``tolerance``, or after ``steps``
           steps. Each step is one Fisher-vector product for a batch of queries: two matrix
           products with ``G`` (or one with ``H``); a Fisher that is not kept is never formed
           and each product is a jvp and a vjp over every example instead.
-        - ``solver="auto"`` (default): ``"direct"`` where the Fisher is kept (and its weights
-          are non-negative), else ``"cg"``.
+        - ``solver="direct"``: solved exactly (Cholesky of ``H + lambda I``, or Woodbury
+          through an ``[m, m]`` Cholesky when ``G`` is kept; the factor made once per
+          checkpoint and damping): the answer conjugate gradient converges to, at about two
+          Fisher-vector products per query. Refused at the query when the Fisher is not kept.
+          The exact answer of a small sample's Fisher can attribute worse than a few steps
+          from this curvature (docs/curvature.md measures both).
 
         Applied by :func:`~tracinfunc.preconditioned_test_grads` (so ``score``, ``top_k``,
         ``indexed_top_k`` and the CLI get it through ``curvature=``); the test gradients'
@@ -236,7 +236,7 @@ class Curvature:
                 stops (its answer does not depend on the queries batched with it); one still
                 above it after ``steps`` (or after a direct solve, from rounding) is reported
                 (a ``RuntimeWarning``).
-            solver: ``"auto"``, ``"direct"`` or ``"cg"`` (above).
+            solver: ``"cg"`` or ``"direct"`` (above).
 
         Raises:
             InvalidArgumentError: ``kind="projected"`` (its space has no Fisher-vector
@@ -258,8 +258,8 @@ class Curvature:
         if not isinstance(solver, str) or solver not in refine.SOLVERS:
             raise InvalidArgumentError(
                 f"{current_caller()}: solver must be one of {', '.join(map(repr, refine.SOLVERS))}"
-                f", got {solver!r}; e.g. solver='auto' (exact where the sampled Fisher is kept, "
-                "else conjugate gradient).")
+                f", got {solver!r}; e.g. solver='direct' (the exact solve, where the sampled "
+                "Fisher is kept).")
         if sampler is not None and not callable(sampler):
             raise InvalidArgumentError(
                 f"{current_caller()}: sampler must be None (the loss's default) or a sampler "

@@ -80,6 +80,7 @@ class Sizes:
     arch: str = "llama"  # one of ARCHS
     refine: bool = True  # the refined EK-FAC row (CG steps: the slowest query)
     picks: tuple[str, ...] = ("all", "last")  # the checkpoints scored: all, and the last only
+    refine_examples: int = 32  # the refined rows' Fisher: the first this many training sequences
 
 
 FULL = Sizes(256, 64, 100, 12, 3, 32, 32, (1024,), SCALES, 200, True)
@@ -87,7 +88,7 @@ QUICK = Sizes(40, 8, 6, 2, 1, 16, 8, (64,), (0.3, 3.0), 20, False)
 # A reduced run for a shared 2-core machine (issue 33's measurements): minutes, not an hour.
 MEDIUM = Sizes(96, 24, 24, 6, 2, 24, 16, (256,), (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0), 200,
                False)
-REFINE_EXAMPLES, REFINE_STEPS = 32, 3  # the refined EK-FAC rows: over this many sequences
+REFINE_STEPS = 3  # the refined EK-FAC rows' conjugate-gradient steps
 
 
 ARCHS = ("llama", "gpt-neo")  # --model: the transformers class each is built from
@@ -262,7 +263,7 @@ def evaluate(sizes: Sizes, out: Path) -> dict:
                     defaults[which] = curvature
                 if kind == "ekfac" and scale == DEFAULT_SCALES[kind] and sizes.refine:
                     refined_row(loss, chosen, train_set, test_set, store, curvature, options,
-                                measure, which, queries, costs)
+                                measure, which, costs, sizes)
                 if which == "all" and kind == "ekfac":  # the terms, beside kronfluence's
                     for c, part in enumerate(per_checkpoint(store, queries)):
                         measure(f"{kind}-ckpt{c}", kind, f"ckpt{c}", None, scale, part, fit_s,
@@ -316,16 +317,17 @@ def rank_rows(loss, chosen, test_set, store, fitted, options, measure, which, sc
 
 
 def refined_row(loss, chosen, train_set, test_set, store, curvature, options, measure, which,
-                plain, costs) -> None:
-    """EK-FAC refined on the Fisher of ``REFINE_EXAMPLES`` training sequences: by
+                costs, sizes) -> None:
+    """EK-FAC refined on the Fisher of ``sizes.refine_examples`` training sequences: by
     ``REFINE_STEPS`` conjugate-gradient steps (``ekfac-<which>-refined``, the default solver)
-    and by the exact solve (``-refined-direct``); their LDS and query cost against the plain
-    EK-FAC query (CPU time)."""
+    and by the exact solve (``-refined-direct``, also at every multiple in ``sizes.scales``:
+    the damping of the sampled Fisher's own solve, its factor per damping); their LDS and the
+    query cost against the plain EK-FAC query (CPU time), at the default multiple."""
     exact = tif.Projection(kind="identity")
-    seconds = {}
+    seconds, examples = {}, sizes.refine_examples
     for solver, suffix in (("cg", "refined"), ("direct", "refined-direct")):
         refined = curvature.with_refinement(train_set, steps=REFINE_STEPS,
-                                            max_examples=REFINE_EXAMPLES, solver=solver)
+                                            max_examples=examples, solver=solver)
         for label, value in (("plain", curvature), (solver, refined)):
             start = time.process_time()
             with warnings.catch_warnings(record=True):
@@ -333,15 +335,29 @@ def refined_row(loss, chosen, train_set, test_set, store, curvature, options, me
                                                         projection=exact, options=options)
             seconds[label] = time.process_time() - start
         mark = queries.meta.extra["curvature"]
-        measure(f"ekfac-{which}-{suffix}", f"ekfac-{suffix}", which, None, None,
-                tif.score(store, queries, curvature=refined))
-        costs.setdefault(which, {"steps": REFINE_STEPS, "examples": REFINE_EXAMPLES})
+        measure(f"ekfac-{which}-{suffix}", f"ekfac-{suffix}", which, None,
+                DEFAULT_SCALES["ekfac"], tif.score(store, queries, curvature=refined))
+        costs.setdefault(which, {"steps": REFINE_STEPS, "examples": examples})
         costs[which][solver] = {
             "ratio": seconds[solver] / max(seconds["plain"], 1e-9),
             "refined": seconds[solver], "plain": seconds["plain"],
             "solvers": mark["solvers"],
             "residual": [max(r[0] for r in mark["residuals"]),
                          max(r[-1] for r in mark["residuals"])]}
+    base = DEFAULT_SCALES["ekfac"]
+    for scale in sizes.scales:  # the direct solve's damping swept (the kept Fisher shared)
+        if scale == base:
+            continue
+        other = dataclasses.replace(refined, damping=tuple(d * scale / base
+                                                           for d in refined.damping))
+        try:
+            with warnings.catch_warnings(record=True):
+                queries = tif.preconditioned_test_grads(loss, chosen, test_set, other,
+                                                        projection=exact, options=options)
+        except IllConditionedError:  # refused below the conditioning rule
+            continue
+        measure(f"ekfac-{which}-refined-direct", "ekfac-refined-direct", which, None, scale,
+                tif.score(store, queries, curvature=other))
 
 
 def kronfluence_python() -> str:
@@ -578,6 +594,8 @@ def main() -> None:
     parser.add_argument("--scales", type=float, nargs="+",
                         help="the damping multiples swept (default: the size's)")
     parser.add_argument("--no-refine", action="store_true", help="skip the refined EK-FAC row")
+    parser.add_argument("--refine-examples", type=int, default=32,
+                        help="training sequences of the refined rows' Fisher (default 32)")
     parser.add_argument("--all-only", action="store_true",
                         help="score all checkpoints only (skip the last-checkpoint rows)")
     args = parser.parse_args()
@@ -589,6 +607,7 @@ def main() -> None:
     if args.scales:
         sizes = dataclasses.replace(sizes, scales=tuple(sorted(args.scales)))
     sizes = dataclasses.replace(sizes, arch=args.model, refine=not args.no_refine,
+                                refine_examples=args.refine_examples,
                                 picks=("all",) if args.all_only else ("all", "last"))
     torch.set_num_threads(1)  # tiny ops: extra threads only add synchronisation
     args.out.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ def llama_case(quick: bool) -> dict:
     options = tif.GradientOptions(select=quality_lm.linear_weights(model))
     return {"loss": tif.causal_lm_loss(model), "ckpts": ckpts, "train": train_set,
             "test": test_set, "options": options, "sampler": None, "n_test": sizes.n_test,
-            "examples": quality_lm.REFINE_EXAMPLES, "steps": quality_lm.REFINE_STEPS,
+            "examples": sizes.refine_examples, "steps": quality_lm.REFINE_STEPS,
             "batch_size": quality_lm.BATCH}
 
 

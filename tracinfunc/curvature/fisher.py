@@ -66,7 +66,7 @@ class KeptFisher:
 
     matrix: Tensor
     weights: Tensor | None
-    factor: tuple[float, Tensor] | None = None
+    factor: tuple[float, Tensor, Tensor | None] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -213,10 +213,12 @@ def test_cli_refine_solver_matches_the_api(tmp_path, capsys, solver):
     # one conjugate-gradient step is not the exact solve: the flag changes the scores
     assert not np.allclose(queries["direct"].read_rows(0, 0, 2).numpy(),
                            queries["cg"].read_rows(0, 0, 2).numpy(), rtol=1e-4)
-    code = main(["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
-                 "--curvature", str(tmp_path / "curvature.zarr"), "--refine-solver", solver,
-                 "--output", str(tmp_path / "x.npy"), "--quiet"])
-    assert code != 0 and "--refine-solver needs --refine-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a usage error, as argparse's own
+        main(["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
+              "--curvature", str(tmp_path / "curvature.zarr"), "--refine-solver", solver,
+              "--output", str(tmp_path / "x.npy"), "--quiet"])
+    assert exited.value.code == 2
+    assert "--refine-solver goes with --refine-steps" in capsys.readouterr().err
     assert not (tmp_path / "x.npy").exists()
 
 

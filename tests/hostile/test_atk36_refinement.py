@@ -749,9 +749,17 @@ def test_refinement_tiny_damping_advice_passes(fx):
         c.with_refinement((fx["x"], fx["y"]), steps=2)
     advised = float(re.search(r"with_damping\(([^)]+)\) or more", str(err.value)).group(1))
     refined = c.with_damping(advised).with_refinement((fx["x"], fx["y"]), steps=2)
+    # The query checks the sampled Fisher itself (atk40: its largest eigenvalue can be above
+    # the fitted estimate's, which with_refinement judges); its advice, for every checkpoint,
+    # must pass in turn.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        _queries(fx, refined)
+        try:
+            _queries(fx, refined)
+        except IllConditionedError as error:
+            assert "sampled Fisher" in str(error)
+            again = float(re.search(r"with_damping\(([^)]+)\) or more", str(error)).group(1))
+            _queries(fx, refined.with_damping(again))
 
 
 def test_refinement_huge_damping_advice_passes(fx):

@@ -90,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "contrast_weight", None) is not None and args.contrast is None:
         parser.error("score: --contrast-weight W goes with --contrast NAME (the control set "
                      "it weighs); pass --contrast NAME or drop --contrast-weight.")
+    for flag in ("refine_examples", "refine_solver"):
+        if getattr(args, flag, None) is not None and args.refine_steps is None:
+            parser.error(f"score: --{flag.replace('_', '-')} goes with --refine-steps N (it "
+                         "says how the queries are refined); pass --refine-steps N or drop it.")
     try:
         # Errors name the command the user typed (``tracinfunc build: ...``), also those
         # raised inside the public functions it calls.
@@ -537,11 +541,7 @@ def _score(args: argparse.Namespace) -> int:
 
 def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature | None:
     """``curvature`` refined on the spec's training data when ``--refine-steps`` asks."""
-    if args.refine_steps is None:
-        for flag, value in (("--refine-examples", args.refine_examples),
-                            ("--refine-solver", args.refine_solver)):
-            if value is not None:
-                raise SpecError(f"score: {flag} needs --refine-steps N.")
+    if args.refine_steps is None:  # --refine-examples/--refine-solver alone: refused in main
         return curvature
     if curvature is None or args.spec is None or args.test_store is not None:
         raise SpecError("score: --refine-steps needs --curvature PATH and --spec (with --test "

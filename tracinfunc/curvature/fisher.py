@@ -28,7 +28,7 @@ from torch.func import grad, jvp, vjp, vmap
 
 from tracinfunc._validate import current_caller
 from tracinfunc.curvature.flat import flat_map, flatten, unflatten
-from tracinfunc.errors import IllConditionedError, NonFiniteGradientError
+from tracinfunc.errors import IllConditionedError, InvalidArgumentError, NonFiniteGradientError
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["FORWARD_AD_LOCK", "GRADIENT_BUDGET", "KeptFisher", "checkpoint_product",
@@ -184,6 +184,13 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         if key in cache:
             return cache[key].product(shapes)
         labelled = label()
+        total = sum(float(weights.double().sum()) for _, weights in labelled)
+        if not math.isfinite(total) or total <= 0:
+            raise InvalidArgumentError(
+                f"{current_caller()}: the sampler's weights sum to {total:g} over the "
+                "refinement data; the sampled Fisher is divided by their sum, so it must be "
+                "positive and finite (each input's weights sum to 1 for the library's "
+                "samplers); fix the sampler's weights.")
         rows = sum(int(weights.shape[0]) for _, weights in labelled)
         p = sum(math.prod(shape) for shape in shapes.values())
         side = p if p < 2 * rows else rows  # H [p, p] is kept when p < 2m, else G [m, p]
@@ -191,7 +198,8 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         kept_size = side * p * 8 + (factor_size if factor else 0)
         if rows * p * 8 > budget or kept_size > budget:  # G is made before H is
             product = fisher_product(loss, params, names, labelled)
-            product.kept = None
+            product.kept, product.needed, product.budget = None, max(rows * p * 8,
+                                                                     kept_size), budget
             return product
         gradients, weights = sampled_gradients(loss, params, names, labelled)
         if gradients.shape[1] < 2 * rows:  # p < 2m: H [p, p] is smaller and cheaper to apply

@@ -51,7 +51,7 @@ from tracinfunc.types import Batch
 
 __all__ = ["FORWARD_AD_LOCK", "SOLVERS", "Refinement", "check_refinable", "data_digest",
            "direct_solve", "finite_rows", "fisher_product", "kept_batches",
-           "largest_eigenvalue", "pcg", "pcg_flat", "warn_unconverged"]
+           "largest_eigenvalue", "pcg", "pcg_flat", "sampled_largest", "warn_unconverged"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
 
@@ -74,6 +74,8 @@ class Refinement:
             (:class:`~tracinfunc.curvature.fisher.KeptFisher`; filled by the first refined
             query, shared by every curvature made from this one by ``with_damping``; not part
             of the digest).
+        largest: Per checkpoint (the same keys), the sampled Fisher's largest eigenvalue
+            (:func:`sampled_largest`), for the condition rule at every damping.
     """
 
     steps: int
@@ -84,6 +86,7 @@ class Refinement:
     digest: str = field(default="")
     solver: str = "cg"
     gradients: dict = field(default_factory=dict, repr=False, compare=False)
+    largest: dict = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """JSON types for the curvature's metadata (no tensors)."""
@@ -262,7 +265,8 @@ def warn_unconverged(residuals: Tensor, tolerance: float, checkpoint: str,
             f"{current_caller()}: refinement at checkpoint {checkpoint!r} stopped at a relative "
             f"residual of {worst:.3g} after {residuals.shape[0] - 1} steps (first "
             f"{float(residuals[0].max()):.3g}), above the tolerance {tolerance:g}; more steps "
-            "(with_refinement(steps=...)) or a larger damping converge further.",
+            "(with_refinement(steps=...), on the command line --refine-steps N) or a larger "
+            "damping converge further.",
             RuntimeWarning, stacklevel=3)
 
 
@@ -281,21 +285,23 @@ def largest_eigenvalue(kind: str, estimate: Mapping[str, Tensor], layers) -> flo
 
 
 def check_refinable(largest: float, damping: float, checkpoint: str,
-                    max_condition: float, every: tuple[float, ...] = ()) -> None:
+                    max_condition: float, every: tuple[float, ...] = (), *,
+                    huge: bool = True, what: str = "the curvature") -> None:
     """Refuse a damping the refined system cannot use.
 
     The sampled Fisher is rank-deficient (a finite sample; a softmax's shift direction), so
     its damped system's condition number is ``(s_max + lambda) / lambda``: above
     ``max_condition`` (``lambda`` zero or tiny) the conjugate-gradient answer is rounding;
     with ``lambda * eps32 > s_max`` (huge) the curvature is below float32 rounding of
-    ``lambda I`` and refinement changes nothing. ``every``: each checkpoint's largest
-    eigenvalue, so the advised ``with_damping(X)`` (one lambda for all) passes at each.
+    ``lambda I`` and refinement changes nothing (checked only with ``huge``). ``every``:
+    each checkpoint's largest eigenvalue, so the advised ``with_damping(X)`` (one lambda for
+    all) passes at each. ``what`` names the matrix ``largest`` belongs to, in messages.
     """
     eps = torch.finfo(torch.float32).eps
     if not math.isfinite(largest):
         raise IllConditionedError(
-            f"{current_caller()}: the curvature at checkpoint {checkpoint!r} holds NaN or "
-            "infinite values, so refining with it is meaningless; fit it again on finite data.")
+            f"{current_caller()}: {what} at checkpoint {checkpoint!r} holds NaN or infinite "
+            "values, so refining with it is meaningless; fit it again on finite data.")
     if damping <= 0 or (largest + damping) / damping > max_condition:
         need = _round_2g(max((largest, *every)) / (max_condition - 1) * (1 + 1e-6), up=True)
         raise IllConditionedError(
@@ -303,15 +309,37 @@ def check_refinable(largest: float, damping: float, checkpoint: str,
             f"Fisher H, which is rank-deficient, so lambda must be positive: at checkpoint "
             f"{checkpoint!r} lambda = {damping:.3g} gives a condition number of "
             f"{(largest + damping) / damping if damping > 0 else math.inf:.3g} (largest "
-            f"eigenvalue {largest:.3g}), above {max_condition:.3g}; use with_damping("
-            f"{need!r}) or more, or Damping() for the default.")
-    if damping * eps > largest:
+            f"eigenvalue of {what} {largest:.3g}), above {max_condition:.3g}; use "
+            f"with_damping({need!r}) or more, or Damping() for the default.")
+    if huge and damping * eps > largest:
         raise IllConditionedError(
             f"{current_caller()}: at checkpoint {checkpoint!r} lambda = {damping:.3g} is so "
             f"large that the curvature (largest eigenvalue {largest:.3g}) is below the float32 "
             f"rounding of lambda I: refinement would change nothing. Lower the damping (at "
             f"most {_round_2g(min((largest, *every)) / eps * (1 - 1e-6), up=False)!r}), or "
             "score without refinement.")
+
+
+def sampled_largest(product: Callable[[Tensor], Tensor], p: int, device: Any = None,
+                    iterations: int = 16) -> float:
+    """The sampled Fisher's largest eigenvalue, by power iteration on its product (``[1, p]
+    -> [1, p]``; a Rayleigh quotient, from below: within a few percent for the fast-decaying
+    spectra of Fishers, and the condition rule's threshold is orders of magnitude away).
+    ``nan`` if a product is not finite; ``0`` for a zero Fisher."""
+    generator = torch.Generator().manual_seed(0)
+    vector = torch.randn(1, p, dtype=torch.float64, generator=generator).to(device)
+    vector /= vector.norm()
+    value = 0.0
+    for _ in range(iterations):
+        image = product(vector)
+        value = float((vector * image).sum())
+        size = float(image.norm())
+        if not math.isfinite(size) or not math.isfinite(value):
+            return math.nan
+        if size == 0:
+            return 0.0
+        vector = image / size
+    return value
 
 
 def _round_2g(value: float, *, up: bool) -> float:

@@ -177,6 +177,7 @@ class CheckedSampler:
             if rows is None:
                 raise
             self.refuse("the model's output", [self.start + r for r in rows])
+        _check_weights(weights, labelled, self.checkpoint)
         if not bool(torch.isfinite(weights).all()):
             self.refuse("the sampler's weights")
         return labelled, weights
@@ -191,6 +192,21 @@ class CheckedSampler:
             "Remove or fix those examples (check their inputs for NaN/inf), or fit on data "
             "without them."
         )
+
+
+def _check_weights(weights: Any, labelled: Batch, checkpoint: str) -> None:
+    """Refuse weights that are not a floating ``[b']`` tensor, one per labelled example."""
+    leaves = [leaf for leaf in tree_leaves(labelled) if isinstance(leaf, Tensor) and leaf.dim()]
+    rows = leaves[0].shape[0] if leaves else None
+    if isinstance(weights, Tensor) and weights.is_floating_point() and weights.dim() == 1 \
+            and (rows is None or weights.shape[0] == rows):
+        return
+    got = (f"a {weights.dtype} tensor of shape {list(weights.shape)}"
+           if isinstance(weights, Tensor) else type(weights).__name__)
+    raise InvalidArgumentError(
+        f"{current_caller()}: the sampler must return (labelled batch, weights) with weights "
+        f"a floating tensor [b'] (one per labelled example: {rows}), got {got} at checkpoint "
+        f"{checkpoint!r}; return e.g. torch.full((b',), 1.0 / samples, dtype=torch.float64).")
 
 
 def _check_logits(logits: Tensor) -> None:

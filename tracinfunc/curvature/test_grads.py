@@ -13,6 +13,7 @@ training rows and preconditioned test rows, so the training store stays as built
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -26,12 +27,15 @@ from tracinfunc.batches import iter_batches
 from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
+from tracinfunc.curvature.conditioning import MAX_CONDITION
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, checkpoint_product
 from tracinfunc.curvature.flat import flat_map, flatten, unflatten
 from tracinfunc.curvature.refine import (
+    check_refinable,
     direct_solve,
     finite_rows,
     pcg_flat,
+    sampled_largest,
     warn_unconverged,
 )
 from tracinfunc.curvature.samplers import CheckedSampler, default_sampler
@@ -112,11 +116,25 @@ def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection
     """Per checkpoint, the preconditioned projected test rows ``[n_test, k]`` (and, refined,
     the residuals and the solver used)."""
     per_ckpt, residuals, solvers = [], [], []
+
+    def refined_solve(c: int, ckpt: Checkpoint) -> RefinedSolve:
+        return RefinedSolve(loss_at(loss, ckpt), curvature, c, names, dict(ckpt.params),
+                            sampler, key=(c, Checkpoint.fingerprint.func(ckpt), tuple(names),
+                                          _Same(loss)))
+
+    if sampler is not None:
+        # The condition rule on the Fisher solved, not the fitted estimate (checked before: a
+        # small sample's largest eigenvalue can be far above the estimate's), at every
+        # checkpoint before any solve, so the advised damping passes at each. Its products
+        # (kept) are reused below; each largest eigenvalue is kept for later queries.
+        largest = tuple(refined_solve(c, ckpt).largest for c, ckpt in enumerate(checkpoints))
+        for c, meta in enumerate(metas):
+            check_refinable(largest[c], curvature.damping[c], meta.name, MAX_CONDITION,
+                            largest if all(map(math.isfinite, largest)) else (), huge=False,
+                            what="the sampled Fisher")
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         params = dict(ckpt.params)
-        solve = None if sampler is None else RefinedSolve(
-            loss_at(loss, ckpt), curvature, c, names, params, sampler,
-            key=(c, Checkpoint.fingerprint.func(ckpt), tuple(names), _Same(loss)))
+        solve = None if sampler is None else refined_solve(c, ckpt)
         rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
                            projection.for_checkpoint(ckpt_meta.name), options, solve)
         parts = [rows_fn(params, batch) for batch in iter_batches(data)]
@@ -223,13 +241,20 @@ class RefinedSolve:
         kept = self.product.kept
         self.direct = refinement.solver == "direct"
         if self.direct and (kept is None or not kept.solvable):
-            why = ("its per-example gradients are over tracinfunc.curvature.fisher."
-                   "GRADIENT_BUDGET, so it is not kept" if kept is None else
-                   "the sampler gave negative weights, so sqrt(w) G is not real")
+            why = (f"keeping it needs {self.product.needed / 2**20:.3g} MiB (the Fisher and the "
+                   "Cholesky factor of the direct solve), over tracinfunc.curvature.fisher."
+                   f"GRADIENT_BUDGET ({self.product.budget / 2**20:.3g} MiB)" if kept is None
+                   else "the sampler gave negative weights, so sqrt(w) G is not real")
             raise InvalidArgumentError(
                 f"{current_caller()}: solver='direct' solves the sampled Fisher exactly, but at "
-                f"checkpoint {name!r} {why}; use solver='cg', fewer refinement examples "
-                "(max_examples=), or raise the budget.")
+                f"checkpoint {name!r} {why}; use solver='cg' (on the command line "
+                "--refine-solver cg), fewer refinement examples (max_examples=, "
+                "--refine-examples M), or raise the budget.")
+        if key not in refinement.largest:  # once per checkpoint, for every damping
+            refinement.largest[key] = sampled_largest(
+                self.product.flat, sum(math.prod(params[n].shape) for n in names),
+                params[names[0]].device)
+        self.largest = refinement.largest[key]
         self.curvature, self.ckpt = curvature, ckpt
         # flat rows [b, p] in the product's column order (the selection's), converted once
         self.layout = tuple((name, tuple(params[name].shape)) for name in names)

@@ -337,6 +337,10 @@ def refined_row(loss, chosen, train_set, test_set, store, curvature, options, me
         mark = queries.meta.extra["curvature"]
         measure(f"ekfac-{which}-{suffix}", f"ekfac-{suffix}", which, None,
                 DEFAULT_SCALES["ekfac"], tif.score(store, queries, curvature=refined))
+        if which == "all":  # the terms of the refined sum, beside EK-FAC's and kronfluence's
+            for c, part in enumerate(per_checkpoint(store, queries)):
+                measure(f"ekfac-ckpt{c}-{suffix}", f"ekfac-{suffix}", f"ckpt{c}", None,
+                        DEFAULT_SCALES["ekfac"], part)
         costs.setdefault(which, {"steps": REFINE_STEPS, "examples": examples})
         costs[which][solver] = {
             "ratio": seconds[solver] / max(seconds["plain"], 1e-9),
@@ -435,9 +439,17 @@ def default_rows(result: dict) -> list[dict]:
 
 
 def reference(result: dict, row: dict) -> dict:
-    """The plain TracIn row a row is compared with: same checkpoints and store (k)."""
-    name = f"tracin-{row['checkpoints']}" + (f"-k{row['k']}" if row["k"] else "")
-    return next(r for r in result["rows"] if r["config"] == name)
+    """The plain TracIn row a row is compared with: same checkpoints and store (k). Under
+    ``--all-only`` there is no ``tracin-last`` (kronfluence still runs at the last checkpoint):
+    the last checkpoint's term of the sum stands in (the same ranking, scaled by its lr)."""
+    names = [f"tracin-{row['checkpoints']}" + (f"-k{row['k']}" if row["k"] else "")]
+    if row["checkpoints"] == "last" and not row["k"]:
+        names.append(f"tracin-ckpt{result['n_checkpoints'] - 1}")
+    for name in names:
+        for r in result["rows"]:
+            if r["config"] == name:
+                return r
+    raise KeyError(f"no plain TracIn row {names} for {row['config']!r}")
 
 
 def print_tables(result: dict) -> None:
@@ -510,9 +522,9 @@ def print_fair(result: dict) -> None:
         return
     print("\n#### Like for like: EK-FAC, tracinfunc vs kronfluence (same checkpoints, data, "
           "damping sweep)\n")
-    print("| checkpoints | TracIn | ours default | ours best (multiple) | kronfluence 0.1x "
-          "heuristic | kronfluence best (multiple) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| checkpoints | TracIn | ours default | ours best (multiple) | ours refined (CG, "
+          "default) | kronfluence 0.1x heuristic | kronfluence best (multiple) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
 
     def best(kind, which):
         sweep = [r for r in rows if r["kind"] == kind and r["checkpoints"] == which
@@ -528,7 +540,8 @@ def print_fair(result: dict) -> None:
     for which in picks:
         ours = f"ekfac-{which}"
         print(f"| {which} | {one(f'tracin-{which}')} | {one(ours, default=True)} | "
-              f"{best('ekfac', which)} | {one(f'kronfluence-ekfac-{which}-heuristic-0.1x')} | "
+              f"{best('ekfac', which)} | {one(f'{ours}-refined')} | "
+              f"{one(f'kronfluence-ekfac-{which}-heuristic-0.1x')} | "
               f"{best('kronfluence-ekfac', which)} |")
 
 

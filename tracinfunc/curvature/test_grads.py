@@ -251,9 +251,11 @@ class RefinedSolve:
                 "--refine-solver cg), fewer refinement examples (max_examples=, "
                 "--refine-examples M), or raise the budget.")
         if key not in refinement.largest:  # once per checkpoint, for every damping
+            # fewer power steps where each product is a forward and backward pass over every
+            # refinement example (the functional product): a rougher estimate, a bounded cost
             refinement.largest[key] = sampled_largest(
                 self.product.flat, sum(math.prod(params[n].shape) for n in names),
-                params[names[0]].device)
+                params[names[0]].device, iterations=16 if kept is not None else 4)
         self.largest = refinement.largest[key]
         self.curvature, self.ckpt = curvature, ckpt
         # flat rows [b, p] in the product's column order (the selection's), converted once

@@ -128,8 +128,11 @@ def _mixed_sign(loss, params, batch, generator):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("solver", "budget"), [("direct", None), ("cg", None), ("cg", 0)],
+                         ids=["direct", "cg-kept", "cg-functional"])
 @pytest.mark.parametrize("max_examples", [None, 4])
-def test_refinement_condition_rule_uses_the_sampled_fisher(world, max_examples):
+def test_refinement_condition_rule_uses_the_sampled_fisher(world, max_examples, solver, budget,
+                                                           monkeypatch):
     """FINDING. Docs: refinement refuses "a zero or tiny damping (the sampled Fisher is
     rank-deficient: (s_max + lambda) / lambda must stay under MAX_CONDITION)". Refining on data
     whose sampled Fisher is larger than the fitted estimate (inputs x100) at lambda = 1e-6 gives
@@ -142,10 +145,12 @@ def test_refinement_condition_rule_uses_the_sampled_fisher(world, max_examples):
     h = _fisher(model, checkpoints[1], big[0][:n])
     kappa = ((torch.linalg.eigvalsh(h).max() + 1e-6) / 1e-6).item()
     assert kappa > tif.curvature.MAX_CONDITION  # the premise: the refined system is refused
-    with pytest.raises(IllConditionedError):
+    if budget is not None:  # (lead) the functional product's rougher estimate refuses too
+        monkeypatch.setattr(tif.curvature.fisher, "GRADIENT_BUDGET", budget)
+    with pytest.raises(IllConditionedError, match="sampled Fisher"):
         refined = curvature.with_damping(1e-6).with_refinement(
             big, sampler=classification_sampler(exact=True), max_examples=max_examples,
-            solver="direct")
+            solver=solver)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _query(loss, checkpoints, test, refined)

@@ -320,9 +320,9 @@ def refined_row(loss, chosen, train_set, test_set, store, curvature, options, me
                 costs, sizes) -> None:
     """EK-FAC refined on the Fisher of ``sizes.refine_examples`` training sequences: by
     ``REFINE_STEPS`` conjugate-gradient steps (``ekfac-<which>-refined``, the default solver)
-    and by the exact solve (``-refined-direct``, also at every multiple in ``sizes.scales``:
-    the damping of the sampled Fisher's own solve, its factor per damping); their LDS and the
-    query cost against the plain EK-FAC query (CPU time), at the default multiple."""
+    and by the exact solve (``-refined-direct``), each also at every multiple in
+    ``sizes.scales`` (the kept Fisher shared; the direct solve's factor per damping); their LDS
+    and the query cost against the plain EK-FAC query (CPU time), at the default multiple."""
     exact = tif.Projection(kind="identity")
     seconds, examples = {}, sizes.refine_examples
     for solver, suffix in (("cg", "refined"), ("direct", "refined-direct")):
@@ -348,20 +348,24 @@ def refined_row(loss, chosen, train_set, test_set, store, curvature, options, me
             "solvers": mark["solvers"],
             "residual": [max(r[0] for r in mark["residuals"]),
                          max(r[-1] for r in mark["residuals"])]}
-    base = DEFAULT_SCALES["ekfac"]
-    for scale in sizes.scales:  # the direct solve's damping swept (the kept Fisher shared)
-        if scale == base:
-            continue
-        other = dataclasses.replace(refined, damping=tuple(d * scale / base
-                                                           for d in refined.damping))
-        try:
-            with warnings.catch_warnings(record=True):
-                queries = tif.preconditioned_test_grads(loss, chosen, test_set, other,
-                                                        projection=exact, options=options)
-        except IllConditionedError:  # refused below the conditioning rule
-            continue
-        measure(f"ekfac-{which}-refined-direct", "ekfac-refined-direct", which, None, scale,
-                tif.score(store, queries, curvature=other))
+        base = DEFAULT_SCALES["ekfac"]
+        for scale in sizes.scales:  # the damping swept (the kept Fisher shared)
+            if scale == base:
+                continue
+            other = dataclasses.replace(refined, damping=tuple(d * scale / base
+                                                               for d in refined.damping))
+            try:
+                with warnings.catch_warnings(record=True):
+                    queries = tif.preconditioned_test_grads(loss, chosen, test_set, other,
+                                                            projection=exact, options=options)
+            except IllConditionedError:  # refused below the conditioning rule
+                continue
+            measure(f"ekfac-{which}-{suffix}", f"ekfac-{suffix}", which, None, scale,
+                    tif.score(store, queries, curvature=other))
+            if which == "all":
+                for c, part in enumerate(per_checkpoint(store, queries)):
+                    measure(f"ekfac-ckpt{c}-{suffix}", f"ekfac-{suffix}", f"ckpt{c}", None,
+                            scale, part)
 
 
 def kronfluence_python() -> str:

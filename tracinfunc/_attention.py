@@ -11,19 +11,34 @@ the rest of the process. :func:`math_attention` touches no flag: a ``TorchFuncti
 (its stack is thread-local) sends this thread's calls to the operator the math backend runs,
 ``aten::_scaled_dot_product_attention_math``, with a boolean mask turned into an additive one
 as ``scaled_dot_product_attention`` does first: the same values, bit for bit.
+
+One exception: a mode is off while its handler runs a function, so the attention call inside
+``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, as
+``nn.TransformerEncoderLayer`` calls it), a Python function, cannot be redirected. That call
+alone runs under ``sdpa_kernel([SDPBackend.MATH])``, entered by the first such call in the
+process and left by the last one still running (a lock and a count), so overlapping calls
+never restore each other's flags; while it runs, other threads see the math kernel chosen.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["math_attention"]
 
 _FUSED = F.scaled_dot_product_attention  # the public entry point every caller goes through
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
+_MULTI_HEAD = F.multi_head_attention_forward  # Python: its inner SDPA call escapes the mode
+_SHARED = threading.Lock()
+_HOLDERS: list = []  # [count, the entered sdpa_kernel] while a multi-head call runs
 
 
 def _math_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -44,7 +59,30 @@ class _MathAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _FUSED:
             return _math_sdpa(*args, **(kwargs or {}))
+        if func is _MULTI_HEAD:
+            with _process_math_kernel():
+                return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _process_math_kernel() -> Iterator[None]:
+    """``sdpa_kernel([SDPBackend.MATH])`` shared by overlapping callers in any thread: the
+    first entry sets the global flags, the last exit restores what was there before."""
+    with _SHARED:
+        if not _HOLDERS:
+            kernel = sdpa_kernel([SDPBackend.MATH])
+            kernel.__enter__()
+            _HOLDERS.extend([0, kernel])
+        _HOLDERS[0] += 1
+    try:
+        yield
+    finally:
+        with _SHARED:
+            _HOLDERS[0] -= 1
+            if _HOLDERS[0] == 0:
+                _HOLDERS.pop().__exit__(None, None, None)
+                _HOLDERS.clear()
 
 
 def math_attention() -> TorchFunctionMode:

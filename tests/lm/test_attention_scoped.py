@@ -140,3 +140,53 @@ def test_math_attention_under_vmap_with_per_example_masks(kwargs):
         got = mapped(query, key, value, mask)
     assert torch.equal(got, expected)
     assert not fallback_warnings(caught)
+
+
+def test_a_torch_transformer_layer_batches_its_attention_and_equals_the_loop():
+    """``nn.TransformerEncoderLayer`` reaches SDPA through ``F.multi_head_attention_forward``,
+    a Python function the mode cannot look inside: that call takes the shared math kernel."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32,
+                                             dropout=0.0, batch_first=True).double().eval()
+    loss = tif.loss_from_module(layer, criterion=lambda out, y: ((out.sum(-1) - y) ** 2).mean())
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+    g = torch.Generator().manual_seed(4)
+    batch = (torch.randn(3, 5, 16, generator=g, dtype=torch.float64),
+             torch.randn(3, 5, generator=g, dtype=torch.float64))
+    reference = loop_grads(loss, params, batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = tif.per_sample_grads(loss)(params, batch)
+    assert not fallback_warnings(caught)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-9, atol=1e-11)
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored after the calls
+
+
+def test_overlapping_multi_head_calls_in_two_threads_restore_the_flags():
+    from tracinfunc._attention import _process_math_kernel
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    held = []
+
+    def first():  # enters first, leaves first: the order that breaks plain sdpa_kernel
+        with _process_math_kernel():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second():
+        a_in.wait(10)
+        with _process_math_kernel():
+            b_in.set()
+            a_out.wait(10)
+            held.append(not torch.backends.cuda.flash_sdp_enabled())  # still math here
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert held == [True]
+    assert torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.math_sdp_enabled()

@@ -12,12 +12,14 @@ the rest of the process. :func:`math_attention` touches no flag: a ``TorchFuncti
 ``aten::_scaled_dot_product_attention_math``, with a boolean mask turned into an additive one
 as ``scaled_dot_product_attention`` does first: the same values, bit for bit.
 
-One exception: a mode is off while its handler runs a function, so the attention call inside
+Two exceptions: a mode is off while its handler runs a function, so the attention call inside
 ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, as
-``nn.TransformerEncoderLayer`` calls it), a Python function, cannot be redirected. That call
-alone runs under ``sdpa_kernel([SDPBackend.MATH])``, entered by the first such call in the
-process and left by the last one still running (a lock and a count), so overlapping calls
-never restore each other's flags; while it runs, other threads see the math kernel chosen.
+``nn.TransformerEncoderLayer`` calls it), a Python function, cannot be redirected; and a
+tensor subclass among the arguments (``torch.nn.attention.bias.CausalBias``, a nested tensor)
+has its own meaning that the plain math operator would ignore. Such a call alone runs under
+``sdpa_kernel([SDPBackend.MATH])``, entered by the first such call in the process and left by
+the last one still running (a lock and a count), so overlapping calls never restore each
+other's flags; while it runs, other threads see the math kernel chosen.
 """
 
 from __future__ import annotations
@@ -57,12 +59,19 @@ class _MathAttention(TorchFunctionMode):
     """Every other function passes through unchanged (the mode is off inside the handler)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is _FUSED:
-            return _math_sdpa(*args, **(kwargs or {}))
-        if func is _MULTI_HEAD:
+        kwargs = kwargs or {}
+        if func is _FUSED and _plain_tensors(args, kwargs):
+            return _math_sdpa(*args, **kwargs)
+        if func is _FUSED or func is _MULTI_HEAD:  # a subclass's own handling (CausalBias)
             with _process_math_kernel():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _plain_tensors(args: tuple, kwargs: dict) -> bool:
+    """No tensor subclass (``CausalBias``, nested tensors) that handles attention itself."""
+    return all(type(x) is Tensor and not x.is_nested
+               for x in (*args, *kwargs.values()) if isinstance(x, Tensor))
 
 
 @contextlib.contextmanager

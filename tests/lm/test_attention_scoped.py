@@ -190,3 +190,18 @@ def test_overlapping_multi_head_calls_in_two_threads_restore_the_flags():
     assert held == [True]
     assert torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.math_sdp_enabled()
+
+
+def test_a_causal_bias_subclass_keeps_its_own_meaning():
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 2, 4, 8, generator=g)
+    key, value = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(2))
+    bias = causal_lower_right(4, 6)  # a Tensor subclass that dispatches SDPA itself
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+    with math_attention():
+        got = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+    assert torch.equal(got, expected)
+    assert torch.backends.cuda.flash_sdp_enabled()

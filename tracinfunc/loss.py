@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from tracinfunc._attention import math_attention
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
@@ -88,7 +88,7 @@ class ModuleLoss:
     def _loss(self, params: Params, example: Example) -> Tensor:
         self._check_names(params)
         state = {**self.buffers, **params}
-        with sdpa_kernel([SDPBackend.MATH]):
+        with math_attention():
             if self.pair:
                 inputs, target = example
                 outputs = functional_call(self.module, (state,), (inputs.unsqueeze(0),))

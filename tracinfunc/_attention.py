@@ -51,8 +51,10 @@ def _math_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | No
         # zeros_like, as torch's own conversion: batched under vmap as the mask is
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
             attn_mask.logical_not(), float("-inf"))
-    return _MATH(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                 enable_gqa=enable_gqa)[0]
+    # enable_gqa only when asked: the operator has no such argument before torch 2.5 (the
+    # library supports 2.4), where no caller can pass it either
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return _MATH(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra)[0]
 
 
 class _MathAttention(TorchFunctionMode):

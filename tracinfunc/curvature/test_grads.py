@@ -117,17 +117,23 @@ def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection
     the residuals and the solver used)."""
     per_ckpt, residuals, solvers = [], [], []
 
+    keys = [] if sampler is None else [
+        (c, Checkpoint.fingerprint.func(ckpt), tuple(names), _Same(loss))
+        for c, ckpt in enumerate(checkpoints)]  # the parameters' state, hashed once per query
+
     def refined_solve(c: int, ckpt: Checkpoint) -> RefinedSolve:
         return RefinedSolve(loss_at(loss, ckpt), curvature, c, names, dict(ckpt.params),
-                            sampler, key=(c, Checkpoint.fingerprint.func(ckpt), tuple(names),
-                                          _Same(loss)))
+                            sampler, key=keys[c])
 
     if sampler is not None:
         # The condition rule on the Fisher solved, not the fitted estimate (checked before: a
         # small sample's largest eigenvalue can be far above the estimate's), at every
         # checkpoint before any solve, so the advised damping passes at each. Its products
-        # (kept) are reused below; each largest eigenvalue is kept for later queries.
-        largest = tuple(refined_solve(c, ckpt).largest for c, ckpt in enumerate(checkpoints))
+        # (kept) are reused below; each largest eigenvalue is kept for later queries, which
+        # then build nothing here.
+        known = curvature.refinement.largest
+        largest = tuple(known[keys[c]] if keys[c] in known else refined_solve(c, ckpt).largest
+                        for c, ckpt in enumerate(checkpoints))
         for c, meta in enumerate(metas):
             check_refinable(largest[c], curvature.damping[c], meta.name, MAX_CONDITION,
                             largest if all(map(math.isfinite, largest)) else (), huge=False,

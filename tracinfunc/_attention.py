@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, _sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["math_attention"]
@@ -40,13 +40,20 @@ _FUSED = F.scaled_dot_product_attention  # the public entry point every caller g
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 _MULTI_HEAD = F.multi_head_attention_forward  # Python: its inner SDPA call escapes the mode
 _SHARED = threading.Lock()
-_HOLDERS: list = []  # [count, the entered sdpa_kernel] while a multi-head call runs
+_HOLDERS: list = []  # [count, flags before, flags set] while a multi-head call runs
 
 
 def _math_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> Tensor:
     """``scaled_dot_product_attention`` as its math backend computes it, `[..., L, Ev]`."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # SDPA is on autocast's lower-precision list
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) if t.is_floating_point() else t
+                             for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # True: take part
         # zeros_like, as torch's own conversion: batched under vmap as the mask is
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
@@ -78,13 +85,16 @@ def _plain_tensors(args: tuple, kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def _process_math_kernel() -> Iterator[None]:
-    """``sdpa_kernel([SDPBackend.MATH])`` shared by overlapping callers in any thread: the
-    first entry sets the global flags, the last exit restores what was there before."""
+    """The math kernel through the global SDPA flags, shared by overlapping callers in any
+    thread: the first entry sets them, the last exit restores what was there before, unless
+    someone changed them meanwhile (a user's own ``sdpa_kernel`` left in between, or an
+    ``enable_*_sdp`` call): then their setting stays. A change to a value the window had set
+    already (e.g. flash off) cannot be told apart, and is undone (docs/language-models.md)."""
     with _SHARED:
         if not _HOLDERS:
-            kernel = sdpa_kernel([SDPBackend.MATH])
-            kernel.__enter__()
-            _HOLDERS.extend([0, kernel])
+            before = _cur_sdpa_kernel_backends()
+            _sdpa_kernel([SDPBackend.MATH])
+            _HOLDERS.extend([0, before, _cur_sdpa_kernel_backends()])
         _HOLDERS[0] += 1
     try:
         yield
@@ -92,7 +102,9 @@ def _process_math_kernel() -> Iterator[None]:
         with _SHARED:
             _HOLDERS[0] -= 1
             if _HOLDERS[0] == 0:
-                _HOLDERS.pop().__exit__(None, None, None)
+                _, before, ours = _HOLDERS
+                if set(_cur_sdpa_kernel_backends()) == set(ours):
+                    _sdpa_kernel(before)
                 _HOLDERS.clear()
 
 

@@ -16,6 +16,8 @@ because HF inspects the 2-D mask's values (``.all()``), which vmap cannot do.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +36,24 @@ from tracinfunc.types import Example, Params
 __all__ = ["ModuleLoss", "check_eval_mode", "loss_from_model", "loss_from_module"]
 
 _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+# torch.func.functional_call swaps the checkpoint's tensors into the module's attributes for the
+# duration of a forward: two threads doing it on one module at once read each other's
+# weights (silently wrong rows). Every forward tracinfunc runs through a module holds its lock
+# (re-entrant: a loss may call tracinfunc inside). Another thread calling the module itself
+# meanwhile is not covered: it sees the checkpoint's weights (docs/language-models.md).
+_MODULE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MODULE_LOCKS_GUARD = threading.Lock()
+
+
+def module_lock(module: nn.Module) -> threading.RLock:
+    """The re-entrant lock every tracinfunc forward through ``module`` holds."""
+    with _MODULE_LOCKS_GUARD:
+        lock = _MODULE_LOCKS.get(module)
+        if lock is None:
+            lock = _MODULE_LOCKS[module] = threading.RLock()
+        return lock
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +108,7 @@ class ModuleLoss:
     def _loss(self, params: Params, example: Example) -> Tensor:
         self._check_names(params)
         state = {**self.buffers, **params}
-        with math_attention():
+        with module_lock(self.module), math_attention():
             if self.pair:
                 inputs, target = example
                 outputs = functional_call(self.module, (state,), (inputs.unsqueeze(0),))
@@ -120,10 +140,12 @@ class ModuleLoss:
         state = {**self.buffers, **params}
         if self.pair:
             inputs, target = batch
-            outputs = functional_call(self.module, (state,), (inputs,))
+            with module_lock(self.module):
+                outputs = functional_call(self.module, (state,), (inputs,))
             return _per_row(self.criterion, outputs, target)
         args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
-        outputs = functional_call(self.module, (state,), args, kwargs)
+        with module_lock(self.module):
+            outputs = functional_call(self.module, (state,), args, kwargs)
         size = tree_leaves(batch)[0].shape[0]
         return torch.stack([self.criterion(row, example) for row, example in zip(
             _rows(outputs, size), _rows(batch, size), strict=True)])

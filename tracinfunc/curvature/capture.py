@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, vmap
-from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_map
 
+from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, LossFunctionError
 from tracinfunc.types import Batch, Example, LossFn, Params
@@ -155,7 +155,7 @@ def _hooked(ids: dict[int, int], taps: list[Tensor] | None) -> Iterator[list]:
             )
         return output + taps[call]
 
-    handle = register_module_forward_hook(hook)
+    handle = register_thread_forward_hook(hook)
     try:
         yield seen
     finally:

@@ -29,9 +29,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 from torch.func import vmap
-from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
+from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
@@ -92,7 +92,7 @@ def _recording(ids: dict[int, int]) -> Iterator[list]:
         seen.append((index, inputs[0], output, output._version))
         return output
 
-    handle = register_module_forward_hook(hook)
+    handle = register_thread_forward_hook(hook)
     try:
         yield seen
     finally:

@@ -32,7 +32,7 @@ from tracinfunc.errors import (
     NonFiniteGradientError,
 )
 from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
-from tracinfunc.loss import ModuleLoss
+from tracinfunc.loss import ModuleLoss, module_lock
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["CheckedSampler", "Sampler", "causal_lm_sampler", "classification_sampler",
@@ -64,7 +64,7 @@ class ClassificationSampler:
                  generator: torch.Generator) -> tuple[Batch, Tensor]:
         module_loss = _module_loss(loss, pair=True)
         inputs = batch[0]
-        with torch.no_grad():
+        with torch.no_grad(), module_lock(module_loss.module):
             logits = functional_call(module_loss.module, ({**module_loss.buffers, **params},),
                                      (inputs,))
         if not isinstance(logits, Tensor) or logits.dim() != 2:
@@ -112,7 +112,7 @@ class CausalLMSampler:
                 f"{_describe(batch)}; this sampler is for tracinfunc.causal_lm_loss."
             )
         kwargs = {k: v for k, v in batch.items() if k not in module_loss.skip_keys}
-        with torch.no_grad():
+        with torch.no_grad(), module_lock(module_loss.module):
             outputs = functional_call(module_loss.module, ({**module_loss.buffers, **params},),
                                       (), kwargs)
         logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
+from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.layer_rules import differentiable, layer_rule, tapping
 from tracinfunc.types import Batch, Params
@@ -131,7 +131,7 @@ class _Claims:
         return output
 
     def __enter__(self) -> _Claims:
-        self.handle = register_module_forward_hook(self._hook)
+        self.handle = register_thread_forward_hook(self._hook)
         return self
 
     def __exit__(self, *exc) -> None:

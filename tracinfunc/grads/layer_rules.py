@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.module import register_module_forward_hook
 
 from tracinfunc._attention import math_attention
+from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.types import LossFn, Params
 
@@ -135,7 +135,7 @@ def tapping(weight_ids: dict[int, int], taps: list[Tensor] | str | None, order: 
         seen.append((index, module, inputs[0], output))
         return output + taps[call]
 
-    handle = register_module_forward_hook(hook)
+    handle = register_thread_forward_hook(hook)
     try:
         yield seen
     finally:

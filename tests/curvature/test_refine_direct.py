@@ -246,3 +246,15 @@ def test_reported_residual_is_the_true_residual_of_an_inexact_solve(monkeypatch,
     true = (rhs - off @ system).norm(dim=1) / rhs.norm(dim=1)
     assert float(true.min()) > 1e-4  # the simulated solve is off ...
     torch.testing.assert_close(reported, true, rtol=1e-6, atol=0)  # ... and says by how much
+
+
+def test_early_refusal_says_the_query_checks_the_sampled_fisher_too(setup):
+    """with_refinement judges the fitted estimate (it has no loss to sample with); its advice
+    says the query checks the sampled Fisher again, so a second advice is no surprise."""
+    _, loss, ckpts, train, _, _ = setup
+    # a fit at a tiny damping passes its own conditioning (EK-FAC's smallest eigenvalue is
+    # positive) but not refinement's rule, which assumes a rank-deficient sampled Fisher
+    tiny = fit_curvature(loss, ckpts, train, kind="ekfac", damping=1e-9, sampler=EXACT)
+    with pytest.raises(tif.errors.IllConditionedError,
+                       match="checks the sampled Fisher's own largest eigenvalue too"):
+        tiny.with_refinement(train, sampler=EXACT)

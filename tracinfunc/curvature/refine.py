@@ -310,7 +310,10 @@ def check_refinable(largest: float, damping: float, checkpoint: str,
             f"{checkpoint!r} lambda = {damping:.3g} gives a condition number of "
             f"{(largest + damping) / damping if damping > 0 else math.inf:.3g} (largest "
             f"eigenvalue of {what} {largest:.3g}), above {max_condition:.3g}; use "
-            f"with_damping({need!r}) or more, or Damping() for the default.")
+            f"with_damping({need!r}) or more, or Damping() for the default."
+            + ("" if what == "the sampled Fisher" else " (A query checks the sampled "
+               "Fisher's own largest eigenvalue too, which can be larger, and then advises "
+               "again, for every checkpoint at once.)"))
     if huge and damping * eps > largest:
         raise IllConditionedError(
             f"{current_caller()}: at checkpoint {checkpoint!r} lambda = {damping:.3g} is so "

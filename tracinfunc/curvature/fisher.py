@@ -77,7 +77,7 @@ class KeptFisher:
     @property
     def factor_bytes(self) -> int:
         """Bytes of one factor: ``L [p, p]``, or ``L`` and ``B B^T`` ``[m, m]``, float64."""
-        return self.matrix.shape[0] ** 2 * 8 * (1 if self.weights is None else 2)
+        return _factor_bytes(self.matrix.shape[0], gram=self.weights is not None)
 
     @property
     def solvable(self) -> bool:
@@ -157,6 +157,12 @@ class KeptFisher:
         return factor, gram
 
 
+def _factor_bytes(side: int, *, gram: bool) -> int:
+    """Bytes of a direct solve's factor over a kept ``[side, ...]`` matrix: ``L [p, p]``
+    (``H`` kept), or ``L`` and ``B B^T`` ``[m, m]`` (``G`` kept, ``gram``), float64."""
+    return side * side * 8 * (2 if gram else 1)
+
+
 def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, params: Params,
                        names: list[str], label: Callable[[], list[tuple[Batch, Tensor]]],
                        budget: int | None = None, factor: bool = False
@@ -194,8 +200,7 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         rows = sum(int(weights.shape[0]) for _, weights in labelled)
         p = sum(math.prod(shape) for shape in shapes.values())
         side = p if p < 2 * rows else rows  # H [p, p] is kept when p < 2m, else G [m, p]
-        factor_size = side * side * 8 * (1 if side == p else 2)  # L (and B B^T for G)
-        kept_size = side * p * 8 + (factor_size if factor else 0)
+        kept_size = side * p * 8 + (_factor_bytes(side, gram=side != p) if factor else 0)
         if rows * p * 8 > budget or kept_size > budget:  # G is made before H is
             product = fisher_product(loss, params, names, labelled)
             product.kept, product.needed, product.budget = None, max(rows * p * 8,

@@ -214,11 +214,7 @@ def pcg_flat(product: Callable[[Tensor], Tensor], precondition: Callable[[Tensor
         history.append(_norm(residual) / safe)
         active = active & (history[-1] > tolerance)
     residuals = torch.stack(history)
-    if not (bool(residuals.isfinite().all()) and bool(finite_rows(x).all())):
-        raise NonFiniteGradientError(
-            f"{current_caller()}: the refined solve produced NaN or infinite values (a "
-            "Fisher-vector product over the refinement data is not finite); check that data "
-            "and the model at this checkpoint, or refine with other data.")
+    _check_solution(x, residuals, "a Fisher-vector product over the refinement data")
     return x, residuals
 
 
@@ -241,12 +237,18 @@ def direct_solve(product: Callable[[Tensor], Tensor], damping: float, rhs: Tenso
     """
     x, residuals = product.kept.solve(damping, rhs.double())
     residuals = residuals[None]
+    _check_solution(x, residuals, "the sampled Fisher over the refinement data")
+    return x, residuals
+
+
+def _check_solution(x: Tensor, residuals: Tensor, source: str) -> None:
+    """Refuse a solve whose answer ``x [t, p]`` or residuals are NaN or infinite, naming
+    ``source`` (what was not finite) in the message."""
     if not (bool(residuals.isfinite().all()) and bool(finite_rows(x).all())):
         raise NonFiniteGradientError(
-            f"{current_caller()}: the refined solve produced NaN or infinite values (the "
-            "sampled Fisher over the refinement data is not finite); check that data and the "
-            "model at this checkpoint, or refine with other data.")
-    return x, residuals
+            f"{current_caller()}: the refined solve produced NaN or infinite values ({source} "
+            "is not finite); check that data and the model at this checkpoint, or refine with "
+            "other data.")
 
 
 def warn_unconverged(residuals: Tensor, tolerance: float, checkpoint: str,

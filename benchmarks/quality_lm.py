@@ -81,6 +81,8 @@ class Sizes:
     refine: bool = True  # the refined EK-FAC row (CG steps: the slowest query)
     picks: tuple[str, ...] = ("all", "last")  # the checkpoints scored: all, and the last only
     refine_examples: int = 32  # the refined rows' Fisher: the first this many training sequences
+    refine_fisher: str = "sampled"  # the refined rows' Fisher: drawn labels, or "expected"
+    refine_steps: int = 3  # the refined rows' conjugate-gradient steps at most
 
 
 FULL = Sizes(256, 64, 100, 12, 3, 32, 32, (1024,), SCALES, 200, True)
@@ -88,7 +90,6 @@ QUICK = Sizes(40, 8, 6, 2, 1, 16, 8, (64,), (0.3, 3.0), 20, False)
 # A reduced run for a shared 2-core machine (issue 33's measurements): minutes, not an hour.
 MEDIUM = Sizes(96, 24, 24, 6, 2, 24, 16, (256,), (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0), 200,
                False)
-REFINE_STEPS = 3  # the refined EK-FAC rows' conjugate-gradient steps
 
 
 ARCHS = ("llama", "gpt-neo")  # --model: the transformers class each is built from
@@ -319,15 +320,19 @@ def rank_rows(loss, chosen, test_set, store, fitted, options, measure, which, sc
 def refined_row(loss, chosen, train_set, test_set, store, curvature, options, measure, which,
                 costs, sizes) -> None:
     """EK-FAC refined on the Fisher of ``sizes.refine_examples`` training sequences: by
-    ``REFINE_STEPS`` conjugate-gradient steps (``ekfac-<which>-refined``, the default solver)
-    and by the exact solve (``-refined-direct``), each also at every multiple in
-    ``sizes.scales`` (the kept Fisher shared; the direct solve's factor per damping); their LDS
-    and the query cost against the plain EK-FAC query (CPU time), at the default multiple."""
+    ``sizes.refine_steps`` conjugate-gradient steps (``ekfac-<which>-refined``, the default
+    solver) and by the exact solve (``-refined-direct``), or with ``refine_fisher="expected"``
+    by conjugate gradient on the expected Fisher (``-refined-expected``; it has no direct
+    solve), each also at every multiple in ``sizes.scales`` (the kept Fisher shared; the
+    direct solve's factor per damping); their LDS and the query cost against the plain EK-FAC
+    query (CPU time), at the default multiple."""
     exact = tif.Projection(kind="identity")
-    seconds, examples = {}, sizes.refine_examples
-    for solver, suffix in (("cg", "refined"), ("direct", "refined-direct")):
-        refined = curvature.with_refinement(train_set, steps=REFINE_STEPS,
-                                            max_examples=examples, solver=solver)
+    seconds, examples, steps = {}, sizes.refine_examples, sizes.refine_steps
+    solvers = ((("cg", "refined"), ("direct", "refined-direct"))
+               if sizes.refine_fisher == "sampled" else (("cg", "refined-expected"),))
+    for solver, suffix in solvers:
+        refined = curvature.with_refinement(train_set, steps=steps, max_examples=examples,
+                                            solver=solver, fisher=sizes.refine_fisher)
         for label, value in (("plain", curvature), (solver, refined)):
             start = time.process_time()
             with warnings.catch_warnings(record=True):
@@ -341,7 +346,8 @@ def refined_row(loss, chosen, train_set, test_set, store, curvature, options, me
             for c, part in enumerate(per_checkpoint(store, queries)):
                 measure(f"ekfac-ckpt{c}-{suffix}", f"ekfac-{suffix}", f"ckpt{c}", None,
                         DEFAULT_SCALES["ekfac"], part)
-        costs.setdefault(which, {"steps": REFINE_STEPS, "examples": examples})
+        costs.setdefault(which, {"steps": steps, "examples": examples,
+                                 "fisher": sizes.refine_fisher})
         costs[which][solver] = {
             "ratio": seconds[solver] / max(seconds["plain"], 1e-9),
             "refined": seconds[solver], "plain": seconds["plain"],
@@ -496,11 +502,15 @@ def print_tables(result: dict) -> None:
               + f" | {best - base['lds']:+.3f} |")
     print_fair(result)
     for which, cost in result.get("refine_cost", {}).items():
+        fisher = cost.get("fisher", "sampled")
         for solver, how in (("cg", f"{cost['steps']} CG steps"), ("direct", "exact solve")):
+            if solver not in cost:  # the expected Fisher: conjugate gradient only
+                continue
             got = cost[solver]
             print(f"\nrefined EK-FAC ({which}, {how}: {'/'.join(sorted(set(got['solvers'])))}, "
-                  f"over {cost['examples']} sequences): query cost {got['ratio']:.1f}x the "
-                  f"plain EK-FAC query (CPU {got['refined']:.1f} s vs {got['plain']:.1f} s); "
+                  f"{fisher} Fisher over {cost['examples']} sequences): query cost "
+                  f"{got['ratio']:.1f}x the plain EK-FAC query (CPU {got['refined']:.1f} s vs "
+                  f"{got['plain']:.1f} s); "
                   f"worst relative residual {got['residual'][0]:.3g} -> {got['residual'][1]:.3g}")
     for peer in result["peers"]:
         if peer["status"] != "ran":
@@ -526,9 +536,12 @@ def print_fair(result: dict) -> None:
         return
     print("\n#### Like for like: EK-FAC, tracinfunc vs kronfluence (same checkpoints, data, "
           "damping sweep)\n")
-    print("| checkpoints | TracIn | ours default | ours best (multiple) | ours refined (CG, "
-          "default) | kronfluence 0.1x heuristic | kronfluence best (multiple) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    suffix = ("refined-expected" if any(r["config"].endswith("-refined-expected") for r in rows)
+              else "refined")  # CG on the expected Fisher, or on the sampled one
+    print(f"| checkpoints | TracIn | ours default | ours best (multiple) | ours {suffix} (CG, "
+          f"default) | ours {suffix} best (multiple) | kronfluence 0.1x heuristic | "
+          "kronfluence best (multiple) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def best(kind, which):
         sweep = [r for r in rows if r["kind"] == kind and r["checkpoints"] == which
@@ -544,7 +557,8 @@ def print_fair(result: dict) -> None:
     for which in picks:
         ours = f"ekfac-{which}"
         print(f"| {which} | {one(f'tracin-{which}')} | {one(ours, default=True)} | "
-              f"{best('ekfac', which)} | {one(f'{ours}-refined')} | "
+              f"{best('ekfac', which)} | {one(f'{ours}-{suffix}')} | "
+              f"{best(f'ekfac-{suffix}', which)} | "
               f"{one(f'kronfluence-ekfac-{which}-heuristic-0.1x')} | "
               f"{best('kronfluence-ekfac', which)} |")
 
@@ -613,6 +627,11 @@ def main() -> None:
     parser.add_argument("--no-refine", action="store_true", help="skip the refined EK-FAC row")
     parser.add_argument("--refine-examples", type=int, default=32,
                         help="training sequences of the refined rows' Fisher (default 32)")
+    parser.add_argument("--refine-fisher", choices=("sampled", "expected"), default="sampled",
+                        help="the refined rows' Fisher: labels drawn (default), or their "
+                             "expectation computed exactly (conjugate gradient only)")
+    parser.add_argument("--refine-steps", type=int, default=3,
+                        help="the refined rows' conjugate-gradient steps at most (default 3)")
     parser.add_argument("--all-only", action="store_true",
                         help="score all checkpoints only (skip the last-checkpoint rows)")
     args = parser.parse_args()
@@ -625,6 +644,8 @@ def main() -> None:
         sizes = dataclasses.replace(sizes, scales=tuple(sorted(args.scales)))
     sizes = dataclasses.replace(sizes, arch=args.model, refine=not args.no_refine,
                                 refine_examples=args.refine_examples,
+                                refine_fisher=args.refine_fisher,
+                                refine_steps=args.refine_steps,
                                 picks=("all",) if args.all_only else ("all", "last"))
     torch.set_num_threads(1)  # tiny ops: extra threads only add synchronisation
     args.out.mkdir(parents=True, exist_ok=True)

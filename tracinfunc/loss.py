@@ -106,19 +106,25 @@ class ModuleLoss:
             raise
 
     def _loss(self, params: Params, example: Example) -> Tensor:
-        self._check_names(params)
-        state = {**self.buffers, **params}
-        with module_lock(self.module), math_attention():
-            if self.pair:
-                inputs, target = example
-                outputs = functional_call(self.module, (state,), (inputs.unsqueeze(0),))
-                return self.criterion(outputs, target.unsqueeze(0))
-            batched = tree_map(lambda leaf: leaf.unsqueeze(0), example)
-            args, kwargs = _model_arguments(self.module, batched, self.skip_keys)
-            outputs = functional_call(self.module, (state,), args, kwargs)
+        outputs, batched = self.outputs(params, example)
+        if self.pair:
+            return self.criterion(outputs, batched[1])
         if self.criterion is not None:
             return self.criterion(outputs, batched)
         return _own_loss(outputs)
+
+    def outputs(self, params: Params, example: Example) -> tuple[Any, Example]:
+        """The module's outputs for one ``example`` at ``params`` (a batch of one,
+        ``[1, ...]``), and the example with that batch dimension: what the criterion is given
+        (its target for the ``(inputs, target)`` form is ``batched[1]``)."""
+        self._check_names(params)
+        state = {**self.buffers, **params}
+        batched = tree_map(lambda leaf: leaf.unsqueeze(0), example)
+        with module_lock(self.module), math_attention():
+            if self.pair:
+                return functional_call(self.module, (state,), (batched[0],)), batched
+            args, kwargs = _model_arguments(self.module, batched, self.skip_keys)
+            return functional_call(self.module, (state,), args, kwargs), batched
 
     def per_example(self, params: Params, batch: Any) -> Tensor:
         """The losses ``[b]`` of a batch from one batched forward of the module.

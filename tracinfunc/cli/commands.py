@@ -90,10 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "contrast_weight", None) is not None and args.contrast is None:
         parser.error("score: --contrast-weight W goes with --contrast NAME (the control set "
                      "it weighs); pass --contrast NAME or drop --contrast-weight.")
-    for flag in ("refine_examples", "refine_solver"):
+    for flag in ("refine_examples", "refine_solver", "refine_fisher"):
         if getattr(args, flag, None) is not None and args.refine_steps is None:
             parser.error(f"score: --{flag.replace('_', '-')} goes with --refine-steps N (it "
                          "says how the queries are refined); pass --refine-steps N or drop it.")
+    if getattr(args, "refine_fisher", None) == "expected" and args.refine_solver == "direct":
+        parser.error("score: --refine-fisher expected is never formed (each product is a "
+                     "forward and backward pass over the data), so it has no exact solve; "
+                     "use --refine-solver cg with it, or --refine-fisher sampled with "
+                     "--refine-solver direct.")
     try:
         # Errors name the command the user typed (``tracinfunc build: ...``), also those
         # raised inside the public functions it calls.
@@ -214,6 +219,10 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--refine-solver", choices=("cg", "direct"), default=None,
                        help="with --refine-steps: 'cg' (default) or 'direct' (the exact solve "
                             "of that Fisher, held in memory; N is then unused)")
+    score.add_argument("--refine-fisher", choices=("sampled", "expected"), default=None,
+                       help="with --refine-steps: the Fisher solved, 'sampled' (default: "
+                            "labels drawn from the model) or 'expected' (their expectation, "
+                            "computed exactly; slower per step, with --refine-solver cg)")
     score.add_argument("--output", required=True, type=Path, help=".json, .csv, .npy or .zarr")
     score.add_argument("--overwrite", action="store_true", help="replace an existing output")
     score.set_defaults(run=_score)
@@ -541,7 +550,7 @@ def _score(args: argparse.Namespace) -> int:
 
 def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature | None:
     """``curvature`` refined on the spec's training data when ``--refine-steps`` asks."""
-    if args.refine_steps is None:  # --refine-examples/--refine-solver alone: refused in main
+    if args.refine_steps is None:  # --refine-examples/-solver/-fisher alone: refused in main
         return curvature
     if curvature is None or args.spec is None or args.test_store is not None:
         raise SpecError("score: --refine-steps needs --curvature PATH and --spec (with --test "
@@ -549,7 +558,8 @@ def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature
                         "precomputed --test-store gradients cannot be.")
     return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
                                      max_examples=args.refine_examples,
-                                     solver=args.refine_solver or "cg")
+                                     solver=args.refine_solver or "cg",
+                                     fisher=args.refine_fisher or "sampled")
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,

@@ -19,7 +19,9 @@ products ``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` never form ``H``: two mat
 with the per-example gradients ``G``, computed once per checkpoint and kept while they fit
 :data:`~tracinfunc.curvature.fisher.GRADIENT_BUDGET`, else functionally (a jvp and a vjp of the
 per-example losses per step); :mod:`tracinfunc.curvature.fisher`. One product serves a whole
-batch of queries.
+batch of queries. With ``fisher="expected"`` the matrix is the sampled Fisher's expectation
+over the labels instead, each product a jvp and a vjp of the logits
+(:mod:`tracinfunc.curvature.expected`; conjugate gradient only).
 
 Made by :meth:`Curvature.with_refinement`; applied by :func:`preconditioned_test_grads` (hence
 ``score``, ``top_k``, ``indexed_top_k`` and the CLI, through the marked test gradients).
@@ -49,7 +51,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.types import Batch
 
-__all__ = ["FORWARD_AD_LOCK", "SOLVERS", "Refinement", "check_refinable", "data_digest",
+__all__ = ["FISHERS", "FORWARD_AD_LOCK", "SOLVERS", "Refinement", "check_refinable", "data_digest",
            "direct_solve", "finite_rows", "fisher_product", "kept_batches",
            "largest_eigenvalue", "pcg", "pcg_flat", "sampled_largest", "warn_unconverged"]
 
@@ -70,6 +72,9 @@ class Refinement:
             ``RuntimeWarning``) as not converged.
         digest: SHA-256 of the batches' tensors (part of the curvature's digest).
         solver: ``"cg"`` or ``"direct"`` (:data:`SOLVERS`).
+        fisher: ``"sampled"`` (labels drawn by ``sampler``) or ``"expected"`` (its
+            expectation over the labels, exactly: :mod:`tracinfunc.curvature.expected`)
+            (:data:`FISHERS`).
         gradients: Per checkpoint, the sampled Fisher the products and direct solves use
             (:class:`~tracinfunc.curvature.fisher.KeptFisher`; filled by the first refined
             query, shared by every curvature made from this one by ``with_damping``; not part
@@ -85,6 +90,7 @@ class Refinement:
     tolerance: float = 1e-2
     digest: str = field(default="")
     solver: str = "cg"
+    fisher: str = "sampled"
     gradients: dict = field(default_factory=dict, repr=False, compare=False)
     largest: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -92,10 +98,12 @@ class Refinement:
         """JSON types for the curvature's metadata (no tensors)."""
         return {"steps": self.steps, "n_batches": len(self.batches), "seed": self.seed,
                 "tolerance": self.tolerance, "data": self.digest, "solver": self.solver,
+                "fisher": self.fisher,
                 "sampler": None if self.sampler is None else repr(self.sampler)}
 
 
 SOLVERS = ("cg", "direct")  # Refinement.solver: see the module's docstring
+FISHERS = ("sampled", "expected")  # Refinement.fisher: the matrix solved
 
 
 def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
@@ -288,7 +296,8 @@ def largest_eigenvalue(kind: str, estimate: Mapping[str, Tensor], layers) -> flo
 
 def check_refinable(largest: float, damping: float, checkpoint: str,
                     max_condition: float, every: tuple[float, ...] = (), *,
-                    huge: bool = True, what: str = "the curvature") -> None:
+                    huge: bool = True, what: str = "the curvature",
+                    solved: str = "the sampled Fisher") -> None:
     """Refuse a damping the refined system cannot use.
 
     The sampled Fisher is rank-deficient (a finite sample; a softmax's shift direction), so
@@ -297,7 +306,9 @@ def check_refinable(largest: float, damping: float, checkpoint: str,
     with ``lambda * eps32 > s_max`` (huge) the curvature is below float32 rounding of
     ``lambda I`` and refinement changes nothing (checked only with ``huge``). ``every``:
     each checkpoint's largest eigenvalue, so the advised ``with_damping(X)`` (one lambda for
-    all) passes at each. ``what`` names the matrix ``largest`` belongs to, in messages.
+    all) passes at each. ``what`` names the matrix ``largest`` belongs to, in messages;
+    ``solved`` the matrix the query solves with (which it checks again when ``what`` is not
+    that matrix).
     """
     eps = torch.finfo(torch.float32).eps
     if not math.isfinite(largest):
@@ -307,15 +318,15 @@ def check_refinable(largest: float, damping: float, checkpoint: str,
     if damping <= 0 or (largest + damping) / damping > max_condition:
         need = _round_2g(max((largest, *every)) / (max_condition - 1) * (1 + 1e-6), up=True)
         raise IllConditionedError(
-            f"{current_caller()}: refinement solves (H + lambda I) x = g with the sampled "
-            f"Fisher H, which is rank-deficient, so lambda must be positive: at checkpoint "
+            f"{current_caller()}: refinement solves (H + lambda I) x = g with a Fisher H "
+            f"that can be rank-deficient, so lambda must be positive: at checkpoint "
             f"{checkpoint!r} lambda = {damping:.3g} gives a condition number of "
             f"{(largest + damping) / damping if damping > 0 else math.inf:.3g} (largest "
             f"eigenvalue of {what} {largest:.3g}), above {max_condition:.3g}; use "
             f"with_damping({need!r}) or more, or Damping() for the default."
-            + ("" if what == "the sampled Fisher" else " (A query checks the sampled "
-               "Fisher's own largest eigenvalue too, which can be larger, and then advises "
-               "again, for every checkpoint at once.)"))
+            + ("" if what == solved else f" (A query checks {solved}'s own largest "
+               "eigenvalue too, which can be larger, and then advises again, for every "
+               "checkpoint at once.)"))
     if huge and damping * eps > largest:
         raise IllConditionedError(
             f"{current_caller()}: at checkpoint {checkpoint!r} lambda = {damping:.3g} is so "

@@ -28,6 +28,7 @@ from tracinfunc.build.loop import check_finite, checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.conditioning import MAX_CONDITION
+from tracinfunc.curvature.expected import expected_loss, expected_product
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, checkpoint_product
 from tracinfunc.curvature.flat import flat_map, flatten, unflatten
 from tracinfunc.curvature.refine import (
@@ -101,23 +102,26 @@ def preconditioned_test_grads(
     check_bound(curvature, meta)
     if curvature.refinement is not None:
         curvature.check_refinable()
-    sampler = None if curvature.refinement is None else (
-        curvature.refinement.sampler or default_sampler(loss))
-    with FORWARD_AD_LOCK if sampler is not None else contextlib.nullcontext():
+    refined, sampler = curvature.refinement is not None, None
+    if refined and curvature.refinement.fisher == "expected":
+        expected_loss(loss)  # refused before any work when its expected Fisher is unknown
+    elif refined:
+        sampler = curvature.refinement.sampler or default_sampler(loss)
+    with FORWARD_AD_LOCK if refined else contextlib.nullcontext():
         per_ckpt, residuals, solvers = _per_checkpoint(loss, checkpoints, metas, data,
                                                        curvature, names, projection, options,
-                                                       sampler)
+                                                       refined, sampler)
     return marked_store(meta, per_ckpt, curvature, residuals=residuals or None,
                         solvers=solvers or None)
 
 
 def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection, options,
-                    sampler) -> tuple[list[Tensor], list[list[float]], list[str]]:
+                    refined, sampler) -> tuple[list[Tensor], list[list[float]], list[str]]:
     """Per checkpoint, the preconditioned projected test rows ``[n_test, k]`` (and, refined,
     the residuals and the solver used)."""
     per_ckpt, residuals, solvers = [], [], []
 
-    keys = [] if sampler is None else [
+    keys = [] if not refined else [
         (c, Checkpoint.fingerprint.func(ckpt), tuple(names), _Same(loss))
         for c, ckpt in enumerate(checkpoints)]  # the parameters' state, hashed once per query
 
@@ -125,7 +129,7 @@ def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection
         return RefinedSolve(loss_at(loss, ckpt), curvature, c, names, dict(ckpt.params),
                             sampler, key=keys[c])
 
-    if sampler is not None:
+    if refined:
         # The condition rule on the Fisher solved, not the fitted estimate (checked before: a
         # small sample's largest eigenvalue can be far above the estimate's), at every
         # checkpoint before any solve, so the advised damping passes at each. Its products
@@ -137,10 +141,11 @@ def _per_checkpoint(loss, checkpoints, metas, data, curvature, names, projection
         for c, meta in enumerate(metas):
             check_refinable(largest[c], curvature.damping[c], meta.name, MAX_CONDITION,
                             largest if all(map(math.isfinite, largest)) else (), huge=False,
-                            what="the sampled Fisher")
+                            what=f"the {curvature.refinement.fisher} Fisher",
+                            solved=f"the {curvature.refinement.fisher} Fisher")
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, metas, strict=True)):
         params = dict(ckpt.params)
-        solve = None if sampler is None else refined_solve(c, ckpt)
+        solve = refined_solve(c, ckpt) if refined else None
         rows_fn = _rows_fn(loss_at(loss, ckpt), curvature, c, names,
                            projection.for_checkpoint(ckpt_meta.name), options, solve)
         parts = [rows_fn(params, batch) for batch in iter_batches(data)]
@@ -213,7 +218,8 @@ class GradientPreconditioner:
 
 class RefinedSolve:
     """``grads {name: [b, *shape]} -> (H_c + lambda_c I)^-1 grads`` with the sampled Fisher
-    over the refinement's batches labelled once, exactly or by preconditioned conjugate
+    over the refinement's batches labelled once (or its expectation over the labels,
+    ``fisher="expected"``), exactly or by preconditioned conjugate
     gradient (the refinement's ``solver``; :mod:`tracinfunc.curvature.refine`); keeps the
     worst relative residual after each step (a direct solve's: one).
 
@@ -242,8 +248,13 @@ class RefinedSolve:
                     f"Curvature.with_refinement) at checkpoint {name!r}: {err}. Refine with "
                     "training batches of this model's input shape and dtype.") from err
 
-        self.product = checkpoint_product(refinement.gradients, key, loss, params, list(names),
-                                          label, factor=refinement.solver == "direct")
+        if refinement.fisher == "expected":  # never formed: a jvp and a vjp per product
+            self.product = expected_product(expected_loss(loss), params, list(names),
+                                            refinement.batches)
+        else:
+            self.product = checkpoint_product(refinement.gradients, key, loss, params,
+                                              list(names), label,
+                                              factor=refinement.solver == "direct")
         kept = self.product.kept
         self.direct = refinement.solver == "direct"
         if self.direct and (kept is None or not kept.solvable):

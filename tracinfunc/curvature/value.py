@@ -194,7 +194,8 @@ class Curvature:
     @entry_point("Curvature.with_refinement")
     def with_refinement(self, data: Batch | Iterable[Batch], *, steps: int = 5,
                         max_examples: int | None = None, sampler: Any = None, seed: int = 0,
-                        tolerance: float = 1e-2, solver: str = "cg") -> Curvature:
+                        tolerance: float = 1e-2, solver: str = "cg",
+                        fisher: str = "sampled") -> Curvature:
         """The same curvature, its queries solved with the sampled Fisher itself.
 
         Each query ``g`` is solved on ``(H_c + lambda_c I) x = g`` with ``H_c`` the Fisher of
@@ -237,10 +238,21 @@ class Curvature:
                 above it after ``steps`` (or after a direct solve, from rounding) is reported
                 (a ``RuntimeWarning``).
             solver: ``"cg"`` or ``"direct"`` (above).
+            fisher: The matrix ``H_c`` solved. ``"sampled"`` (default): the Fisher of the
+                labels ``sampler`` draws (above). ``"expected"``: its expectation over the
+                model's labels, computed exactly (no label noise; for a language model its
+                rank is not limited by the number of sequences), for losses made by
+                :func:`~tracinfunc.loss_from_module` (classifiers) or
+                :func:`~tracinfunc.causal_lm_loss`. Never formed or kept: every
+                conjugate-gradient step is a jvp and a vjp of the logits over every example
+                in ``data``, so it costs more per step than a kept sampled Fisher; only
+                ``solver="cg"``, and no ``sampler``
+                (:mod:`tracinfunc.curvature.expected`).
 
         Raises:
             InvalidArgumentError: ``kind="projected"`` (its space has no Fisher-vector
-                product), ``steps < 1``, a bad tolerance or solver, or no examples in ``data``.
+                product), ``steps < 1``, a bad tolerance, solver or fisher (``"expected"``
+                with ``solver="direct"`` or a ``sampler``), or no examples in ``data``.
             IllConditionedError: a zero, tiny or huge damping (:func:`refine.check_refinable`).
         """
         steps = check_int(steps, "steps", minimum=1)
@@ -260,6 +272,21 @@ class Curvature:
                 f"{current_caller()}: solver must be one of {', '.join(map(repr, refine.SOLVERS))}"
                 f", got {solver!r}; e.g. solver='direct' (the exact solve, where the sampled "
                 "Fisher is kept).")
+        if not isinstance(fisher, str) or fisher not in refine.FISHERS:
+            raise InvalidArgumentError(
+                f"{current_caller()}: fisher must be one of {', '.join(map(repr, refine.FISHERS))}"
+                f", got {fisher!r}; e.g. fisher='expected' (the Fisher's expectation over the "
+                "model's labels, computed exactly).")
+        if fisher == "expected" and solver != "cg":
+            raise InvalidArgumentError(
+                f"{current_caller()}: fisher='expected' is never formed (each product is a jvp "
+                "and a vjp over the data), so it has no exact solve; use solver='cg' with it, "
+                "or solver='direct' with fisher='sampled' (the Fisher of drawn labels, kept).")
+        if fisher == "expected" and sampler is not None:
+            raise InvalidArgumentError(
+                f"{current_caller()}: fisher='expected' draws no labels (it takes their "
+                f"expectation exactly), so sampler= has no use; got {sampler!r}. Drop sampler=, "
+                "or refine with fisher='sampled' and this sampler.")
         if sampler is not None and not callable(sampler):
             raise InvalidArgumentError(
                 f"{current_caller()}: sampler must be None (the loss's default) or a sampler "
@@ -269,7 +296,7 @@ class Curvature:
                                                       optional=True, minimum=1))
         refined = replace(self, refinement=refine.Refinement(
             steps, batches, sampler, seed, float(tolerance), refine.data_digest(batches),
-            solver))
+            solver, fisher))
         refined._cache.update({key: value for key, value in self._cache.items()
                                if key != "digest"})  # a str key: its own digest
         refined.check_refinable()
@@ -290,7 +317,9 @@ class Curvature:
         every = tuple(self._cache[("largest", c)] for c in range(self.n_ckpt))
         for c in range(self.n_ckpt):
             refine.check_refinable(every[c], self.damping[c], self.checkpoints[c].name,
-                                   MAX_CONDITION, every if all(map(math.isfinite, every)) else ())
+                                   MAX_CONDITION, every if all(map(math.isfinite, every)) else (),
+                                   solved=f"the {self.refinement.fisher} Fisher"
+                                   if self.refinement is not None else "the refined Fisher")
 
     def ranks(self) -> tuple[int, ...]:
         """Per checkpoint, the estimate's numerical rank (eigenvalues above

@@ -18,7 +18,9 @@ the sampled Fisher and its Cholesky factor kept), ``cg`` (the same with the defa
 ``refined-first`` (a fresh ``with_refinement`` each time: the first query also computes the
 per-example gradients and the factor, once per checkpoint) and ``functional`` (a fresh one with
 ``GRADIENT_BUDGET = 0``: nothing kept, so conjugate gradient with the jvp/vjp product; timed in
-the first repeat only, as it is slow). Checked beside the times: the direct answer's worst
+the first repeat only, as it is slow) and ``expected`` (conjugate gradient on the expected
+Fisher, ``fisher="expected"``: a jvp and a vjp of the logits per step, nothing kept; first
+repeat only). Checked beside the times: the direct answer's worst
 relative residual, its distance to the explicit float64 solve (``p <= EXPLICIT_MAX``), and how
 far the conjugate-gradient answer ends from it.
 
@@ -61,7 +63,7 @@ def llama_case(quick: bool) -> dict:
     options = tif.GradientOptions(select=quality_lm.linear_weights(model))
     return {"loss": tif.causal_lm_loss(model), "ckpts": ckpts, "train": train_set,
             "test": test_set, "options": options, "sampler": None, "n_test": sizes.n_test,
-            "examples": sizes.refine_examples, "steps": quality_lm.REFINE_STEPS,
+            "examples": sizes.refine_examples, "steps": sizes.refine_steps,
             "batch_size": quality_lm.BATCH}
 
 
@@ -103,12 +105,14 @@ def measure(case: dict, repeats: int) -> dict:
     kept, kept_cg = refine(), refine("cg")
     runs = {"plain": lambda: query(fitted), "refined": lambda: query(kept),
             "cg": lambda: query(kept_cg), "refined-first": lambda: query(refine()),
-            "functional": functional}
+            "functional": functional, "expected": lambda: query(fitted.with_refinement(
+                case["train"], steps=case["steps"], max_examples=case["examples"],
+                fisher="expected"))}
     results = {"refined": query(kept), "cg": query(kept_cg)}  # fills the kept Fisher, factors
     seconds: dict[str, list[float]] = {label: [] for label in runs}
     for repeat in range(repeats):
         for label, run in runs.items():
-            if label == "functional" and repeat:
+            if label in ("functional", "expected") and repeat:
                 continue
             start = time.process_time()
             run()
@@ -163,8 +167,9 @@ EXPLICIT_MAX = 4096  # p up to which the direct answer is checked against H + la
 
 HEADER = ("| model | ckpts | refine (examples, cg steps, taken) | solver | plain ms/ex "
           "| refined ms/ex | ratio | first query ratio | cg ratio | functional ratio "
-          "| direct residual | direct vs explicit | cg vs direct | cg residual first -> last |\n"
-          "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| expected-Fisher cg ratio | direct residual | direct vs explicit | cg vs direct "
+          "| cg residual first -> last |\n"
+          "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def table_row(name: str, r: dict) -> str:
@@ -173,7 +178,8 @@ def table_row(name: str, r: dict) -> str:
     return (f"| {name} | {r['checkpoints']} | {r['examples']}, {r['steps']}, {r['taken']} | "
             f"{r['solver']} | {1e3 * s['plain'] / n:.2f} | {1e3 * s['refined'] / n:.2f} | "
             f"{s['refined'] / base:.2f}x | {s['refined-first'] / base:.2f}x | "
-            f"{s['cg'] / base:.2f}x | {s['functional'] / base:.2f}x | {r['residual']:.1e} | "
+            f"{s['cg'] / base:.2f}x | {s['functional'] / base:.2f}x | "
+            f"{s['expected'] / base:.2f}x | {r['residual']:.1e} | "
             f"{r['off_explicit']:.1e} | {r['off_cg']:.2e} | "
             f"{r['cg_residual'][0]:.3g} -> {r['cg_residual'][1]:.3g} |")
 

@@ -986,3 +986,101 @@ def test_held_indexed_top_k_and_mixed_threads(ce):
     for t in threads:
         t.join()
     assert torch.equal(out["e"], alone["e"]) and torch.equal(out["s"], alone["s"])
+
+
+def test_held_re_refinement_replaces_the_fisher_kind(ce):
+    data = (ce["x"], ce["y"])
+    expected = ce["curv"].with_refinement(data, **TIGHT)
+    sampled = ce["curv"].with_refinement(data, steps=60, tolerance=1e-13, fisher="sampled")
+    swapped = expected.with_refinement(data, steps=60, tolerance=1e-13, fisher="sampled")
+    back = sampled.with_refinement(data, **TIGHT)
+    assert swapped.digest == sampled.digest and back.digest == expected.digest
+    assert torch.equal(
+        ce["query"](swapped).read_rows(0, 0, 3), ce["query"](sampled).read_rows(0, 0, 3)
+    )
+    assert expected.without_refinement().digest == ce["curv"].digest
+
+
+def test_held_masked_minus_inf_logits_refused_by_index_as_documented():
+    """Documented: NaN or infinite logits are refused by index. (A classifier masking classes
+    with -inf is thus refused too, though its expected Fisher is well defined.)"""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x).masked_fill(torch.tensor([False, False, True]), float("-inf"))
+
+    _, x, _, xt, _ = _classifier()
+    torch.manual_seed(0)
+    model = Masked().double().eval()
+    y = torch.randint(0, 2, (12,))
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ck = [tif.Checkpoint.from_module(model, lr=1.0, name="c0")]
+    curv = tif.fit_curvature(loss, ck, (x, y), kind="dense", sampler=_empirical_sampler)
+    refined = curv.with_damping(LAM).with_refinement((x, y), **TIGHT)
+    with pytest.raises(tif.TracInFuncError, match=r"example\(s\) 0, 1"):
+        tif.preconditioned_test_grads(loss, ck, (xt, y[:3]), refined, projection=_identity(15))
+
+
+def test_held_real_hf_gpt2_tied_exact():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=5,
+        n_positions=8,
+        n_embd=4,
+        n_layer=1,
+        n_head=1,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    ids = torch.randint(0, 5, (3, 5))
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[2, :2] = -100
+    data = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    tids = torch.randint(0, 5, (1, 5))
+    test = {
+        "input_ids": tids,
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "labels": tids.clone(),
+    }
+    loss = tif.causal_lm_loss(model)
+    ck = [tif.Checkpoint.from_module(model, lr=1.0, name="c0")]
+    params = dict(model.named_parameters())
+    names = sorted(ck[0].params)
+    p = sum(params[k].numel() for k in names)
+
+    def grad(value):
+        return torch.cat(
+            [g.reshape(-1) for g in torch.autograd.grad(value, [params[k] for k in names])]
+        )
+
+    fisher = torch.zeros(p, p, dtype=torch.float64)
+    for j in range(3):
+        scored = [t for t in range(4) if labels[j, t + 1] != -100 and mask[j, t + 1] == 1]
+        for t in scored:
+
+            def logits_at(j=j, t=t):
+                return model(ids[j : j + 1], attention_mask=mask[j : j + 1]).logits[0, t]
+
+            probs = logits_at().softmax(-1).detach()
+            for v in range(5):
+                g = grad(F.cross_entropy(logits_at(), torch.tensor(v)))
+                fisher += probs[v] * torch.outer(g, g) / len(scored) ** 2
+    fisher /= 3
+    g_test = grad(loss(params, {k: v[0] for k, v in test.items()}))[None]
+    lam = 0.05
+    refined = tif.fit_curvature(loss, ck, data, kind="dense").with_damping(lam)
+    refined = refined.with_refinement(data, steps=200, tolerance=1e-12, fisher="expected")
+    rows = tif.preconditioned_test_grads(
+        loss, ck, test, refined, projection=_identity(p)
+    ).read_rows(0, 0, 1)
+    assert _rel(rows, _solve(fisher, g_test, lam)) < 1e-8

@@ -1084,3 +1084,52 @@ def test_held_real_hf_gpt2_tied_exact():
         loss, ck, test, refined, projection=_identity(p)
     ).read_rows(0, 0, 1)
     assert _rel(rows, _solve(fisher, g_test, lam)) < 1e-8
+
+
+def test_held_chunk_size_option_changes_nothing(ce):
+    refined = ce["curv"].with_refinement((ce["x"], ce["y"]), **TIGHT)
+    q = tif.preconditioned_test_grads(
+        ce["loss"],
+        ce["ck"],
+        (ce["xt"], ce["yt"]),
+        refined,
+        projection=_identity(15),
+        options=tif.GradientOptions(chunk_size=1),
+    )
+    assert _rel(q.read_rows(0, 0, 3), ce["reference"]()) < 1e-8
+
+
+def test_held_cli_refine_examples_equals_python_max_examples(cli_dir):
+    out = cli_dir / "e.npy"
+    r = _cli(
+        cli_dir,
+        "--spec",
+        f"{cli_dir}/spec.py:make",
+        "--curvature",
+        str(cli_dir / "curv.zarr"),
+        "--refine-steps",
+        "7",
+        "--refine-examples",
+        "5",
+        "--refine-fisher",
+        "expected",
+        "--output",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    sys.path.insert(0, str(cli_dir))
+    try:
+        import importlib
+
+        spec = importlib.import_module("spec").make()
+    finally:
+        sys.path.remove(str(cli_dir))
+        sys.modules.pop("spec", None)
+    curv = tif.load_curvature(str(cli_dir / "curv.zarr"))
+    refined = curv.with_refinement(spec.train, steps=7, max_examples=5, fisher="expected")
+    store = tif.GradientStore.open(str(cli_dir / "grads.zarr"))
+    q = tif.preconditioned_test_grads(
+        spec.loss, spec.checkpoints, spec.test["test"], refined, projection=store.projection
+    )
+    python = tif.score(store, q, curvature=refined).double()
+    assert torch.allclose(torch.from_numpy(np.load(out)).double(), python, rtol=0, atol=1e-6)

@@ -1133,3 +1133,25 @@ def test_held_cli_refine_examples_equals_python_max_examples(cli_dir):
     )
     python = tif.score(store, q, curvature=refined).double()
     assert torch.allclose(torch.from_numpy(np.load(out)).double(), python, rtol=0, atol=1e-6)
+
+
+def test_held_two_checkpoints_relative_damping_each_its_own(ce):
+    model, x, y, xt, yt = _classifier()
+    other = nn.Linear(4, 3).double().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    cks = [
+        tif.Checkpoint.from_module(model, lr=0.5, name="a"),
+        tif.Checkpoint.from_module(other, lr=2.0, name="b"),
+    ]
+    curv = tif.fit_curvature(
+        loss, cks, (x, y), kind="dense", damping=tif.curvature.Damping(scale=3.0)
+    )
+    refined = curv.with_refinement((x, y), **TIGHT)
+    q = tif.preconditioned_test_grads(loss, cks, (xt, yt), refined, projection=_identity(15))
+    for c, net in enumerate([model, other]):
+        g = torch.stack(
+            [_flat_grad(net, F.cross_entropy(net(xt[i : i + 1]), yt[i : i + 1])) for i in range(3)]
+        )
+        ref = _solve(_classifier_fisher(net, F.cross_entropy, x), g, refined.damping[c])
+        assert _rel(q.read_rows(c, 0, 3), ref) < 1e-8
+    assert len(q.meta.extra["curvature"]["residuals"]) == 2

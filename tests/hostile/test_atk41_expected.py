@@ -1155,3 +1155,36 @@ def test_held_two_checkpoints_relative_damping_each_its_own(ce):
         ref = _solve(_classifier_fisher(net, F.cross_entropy, x), g, refined.damping[c])
         assert _rel(q.read_rows(c, 0, 3), ref) < 1e-8
     assert len(q.meta.extra["curvature"]["residuals"]) == 2
+
+
+def test_held_infinite_generator_with_max_examples_and_lm_dict_changed_in_place(ce):
+    import itertools
+
+    x, y = ce["x"], ce["y"]
+
+    def endless():
+        for i in itertools.count():
+            k = (i * 4) % 12
+            yield x[k : k + 4], y[k : k + 4]
+
+    refined = ce["curv"].with_refinement(endless(), max_examples=7, **TIGHT)
+    assert _rel(ce["query"](refined).read_rows(0, 0, 3), ce["reference"](n=7)) < 1e-8
+
+    torch.manual_seed(0)
+    model = _LM().double().eval()
+    data, test = _lm_data()
+    loss = tif.causal_lm_loss(model)
+    ck = [tif.Checkpoint.from_module(model, lr=1.0, name="c0")]
+    copy = {k: v.clone() for k, v in data.items()}
+    refined = tif.fit_curvature(loss, ck, data, kind="dense").with_damping(0.02)
+    refined = refined.with_refinement(copy, **{**TIGHT, "steps": 80})
+    copy["input_ids"].fill_(0)
+    copy["labels"].fill_(-100)
+    rows = tif.preconditioned_test_grads(
+        loss, ck, test, refined, projection=_identity(35)
+    ).read_rows(0, 0, 2)
+    params = dict(model.named_parameters())
+    g = torch.stack(
+        [_flat_grad(model, loss(params, {k: v[i] for k, v in test.items()})) for i in range(2)]
+    )
+    assert _rel(rows, _solve(_lm_fisher(model, data, 5), g, 0.02)) < 1e-8

@@ -270,7 +270,8 @@ def test_non_finite_refinement_examples_are_named(lm):
     dirty = {k: v.clone() for k, v in clean.items()}
     dirty["input_ids"][[2, 4], 1] = VOCAB - 1
     refined = fitted.with_refinement(dirty, fisher="expected")
-    with pytest.raises(NonFiniteGradientError, match=r"refinement example\(s\) 2, 4 are NaN"):
+    with pytest.raises(NonFiniteGradientError,
+                       match=r"refinement example\(s\) 2, 4 give NaN or infinite logits"):
         tif.preconditioned_test_grads(ploss, ckpts, clean, refined, projection=IDENTITY)
 
 
@@ -324,3 +325,18 @@ def test_cli_refine_fisher_matches_the_api(tmp_path, capsys):
               "--output", str(tmp_path / "y.npy"), "--quiet"])
     assert exited.value.code == 2 and not (tmp_path / "y.npy").exists()
     assert "use --refine-solver cg with it" in capsys.readouterr().err
+
+
+def test_query_vectors_in_chunks_give_the_same_product(lm, monkeypatch):
+    """A language model's logits times every query would not fit: the vectors go through the
+    jvp in chunks under CHUNK_BYTES (here one vector at a time), with the same answer."""
+    from tracinfunc.curvature import expected
+
+    _, loss, params, batch = lm
+    names = sorted(params)
+    vectors = {n: torch.randn(5, *params[n].shape, dtype=torch.float64) for n in names}
+    whole = expected_product(loss, params, names, (batch,))(vectors)
+    monkeypatch.setattr(expected, "CHUNK_BYTES", 1)
+    chunked = expected_product(loss, params, names, (batch,))(vectors)
+    for name in names:
+        torch.testing.assert_close(chunked[name], whole[name], rtol=1e-12, atol=1e-14)

@@ -28,6 +28,7 @@ language model ``F`` has up to ``m x T x (V - 1)``). Nothing is formed or kept.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,12 +42,16 @@ from tracinfunc.curvature.fisher import FORWARD_AD_LOCK
 from tracinfunc.curvature.flat import flat_map
 from tracinfunc.errors import InvalidArgumentError, LossFunctionError, NonFiniteGradientError
 from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
-from tracinfunc.loss import ModuleLoss
+from tracinfunc.loss import ModuleLoss, check_eval_mode
 from tracinfunc.types import Batch, Params
 
-__all__ = ["expected_loss", "expected_product"]
+__all__ = ["CHUNK_BYTES", "expected_loss", "expected_product"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
+
+# Bytes of output-space work (J v, M J v in float64) per chunk of query vectors: the product
+# runs the queries through the jvp in chunks of at most this (at least one vector).
+CHUNK_BYTES = 256 * 2**20
 
 # causal_lm_loss's criterion, recognised by its name and module (as default_sampler does)
 _CAUSAL = ("_next_token_loss", causal_lm_loss.__module__)
@@ -67,7 +72,7 @@ def expected_loss(loss: Any) -> ModuleLoss:
         f"tracinfunc.causal_lm_loss; got {type(loss).__name__}"
         + ("" if not isinstance(loss, ModuleLoss) else " with another criterion")
         + ". Refine with fisher='sampled' (labels drawn by a sampler: pass sampler= your own "
-        "for this loss).")
+        "for this loss; on the command line --refine-fisher sampled).")
 
 
 def expected_product(loss: ModuleLoss, params: Params, names: list[str],
@@ -87,12 +92,16 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
         NonFiniteGradientError: an example's input or logits are NaN or infinite (named by
             its index in the refinement data).
     """
+    check_eval_mode(loss.module)  # vmap would refuse dropout with a bare error
     selected = {name: params[name] for name in names}
     frozen = {name: value for name, value in params.items() if name not in selected}
     dtype = next(iter(selected.values())).dtype
     output_fisher = _classifier_fisher(loss) if loss.pair else _causal_fisher
     _check_finite(loss, params, batches)
-    inputs = sum(_rows(batch) for batch in batches)
+    starts = [0]  # each batch's first example's index in the refinement data
+    for batch in batches:
+        starts.append(starts[-1] + _rows(batch))
+    inputs = starts.pop()
 
     def logits_of(chosen: Params, example: Batch) -> Tensor:  # [1, ...] for one example
         return _logits(loss.outputs({**frozen, **chosen}, example)[0])
@@ -106,7 +115,8 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
                for name, value in vectors.items()}
         # jvp wants the tangents in the primals' key order (see fisher.fisher_product)
         tangents = {name: vectors[name].to(dtype) for name in selected}
-        for batch in batches:
+        count = next(iter(tangents.values())).shape[0]
+        for batch, start in zip(batches, starts, strict=True):
             def logits(chosen: Params, batch=batch) -> Tensor:  # [b, 1, ...]
                 return vmap(lambda example: logits_of(chosen, example))(batch)
 
@@ -114,11 +124,17 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
                 return jvp(logits, (selected,), (tangent,))[1]
 
             primal, pullback = vjp(logits, selected)
-            directions = vmap(along)(tangents)  # [t, b, 1, ...]
-            cotangents = output_fisher(primal.detach(), directions, batch)
-            summed = vmap(pullback)(cotangents.to(primal.dtype))[0]  # {name: [t, *shape]}
-            for name in out:
-                out[name] += summed[name].double()
+            # the vectors in chunks: J v and M J v are [chunk, b, 1, ...] (a language model's
+            # logits times the queries would not fit), a few float64 copies per vector
+            step = max(1, CHUNK_BYTES // (primal.numel() * 32))
+            for first in range(0, count, step):
+                part = {name: value[first:first + step] for name, value in tangents.items()}
+                directions = vmap(along)(part)  # [chunk, b, 1, ...]
+                _check_directions(directions, start)
+                cotangents = output_fisher(primal.detach(), directions, batch)
+                summed = vmap(pullback)(cotangents.to(primal.dtype))[0]  # {name: [chunk, ...]}
+                for name in out:
+                    out[name][first:first + step] += summed[name].double()
         return {name: value / inputs for name, value in out.items()}
 
     product.method = "expected"
@@ -157,12 +173,19 @@ def _classifier_fisher(loss: ModuleLoss) -> Callable[[Tensor, Tensor, Batch], Te
                 f"[b, n_classes], got outputs of shape {[1, *logits.shape[2:]]} per example; "
                 "refine with fisher='sampled' and your own sampler= for other outputs.")
         target = batch[1]
+        shape = tuple(target.shape[1:])  # one example's target: a class index, [] or [1]
+        if target.is_floating_point() or target.is_complex() or math.prod(shape) != 1:
+            raise InvalidArgumentError(
+                f"{current_caller()}: fisher='expected' gives the criterion every class as a "
+                f"label, a class index shaped like one example's target; the targets here are "
+                f"{target.dtype} of shape {list(shape)} per example (one-hot or soft labels?), "
+                "so the criterion would be given another label form. Use integer class "
+                "targets, or fisher='sampled' with a sampler= that draws your label form.")
         n_classes = logits.shape[-1]
-        classes = torch.arange(n_classes, device=logits.device)
-        classes = classes.to(target.dtype) if not target.is_floating_point() else classes
+        classes = torch.arange(n_classes, device=logits.device).to(target.dtype)
 
         def at_class(row: Tensor, label: Tensor) -> Tensor:  # d(y): [C]
-            return grad(lambda z: loss.criterion(z[None], label[None]))(row)
+            return grad(lambda z: loss.criterion(z[None], label.expand(shape)[None]))(row)
 
         def per_example(row: Tensor) -> Tensor:  # D [C (label), C (logit)]
             # the row batched with the labels (an expanded view, no copy): criteria with
@@ -188,16 +211,37 @@ def _check_finite(loss: ModuleLoss, params: Params, batches: tuple[Batch, ...]) 
     with torch.no_grad():
         for batch in batches:
             size = _rows(batch)
+            finite = torch.ones(size, dtype=torch.bool)
+            for leaf in tree_leaves(batch):
+                if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.dim() \
+                        and leaf.shape[0] == size:
+                    finite &= leaf.reshape(size, -1).isfinite().all(1).cpu()
+            if not bool(finite.all()):
+                _refuse((torch.nonzero(~finite).reshape(-1) + start).tolist(),
+                        "hold NaN or infinite inputs")
             logits = vmap(lambda example: _logits(loss.outputs(params, example)[0]))(batch)
             finite = logits.reshape(size, -1).isfinite().all(1)
             if not bool(finite.all()):
-                rows = (torch.nonzero(~finite).reshape(-1) + start).tolist()
-                shown = ", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
-                raise NonFiniteGradientError(
-                    f"{current_caller()}: the model's logits for refinement example(s) {shown} "
-                    "are NaN or infinite, so the expected Fisher cannot be computed from them. "
-                    "Remove or fix those examples (check their inputs for NaN/inf).")
+                _refuse((torch.nonzero(~finite).reshape(-1) + start).tolist(),
+                        "give NaN or infinite logits")
             start += size
+
+
+def _check_directions(directions: Tensor, start: int) -> None:
+    """Refuse examples whose ``J v`` overflowed (finite but huge inputs), by data index."""
+    finite = directions.transpose(0, 1).reshape(directions.shape[1], -1).isfinite().all(1)
+    if not bool(finite.all()):
+        _refuse((torch.nonzero(~finite).reshape(-1) + start).tolist(),
+                "give NaN or infinite Jacobian-vector products (values so large that they "
+                "overflow)")
+
+
+def _refuse(rows: list[int], what: str) -> None:
+    shown = ", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
+    raise NonFiniteGradientError(
+        f"{current_caller()}: refinement example(s) {shown} {what}, so the expected Fisher "
+        "cannot be computed from them. Remove or fix those examples (check their inputs for "
+        "NaN/inf or huge values).")
 
 
 def _logits(outputs: Any) -> Tensor:

@@ -327,12 +327,19 @@ def check_refinable(largest: float, damping: float, checkpoint: str,
             + ("" if what == solved else f" (A query checks {solved}'s own largest "
                "eigenvalue too, which can be larger, and then advises again, for every "
                "checkpoint at once.)"))
+    if huge and largest <= 0:  # a zero Fisher (e.g. one class): nothing to refine
+        raise IllConditionedError(
+            f"{current_caller()}: {what} at checkpoint {checkpoint!r} is zero (largest "
+            f"eigenvalue {largest:.3g}), so every refined answer would be g / lambda: "
+            "refinement would change nothing. Score without refinement, or check the model "
+            "(an output with a single class has no curvature).")
     if huge and damping * eps > largest:
+        positive = [value for value in (largest, *every) if value > 0]
         raise IllConditionedError(
             f"{current_caller()}: at checkpoint {checkpoint!r} lambda = {damping:.3g} is so "
             f"large that the curvature (largest eigenvalue {largest:.3g}) is below the float32 "
             f"rounding of lambda I: refinement would change nothing. Lower the damping (at "
-            f"most {_round_2g(min((largest, *every)) / eps * (1 - 1e-6), up=False)!r}), or "
+            f"most {_round_2g(min(positive) / eps * (1 - 1e-6), up=False)!r}), or "
             "score without refinement.")
 
 

@@ -226,7 +226,8 @@ def test_expected_and_sampled_queries_are_never_mixed(lm):
     ({"fisher": "exact"}, "fisher must be one of 'sampled', 'expected', got 'exact'"),
     ({"fisher": None}, "fisher must be one of"),
     ({"fisher": "expected", "solver": "direct"}, "no exact solve; use solver='cg'"),
-    ({"fisher": "expected", "sampler": causal_lm_sampler()}, "sampler= has no use"),
+    ({"fisher": "expected", "sampler": causal_lm_sampler()}, "sampler= and seed= have no use"),
+    ({"fisher": "expected", "seed": 3}, "got seed=3"),
 ])
 def test_bad_fisher_arguments_are_refused_with_the_way_out(lm, kwargs, match):
     model, loss, _, batch = lm

@@ -246,7 +246,7 @@ class Curvature:
                 :func:`~tracinfunc.causal_lm_loss`. Never formed or kept: every
                 conjugate-gradient step is a jvp and a vjp of the logits over every example
                 in ``data``, so it costs more per step than a kept sampled Fisher; only
-                ``solver="cg"``, and no ``sampler``
+                ``solver="cg"``, and no ``sampler`` or ``seed``
                 (:mod:`tracinfunc.curvature.expected`).
 
         Raises:
@@ -282,11 +282,12 @@ class Curvature:
                 f"{current_caller()}: fisher='expected' is never formed (each product is a jvp "
                 "and a vjp over the data), so it has no exact solve; use solver='cg' with it, "
                 "or solver='direct' with fisher='sampled' (the Fisher of drawn labels, kept).")
-        if fisher == "expected" and sampler is not None:
+        if fisher == "expected" and (sampler is not None or seed != 0):
+            given = f"sampler={sampler!r}" if sampler is not None else f"seed={seed!r}"
             raise InvalidArgumentError(
                 f"{current_caller()}: fisher='expected' draws no labels (it takes their "
-                f"expectation exactly), so sampler= has no use; got {sampler!r}. Drop sampler=, "
-                "or refine with fisher='sampled' and this sampler.")
+                f"expectation exactly), so sampler= and seed= have no use; got {given}. Drop "
+                "it, or refine with fisher='sampled' and this sampler or seed.")
         if sampler is not None and not callable(sampler):
             raise InvalidArgumentError(
                 f"{current_caller()}: sampler must be None (the loss's default) or a sampler "

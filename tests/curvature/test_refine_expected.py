@@ -341,3 +341,28 @@ def test_query_vectors_in_chunks_give_the_same_product(lm, monkeypatch):
     chunked = expected_product(loss, params, names, (batch,))(vectors)
     for name in names:
         torch.testing.assert_close(chunked[name], whole[name], rtol=1e-12, atol=1e-14)
+
+
+def test_classification_sampler_refuses_float_targets_and_fills_a_label_column(classifier):
+    """Found by atk41 on the expected Fisher, and present in the sampler fit_curvature uses by
+    default: one-hot float targets got class indices, which a soft-label criterion broadcast
+    into a wrong Fisher, silently. A [b, 1] integer column gets labels of that shape."""
+    model, _, (x, y) = classifier
+
+    def soft(outputs, target):
+        return -(target * outputs.log_softmax(-1)).sum(-1).mean()
+
+    ckpts = [tif.Checkpoint.from_module(model, name="a")]
+    with pytest.raises(InvalidArgumentError, match="one-hot or soft labels"):
+        fit_curvature(tif.loss_from_module(model, soft), ckpts, (x, F.one_hot(y, 3).double()),
+                      kind="dense")
+
+    def column(outputs, target):
+        return F.cross_entropy(outputs, target.squeeze(-1))
+
+    as_column = fit_curvature(tif.loss_from_module(model, column), ckpts, (x, y[:, None]),
+                              kind="dense", sampler=classification_sampler(exact=True))
+    plain = fit_curvature(tif.loss_from_module(model, F.cross_entropy), ckpts, (x, y),
+                          kind="dense", sampler=classification_sampler(exact=True))
+    for name in plain.estimates[0]:
+        torch.testing.assert_close(as_column.estimates[0][name], plain.estimates[0][name])

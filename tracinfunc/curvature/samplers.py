@@ -15,6 +15,7 @@ only source of randomness (results are a function of the arguments).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,8 +88,15 @@ class ClassificationSampler:
             owner = torch.arange(b, device=inputs.device).repeat_interleave(self.samples)
             weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
         target = batch[1]
-        labels = labels.to(target.dtype) if not target.is_floating_point() else labels
-        return (inputs[owner], labels), weights.cpu()
+        shape = tuple(target.shape[1:])  # one example's target: a class index, [] or [1]
+        if target.is_floating_point() or target.is_complex() or math.prod(shape) != 1:
+            raise InvalidArgumentError(
+                f"classification_sampler: labels are drawn as class indices shaped like one "
+                f"example's target, but the targets are {target.dtype} of shape {list(shape)} "
+                "per example (one-hot or soft labels?), so the criterion would be given another "
+                "label form and the Fisher would be wrong. Use integer class targets, or pass "
+                "sampler= your own that draws labels in your form.")
+        return (inputs[owner], labels.to(target.dtype).reshape(-1, *shape)), weights.cpu()
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,11 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
         ``"expected"``, ``kept = None`` and ``flat`` (the same map on flat rows ``[t, p]``).
 
     Raises:
-        NonFiniteGradientError: an example's input or logits are NaN or infinite (named by
-            its index in the refinement data).
+        NonFiniteGradientError: an example's input, logits or Jacobian-vector products are
+            NaN or infinite (named by its index in the refinement data).
+        TrainModeError: the model is in train mode (dropout, BatchNorm).
+        InvalidArgumentError: a classifier whose targets are not integer class indices
+            (``[b]`` or ``[b, 1]``), or whose outputs are not logits ``[b, n_classes]``.
     """
     check_eval_mode(loss.module)  # vmap would refuse dropout with a bare error
     selected = {name: params[name] for name in names}

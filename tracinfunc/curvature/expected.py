@@ -28,7 +28,6 @@ language model ``F`` has up to ``m x T x (V - 1)``). Nothing is formed or kept.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from tracinfunc._validate import current_caller
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK
 from tracinfunc.curvature.flat import flat_map
+from tracinfunc.curvature.samplers import class_label_shape
 from tracinfunc.errors import InvalidArgumentError, LossFunctionError, NonFiniteGradientError
 from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
 from tracinfunc.loss import ModuleLoss, check_eval_mode
@@ -176,14 +176,9 @@ def _classifier_fisher(loss: ModuleLoss) -> Callable[[Tensor, Tensor, Batch], Te
                 f"[b, n_classes], got outputs of shape {[1, *logits.shape[2:]]} per example; "
                 "refine with fisher='sampled' and your own sampler= for other outputs.")
         target = batch[1]
-        shape = tuple(target.shape[1:])  # one example's target: a class index, [] or [1]
-        if target.is_floating_point() or target.is_complex() or math.prod(shape) != 1:
-            raise InvalidArgumentError(
-                f"{current_caller()}: fisher='expected' gives the criterion every class as a "
-                f"label, a class index shaped like one example's target; the targets here are "
-                f"{target.dtype} of shape {list(shape)} per example (one-hot or soft labels?), "
-                "so the criterion would be given another label form. Use integer class "
-                "targets, or fisher='sampled' with a sampler= that draws your label form.")
+        # every class is given to the criterion as a label of the targets' own form
+        shape = class_label_shape(target, f"{current_caller()}: fisher='expected'",
+                                  "fisher='sampled' with a sampler= that draws your label form")
         n_classes = logits.shape[-1]
         classes = torch.arange(n_classes, device=logits.device).to(target.dtype)
 

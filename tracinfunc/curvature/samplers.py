@@ -36,8 +36,8 @@ from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
 from tracinfunc.loss import ModuleLoss, module_lock
 from tracinfunc.types import Batch, LossFn, Params
 
-__all__ = ["CheckedSampler", "Sampler", "causal_lm_sampler", "classification_sampler",
-           "default_sampler"]
+__all__ = ["CheckedSampler", "Sampler", "causal_lm_sampler", "class_label_shape",
+           "classification_sampler", "default_sampler"]
 
 
 class Sampler(Protocol):
@@ -88,15 +88,24 @@ class ClassificationSampler:
             owner = torch.arange(b, device=inputs.device).repeat_interleave(self.samples)
             weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
         target = batch[1]
-        shape = tuple(target.shape[1:])  # one example's target: a class index, [] or [1]
-        if target.is_floating_point() or target.is_complex() or math.prod(shape) != 1:
-            raise InvalidArgumentError(
-                f"classification_sampler: labels are drawn as class indices shaped like one "
-                f"example's target, but the targets are {target.dtype} of shape {list(shape)} "
-                "per example (one-hot or soft labels?), so the criterion would be given another "
-                "label form and the Fisher would be wrong. Use integer class targets, or pass "
-                "sampler= your own that draws labels in your form.")
+        shape = class_label_shape(target, "classification_sampler",
+                                  "pass sampler= your own that draws labels in your form")
         return (inputs[owner], labels.to(target.dtype).reshape(-1, *shape)), weights.cpu()
+
+
+def class_label_shape(target: Tensor, who: str, fix: str) -> tuple[int, ...]:
+    """One example's target shape (``()`` or ``(1,)``) when the targets ``[b, ...]`` are
+    integer class indices, the label form a class drawn or enumerated from the logits takes;
+    else a refusal (one-hot or soft float targets would be given a class index, which a
+    soft-label criterion broadcasts into a wrong Fisher silently) ending with ``fix``."""
+    shape = tuple(target.shape[1:])
+    if target.is_floating_point() or target.is_complex() or math.prod(shape) != 1:
+        raise InvalidArgumentError(
+            f"{who}: labels are class indices shaped like one example's target, but the "
+            f"targets are {target.dtype} of shape {list(shape)} per example (one-hot or soft "
+            "labels?), so the criterion would be given another label form and the Fisher "
+            f"would be wrong. Use integer class targets, or {fix}.")
+    return shape
 
 
 @dataclass(frozen=True)

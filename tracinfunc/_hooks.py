@@ -14,13 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
+from torch.nn.modules.module import register_module_forward_hook
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["register_thread_forward_hook", "register_thread_forward_pre_hook"]
+__all__ = ["register_thread_forward_hook"]
 
 
 def register_thread_forward_hook(hook: Callable[..., Any]) -> RemovableHandle:
@@ -34,16 +31,3 @@ def register_thread_forward_hook(hook: Callable[..., Any]) -> RemovableHandle:
         return hook(module, inputs, output)
 
     return register_module_forward_hook(in_this_thread)
-
-
-def register_thread_forward_pre_hook(hook: Callable[..., Any]) -> RemovableHandle:
-    """``register_module_forward_pre_hook(hook)``, run only for forward passes made in the
-    thread that registers it."""
-    owner = threading.get_ident()
-
-    def in_this_thread(module, inputs):
-        if threading.get_ident() != owner:
-            return None
-        return hook(module, inputs)
-
-    return register_module_forward_pre_hook(in_this_thread)

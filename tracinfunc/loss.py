@@ -15,11 +15,9 @@ because HF inspects the 2-D mask's values (``.all()``), which vmap cannot do.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -28,11 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from tracinfunc._attention import math_attention
-from tracinfunc._hooks import register_thread_forward_pre_hook
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
@@ -43,90 +39,22 @@ _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancen
 
 
 # torch.func.functional_call swaps the checkpoint's tensors into the module's attributes for the
-# duration of a forward: another thread using the module meanwhile (a server's inference, a
-# second tracinfunc call) would read the checkpoint's weights, and two swaps at once read each
-# other's (silently wrong rows). So tracinfunc swaps them into a private structural copy of the
-# module made for each forward (new modules and attribute dicts, the same tensors: no weight is
-# copied), which the module's own users never see. A forward that reaches one of the module's
-# own submodules by another route than the submodule tree (a plain attribute, a closure) is
-# detected when that submodule is called: from there on the checkpoint's tensors are swapped
-# into the module itself, under its lock, as functional_call would (docs/language-models.md).
+# duration of a forward: two threads doing it on one module at once read each other's
+# weights (silently wrong rows). Every forward tracinfunc runs through a module holds its lock
+# (re-entrant: a loss may call tracinfunc inside). Another thread calling the module itself
+# meanwhile is not covered: it sees the checkpoint's weights (docs/language-models.md).
 _MODULE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MODULE_LOCKS_GUARD = threading.Lock()
-_COPIED_CONTAINERS = (list, dict, set, OrderedDict)
-_ORIGINAL = "_tracinfunc_original"  # a copy's module: layer hooks compare modules by identity
-
-
-def original_module(module: nn.Module) -> nn.Module:
-    """The user's module that ``module`` is a private copy of (itself when it is not one)."""
-    return module.__dict__.get(_ORIGINAL, module)
 
 
 def module_lock(module: nn.Module) -> threading.RLock:
-    """The re-entrant lock held while tracinfunc's tensors are swapped into ``module`` itself."""
+    """The re-entrant lock every tracinfunc forward through ``module`` holds."""
     with _MODULE_LOCKS_GUARD:
         lock = _MODULE_LOCKS.get(module)
         if lock is None:
             lock = _MODULE_LOCKS[module] = threading.RLock()
         return lock
 
-
-def isolated_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
-                  kwargs: Mapping[str, Any] | None = None) -> Any:
-    """``functional_call(module, (state,), args, kwargs)`` run on a private structural copy
-    of ``module``: other threads using ``module`` meanwhile keep its own tensors."""
-    if any(_is_compiled(sub) for sub in module.modules()):
-        # torch.compile(m)'s forward is bound to the original m (it would leave any copy), and
-        # torch warns about global hooks around it: swap into the module itself, as before
-        with module_lock(module):
-            return functional_call(module, (state,), args, kwargs)
-    copy, originals = _structural_copy(module)
-    state = dict(state)
-    swapped, left_copy = contextlib.ExitStack(), []
-
-    def escaped(called: nn.Module, inputs: Any) -> None:
-        # an original submodule called: the forward left the copy; give the module itself the
-        # checkpoint's tensors from here on (once), as functional_call on it would have
-        if id(called) in originals and not left_copy:
-            left_copy.append(called)
-            swapped.enter_context(module_lock(module))
-            swapped.enter_context(_reparametrize_module(module, state, tie_weights=True))
-
-    with swapped:
-        handle = register_thread_forward_pre_hook(escaped)
-        try:
-            return functional_call(copy, (state,), args, kwargs)
-        finally:
-            handle.remove()
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    kind = type(module)
-    return kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo")
-
-
-def _structural_copy(module: nn.Module) -> tuple[nn.Module, set[int]]:
-    """A copy of ``module`` whose modules and attribute containers are new objects and whose
-    tensors (and everything else) are shared; submodules shared in ``module`` stay shared.
-    Returns it and the ids of ``module``'s own submodules."""
-    copies: dict[int, nn.Module] = {}
-
-    def copy_of(original: nn.Module) -> nn.Module:
-        if id(original) in copies:
-            return copies[id(original)]
-        new = copies[id(original)] = type(original).__new__(type(original))
-        attributes = new.__dict__
-        for name, value in original.__dict__.items():
-            # containers are copied: a forward that changes one in place (a cache, a list of
-            # weights refreshed item by item) would otherwise change the original's
-            attributes[name] = type(value)(value) if type(value) in _COPIED_CONTAINERS else value
-        attributes[_ORIGINAL] = original
-        attributes["_modules"] = type(original._modules)(
-            (name, None if child is None else copy_of(child))
-            for name, child in original._modules.items())
-        return new
-
-    return copy_of(module), set(copies)
 
 @dataclass(frozen=True, eq=False)
 class ModuleLoss:
@@ -192,11 +120,11 @@ class ModuleLoss:
         self._check_names(params)
         state = {**self.buffers, **params}
         batched = tree_map(lambda leaf: leaf.unsqueeze(0), example)
-        with math_attention():
+        with module_lock(self.module), math_attention():
             if self.pair:
-                return isolated_call(self.module, state, (batched[0],)), batched
+                return functional_call(self.module, (state,), (batched[0],)), batched
             args, kwargs = _model_arguments(self.module, batched, self.skip_keys)
-            return isolated_call(self.module, state, args, kwargs), batched
+            return functional_call(self.module, (state,), args, kwargs), batched
 
     def per_example(self, params: Params, batch: Any) -> Tensor:
         """The losses ``[b]`` of a batch from one batched forward of the module.
@@ -218,10 +146,12 @@ class ModuleLoss:
         state = {**self.buffers, **params}
         if self.pair:
             inputs, target = batch
-            outputs = isolated_call(self.module, state, (inputs,))
+            with module_lock(self.module):
+                outputs = functional_call(self.module, (state,), (inputs,))
             return _per_row(self.criterion, outputs, target)
         args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
-        outputs = isolated_call(self.module, state, args, kwargs)
+        with module_lock(self.module):
+            outputs = functional_call(self.module, (state,), args, kwargs)
         size = tree_leaves(batch)[0].shape[0]
         return torch.stack([self.criterion(row, example) for row, example in zip(
             _rows(outputs, size), _rows(batch, size), strict=True)])

@@ -451,6 +451,11 @@ def _loop_in_threads(*workers):
         thread.join(120)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "open (lead, stop 40): torch.func.functional_call swaps a checkpoint's tensors into the "
+    "module for each forward; a thread calling the module directly meanwhile sees them. "
+    "tracinfunc's own forwards share a per-module lock (the two-thread tests pass); a user's "
+    "own forward cannot take it. Documented in docs/language-models.md: use a copy."))
 def test_another_threads_inference_keeps_the_modules_own_weights():
     """FINDING: another thread's forward of the model runs with the checkpoint's weights.
 

@@ -53,7 +53,7 @@ from tracinfunc.grads.layer_rules import (
 )
 from tracinfunc.grads.plan_cache import cached_plan
 from tracinfunc.grads.selection import Selection, check_select, selected_names
-from tracinfunc.loss import ModuleLoss, original_module
+from tracinfunc.loss import ModuleLoss
 from tracinfunc.precondition.factored import preconditioned_sides
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import (
@@ -137,7 +137,7 @@ class _Plan:
         if key not in self.shapes:
             with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
                 loss(params, example)
-            self.shapes[key] = ([(i, id(original_module(m))) for i, m, _, _ in seen],
+            self.shapes[key] = ([(i, id(m)) for i, m, _, _ in seen],
                                 [(out.shape, out.dtype) for *_, out in seen])
         return self.shapes[key]
 
@@ -148,7 +148,7 @@ class _Plan:
         known = self.shapes.get(key)  # read only: other functions may share this plan
         with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
             loss(params, example)
-        order = [(i, id(original_module(m))) for i, m, _, _ in seen]
+        order = [(i, id(m)) for i, m, _, _ in seen]
         if known is None:  # a new example shape: the same layer objects, in the same order
             return any(order == recorded for recorded, _ in list(self.shapes.values()))
         return known == (order, [(out.shape, out.dtype) for *_, out in seen])

@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from tracinfunc._attention import math_attention
 from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.errors import LossFunctionError
-from tracinfunc.loss import original_module
 from tracinfunc.types import LossFn, Params
 
 __all__ = ["dense_grad", "differentiable", "layer_rule", "project_left", "rule_sides", "tapping",
@@ -118,8 +117,8 @@ def tapping(weight_ids: dict[int, int], taps: list[Tensor] | str | None, order: 
         index = weight_ids.get(id(getattr(module, "weight", None)))
         if index is None or layer_rule(module) is None:
             return None
-        call, key = len(seen), (index, id(original_module(module)))
-        if order is not None and (call >= len(order) or order[call] != key):
+        call = len(seen)
+        if order is not None and (call >= len(order) or order[call] != (index, id(module))):
             raise LossFunctionError(
                 "projected_grads: layers were called in another order (or number of times) "
                 "than on the first example; the factorised kind='kronecker' path needs the "

@@ -124,6 +124,8 @@ def _project(plan, modules, inputs, deltas, rest_grads: Params) -> Tensor:
 
     with torch.no_grad():
         vectors = plan.batched_vectors(rest_grads)  # [b, k] or None
+        if not modules and vectors is not None and plan.rest is None and plan.offset is None:
+            return vectors  # nothing but biases and norms selected: the vector block is all
         rows = _linear_rows(plan, modules, inputs, deltas)
         if rows is not None:  # the vmap below, written batched: its fixed cost saved
             return rows if vectors is None else rows.add_(vectors)

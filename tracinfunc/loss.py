@@ -56,6 +56,28 @@ def module_lock(module: nn.Module) -> threading.RLock:
         return lock
 
 
+def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
+                 kwargs: Mapping[str, Any] | None = None) -> Any:
+    """``functional_call(module, (state,), args, kwargs)`` under the module's lock, with
+    every submodule's own parameters and buffers put back afterwards.
+
+    ``functional_call`` ties weights by name and restores them one name at a time: a
+    submodule registered under two names (``self.b = self.a``) is swapped twice and left
+    holding the checkpoint's tensor (the user's module silently corrupted). The tensors each
+    submodule held before the call are its own again after it, whatever happened."""
+    with module_lock(module):
+        own = [(sub, dict(sub._parameters), dict(sub._buffers)) for sub in module.modules()
+               if isinstance(sub._parameters, dict)]  # not a scripted module's C++ wrapper
+        try:
+            return functional_call(module, (dict(state),), args, kwargs)
+        finally:
+            for sub, parameters, buffers in own:
+                for held, before in ((sub._parameters, parameters), (sub._buffers, buffers)):
+                    for name, value in before.items():
+                        if held.get(name) is not value:
+                            held[name] = value
+
+
 @dataclass(frozen=True, eq=False)
 class ModuleLoss:
     """``loss(params, example)`` for one example, keeping the module it is made of.
@@ -84,12 +106,15 @@ class ModuleLoss:
     # ones, which would give gradients of the wrong model without an error.
     trainable: frozenset[str] = field(init=False, repr=False)
     known: frozenset[str] = field(init=False, repr=False)
+    shapes: Mapping[str, torch.Size] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         named = dict(self.module.named_parameters())
         trainable = frozenset(name for name, value in named.items() if value.requires_grad)
         object.__setattr__(self, "trainable", trainable)
         object.__setattr__(self, "known", frozenset(named))
+        object.__setattr__(self, "shapes", MappingProxyType(
+            {name: value.shape for name, value in named.items()}))
 
     def __call__(self, params: Params, example: Example) -> Tensor:
         """The loss of one ``example`` (no batch dimension) at ``params``.
@@ -120,11 +145,11 @@ class ModuleLoss:
         self._check_names(params)
         state = {**self.buffers, **params}
         batched = tree_map(lambda leaf: leaf.unsqueeze(0), example)
-        with module_lock(self.module), math_attention():
+        with math_attention():
             if self.pair:
-                return functional_call(self.module, (state,), (batched[0],)), batched
+                return swapped_call(self.module, state, (batched[0],)), batched
             args, kwargs = _model_arguments(self.module, batched, self.skip_keys)
-            return functional_call(self.module, (state,), args, kwargs), batched
+            return swapped_call(self.module, state, args, kwargs), batched
 
     def per_example(self, params: Params, batch: Any) -> Tensor:
         """The losses ``[b]`` of a batch from one batched forward of the module.
@@ -146,12 +171,10 @@ class ModuleLoss:
         state = {**self.buffers, **params}
         if self.pair:
             inputs, target = batch
-            with module_lock(self.module):
-                outputs = functional_call(self.module, (state,), (inputs,))
+            outputs = swapped_call(self.module, state, (inputs,))
             return _per_row(self.criterion, outputs, target)
         args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
-        with module_lock(self.module):
-            outputs = functional_call(self.module, (state,), args, kwargs)
+        outputs = swapped_call(self.module, state, args, kwargs)
         size = tree_leaves(batch)[0].shape[0]
         return torch.stack([self.criterion(row, example) for row, example in zip(
             _rows(outputs, size), _rows(batch, size), strict=True)])
@@ -186,6 +209,17 @@ class ModuleLoss:
                 f"{len(self.trainable)} trainable parameter names of model.named_parameters()). "
                 "Build checkpoints with Checkpoint.from_module/from_state_dict(..., model) "
                 "so that they hold exactly those."
+            )
+        wrong = [(name, tuple(params[name].shape), tuple(self.shapes[name])) for name in names
+                 if params[name].shape != self.shapes[name]]
+        if wrong:
+            name, got, expected = wrong[0]
+            raise LossFunctionError(
+                f"loss_from_module: parameter {name!r} has shape {list(got)} in the parameters "
+                f"passed, but {list(expected)} in the model"
+                + (f" (and {len(wrong) - 1} more of another shape)" if len(wrong) > 1 else "")
+                + "; was the checkpoint saved from another model, or a layer transposed? "
+                "Build checkpoints with Checkpoint.from_module/from_state_dict(..., model)."
             )
 
 

@@ -1,9 +1,17 @@
 """atk42: outside pass on "Threads and one module" (docs/language-models.md).
 
-Every forward tracinfunc runs through a user's module is documented to run on a private
-structural copy, so the user's module keeps its own tensors. Each test states the attack; the
-expectation is what the docs promise (rows at the checkpoint's parameters, equal to a float64
-brute-force loop of ``torch.autograd.grad``; the user's module untouched; threads isolated).
+Written against a change that ran tracinfunc's forwards on a private structural copy of the
+user's module. The pass found forwards that reach the module outside its module tree
+(accelerate's hooks bound to the original, parameters read through lists, closures or parent
+references) computing with the module's own weights, silently, where ``functional_call`` on
+the module itself is right; the change was reverted, and the tests that assumed the copy (other
+threads seeing the module's own weights) were dropped (atk40's strict xfail keeps that open
+limitation). What is kept: rows at the checkpoint's parameters for unusual modules, equal to
+a float64 brute-force loop of ``torch.autograd.grad``; the user's module untouched afterwards
+(a submodule registered under two names was left holding the checkpoint's tensor by
+``functional_call``'s own restore: fixed); exceptions and nested calls leaving no lock held;
+and the other findings (fixed): a wrong-shaped checkpoint tensor named, kind="kronecker" with
+only vectors selected, nn.LSTM's raw vmap error explained.
 Tests marked HELD guard behaviour that held at the time of the pass.
 Threads are ordered with events/barriers only and always joined with a timeout.
 """
@@ -382,17 +390,6 @@ def test_held_rows_at_checkpoint_for_unusual_modules(make):
     _check_rows(make(), x, y)
 
 
-def _server_check(model, x):
-    expected = model(x).detach().clone()  # the module's own weights, before tracinfunc
-
-    def serve():
-        with torch.no_grad():
-            got = model(x)
-        return bool(torch.equal(got, expected))
-
-    return serve
-
-
 class _Boom(RuntimeError):
     pass
 
@@ -432,7 +429,7 @@ def test_held_exception_in_forward_leaves_module_and_no_lock(make):
         assert torch.equal(m(x), own)
 
 
-# ------------------------------------------------- FAILING: forwards bound to the original
+# ------------------- forwards bound to the original (wrong rows under the reverted copy)
 def _bound_leaf():
     m = MLP()
     m.fc2.forward = m.fc2.forward  # a bound method stored on the instance (a common patch)
@@ -553,7 +550,8 @@ def test_lstm_per_sample_grads_clear_error_or_rows():
         got = tif.per_sample_grads(tif.loss_from_module(m, F.cross_entropy))(
             _ckpt_params(m), (x, y)
         )
-    except tif.errors.TracInFuncError:
+    except tif.errors.TracInFuncError as error:  # fixed (lead): says why and the way out
+        assert "LSTMCell" in str(error) and "in-place" in str(error), str(error)
         return
     assert set(got) == {n for n, _ in m.named_parameters()}
 
@@ -881,7 +879,7 @@ def test_kronecker_last_layers_on_gpt2():
     assert rows.shape == (len(ids), 8) and torch.isfinite(rows).all()
 
 
-# ------------------------------- FAILING: a parameter read (not called) outside the tree
+# ------------- a parameter read (not called) outside the tree (wrong under the copy)
 class _ListWeight(MLP):
     def __init__(self):
         super().__init__()
@@ -943,7 +941,7 @@ def test_parameter_read_outside_tree_gets_checkpoint_rows(make):
     _check_rows(m, x, y, params=p)
 
 
-# ------------------------------------------------------------------ token attribution
+# ---------------------------------------------------------------------------- PEFT
 def test_held_peft_lora_gpt2_rows_at_checkpoint():
     """HELD: a PEFT LoRA GPT-2 (frozen base, LoRA parameters in the checkpoint): rows equal
     the float64 loop, kronecker runs, the user's model is untouched."""

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from tracinfunc._validate import current_caller
@@ -33,7 +32,7 @@ from tracinfunc.errors import (
     NonFiniteGradientError,
 )
 from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
-from tracinfunc.loss import ModuleLoss, module_lock
+from tracinfunc.loss import ModuleLoss, swapped_call
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["CheckedSampler", "Sampler", "causal_lm_sampler", "class_label_shape",
@@ -65,9 +64,9 @@ class ClassificationSampler:
                  generator: torch.Generator) -> tuple[Batch, Tensor]:
         module_loss = _module_loss(loss, pair=True)
         inputs = batch[0]
-        with torch.no_grad(), module_lock(module_loss.module):
-            logits = functional_call(module_loss.module, ({**module_loss.buffers, **params},),
-                                     (inputs,))
+        with torch.no_grad():
+            logits = swapped_call(module_loss.module, {**module_loss.buffers, **params},
+                                  (inputs,))
         if not isinstance(logits, Tensor) or logits.dim() != 2:
             raise LossFunctionError(
                 f"classification_sampler: the model must return logits [b, n_classes], got "
@@ -129,9 +128,9 @@ class CausalLMSampler:
                 f"{_describe(batch)}; this sampler is for tracinfunc.causal_lm_loss."
             )
         kwargs = {k: v for k, v in batch.items() if k not in module_loss.skip_keys}
-        with torch.no_grad(), module_lock(module_loss.module):
-            outputs = functional_call(module_loss.module, ({**module_loss.buffers, **params},),
-                                      (), kwargs)
+        with torch.no_grad():
+            outputs = swapped_call(module_loss.module, {**module_loss.buffers, **params},
+                                   (), kwargs)
         logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
         if not isinstance(logits, Tensor) or logits.dim() != 3:
             raise LossFunctionError(

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidTypeError, StageMismatchError
-from tracinfunc.loss import check_eval_mode, module_lock
+from tracinfunc.loss import check_eval_mode, swapped_call
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["Stage", "Stages", "check_stages", "model_stages", "run_stages", "split_batch"]
@@ -150,8 +150,7 @@ def model_stages(
         )
 
     def forward(params: Params, inputs: Any) -> Tensor:
-        with module_lock(model):  # functional_call swaps the module's tensors meanwhile
-            return functional_call(model, ({**buffers, **params},), (inputs,))
+        return swapped_call(model, {**buffers, **params}, (inputs,))
 
     counts: dict[str, int] = {}
     for stage in stages:
@@ -232,8 +231,7 @@ def _module_stage(model: nn.Module, group: list, buffers: dict[str, Tensor],
                 continue
             module, names, local_buffers = part
             local = {n: params[g] for n, g in names.items() if g in params}
-            with module_lock(module):
-                h = functional_call(module, ({**local_buffers, **local},), (h,))
+            h = swapped_call(module, {**local_buffers, **local}, (h,))
         return h
 
     label = "+".join(p if isinstance(p, str) else getattr(p, "__name__", "glue") for p in group)

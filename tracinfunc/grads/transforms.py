@@ -389,6 +389,16 @@ def explain_loss_error(error: Exception) -> Exception | None:
             "values (use torch.where), and no random operations (model.eval() turns dropout "
             "off)."
         )
+    if "doesn't match the broadcast shape" in message:
+        return LossFunctionError(
+            f"{current_caller()}: an in-place operation in the loss writes per-example values "
+            "into a tensor without the batch dimension that torch.func.vmap (which computes "
+            f"the per-example gradients) adds (torch said: {message}). Create such tensors "
+            "from the inputs (x.new_zeros(...), torch.zeros_like) or write them out of place. "
+            "torch's nn.LSTM, nn.GRU and nn.RNN do this internally: run the recurrence with "
+            "their cells (nn.LSTMCell, nn.GRUCell) in a loop over time steps, which vmap "
+            "batches."
+        )
     if "to return a scalar" in message or "scalar Tensor" in message:
         return LossFunctionError(
             f"{current_caller()}: loss(params, example) must return a scalar for one example, but "

@@ -138,10 +138,12 @@ class Checkpoint:
                 f"Checkpoint.from_state_dict: the state dict lacks parameters {missing} of "
                 f"{type(module).__name__}; was it saved from another model?"
             )
-        params = {key: state_dict[key].detach().clone() for key in names}
-        buffers = {key: state_dict[key].detach().clone()
-                   for key, _ in module.named_buffers() if key in state_dict}
         live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        # in the model's dtypes, as model.load_state_dict copies them (a float64 tensor saved
+        # beside float32 ones would otherwise fail later, far from here)
+        params = {key: state_dict[key].detach().to(live[key].dtype, copy=True) for key in names}
+        buffers = {key: state_dict[key].detach().to(live[key].dtype, copy=True)
+                   for key, _ in module.named_buffers() if key in state_dict}
         check_loaded_shapes(((k, live[k], v) for k, v in {**params, **buffers}.items()),
                             hint="was the state dict saved from another model (other sizes)?")
         return cls(params=params, lr=lr, name=name, buffers=buffers)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -40,32 +39,25 @@ _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancen
 
 # torch.func.functional_call swaps the checkpoint's tensors into the module's attributes for the
 # duration of a forward: two threads doing it on one module at once read each other's
-# weights (silently wrong rows). Every forward tracinfunc runs through a module holds its lock
-# (re-entrant: a loss may call tracinfunc inside). Another thread calling the module itself
-# meanwhile is not covered: it sees the checkpoint's weights (docs/language-models.md).
-_MODULE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MODULE_LOCKS_GUARD = threading.Lock()
-
-
-def module_lock(module: nn.Module) -> threading.RLock:
-    """The re-entrant lock every tracinfunc forward through ``module`` holds."""
-    with _MODULE_LOCKS_GUARD:
-        lock = _MODULE_LOCKS.get(module)
-        if lock is None:
-            lock = _MODULE_LOCKS[module] = threading.RLock()
-        return lock
+# weights (silently wrong rows). Every forward tracinfunc runs through a module holds one
+# process-wide lock (re-entrant: a loss may call tracinfunc inside). One lock, not one per
+# module: a forward of one model that calls tracinfunc on another, in two threads the other
+# way round, held one module's lock each and waited for the other's for ever (atk42b).
+# Another thread calling the module itself meanwhile is not covered: it sees the checkpoint's
+# weights (docs/language-models.md).
+_FORWARD_LOCK = threading.RLock()
 
 
 def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
                  kwargs: Mapping[str, Any] | None = None) -> Any:
-    """``functional_call(module, (state,), args, kwargs)`` under the module's lock, with
+    """``functional_call(module, (state,), args, kwargs)`` under tracinfunc's forward lock, with
     every submodule's own parameters and buffers put back afterwards.
 
     ``functional_call`` ties weights by name and restores them one name at a time: a
     submodule registered under two names (``self.b = self.a``) is swapped twice and left
     holding the checkpoint's tensor (the user's module silently corrupted). The tensors each
     submodule held before the call are its own again after it, whatever happened."""
-    with module_lock(module):
+    with _FORWARD_LOCK:
         own = [(sub, dict(sub._parameters), dict(sub._buffers)) for sub in module.modules()
                if isinstance(sub._parameters, dict)]  # not a scripted module's C++ wrapper
         try:
@@ -73,6 +65,8 @@ def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
         finally:
             for sub, parameters, buffers in own:
                 for held, before in ((sub._parameters, parameters), (sub._buffers, buffers)):
+                    for name in [name for name in held if name not in before]:
+                        del held[name]  # registered by the forward: a transformed tensor
                     for name, value in before.items():
                         if held.get(name) is not value:
                             held[name] = value
@@ -107,14 +101,25 @@ class ModuleLoss:
     trainable: frozenset[str] = field(init=False, repr=False)
     known: frozenset[str] = field(init=False, repr=False)
     shapes: Mapping[str, torch.Size] = field(init=False, repr=False)
+    dtypes: Mapping[str, torch.dtype] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         named = dict(self.module.named_parameters())
+        lazy = [name for name, value in named.items()
+                if isinstance(value, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise LossFunctionError(
+                f"loss_from_module: parameters {lazy[:5]} of the model are not initialised yet "
+                "(lazy modules such as nn.LazyLinear get their shapes on their first forward); "
+                "run the model once on an example batch before making the loss."
+            )
         trainable = frozenset(name for name, value in named.items() if value.requires_grad)
         object.__setattr__(self, "trainable", trainable)
         object.__setattr__(self, "known", frozenset(named))
         object.__setattr__(self, "shapes", MappingProxyType(
             {name: value.shape for name, value in named.items()}))
+        object.__setattr__(self, "dtypes", MappingProxyType(
+            {name: value.dtype for name, value in named.items()}))
 
     def __call__(self, params: Params, example: Example) -> Tensor:
         """The loss of one ``example`` (no batch dimension) at ``params``.
@@ -128,6 +133,10 @@ class ModuleLoss:
         except RuntimeError as error:
             if "random operation" in str(error):
                 check_eval_mode(self.module)  # names the layers and the fix
+            if in_place_mismatch(str(error)):
+                _refuse_recurrent(self.module, error)
+            if "dtype" in str(error):
+                self._refuse_dtypes(params, error)
             raise
 
     def _loss(self, params: Params, example: Example) -> Tensor:
@@ -179,6 +188,33 @@ class ModuleLoss:
         return torch.stack([self.criterion(row, example) for row, example in zip(
             _rows(outputs, size), _rows(batch, size), strict=True)])
 
+    def check_buffers(self, buffers: Mapping[str, Tensor]) -> None:
+        """Refuse a checkpoint's ``buffers`` of another shape than the model's, or giving some
+        of the model's floating-point buffers but not all (the rest would silently come from
+        the module as it is now).
+
+        Raises:
+            LossFunctionError: naming the buffer.
+        """
+        wrong = [(name, list(buffers[name].shape), list(self.buffers[name].shape))
+                 for name in buffers if name in self.buffers and isinstance(buffers[name], Tensor)
+                 and buffers[name].shape != self.buffers[name].shape]
+        if wrong:
+            raise LossFunctionError(
+                f"{current_caller()}: buffer {wrong[0][0]!r} has shape {wrong[0][1]} in the "
+                f"checkpoint, but {wrong[0][2]} in the model; was the checkpoint saved from "
+                "another model?"
+            )
+        missing = sorted(name for name, value in self.buffers.items()
+                         if name not in buffers and value.is_floating_point())
+        if buffers and missing:
+            raise LossFunctionError(
+                f"{current_caller()}: the checkpoint gives some of the model's buffers but "
+                f"not {missing[:5]}, which would be taken from the module as it is now, beside "
+                "the checkpoint's others; give every buffer (Checkpoint.from_module keeps them "
+                "all) or none."
+            )
+
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> ModuleLoss:
         """The same loss with ``buffers`` (e.g. a checkpoint's) replacing those of that name.
 
@@ -194,10 +230,25 @@ class ModuleLoss:
                 f"{type(self.module).__name__} (its buffers are {sorted(self.buffers)[:5]}); "
                 "was the checkpoint saved from another model?"
             )
+        self.check_buffers(buffers)
         if all(_same(buffers[name], self.buffers[name]) for name in buffers):
             return self  # shared: build_store then reuses one gradient function
         merged = MappingProxyType({**self.buffers, **buffers})
         return dataclasses.replace(self, buffers=merged)
+
+    def _refuse_dtypes(self, params: Params, error: RuntimeError) -> None:
+        """Name the parameters whose dtype is not the model's, when torch failed on a dtype
+        (a float64 checkpoint tensor in a float32 model); return if there are none."""
+        other = [(name, value.dtype, self.dtypes[name]) for name, value in params.items()
+                 if name in self.dtypes and value.dtype != self.dtypes[name]]
+        if other:
+            name, got, expected = other[0]
+            raise LossFunctionError(
+                f"loss_from_module: parameter {name!r} is {got} in the parameters passed, but "
+                f"{expected} in the model ({len(other)} parameter(s) differ; torch said: "
+                f"{error}). Cast the checkpoint to the model's dtype ({{n: v.to({expected}) "
+                "...}) or the model to the checkpoint's."
+            ) from error
 
     def _check_names(self, params: Params) -> None:
         names = params.keys()
@@ -335,6 +386,32 @@ def _buffers_of(module: nn.Module, buffers: Mapping[str, Tensor] | None) -> Mapp
     if buffers is None:
         buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
     return MappingProxyType(dict(buffers))
+
+
+def in_place_mismatch(message: str) -> bool:
+    """Whether torch's ``message`` is an in-place write of a value that does not fit (under
+    ``vmap``: a per-example value into a tensor without the batch dimension)."""
+    return "doesn't match the broadcast shape" in message or (
+        "vmap" in message and "inplace" in message and "not possible" in message)
+
+
+def _refuse_recurrent(module: nn.Module, error: RuntimeError) -> None:
+    """Raise the way out when ``module`` has torch's recurrent layers, which write into
+    unbatched state in place under ``vmap`` in some configurations (float64 nn.LSTM, nn.GRU,
+    nn.RNN); return otherwise."""
+    layers = [(name, type(layer).__name__) for name, layer in module.named_modules()
+              if isinstance(layer, nn.RNNBase)]
+    if not layers:
+        return
+    cells = sorted({f"nn.{kind}Cell" for _, kind in layers})
+    raise LossFunctionError(
+        f"{current_caller()}: the recurrent layer(s) {[name for name, _ in layers][:5]} "
+        f"({', '.join(sorted({kind for _, kind in layers}))}) write per-example values "
+        "in-place into state without the batch dimension under torch.func.vmap, which computes "
+        "the "
+        f"per-example gradients (torch said: {error}). Run the recurrence with "
+        f"{' / '.join(cells)} in a loop over time steps, which vmap batches."
+    ) from error
 
 
 def _model_arguments(module: nn.Module, batched: Any, skip: frozenset[str]

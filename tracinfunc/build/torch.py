@@ -285,6 +285,8 @@ def _loss_on(loss: LossFn, checkpoint: Checkpoint, device: torch.device) -> Loss
     """``loss`` at ``checkpoint`` with every buffer on ``device``: the checkpoint's, and the
     module's own ones it lacks (a CPU model's BatchNorm statistics with ``device="cuda"``)."""
     own = loss.buffers if isinstance(loss, ModuleLoss) else {}
+    if own and checkpoint.buffers:
+        loss.check_buffers(checkpoint.buffers)  # a partial set would be mixed with the module's
     buffers = _params_on({**own, **checkpoint.buffers}, device)
     return loss_at(loss, replace(checkpoint, buffers=buffers))
 

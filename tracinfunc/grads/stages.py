@@ -192,7 +192,11 @@ def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[st
             "model_stages(model, criterion, names=['features', 'classifier'])."
         )
     groups: list[list[str]] = []
-    for child_name, child in model.named_children():
+    # every child as Sequential.forward runs them: named_children() would skip a layer
+    # applied twice (the same module at two positions)
+    for child_name, child in model._modules.items():
+        if child is None:
+            continue
         has_params = any(True for _ in child.parameters())
         if has_params or not groups:
             groups.append([child_name])

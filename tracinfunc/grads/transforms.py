@@ -16,7 +16,7 @@ rounding (mixed precision aside, which is an approximation):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +45,7 @@ from tracinfunc.grads.precision import (
 )
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
+from tracinfunc.loss import in_place_mismatch
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.projection.spec import check_projection
@@ -351,7 +352,8 @@ def _call_loss_transform(fn, *args: Any, ):
     except TracInFuncError:
         raise  # already says what is wrong and how to fix it
     except RuntimeError as error:
-        clearer = explain_loss_error(error)
+        params = args[0] if args and isinstance(args[0], Mapping) else None
+        clearer = explain_loss_error(error, params)
         if clearer is None:
             raise
         raise clearer from error
@@ -364,9 +366,19 @@ def _call_loss_transform(fn, *args: Any, ):
         ) from error
 
 
-def explain_loss_error(error: Exception) -> Exception | None:
-    """A tracinfunc error that explains a known torch failure of the loss, else ``None``."""
+def explain_loss_error(error: Exception, params: Params | None = None) -> Exception | None:
+    """A tracinfunc error that explains a known torch failure of the loss, else ``None``
+    (``params``: the parameters differentiated, to name the culprits where known)."""
     message = str(error).strip()
+    if "floating point dtype can require gradients" in message:
+        integer = sorted(name for name, value in (params or {}).items()
+                         if isinstance(value, Tensor) and not value.is_floating_point())
+        return LossFunctionError(
+            f"{current_caller()}: the parameters differentiated must be floating-point tensors"
+            + (f"; {integer[:5]} are {params[integer[0]].dtype}" if integer else "")
+            + f" (torch said: {message}). Pass the checkpoint's tensors as float (a "
+            "checkpoint saved or built with an integer dtype?)."
+        )
     if "same device" in message:  # names running_mean too when a buffer is left behind
         return LossFunctionError(
             f"{current_caller()}: the loss mixes devices ({message}). Put the model, its buffers, "
@@ -389,15 +401,16 @@ def explain_loss_error(error: Exception) -> Exception | None:
             "values (use torch.where), and no random operations (model.eval() turns dropout "
             "off)."
         )
-    if "doesn't match the broadcast shape" in message:
+    if in_place_mismatch(message):
         return LossFunctionError(
-            f"{current_caller()}: an in-place operation in the loss writes per-example values "
-            "into a tensor without the batch dimension that torch.func.vmap (which computes "
-            f"the per-example gradients) adds (torch said: {message}). Create such tensors "
-            "from the inputs (x.new_zeros(...), torch.zeros_like) or write them out of place. "
-            "torch's nn.LSTM, nn.GRU and nn.RNN do this internally: run the recurrence with "
-            "their cells (nn.LSTMCell, nn.GRUCell) in a loop over time steps, which vmap "
-            "batches."
+            f"{current_caller()}: an in-place operation in the loss got a value that does not "
+            f"fit the tensor it writes into (torch said: {message}). If the loss runs on one "
+            "example outside tracinfunc, the usual cause is torch.func.vmap, which computes the "
+            "per-example gradients: a tensor made inside the loss with a fixed shape "
+            "(torch.zeros(1, 3)) has no batch dimension, so per-example values cannot be "
+            "written into it in place. Create it from the inputs (x.new_zeros(...), "
+            "torch.zeros_like) or compute it out of place. If the loss fails on one example "
+            "too, the shapes in the loss are wrong."
         )
     if "to return a scalar" in message or "scalar Tensor" in message:
         return LossFunctionError(

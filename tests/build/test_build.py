@@ -113,7 +113,10 @@ def test_params_that_do_not_fit_the_loss_are_reported(mlp_setup32):
     with pytest.raises(tif.errors.LossFunctionError, match="parameter names"):
         tif.build_store(loss, [renamed], train, projection=PROJ)
     wrong_shape = tif.Checkpoint(params={k: v[..., :2] for k, v in ckpts[0].params.items()})
-    with pytest.raises(tif.errors.LossFunctionError, match="failed on the first example"):
+    # named before any work (stop 42), not as the first example's failure
+    with pytest.raises(tif.errors.LossFunctionError,
+                       match=r"'0.weight' has shape \[8, 2\] in the parameters passed, but "
+                             r"\[8, 6\] in the model"):
         tif.build_store(loss, [wrong_shape], train, projection=PROJ)
 
 

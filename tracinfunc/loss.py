@@ -190,8 +190,8 @@ class ModuleLoss:
 
     def check_buffers(self, buffers: Mapping[str, Tensor]) -> None:
         """Refuse a checkpoint's ``buffers`` of another shape than the model's, or giving some
-        of the model's floating-point buffers but not all (the rest would silently come from
-        the module as it is now).
+        of the model's persistent floating-point buffers but not all (the rest would silently
+        come from the module as it is now).
 
         Raises:
             LossFunctionError: naming the buffer.
@@ -205,8 +205,13 @@ class ModuleLoss:
                 f"checkpoint, but {wrong[0][2]} in the model; was the checkpoint saved from "
                 "another model?"
             )
-        missing = sorted(name for name, value in self.buffers.items()
-                         if name not in buffers and value.is_floating_point())
+        # non-persistent buffers (a rotary embedding's inv_freq) are in no state dict: they
+        # are part of the model, not of a checkpoint
+        persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, sub in self.module.named_modules()
+                      for name in sub._buffers if name not in sub._non_persistent_buffers_set}
+        missing = sorted(name for name, value in self.buffers.items() if name not in buffers
+                         and name in persistent and value.is_floating_point())
         if buffers and missing:
             raise LossFunctionError(
                 f"{current_caller()}: the checkpoint gives some of the model's buffers but "

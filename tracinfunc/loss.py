@@ -15,9 +15,10 @@ because HF inspects the 2-D mask's values (``.all()``), which vmap cannot do.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -39,32 +40,91 @@ _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancen
 
 # torch.func.functional_call swaps the checkpoint's tensors into the module's attributes for the
 # duration of a forward: two threads doing it on one module at once read each other's
-# weights (silently wrong rows). Every forward tracinfunc runs through a module holds one
-# process-wide lock (re-entrant: a loss may call tracinfunc inside). One lock, not one per
-# module: a forward of one model that calls tracinfunc on another, in two threads the other
-# way round, held one module's lock each and waited for the other's for ever (atk42b).
-# Another thread calling the module itself meanwhile is not covered: it sees the checkpoint's
-# weights (docs/language-models.md).
-_FORWARD_LOCK = threading.RLock()
+# weights (silently wrong rows). Every forward tracinfunc runs through a module holds that
+# module's lock (re-entrant: a loss may call tracinfunc inside). Nested calls on two models in
+# two threads the other way round would each hold one lock and wait for the other for ever
+# (atk42b); one lock for the process instead hung a forward that waits for tracinfunc in a
+# worker thread (atk42c). So the locks know who waits for what, and the wait that would close
+# a cycle is refused. Another thread calling the module itself meanwhile is not covered: it
+# sees the checkpoint's weights (docs/language-models.md).
+class _ModuleLocks:
+    """Re-entrant per-module locks whose waits are checked for cycles."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._owners: dict[int, list[int]] = {}  # id(module) -> [thread, depth] while held
+        self._waiting: dict[int, int] = {}  # thread -> id(module) it waits for
+
+    @contextlib.contextmanager
+    def held(self, module: nn.Module) -> Iterator[None]:
+        key, me = id(module), threading.get_ident()
+        with self._changed:
+            while (owner := self._owners.get(key)) is not None and owner[0] != me:
+                self._refuse_cycle(owner[0], me)
+                self._waiting[me] = key
+                try:
+                    self._changed.wait()
+                finally:
+                    del self._waiting[me]
+            if owner is None:
+                self._owners[key] = [me, 1]
+            else:
+                owner[1] += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                owner = self._owners[key]
+                owner[1] -= 1
+                if owner[1] == 0:
+                    del self._owners[key]
+                    self._changed.notify_all()
+
+    def _refuse_cycle(self, thread: int, me: int) -> None:
+        """Raise if ``thread`` (holding what this thread wants) waits, through other threads'
+        locks, for one this thread holds."""
+        seen = set()
+        while thread in self._waiting and thread not in seen:
+            seen.add(thread)
+            owner = self._owners.get(self._waiting[thread])
+            if owner is None:
+                return
+            thread = owner[0]
+            if thread == me:
+                raise LossFunctionError(
+                    f"{current_caller()}: this thread, inside a forward tracinfunc runs, asks "
+                    "for a model that another thread holds while that thread waits for one "
+                    "this thread holds (nested tracinfunc calls on two models, in two threads "
+                    "the other way round): both would wait for ever. Make the nested calls in "
+                    "one thread, or on a copy of one of the models (copy.deepcopy(model))."
+                )
+
+
+_LOCKS = _ModuleLocks()
 
 
 def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
                  kwargs: Mapping[str, Any] | None = None) -> Any:
-    """``functional_call(module, (state,), args, kwargs)`` under tracinfunc's forward lock, with
+    """``functional_call(module, (state,), args, kwargs)`` under the module's lock, with
     every submodule's own parameters and buffers put back afterwards.
 
     ``functional_call`` ties weights by name and restores them one name at a time: a
     submodule registered under two names (``self.b = self.a``) is swapped twice and left
-    holding the checkpoint's tensor (the user's module silently corrupted). The tensors each
-    submodule held before the call are its own again after it, whatever happened."""
-    with _FORWARD_LOCK:
-        own = [(sub, dict(sub._parameters), dict(sub._buffers)) for sub in module.modules()
+    holding the checkpoint's tensor (the user's module silently corrupted). The tensors,
+    submodules and class each submodule had before the call are its own again after it,
+    whatever happened; what the forward registered is removed."""
+    with _LOCKS.held(module):
+        own = [(sub, type(sub), dict(sub._modules), dict(sub._parameters), dict(sub._buffers))
+               for sub in module.modules()
                if isinstance(sub._parameters, dict)]  # not a scripted module's C++ wrapper
         try:
             return functional_call(module, (dict(state),), args, kwargs)
         finally:
-            for sub, parameters, buffers in own:
-                for held, before in ((sub._parameters, parameters), (sub._buffers, buffers)):
+            for sub, kind, modules, parameters, buffers in own:
+                if type(sub) is not kind:  # a parametrization registered by the forward
+                    sub.__class__ = kind
+                for held, before in ((sub._modules, modules), (sub._parameters, parameters),
+                                     (sub._buffers, buffers)):
                     for name in [name for name in held if name not in before]:
                         del held[name]  # registered by the forward: a transformed tensor
                     for name, value in before.items():
@@ -105,13 +165,16 @@ class ModuleLoss:
 
     def __post_init__(self) -> None:
         named = dict(self.module.named_parameters())
-        lazy = [name for name, value in named.items()
-                if isinstance(value, nn.parameter.UninitializedParameter)]
-        if lazy:
+        lazy = sorted({name.rpartition(".")[0] or "(the model)" for name, value in named.items()
+                       if isinstance(value, nn.parameter.UninitializedParameter)})
+        if lazy:  # run inside tracinfunc's transforms it would initialise itself with random
+            # weights (or fail, leaving an escaped tensor in the module)
             raise LossFunctionError(
-                f"loss_from_module: parameters {lazy[:5]} of the model are not initialised yet "
-                "(lazy modules such as nn.LazyLinear get their shapes on their first forward); "
-                "run the model once on an example batch before making the loss."
+                f"loss_from_module: the lazy module(s) {lazy[:5]} have not run yet, so their "
+                "parameters have no shape (nn.LazyLinear and the like get it on their first "
+                "forward). Run the model once on an example batch before making the loss; a "
+                "lazy module the forward never calls (an unused head) needs a call of its own "
+                "(model.head(example_features)), or removing."
             )
         trainable = frozenset(name for name, value in named.items() if value.requires_grad)
         object.__setattr__(self, "trainable", trainable)
@@ -267,7 +330,7 @@ class ModuleLoss:
                 "so that they hold exactly those."
             )
         wrong = [(name, tuple(params[name].shape), tuple(self.shapes[name])) for name in names
-                 if params[name].shape != self.shapes[name]]
+                 if name in self.shapes and params[name].shape != self.shapes[name]]
         if wrong:
             name, got, expected = wrong[0]
             raise LossFunctionError(

@@ -314,7 +314,7 @@ def test_finding_a_checkpoint_missing_one_buffer_is_not_mixed_with_the_modules()
 
 
 def test_finding_nested_calls_on_two_modules_in_two_threads_do_not_hang():
-    """FIXED (lead: one process-wide forward lock instead of one per module). Thread A's forward of m1 (holding m1's lock) evaluates a loss of m2 while thread B's
+    """FIXED (lead: per-module locks that refuse the wait closing a cycle). Thread A's forward of m1 (holding m1's lock) evaluates a loss of m2 while thread B's
     forward of m2 (holding m2's lock) evaluates a loss of m1 (events order them): both hang for
     ever (the per-module locks are taken in opposite orders). Expected: both finish, or a
     tracinfunc error naming the cycle; at least the docs' "Threads and one module" should say
@@ -364,8 +364,13 @@ def test_finding_nested_calls_on_two_modules_in_two_threads_do_not_hang():
     thread_a.join(60)  # a bound on a hang, not a timing assumption: each call takes milliseconds
     thread_b.join(60)
     assert not thread_a.is_alive() and not thread_b.is_alive()
-    for key in ("a", "b", "a_inner", "b_inner"):
-        assert isinstance(results.get(key), torch.Tensor), (key, results.get(key))
+    # both threads finish: the one whose wait would close the cycle gets an error saying so
+    # (it may not come to that when a thread was not yet inside its forward)
+    errors = [value for value in results.values() if isinstance(value, Exception)]
+    assert len(errors) <= 1, errors
+    assert all("wait for ever" in str(error) for error in errors), errors
+    for key in ("a", "b"):
+        assert isinstance(results.get(key), torch.Tensor | LossFunctionError), results
 
 
 # ---------------------------------------------------------------- held (regression guards)

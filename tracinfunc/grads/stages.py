@@ -12,7 +12,7 @@ and loss (:func:`check_stages`) and refuse them otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch.func import vmap
 
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import InvalidTypeError, StageMismatchError
-from tracinfunc.loss import check_eval_mode, swapped_call
+from tracinfunc.loss import ModuleLoss, check_eval_mode, swapped_call
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["Stage", "Stages", "check_stages", "model_stages", "run_stages", "split_batch"]
@@ -70,6 +70,9 @@ class Stages:
     criterion: Callable[[Tensor, Tensor], Tensor]
     forward: Callable[[Params, Any], Tensor] | None = None
     tied: frozenset[str] = frozenset()
+    # model_stages': ``loss -> stages`` reading that loss's buffers (a checkpoint's), or None
+    at_buffers_of: Callable[[LossFn], Stages] | None = field(default=None, compare=False,
+                                                             repr=False)
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -157,7 +160,17 @@ def model_stages(
         for name in stage.param_names:
             counts[name] = counts.get(name, 0) + 1
     tied = frozenset(name for name, count in counts.items() if count > 1)
-    return Stages(stages=stages, criterion=criterion, forward=forward, tied=tied)
+    def at_buffers_of(loss: LossFn) -> Stages:
+        # the same stages with a checkpoint's buffers: build_store gives each checkpoint's
+        # loss its own BatchNorm statistics (loss_at), which these stages' copy would shadow
+        if not isinstance(loss, ModuleLoss) or loss.module is not model \
+                or all(loss.buffers[name] is value for name, value in buffers.items()):
+            return built
+        return model_stages(model, criterion, names=names, buffers=loss.buffers)
+
+    built = Stages(stages=stages, criterion=criterion, forward=forward, tied=tied,
+                   at_buffers_of=at_buffers_of)
+    return built
 
 
 def _named_groups(model: nn.Module, names: Sequence[str] | None) -> list[list[str]]:

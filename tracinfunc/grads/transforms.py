@@ -84,7 +84,7 @@ def per_sample_grads(
         >>> psg = per_sample_grads(loss)
         >>> grads = psg(params, (x, y))   # {"fc.weight": [b, out, in], ...}
     """
-    options = gradient_options(options)
+    options = _stages_at_buffers(loss, gradient_options(options))
     _check_has_aux(has_aux, options)
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -154,7 +154,7 @@ def projected_grads(
         >>> fn = projected_grads(loss, Projection(dim=512), options=opts)
     """
     check_projection(projection)
-    options = gradient_options(options)
+    options = _stages_at_buffers(loss, gradient_options(options))
     _check_has_aux(has_aux, options)
     _check_precondition(precondition, options)
     if (projection.kind == "kronecker" and replace(options, select=None).plain()
@@ -216,6 +216,15 @@ def _preconditioned(project: Projector, precondition: Preconditioner, params: Pa
     shapes = {name: tuple(value.shape) for name, value in params.items()}
     precondition.check(shapes, names)
     return lambda grads: project(precondition.apply(grads))
+
+
+def _stages_at_buffers(loss: LossFn, options: GradientOptions) -> GradientOptions:
+    """``options`` with stages that read ``loss``'s buffers (a checkpoint's BatchNorm
+    statistics, given by ``loss_at``) where ``model_stages`` made them from the same model."""
+    stages = options.stages
+    if stages is None or stages.at_buffers_of is None:
+        return options
+    return replace(options, stages=stages.at_buffers_of(loss))
 
 
 class _StagesCheck:

@@ -476,8 +476,7 @@ def _refuse_recurrent(module: nn.Module, error: RuntimeError) -> None:
         f"{current_caller()}: the recurrent layer(s) {[name for name, _ in layers][:5]} "
         f"({', '.join(sorted({kind for _, kind in layers}))}) write per-example values "
         "in-place into state without the batch dimension under torch.func.vmap, which computes "
-        "the "
-        f"per-example gradients (torch said: {error}). Run the recurrence with "
+        f"the per-example gradients (torch said: {error}). Run the recurrence with "
         f"{' / '.join(cells)} in a loop over time steps, which vmap batches."
     ) from error
 

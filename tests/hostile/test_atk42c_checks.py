@@ -343,6 +343,17 @@ class _RegistersBuffer(nn.Module):
         return self.fc(x * self.cache)
 
 
+class _Fc(nn.Module):
+    """Just the linear layer the model under test uses: the reference model."""
+
+    def __init__(self, fc):
+        super().__init__()
+        self.fc = fc
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 def test_held_registered_buffer_removed_and_model_still_runs():
     """HELD-or-not: after a tracinfunc call the module has no escaped vmap tensor; it still runs
     by itself, and a second tracinfunc call gives the same rows."""
@@ -356,16 +367,7 @@ def test_held_registered_buffer_removed_and_model_still_runs():
     m(x)  # its own forward works
     r2 = _psg_at(m, ck, x, y)
     _assert_rows(r1, {k: v.double() for k, v in r2.items()}, tol=0)
-    _assert_rows(r1, _ref_rows(_RegistersBufferRef(m.fc), x, y))
-
-
-class _RegistersBufferRef(nn.Module):
-    def __init__(self, fc):
-        super().__init__()
-        self.fc = fc
-
-    def forward(self, x):
-        return self.fc(x)
+    _assert_rows(r1, _ref_rows(_Fc(m.fc), x, y))
 
 
 class _NoneThenAssigned(nn.Module):
@@ -926,15 +928,6 @@ def test_unused_lazy_head_not_refused_after_running_the_model():
     got = tif.per_sample_grads(tif.loss_from_module(m, F.cross_entropy))(params, (x, y))
     _assert_rows({n: v for n, v in got.items() if n.startswith("fc.")}, _ref_rows(_Fc(m.fc), x, y))
     assert all(float(got[n].abs().max()) == 0.0 for n in got if n.startswith("aux."))
-
-
-class _Fc(nn.Module):
-    def __init__(self, fc):
-        super().__init__()
-        self.fc = fc
-
-    def forward(self, x):
-        return self.fc(x)
 
 
 def test_from_module_with_lazy_module_raises_tracinfunc_error():

@@ -160,6 +160,7 @@ def model_stages(
         for name in stage.param_names:
             counts[name] = counts.get(name, 0) + 1
     tied = frozenset(name for name, count in counts.items() if count > 1)
+
     def at_buffers_of(loss: LossFn) -> Stages:
         # the same stages with a checkpoint's buffers: build_store gives each checkpoint's
         # loss its own BatchNorm statistics (loss_at), which these stages' copy would shadow

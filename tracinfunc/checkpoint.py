@@ -17,6 +17,7 @@ from tracinfunc._shapes import check_loaded_shapes
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError, MissingParametersError
 from tracinfunc.interop import tensor_if_array
+from tracinfunc.loss import refuse_lazy
 from tracinfunc.store.meta import check_lr
 from tracinfunc.types import LossFn, Params
 
@@ -105,14 +106,7 @@ class Checkpoint:
         A peft model thus gives only its trainable adapters. Buffers (BatchNorm running
         statistics) are kept in ``buffers``, so each checkpoint is differentiated with its own.
         """
-        lazy = [key for key, value in [*module.named_parameters(), *module.named_buffers()]
-                if isinstance(value, nn.parameter.UninitializedTensorMixin)]
-        if lazy:
-            raise InvalidArgumentError(
-                f"Checkpoint.from_module: {lazy[:5]} of {type(module).__name__} are not "
-                "initialised yet (lazy modules such as nn.LazyLinear get their shapes on their "
-                "first forward): run the model once on an example batch first."
-            )
+        refuse_lazy(module, "Checkpoint.from_module")
         params = {
             key: value.detach().clone()
             for key, value in module.named_parameters()

@@ -104,16 +104,18 @@ _LOCKS = _ModuleLocks()
 
 
 def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
-                 kwargs: Mapping[str, Any] | None = None) -> Any:
-    """``functional_call(module, (state,), args, kwargs)`` under the module's lock, with
-    every submodule's own parameters and buffers put back afterwards.
+                 kwargs: Mapping[str, Any] | None = None, *,
+                 owner: nn.Module | None = None) -> Any:
+    """``functional_call(module, (state,), args, kwargs)`` under the lock of ``owner`` (the
+    model ``module`` is part of, for a stage; default ``module``), with every submodule's own
+    parameters and buffers put back afterwards.
 
     ``functional_call`` ties weights by name and restores them one name at a time: a
     submodule registered under two names (``self.b = self.a``) is swapped twice and left
     holding the checkpoint's tensor (the user's module silently corrupted). The tensors,
     submodules and class each submodule had before the call are its own again after it,
     whatever happened; what the forward registered is removed."""
-    with _LOCKS.held(module):
+    with _LOCKS.held(module if owner is None else owner):
         own = [(sub, type(sub), dict(sub._modules), dict(sub._parameters), dict(sub._buffers))
                for sub in module.modules()
                if isinstance(sub._parameters, dict)]  # not a scripted module's C++ wrapper
@@ -164,18 +166,8 @@ class ModuleLoss:
     dtypes: Mapping[str, torch.dtype] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        refuse_lazy(self.module, "loss_from_module")
         named = dict(self.module.named_parameters())
-        lazy = sorted({name.rpartition(".")[0] or "(the model)" for name, value in named.items()
-                       if isinstance(value, nn.parameter.UninitializedParameter)})
-        if lazy:  # run inside tracinfunc's transforms it would initialise itself with random
-            # weights (or fail, leaving an escaped tensor in the module)
-            raise LossFunctionError(
-                f"loss_from_module: the lazy module(s) {lazy[:5]} have not run yet, so their "
-                "parameters have no shape (nn.LazyLinear and the like get it on their first "
-                "forward). Run the model once on an example batch before making the loss; a "
-                "lazy module the forward never calls (an unused head) needs a call of its own "
-                "(model.head(example_features)), or removing."
-            )
         trainable = frozenset(name for name, value in named.items() if value.requires_grad)
         object.__setattr__(self, "trainable", trainable)
         object.__setattr__(self, "known", frozenset(named))
@@ -450,7 +442,25 @@ def _same(a: Tensor, b: Tensor) -> bool:
         and bool(torch.equal(a, b))
 
 
+def refuse_lazy(module: nn.Module, who: str) -> None:
+    """Refuse a model whose lazy modules (nn.LazyLinear, nn.LazyBatchNorm1d, ...) have not run:
+    their parameters and buffers have no shape yet, and run inside tracinfunc's transforms they
+    would initialise themselves with random weights (or fail, leaving an escaped tensor)."""
+    names = [name for name, value in [*module.named_parameters(), *module.named_buffers()]
+             if isinstance(value, nn.parameter.UninitializedTensorMixin)]
+    if names:
+        lazy = sorted({name.rpartition(".")[0] or "(the model)" for name in names})
+        raise LossFunctionError(
+            f"{who}: the lazy module(s) {lazy[:5]} have not run yet, so their parameters "
+            f"{names[:5]} have no shape (nn.LazyLinear and the like get it on their first "
+            "forward). Run the "
+            "model once on an example batch first; a lazy module the forward never calls (an "
+            "unused head) needs a call of its own (model.head(example_features)), or removing."
+        )
+
+
 def _buffers_of(module: nn.Module, buffers: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:
+    refuse_lazy(module, current_caller())  # before its uninitialised buffers are copied
     if buffers is None:
         buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
     return MappingProxyType(dict(buffers))

@@ -126,7 +126,10 @@ def model_stages(
         model: The model, in eval mode.
         criterion: As for :func:`~tracinfunc.loss_from_module`.
         names: Submodule names whose composition is ``model.forward`` (checked on first use).
-        buffers: Non-trainable state (default: a copy of the model's buffers, taken now).
+        buffers: Non-trainable state, used when the stages run with a loss that has no
+            buffers of these names (default: a copy of the model's buffers). A loss that has
+            them (a checkpoint's, given by ``build_store`` or
+            :func:`~tracinfunc.checkpoint.loss_at`) replaces them.
 
     Returns:
         :class:`Stages` whose ``forward`` is the whole model, for the reproduction check.
@@ -164,7 +167,8 @@ def model_stages(
     def at_buffers_of(loss: LossFn) -> Stages:
         # the same stages with a checkpoint's buffers: build_store gives each checkpoint's
         # loss its own BatchNorm statistics (loss_at), which these stages' copy would shadow
-        if not isinstance(loss, ModuleLoss) or loss.module is not model \
+        # by name: stages from a copy of the loss's model (copy.deepcopy) read them too
+        if not isinstance(loss, ModuleLoss) or set(loss.buffers) != set(buffers) \
                 or all(loss.buffers[name] is value for name, value in buffers.items()):
             return built
         return model_stages(model, criterion, names=names, buffers=loss.buffers)
@@ -249,7 +253,8 @@ def _module_stage(model: nn.Module, group: list, buffers: dict[str, Tensor],
                 continue
             module, names, local_buffers = part
             local = {n: params[g] for n, g in names.items() if g in params}
-            h = swapped_call(module, {**local_buffers, **local}, (h,))
+            # under the whole model's lock: another thread's forward swaps into these too
+            h = swapped_call(module, {**local_buffers, **local}, (h,), owner=model)
         return h
 
     label = "+".join(p if isinstance(p, str) else getattr(p, "__name__", "glue") for p in group)

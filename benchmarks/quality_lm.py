@@ -83,6 +83,10 @@ class Sizes:
     refine_examples: int = 32  # the refined rows' Fisher: the first this many training sequences
     refine_fisher: str = "sampled"  # the refined rows' Fisher: drawn labels, or "expected"
     refine_steps: int = 3  # the refined rows' conjugate-gradient steps at most
+    refine_solvers: tuple[str, ...] = ()  # () : cg and direct (sampled), cg (expected)
+    refine_batch: int | None = None  # the refinement data in batches of this many sequences
+    refine_batches_per_step: int | None = None  # the Neumann solver's batches per product
+    refine_step_size: float | None = None  # the Neumann solver's step (None: chosen)
 
 
 FULL = Sizes(256, 64, 100, 12, 3, 32, 32, (1024,), SCALES, 200, True)
@@ -328,11 +332,22 @@ def refined_row(loss, chosen, train_set, test_set, store, curvature, options, me
     query (CPU time), at the default multiple."""
     exact = tif.Projection(kind="identity")
     seconds, examples, steps = {}, sizes.refine_examples, sizes.refine_steps
-    solvers = ((("cg", "refined"), ("direct", "refined-direct"))
-               if sizes.refine_fisher == "sampled" else (("cg", "refined-expected"),))
+    base_suffix = "refined" if sizes.refine_fisher == "sampled" else "refined-expected"
+    chosen_solvers = sizes.refine_solvers or (("cg", "direct") if sizes.refine_fisher
+                                               == "sampled" else ("cg",))
+    solvers = [(solver, base_suffix if solver == "cg" else f"{base_suffix}-{solver}")
+               for solver in chosen_solvers]
+    data = train_set
+    if sizes.refine_batch is not None:  # the Neumann solver draws batches: split the data
+        n = len(train_set["input_ids"])
+        data = [{key: value[i:i + sizes.refine_batch] for key, value in train_set.items()}
+                for i in range(0, n, sizes.refine_batch)]
     for solver, suffix in solvers:
-        refined = curvature.with_refinement(train_set, steps=steps, max_examples=examples,
-                                            solver=solver, fisher=sizes.refine_fisher)
+        neumann = ({"batches_per_step": sizes.refine_batches_per_step,
+                    "step_size": sizes.refine_step_size} if solver == "neumann" else {})
+        refined = curvature.with_refinement(data, steps=steps, max_examples=examples,
+                                            solver=solver, fisher=sizes.refine_fisher,
+                                            **neumann)
         for label, value in (("plain", curvature), (solver, refined)):
             start = time.process_time()
             with warnings.catch_warnings(record=True):
@@ -503,7 +518,8 @@ def print_tables(result: dict) -> None:
     print_fair(result)
     for which, cost in result.get("refine_cost", {}).items():
         fisher = cost.get("fisher", "sampled")
-        for solver, how in (("cg", f"{cost['steps']} CG steps"), ("direct", "exact solve")):
+        for solver, how in (("cg", f"{cost['steps']} CG steps"), ("direct", "exact solve"),
+                            ("neumann", f"{cost['steps']} Neumann steps")):
             if solver not in cost:  # the expected Fisher: conjugate gradient only
                 continue
             got = cost[solver]
@@ -632,6 +648,15 @@ def main() -> None:
                              "expectation computed exactly (conjugate gradient only)")
     parser.add_argument("--refine-steps", type=int, default=3,
                         help="the refined rows' conjugate-gradient steps at most (default 3)")
+    parser.add_argument("--refine-solvers", nargs="+", choices=("cg", "direct", "neumann"),
+                        help="the refined rows' solvers (default: cg and direct; cg for the "
+                             "expected Fisher)")
+    parser.add_argument("--refine-batch", type=int,
+                        help="the refinement data in batches of this many sequences")
+    parser.add_argument("--refine-batches-per-step", type=int,
+                        help="the Neumann solver's batches per product (default: all)")
+    parser.add_argument("--refine-step-size", type=float,
+                        help="the Neumann solver's step size (default: chosen)")
     parser.add_argument("--all-only", action="store_true",
                         help="score all checkpoints only (skip the last-checkpoint rows)")
     args = parser.parse_args()
@@ -646,6 +671,10 @@ def main() -> None:
                                 refine_examples=args.refine_examples,
                                 refine_fisher=args.refine_fisher,
                                 refine_steps=args.refine_steps,
+                                refine_solvers=tuple(args.refine_solvers or ()),
+                                refine_batch=args.refine_batch,
+                                refine_batches_per_step=args.refine_batches_per_step,
+                                refine_step_size=args.refine_step_size,
                                 picks=("all",) if args.all_only else ("all", "last"))
     torch.set_num_threads(1)  # tiny ops: extra threads only add synchronisation
     args.out.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "contrast_weight", None) is not None and args.contrast is None:
         parser.error("score: --contrast-weight W goes with --contrast NAME (the control set "
                      "it weighs); pass --contrast NAME or drop --contrast-weight.")
-    for flag in ("refine_examples", "refine_solver", "refine_fisher"):
+    for flag in ("refine_examples", "refine_solver", "refine_fisher", "refine_step_size",
+                 "refine_batches_per_step"):
         if getattr(args, flag, None) is not None and args.refine_steps is None:
             parser.error(f"score: --{flag.replace('_', '-')} goes with --refine-steps N (it "
                          "says how the queries are refined); pass --refine-steps N or drop it.")
@@ -99,6 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "forward and backward pass over the data), so it has no exact solve; "
                      "use --refine-solver cg with it, or --refine-fisher sampled with "
                      "--refine-solver direct.")
+    for flag in ("refine_step_size", "refine_batches_per_step"):
+        if getattr(args, flag, None) is not None and args.refine_solver != "neumann":
+            parser.error(f"score: --{flag.replace('_', '-')} belongs to --refine-solver neumann "
+                         "(the Neumann iterations' step and sample); pass --refine-solver "
+                         "neumann or drop it.")
     try:
         # Errors name the command the user typed (``tracinfunc build: ...``), also those
         # raised inside the public functions it calls.
@@ -216,9 +222,17 @@ def _parser() -> argparse.ArgumentParser:
                             "on the Fisher of the spec's training data")
     score.add_argument("--refine-examples", type=_positive_int, metavar="M",
                        help="with --refine-steps: use the first M training examples")
-    score.add_argument("--refine-solver", choices=("cg", "direct"), default=None,
-                       help="with --refine-steps: 'cg' (default) or 'direct' (the exact solve "
-                            "of that Fisher, held in memory; N is then unused)")
+    score.add_argument("--refine-solver", choices=("cg", "direct", "neumann"), default=None,
+                       help="with --refine-steps: 'cg' (default), 'direct' (the exact solve "
+                            "of that Fisher, held in memory; N is then unused) or 'neumann' "
+                            "(ASTRA-style preconditioned Neumann iterations)")
+    score.add_argument("--refine-step-size", type=float, default=None, metavar="ETA",
+                       help="with --refine-solver neumann: its step size in (0, 2] (default: "
+                            "chosen from the preconditioned Fisher's largest eigenvalue)")
+    score.add_argument("--refine-batches-per-step", type=_positive_int, default=None,
+                       metavar="B",
+                       help="with --refine-solver neumann: the spec's training batches each "
+                            "step's product averages over, drawn afresh (default: all)")
     score.add_argument("--refine-fisher", choices=("sampled", "expected"), default=None,
                        help="with --refine-steps: the Fisher solved, 'sampled' (default: "
                             "labels drawn from the model) or 'expected' (their expectation, "
@@ -559,7 +573,9 @@ def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature
     return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
                                      max_examples=args.refine_examples,
                                      solver=args.refine_solver or "cg",
-                                     fisher=args.refine_fisher or "sampled")
+                                     fisher=args.refine_fisher or "sampled",
+                                     step_size=args.refine_step_size,
+                                     batches_per_step=args.refine_batches_per_step)
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,

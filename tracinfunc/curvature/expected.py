@@ -28,7 +28,7 @@ language model ``F`` has up to ``m x T x (V - 1)``). Nothing is formed or kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ def expected_loss(loss: Any) -> ModuleLoss:
 
 
 def expected_product(loss: ModuleLoss, params: Params, names: list[str],
-                     batches: tuple[Batch, ...]) -> Callable[[Vectors], Vectors]:
+                     batches: tuple[Batch, ...]) -> Callable[..., Vectors]:
     """``v -> F v`` for ``t`` vectors at once (module docstring), functionally.
 
     Args:
@@ -85,8 +85,9 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
         batches: The refinement's training batches.
 
     Returns:
-        ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64, with ``method`` =
-        ``"expected"``, ``kept = None`` and ``flat`` (the same map on flat rows ``[t, p]``).
+        ``fn({name: [t, *shape]}, batches=None) -> {name: [t, *shape]}`` in float64 (``batches``:
+        indices into ``batches``, the Fisher of those alone), with ``method`` = ``"expected"``,
+        ``kept = None`` and ``flat`` (the same map on flat rows ``[t, p]``).
 
     Raises:
         NonFiniteGradientError: an example's input, logits or Jacobian-vector products are
@@ -104,22 +105,25 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
     starts = [0]  # each batch's first example's index in the refinement data
     for batch in batches:
         starts.append(starts[-1] + _rows(batch))
-    inputs = starts.pop()
 
     def logits_of(chosen: Params, example: Batch) -> Tensor:  # [1, ...] for one example
         return _logits(loss.outputs({**frozen, **chosen}, example)[0])
 
-    def product(vectors: Vectors) -> Vectors:
+    def product(vectors: Vectors, batches: list[int] | None = None) -> Vectors:
         with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
-            return unlocked(vectors)
+            return unlocked(vectors, range(len(starts) - 1) if batches is None else batches)
 
-    def unlocked(vectors: Vectors) -> Vectors:
+    def unlocked(vectors: Vectors, indices: Iterable[int]) -> Vectors:
         out = {name: torch.zeros_like(value, dtype=torch.float64)
                for name, value in vectors.items()}
         # jvp wants the tangents in the primals' key order (see fisher.fisher_product)
         tangents = {name: vectors[name].to(dtype) for name in selected}
         count = next(iter(tangents.values())).shape[0]
-        for batch, start in zip(batches, starts, strict=True):
+        inputs = 0
+        for index in indices:
+            batch, start = batches[index], starts[index]
+            inputs += starts[index + 1] - start
+
             def logits(chosen: Params, batch=batch) -> Tensor:  # [b, 1, ...]
                 return vmap(lambda example: logits_of(chosen, example))(batch)
 

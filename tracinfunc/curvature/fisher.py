@@ -12,10 +12,15 @@ conjugate-gradient step. Two ways, equal up to rounding:
   per-example losses and a ``vjp``, ``vmap``-ed over the queries: a forward and a backward
   pass over every refinement example at every step. Used when ``G`` is over the budget (large
   models), and the reference the matrix product is tested against.
+
+Every product takes ``batches=`` (indices into the refinement's batches, ``None``: all): the
+Fisher of those batches alone, ``sum_{j in them} w_j g_j g_j^T / sum_{j in them} w_j``, the
+minibatch product of the Neumann solver (:func:`tracinfunc.curvature.refine.neumann_flat`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, MutableMapping
@@ -58,6 +63,8 @@ class KeptFisher:
     Attributes:
         matrix: ``G [m, p]`` or ``H [p, p]``, float64.
         weights: ``[m]`` float64, or ``None`` (``matrix`` is ``H``).
+        starts: ``G``'s first row of each refinement batch and ``m`` after the last
+            (``[n_batches + 1]``, for products over some batches); ``()`` with ``H``.
         factor: ``(damping, L, gram)``: ``L L^T = H + damping I`` ``[p, p]`` and ``gram =
             None`` (``H`` kept), or ``L L^T = damping I + B B^T`` ``[m, m]`` and ``gram = B
             B^T`` with ``B = sqrt(w / sum w) G`` (``G`` kept); ``None`` until the first
@@ -67,6 +74,7 @@ class KeptFisher:
     matrix: Tensor
     weights: Tensor | None
     factor: tuple[float, Tensor, Tensor | None] | None = None
+    starts: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -84,9 +92,9 @@ class KeptFisher:
         """Whether :meth:`solve` applies: every weight ``>= 0`` (``B = sqrt(w) G`` is real)."""
         return self.weights is None or bool((self.weights >= 0).all())
 
-    def product(self, shapes: dict[str, tuple[int, ...]]) -> Callable[[Vectors], Vectors]:
+    def product(self, shapes: dict[str, tuple[int, ...]]) -> Callable[..., Vectors]:
         """:func:`gradient_product` of the kept matrix (its ``kept`` is this)."""
-        product = gradient_product(self.matrix, self.weights, shapes)
+        product = gradient_product(self.matrix, self.weights, shapes, self.starts)
         product.kept = self
         return product
 
@@ -165,8 +173,8 @@ def _factor_bytes(side: int, *, gram: bool) -> int:
 
 def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, params: Params,
                        names: list[str], label: Callable[[], list[tuple[Batch, Tensor]]],
-                       budget: int | None = None, factor: bool = False
-                       ) -> Callable[[Vectors], Vectors]:
+                       budget: int | None = None, factor: bool = False,
+                       rows: bool = False) -> Callable[..., Vectors]:
     """``v -> H v`` at one checkpoint, by :func:`gradient_product` when ``G`` fits ``budget``.
 
     Args:
@@ -177,6 +185,8 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
         factor: Count one Cholesky factor in the budget too (``[p, p]``, or ``[m, m]`` and
             ``B B^T`` beside it, float64): the direct solve (:meth:`KeptFisher.solve`) keeps
             one.
+        rows: Keep ``G`` even where ``H`` is smaller (``p < 2 m``): products over some of
+            the batches (``batches=``) need the rows.
 
     Returns:
         ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64; its ``method`` is
@@ -197,19 +207,22 @@ def checkpoint_product(cache: MutableMapping[Any, Any], key: Any, loss: LossFn, 
                 "refinement data; the sampled Fisher is divided by their sum, so it must be "
                 "positive and finite (each input's weights sum to 1 for the library's "
                 "samplers); fix the sampler's weights.")
-        rows = sum(int(weights.shape[0]) for _, weights in labelled)
+        m = sum(int(weights.shape[0]) for _, weights in labelled)
         p = sum(math.prod(shape) for shape in shapes.values())
-        side = p if p < 2 * rows else rows  # H [p, p] is kept when p < 2m, else G [m, p]
+        # H [p, p] is kept when p < 2m (and no product wants G's rows), else G [m, p]
+        side = p if p < 2 * m and not rows else m
         kept_size = side * p * 8 + (_factor_bytes(side, gram=side != p) if factor else 0)
-        if rows * p * 8 > budget or kept_size > budget:  # G is made before H is
+        if m * p * 8 > budget or kept_size > budget:  # G is made before H is
             product = fisher_product(loss, params, names, labelled)
-            product.kept, product.needed, product.budget = None, max(rows * p * 8,
+            product.kept, product.needed, product.budget = None, max(m * p * 8,
                                                                      kept_size), budget
             return product
         gradients, weights = sampled_gradients(loss, params, names, labelled)
-        if gradients.shape[1] < 2 * rows:  # p < 2m: H [p, p] is smaller and cheaper to apply
+        starts = tuple(itertools.accumulate((int(w.shape[0]) for _, w in labelled), initial=0))
+        if side == p:  # H [p, p] is smaller and cheaper to apply
             gradients, weights = (gradients.T * (weights / weights.sum())) @ gradients, None
-        kept = KeptFisher(gradients, weights)
+            starts = ()
+        kept = KeptFisher(gradients, weights, starts=starts)
         size = kept.nbytes + (kept.factor_bytes if factor else 0)
         while cache and size + sum(k.nbytes for k in cache.values()) > budget:
             del cache[next(iter(cache))]  # the oldest checkpoint's
@@ -240,24 +253,38 @@ def sampled_gradients(loss: LossFn, params: Params, names: list[str],
 
 
 def gradient_product(gradients: Tensor, weights: Tensor | None,
-                     shapes: dict[str, tuple[int, ...]]) -> Callable[[Vectors], Vectors]:
+                     shapes: dict[str, tuple[int, ...]], starts: tuple[int, ...] = ()
+                     ) -> Callable[..., Vectors]:
     """``V -> G^T (w * (G V)) / sum w`` for ``G [m, p]`` (columns in ``shapes``' order);
     with ``weights=None``, ``gradients`` is ``H [p, p]`` itself and ``V -> H V``
     (``method``: ``"gradients"``, ``"matrix"``). Its ``flat`` is the same map on flat rows
-    ``[t, p]`` float64 (what conjugate gradient runs on: no conversion per step)."""
+    ``[t, p]`` float64 (what conjugate gradient runs on: no conversion per step).
+
+    ``batches=`` (``G`` only: ``starts`` gives each batch's rows, :class:`KeptFisher`) takes
+    the product over those batches' rows, normalised by their own weights."""
     layout = tuple(shapes.items())
     share = None if weights is None else weights / weights.sum()  # [m], once, not per step
 
-    def flat(rows: Tensor) -> Tensor:  # [t, p] float64 -> [t, p], on the rows' device
+    def flat(rows: Tensor, batches: list[int] | None = None) -> Tensor:  # [t, p] -> [t, p]
         device, rows = rows.device, rows.to(gradients)
+        if batches is not None:
+            if share is None or not starts:
+                raise InvalidArgumentError(
+                    f"{current_caller()}: a product over some batches needs the kept "
+                    "per-example gradients G, but H [p, p] was kept; keep G "
+                    "(checkpoint_product(rows=True)).")
+            chosen = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batches])
+            part, w = gradients[chosen.to(gradients.device)], weights[chosen.to(weights.device)]
+            return (((rows @ part.T) * (w / w.sum())) @ part).to(device)
         if share is None:
             return (rows @ gradients).to(device)  # H is symmetric
         # [t, m]: g_j . v_t, then [t, p]
         return (((rows @ gradients.T) * share) @ gradients).to(device)
 
-    def product(vectors: Vectors) -> Vectors:
+    def product(vectors: Vectors, batches: list[int] | None = None) -> Vectors:
         first = next(iter(vectors.values()))
-        return unflatten(flat(flatten(vectors, layout).to(first.device, torch.float64)), layout)
+        return unflatten(flat(flatten(vectors, layout).to(first.device, torch.float64),
+                              batches), layout)
 
     product.method = "gradients" if weights is not None else "matrix"
     product.flat = flat
@@ -266,7 +293,7 @@ def gradient_product(gradients: Tensor, weights: Tensor | None,
 
 
 def fisher_product(loss: LossFn, params: Params, names: list[str],
-                   labelled: list[tuple[Batch, Tensor]]) -> Callable[[Vectors], Vectors]:
+                   labelled: list[tuple[Batch, Tensor]]) -> Callable[..., Vectors]:
     """``v -> H v`` for ``t`` vectors at once, functionally (``H`` and ``G`` never formed).
 
     Args:
@@ -275,24 +302,26 @@ def fisher_product(loss: LossFn, params: Params, names: list[str],
         labelled: ``(batch, weights [b])`` pairs from the sampler.
 
     Returns:
-        ``fn({name: [t, *shape]}) -> {name: [t, *shape]}`` in float64.
+        ``fn({name: [t, *shape]}, batches=None) -> {name: [t, *shape]}`` in float64
+        (``batches``: indices into ``labelled``, the product over those alone).
     """
     selected = {name: params[name] for name in names}
     frozen = {name: value for name, value in params.items() if name not in selected}
     dtype = next(iter(selected.values())).dtype
-    total_weight = float(sum(float(w.sum()) for _, w in labelled))
 
-    def product(vectors: Vectors) -> Vectors:
+    def product(vectors: Vectors, batches: list[int] | None = None) -> Vectors:
         with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
-            return unlocked(vectors)
+            return unlocked(vectors, labelled if batches is None
+                            else [labelled[i] for i in batches])
 
-    def unlocked(vectors: Vectors) -> Vectors:
+    def unlocked(vectors: Vectors, chosen_batches: list[tuple[Batch, Tensor]]) -> Vectors:
         out = {name: torch.zeros_like(value, dtype=torch.float64)
                for name, value in vectors.items()}
         # jvp wants the tangents in the primals' key order, which need not be the vectors'
         # (a selection listed out of module order: GPT-Neo's k, v, q projections)
         tangents = {name: vectors[name].to(dtype) for name in selected}
-        for batch, weights in labelled:
+        total_weight = float(sum(float(w.sum()) for _, w in chosen_batches))
+        for batch, weights in chosen_batches:
             def losses(chosen: Params, batch=batch) -> Tensor:  # [b]
                 return vmap(lambda example: loss({**frozen, **chosen}, example))(batch)
 

@@ -36,12 +36,13 @@ def unflatten(flat: Tensor, layout: Layout) -> dict[str, Tensor]:
     return out
 
 
-def flat_map(fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], layout: Layout
+def flat_map(fn: Callable[..., dict[str, Tensor]], layout: Layout
              ) -> Callable[[Tensor], Tensor]:
     """``fn`` on named vectors ``{name: [b, *shape]}`` as a map of flat rows ``[b, p]``
-    (float64, in layout order): a dict-valued product or preconditioner, given flat rows."""
-    def on_rows(rows: Tensor) -> Tensor:
-        return flatten(fn(unflatten(rows, layout)), layout).double()
+    (float64, in layout order): a dict-valued product or preconditioner, given flat rows
+    (keyword arguments are passed on: a product's ``batches=``)."""
+    def on_rows(rows: Tensor, **options) -> Tensor:
+        return flatten(fn(unflatten(rows, layout), **options), layout).double()
 
     return on_rows
 

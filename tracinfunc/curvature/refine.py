@@ -3,7 +3,7 @@
 A fitted curvature (K-FAC, EK-FAC, dense) is an approximation of the Gauss-Newton (true
 Fisher) matrix ``H_c``; its damped inverse is cheap and close. Refinement solves the damped
 system of the Fisher itself, over a fixed sample of training batches with labels drawn once
-by the same sampler :func:`~tracinfunc.fit_curvature` uses. Two solvers (``solver=``):
+by the same sampler :func:`~tracinfunc.fit_curvature` uses. Three solvers (``solver=``):
 
 - ``"cg"`` (the default): a few steps of conjugate gradient preconditioned by the fitted
   inverse (starting from its answer), each query until its relative residual is at most the
@@ -13,6 +13,12 @@ by the same sampler :func:`~tracinfunc.fit_curvature` uses. Two solvers (``solve
   (:class:`~tracinfunc.curvature.fisher.KeptFisher`); a query costs about two Fisher-vector
   products. The exact answer of a small sample's Fisher can attribute worse than a few steps
   from the fitted curvature (measured: ``docs/curvature.md``), so it is asked for, not chosen.
+- ``"neumann"``: ASTRA-style preconditioned Neumann (Richardson) iterations (Wang et al.,
+  2025), ``x <- x + eta M (g - (H_B + lambda I) x)`` from ``x_0 = M g``, where ``H_B`` is the
+  Fisher of a few of the refinement's batches drawn afresh at every step
+  (``batches_per_step``; all of them: deterministic). Unlike conjugate gradient it stays
+  stable when each step sees a different sample, so each step can cost a fraction of a full
+  product; :func:`neumann_flat`.
 
 Fisher-vector
 products ``H v = (1 / sum w) sum_j w_j g_j (g_j . v)`` never form ``H``: two matrix products
@@ -21,7 +27,7 @@ with the per-example gradients ``G``, computed once per checkpoint and kept whil
 per-example losses per step); :mod:`tracinfunc.curvature.fisher`. One product serves a whole
 batch of queries. With ``fisher="expected"`` the matrix is the sampled Fisher's expectation
 over the labels instead, each product a jvp and a vjp of the logits
-(:mod:`tracinfunc.curvature.expected`; conjugate gradient only).
+(:mod:`tracinfunc.curvature.expected`; no direct solve).
 
 Made by :meth:`Curvature.with_refinement`; applied by :func:`preconditioned_test_grads` (hence
 ``score``, ``top_k``, ``indexed_top_k`` and the CLI, through the marked test gradients).
@@ -40,20 +46,22 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tracinfunc._validate import current_caller
+from tracinfunc._validate import check_int, current_caller
 from tracinfunc.batches import iter_batches
 from tracinfunc.curvature.fisher import FORWARD_AD_LOCK, fisher_product
 from tracinfunc.curvature.flat import flat_map, flatten, unflatten
 from tracinfunc.errors import (
     EmptyDataError,
     IllConditionedError,
+    InvalidArgumentError,
     NonFiniteGradientError,
 )
 from tracinfunc.types import Batch
 
-__all__ = ["FISHERS", "FORWARD_AD_LOCK", "SOLVERS", "Refinement", "check_refinable", "data_digest",
-           "direct_solve", "finite_rows", "fisher_product", "kept_batches",
-           "largest_eigenvalue", "pcg", "pcg_flat", "sampled_largest", "warn_unconverged"]
+__all__ = ["FISHERS", "FORWARD_AD_LOCK", "SOLVERS", "Refinement", "check_neumann",
+           "check_refinable", "data_digest", "direct_solve", "finite_rows", "fisher_product",
+           "kept_batches", "largest_eigenvalue", "neumann_flat", "neumann_step", "pcg",
+           "pcg_flat", "sampled_largest", "warn_unconverged"]
 
 Vectors = dict[str, Tensor]  # {name: [t, *shape]}: t vectors in parameter space
 
@@ -71,7 +79,7 @@ class Refinement:
             is at most this; one still above it after ``steps`` is reported (a
             ``RuntimeWarning``) as not converged.
         digest: SHA-256 of the batches' tensors (part of the curvature's digest).
-        solver: ``"cg"`` or ``"direct"`` (:data:`SOLVERS`).
+        solver: ``"cg"``, ``"direct"`` or ``"neumann"`` (:data:`SOLVERS`).
         fisher: ``"sampled"`` (labels drawn by ``sampler``) or ``"expected"`` (its
             expectation over the labels, exactly: :mod:`tracinfunc.curvature.expected`)
             (:data:`FISHERS`).
@@ -81,6 +89,10 @@ class Refinement:
             of the digest).
         largest: Per checkpoint (the same keys), the sampled Fisher's largest eigenvalue
             (:func:`sampled_largest`), for the condition rule at every damping.
+        step_size: The Neumann solver's ``eta`` (``None``: :func:`neumann_step` at the query,
+            per checkpoint and damping; ``solver="neumann"`` only).
+        batches_per_step: The Neumann solver's batches per product, drawn at every step
+            (``None``: all of them).
     """
 
     steps: int
@@ -93,17 +105,70 @@ class Refinement:
     fisher: str = "sampled"
     gradients: dict = field(default_factory=dict, repr=False, compare=False)
     largest: dict = field(default_factory=dict, repr=False, compare=False)
+    step_size: float | None = None
+    batches_per_step: int | None = None
 
     def describe(self) -> dict[str, Any]:
         """JSON types for the curvature's metadata (no tensors)."""
-        return {"steps": self.steps, "n_batches": len(self.batches), "seed": self.seed,
-                "tolerance": self.tolerance, "data": self.digest, "solver": self.solver,
-                "fisher": self.fisher,
-                "sampler": None if self.sampler is None else repr(self.sampler)}
+        described = {"steps": self.steps, "n_batches": len(self.batches), "seed": self.seed,
+                     "tolerance": self.tolerance, "data": self.digest, "solver": self.solver,
+                     "fisher": self.fisher,
+                     "sampler": None if self.sampler is None else repr(self.sampler)}
+        if self.solver == "neumann":  # only here: other solvers' digests stay as they were
+            described.update(step_size=self.step_size, batches_per_step=self.batches_per_step)
+        return described
+
+    def draws(self, ckpt: int) -> list[list[int] | None]:
+        """The Neumann solver's batches for each product at checkpoint position ``ckpt``: the
+        first (the start's residual) and one per step, ``steps + 1`` lists of sorted batch
+        indices (``None``: all). Drawn from ``seed`` and ``ckpt`` alone, so a query's answer
+        does not depend on the queries solved with it."""
+        n = len(self.batches)
+        if self.batches_per_step is None or self.batches_per_step >= n:
+            return [None] * (self.steps + 1)
+        # its own stream (the label draws use seed + ckpt): the salt keeps the two apart
+        generator = torch.Generator().manual_seed(_DRAW_SALT + self.seed * 1_000_003 + ckpt)
+        return [sorted(torch.randperm(n, generator=generator)[:self.batches_per_step].tolist())
+                for _ in range(self.steps + 1)]
 
 
-SOLVERS = ("cg", "direct")  # Refinement.solver: see the module's docstring
+SOLVERS = ("cg", "direct", "neumann")  # Refinement.solver: see the module's docstring
+_DRAW_SALT = 0x5EED_0A57  # Refinement.draws' generator: apart from the label draws' seeds
 FISHERS = ("sampled", "expected")  # Refinement.fisher: the matrix solved
+
+
+def check_neumann(solver: str, step_size: Any, batches_per_step: Any, n_batches: int
+                  ) -> tuple[float | None, int | None]:
+    """The Neumann solver's ``(step_size, batches_per_step)`` checked (``None``: chosen at the
+    query by :func:`neumann_step`, and every batch); ``(None, None)`` for the other solvers,
+    which refuse either being given."""
+    if solver != "neumann":
+        given = [f"{name}={value!r}" for name, value in (("step_size", step_size),
+                 ("batches_per_step", batches_per_step)) if value is not None]
+        if given:
+            raise InvalidArgumentError(
+                f"{current_caller()}: {' and '.join(given)} belong to solver='neumann' (the "
+                f"Neumann iterations' step and sample), but solver={solver!r}; pass "
+                "solver='neumann' with them, or drop them.")
+        return None, None
+    if step_size is not None and (
+            isinstance(step_size, bool) or not isinstance(step_size, int | float)
+            or not math.isfinite(step_size) or not 0 < step_size <= 2):
+        raise InvalidArgumentError(
+            f"{current_caller()}: step_size must be None (chosen from the preconditioned "
+            "Fisher's largest eigenvalue) or a float in (0, 2] (the Neumann iterations diverge "
+            f"beyond 2 even with an exact preconditioner), got {step_size!r}; e.g. "
+            "step_size=0.5.")
+    if batches_per_step is not None:
+        batches_per_step = check_int(batches_per_step, "batches_per_step", minimum=1,
+                                     fix="e.g. batches_per_step=4, or None for all batches")
+        if batches_per_step > n_batches:
+            raise InvalidArgumentError(
+                f"{current_caller()}: batches_per_step={batches_per_step} is more than the "
+                f"{n_batches} batch(es) of the refinement data; pass at most {n_batches}, or "
+                "None for every batch at every step (smaller batches in data give smaller "
+                "steps).")
+    return (None if step_size is None else float(step_size)), batches_per_step
 
 
 def kept_batches(data: Batch | Iterable[Batch], max_examples: int | None
@@ -226,6 +291,66 @@ def pcg_flat(product: Callable[[Tensor], Tensor], precondition: Callable[[Tensor
     return x, residuals
 
 
+def neumann_flat(product: Callable[..., Tensor], precondition: Callable[[Tensor], Tensor],
+                 damping: float, rhs: Tensor, steps: int, tolerance: float = 0.0, *,
+                 step_size: float = 1.0, draws: list[list[int] | None] | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """Preconditioned Neumann (Richardson) iterations on ``(H + damping I) x = rhs``, ``t``
+    systems at once, ASTRA-style: ``x_{s+1} = x_s + step_size M r_s`` with ``r_s = rhs -
+    (H_s + damping I) x_s``, from ``x_0 = M rhs``.
+
+    ``H_s`` is the Fisher of the batches ``draws[s]`` (``product(x, batches=draws[s])``; ``None``
+    or no ``draws``: all of them, and the iteration is deterministic). With the same batches
+    every step it converges to the solve when ``step_size`` is below ``2 / lambda_max(M (H +
+    damping I))``; with batches drawn afresh it is a stochastic approximation of it, whose
+    expectation is the full product's (the Neumann series' terms are linear in ``H_s``). A
+    system stops once its residual (measured on the step's batches) is at most ``tolerance``.
+
+    Args:
+        product: ``([t, p], batches=) -> H [t, p]`` (``t`` may be any subset's size).
+        precondition: ``[t, p] -> M [t, p]``.
+        rhs: ``[t, p]``.
+        draws: ``steps + 1`` batch choices (:meth:`Refinement.draws`): the start's residual's
+            and each step's.
+
+    Returns:
+        ``(x [t, p] float64, residuals [taken + 1, t])``: the relative residual ``||rhs - (H_s
+        + l I) x_s|| / ||rhs||`` at the start and after each step taken (``0`` for a zero
+        ``rhs``), each measured with that step's batches.
+
+    Raises:
+        NonFiniteGradientError: a product or the solution is NaN or infinite (a step size
+            that diverges ends here or in a residual that grows, reported as not converged).
+    """
+    draws = draws if draws is not None else [None] * (steps + 1)
+    rhs = rhs.double()
+    norm = _norm(rhs)
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+
+    def residual_of(x: Tensor, rows: Tensor, batches: list[int] | None) -> Tensor:
+        part = x[rows]  # only the systems still running
+        return rhs[rows] - _owned(product(part, batches=batches), part).add_(part,
+                                                                             alpha=damping)
+
+    everyone = torch.arange(rhs.shape[0], device=rhs.device)
+    x = _owned(precondition(rhs), rhs)
+    residual = residual_of(x, everyone, draws[0])
+    history = [_norm(residual) / safe]
+    active = history[-1] > tolerance  # NaN: stopped here, refused below
+    for step in range(1, steps + 1):
+        if not bool(active.any()):
+            break
+        rows = active.nonzero().reshape(-1)
+        x.index_add_(0, rows, _owned(precondition(residual[rows]), residual),
+                     alpha=step_size)
+        residual[rows] = residual_of(x, rows, draws[step])
+        history.append(_norm(residual) / safe)
+        active = active & (history[-1] > tolerance)
+    residuals = torch.stack(history)
+    _check_solution(x, residuals, "a Fisher-vector product over the refinement data")
+    return x, residuals
+
+
 def direct_solve(product: Callable[[Tensor], Tensor], damping: float, rhs: Tensor
                  ) -> tuple[Tensor, Tensor]:
     """``(H + damping I)^-1 rhs`` exactly by the kept Fisher of ``product`` (its ``kept``,
@@ -260,11 +385,20 @@ def _check_solution(x: Tensor, residuals: Tensor, source: str) -> None:
 
 
 def warn_unconverged(residuals: Tensor, tolerance: float, checkpoint: str,
-                     direct: bool = False) -> None:
+                     direct: bool = False, neumann: bool = False) -> None:
     """A ``RuntimeWarning`` naming the worst final residual when it is above ``tolerance``
-    (``direct``: of the direct solve, where only rounding leaves one)."""
+    (``direct``: of the direct solve, where only rounding leaves one; ``neumann``: of the
+    Neumann solver, whose residual grows when its step size is too large)."""
     worst = float(residuals[-1].max()) if residuals.numel() else 0.0
-    if worst > tolerance and direct:
+    first = float(residuals[0].max()) if residuals.numel() else 0.0
+    if worst > tolerance and neumann and worst > first:
+        warnings.warn(
+            f"{current_caller()}: the Neumann refinement at checkpoint {checkpoint!r} diverged: "
+            f"its relative residual grew from {first:.3g} to {worst:.3g} in "
+            f"{residuals.shape[0] - 1} steps, so its answers are worse than the fitted "
+            "curvature's; a smaller step_size (with_refinement(step_size=...), on the command "
+            "line --refine-step-size) or solver='cg' converges.", RuntimeWarning, stacklevel=3)
+    elif worst > tolerance and direct:
         warnings.warn(
             f"{current_caller()}: the direct solve at checkpoint {checkpoint!r} left a relative "
             f"residual of {worst:.3g}, above the tolerance {tolerance:g}: the damped system is "
@@ -363,6 +497,34 @@ def sampled_largest(product: Callable[[Tensor], Tensor], p: int, device: Any = N
             return 0.0
         vector = image / size
     return value
+
+
+def neumann_step(product: Callable[..., Tensor], precondition: Callable[[Tensor], Tensor],
+                 damping: float, p: int, device: Any = None, iterations: int = 16) -> float:
+    """The Neumann solver's default step size, ``1 / lambda_max(M (H + damping I))``.
+
+    ``lambda_max`` by power iteration (the full product): ``M (H + l I)`` is similar to the
+    symmetric ``M^1/2 (H + l I) M^1/2``, so its eigenvalues are real and positive, and the
+    estimate (from below) converges to the largest. With ``eta = 1 / lambda_max`` every error
+    component shrinks by ``1 - eta lambda`` in ``[0, 1)``; the iterations converge while the
+    estimate is above half the true value. A preconditioner that underestimates the curvature
+    in some direction (``lambda_max > 2``: the fixed step ``1`` diverges) gets a smaller step.
+    """
+    generator = torch.Generator().manual_seed(0)
+    vector = torch.randn(1, p, dtype=torch.float64, generator=generator).to(device)
+    vector /= vector.norm()
+    size = 1.0
+    for _ in range(iterations):
+        image = precondition(_owned(product(vector), vector).add_(vector, alpha=damping))
+        size = float(image.norm())
+        if not math.isfinite(size) or size == 0:
+            raise NonFiniteGradientError(
+                f"{current_caller()}: the Neumann step size could not be chosen: the "
+                f"preconditioned Fisher-vector product is {'zero' if size == 0 else 'not finite'}"
+                "; check the refinement data and the model at this checkpoint, or pass "
+                "step_size= yourself.")
+        vector = image / size
+    return 1.0 / size
 
 
 def _round_2g(value: float, *, up: bool) -> float:

@@ -35,6 +35,8 @@ from tracinfunc.curvature.refine import (
     check_refinable,
     direct_solve,
     finite_rows,
+    neumann_flat,
+    neumann_step,
     pcg_flat,
     sampled_largest,
     warn_unconverged,
@@ -252,9 +254,11 @@ class RefinedSolve:
             self.product = expected_product(expected_loss(loss), params, list(names),
                                             refinement.batches)
         else:
-            self.product = checkpoint_product(refinement.gradients, key, loss, params,
-                                              list(names), label,
-                                              factor=refinement.solver == "direct")
+            # the Neumann solver's products over some batches need G's rows
+            self.product = checkpoint_product(
+                refinement.gradients, key, loss, params, list(names), label,
+                factor=refinement.solver == "direct",
+                rows=refinement.solver == "neumann" and refinement.batches_per_step is not None)
         kept = self.product.kept
         self.direct = refinement.solver == "direct"
         if self.direct and (kept is None or not kept.solvable):
@@ -274,7 +278,9 @@ class RefinedSolve:
                 self.product.flat, sum(math.prod(params[n].shape) for n in names),
                 params[names[0]].device, iterations=16 if kept is not None else 4)
         self.largest = refinement.largest[key]
-        self.curvature, self.ckpt = curvature, ckpt
+        self.curvature, self.ckpt, self.key = curvature, ckpt, key
+        self.device = params[names[0]].device
+        self.draws = refinement.draws(ckpt) if refinement.solver == "neumann" else None
         # flat rows [b, p] in the product's column order (the selection's), converted once
         self.layout = tuple((name, tuple(params[name].shape)) for name in names)
         self.precondition = flat_map(lambda v: curvature.precondition(ckpt, v), self.layout)
@@ -282,8 +288,21 @@ class RefinedSolve:
 
     @property
     def solver(self) -> str:
-        """The solver used at this checkpoint: ``"direct"`` or ``"cg"``."""
-        return "direct" if self.direct else "cg"
+        """The solver used at this checkpoint: ``"direct"``, ``"cg"`` or ``"neumann"``."""
+        return self.curvature.refinement.solver
+
+    def step_size(self, damping: float) -> float:
+        """The Neumann solver's step: the refinement's, or :func:`neumann_step`'s (once per
+        checkpoint and damping, kept on the refinement)."""
+        refinement = self.curvature.refinement
+        if refinement.step_size is not None:
+            return refinement.step_size
+        key = ("neumann step", self.key, damping)
+        if key not in refinement.largest:
+            refinement.largest[key] = neumann_step(
+                self.product.flat, self.precondition, damping,
+                sum(math.prod(shape) for _, shape in self.layout), self.device)
+        return refinement.largest[key]
 
     def __call__(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         dtype = next(iter(grads.values())).dtype
@@ -298,6 +317,10 @@ class RefinedSolve:
         damping = self.curvature.damping[self.ckpt]
         if self.direct:
             solution, residuals = direct_solve(self.product, damping, rows.double())
+        elif self.draws is not None:
+            solution, residuals = neumann_flat(
+                self.product.flat, self.precondition, damping, rows.double(), refinement.steps,
+                refinement.tolerance, step_size=self.step_size(damping), draws=self.draws)
         else:
             solution, residuals = pcg_flat(self.product.flat, self.precondition, damping,
                                            rows.double(), refinement.steps, refinement.tolerance)
@@ -313,7 +336,8 @@ class RefinedSolve:
         residuals = (torch.cat([torch.cat([r, r[-1:].expand(taken - r.shape[0], -1)])
                                 for r in self.history], dim=1)
                      if self.history else torch.zeros(1, 0))
-        warn_unconverged(residuals, self.curvature.refinement.tolerance, name, self.direct)
+        warn_unconverged(residuals, self.curvature.refinement.tolerance, name, self.direct,
+                         neumann=self.draws is not None)
         return [float(r.max()) if r.numel() else 0.0 for r in residuals]
 
 

@@ -195,7 +195,8 @@ class Curvature:
     def with_refinement(self, data: Batch | Iterable[Batch], *, steps: int = 5,
                         max_examples: int | None = None, sampler: Any = None, seed: int = 0,
                         tolerance: float = 1e-2, solver: str = "cg",
-                        fisher: str = "sampled") -> Curvature:
+                        fisher: str = "sampled", step_size: float | None = None,
+                        batches_per_step: int | None = None) -> Curvature:
         """The same curvature, its queries solved with the sampled Fisher itself.
 
         Each query ``g`` is solved on ``(H_c + lambda_c I) x = g`` with ``H_c`` the Fisher of
@@ -219,6 +220,13 @@ class Curvature:
           Fisher-vector products per query. Refused at the query when the Fisher is not kept.
           The exact answer of a small sample's Fisher can attribute worse than a few steps
           from this curvature (docs/curvature.md measures both).
+        - ``solver="neumann"``: ASTRA-style preconditioned Neumann iterations, ``x <- x +
+          step_size M (g - (H_B + lambda I) x)`` from this curvature's answer ``M g``, with
+          ``H_B`` the Fisher of ``batches_per_step`` of ``data``'s batches drawn afresh at
+          every step (seeded by ``seed`` and the checkpoint: the same draws for every query),
+          or of all of them (``None``: deterministic, converging to the solve). A step costs
+          one product over its batches, so a small ``batches_per_step`` buys many cheap steps;
+          its residuals are measured on the step's batches, sampling noise included.
 
         Applied by :func:`~tracinfunc.preconditioned_test_grads` (so ``score``, ``top_k``,
         ``indexed_top_k`` and the CLI get it through ``curvature=``); the test gradients'
@@ -237,22 +245,30 @@ class Curvature:
                 stops (its answer does not depend on the queries batched with it); one still
                 above it after ``steps`` (or after a direct solve, from rounding) is reported
                 (a ``RuntimeWarning``).
-            solver: ``"cg"`` or ``"direct"`` (above).
+            solver: ``"cg"``, ``"direct"`` or ``"neumann"`` (above).
             fisher: The matrix ``H_c`` solved. ``"sampled"`` (default): the Fisher of the
                 labels ``sampler`` draws (above). ``"expected"``: its expectation over the
                 model's labels, computed exactly (no label noise; for a language model its
                 rank is not limited by the number of sequences), for losses made by
                 :func:`~tracinfunc.loss_from_module` (classifiers) or
                 :func:`~tracinfunc.causal_lm_loss`. Never formed or kept: every
-                conjugate-gradient step is a jvp and a vjp of the logits over every example
-                in ``data``, so it costs more per step than a kept sampled Fisher; only
-                ``solver="cg"``, and no ``sampler`` or ``seed``
-                (:mod:`tracinfunc.curvature.expected`).
+                step is a jvp and a vjp of the logits over every example in ``data`` (or
+                the step's batches, ``solver="neumann"``), so it costs more per step than a
+                kept sampled Fisher; no ``solver="direct"``, no ``sampler``, and ``seed``
+                only for the Neumann solver's draws (:mod:`tracinfunc.curvature.expected`).
+            step_size: The Neumann solver's ``eta``, ``0 < eta <= 2`` (default ``None``:
+                ``1 / lambda_max(M (H + lambda I))``, estimated once per checkpoint and
+                damping; ``solver="neumann"`` only). A residual that grows is reported: take a
+                smaller one.
+            batches_per_step: Batches of ``data`` each Neumann product averages over, drawn
+                at every step (default ``None``: all; ``solver="neumann"`` only).
 
         Raises:
             InvalidArgumentError: ``kind="projected"`` (its space has no Fisher-vector
                 product), ``steps < 1``, a bad tolerance, solver or fisher (``"expected"``
-                with ``solver="direct"`` or a ``sampler``), or no examples in ``data``.
+                with ``solver="direct"`` or a ``sampler``), ``step_size`` or
+                ``batches_per_step`` out of range or given to another solver, or no examples
+                in ``data``.
             IllConditionedError: a zero, tiny or huge damping (:func:`refine.check_refinable`).
         """
         steps = check_int(steps, "steps", minimum=1)
@@ -277,12 +293,13 @@ class Curvature:
                 f"{current_caller()}: fisher must be one of {', '.join(map(repr, refine.FISHERS))}"
                 f", got {fisher!r}; e.g. fisher='expected' (the Fisher's expectation over the "
                 "model's labels, computed exactly).")
-        if fisher == "expected" and solver != "cg":
+        if fisher == "expected" and solver == "direct":
             raise InvalidArgumentError(
                 f"{current_caller()}: fisher='expected' is never formed (each product is a jvp "
-                "and a vjp over the data), so it has no exact solve; use solver='cg' with it, "
-                "or solver='direct' with fisher='sampled' (the Fisher of drawn labels, kept).")
-        if fisher == "expected" and (sampler is not None or seed != 0):
+                "and a vjp over the data), so it has no exact solve; use solver='cg' (or "
+                "'neumann') with it, or solver='direct' with fisher='sampled' (the Fisher of "
+                "drawn labels, kept).")
+        if fisher == "expected" and (sampler is not None or (seed != 0 and solver != "neumann")):
             given = f"sampler={sampler!r}" if sampler is not None else f"seed={seed!r}"
             raise InvalidArgumentError(
                 f"{current_caller()}: fisher='expected' draws no labels (it takes their "
@@ -295,9 +312,11 @@ class Curvature:
                 f"{sampler!r}; e.g. sampler=classification_sampler(exact=True).")
         batches = refine.kept_batches(data, check_int(max_examples, "max_examples",
                                                       optional=True, minimum=1))
+        step_size, batches_per_step = refine.check_neumann(solver, step_size, batches_per_step,
+                                                           len(batches))
         refined = replace(self, refinement=refine.Refinement(
             steps, batches, sampler, seed, float(tolerance), refine.data_digest(batches),
-            solver, fisher))
+            solver, fisher, step_size=step_size, batches_per_step=batches_per_step))
         refined._cache.update({key: value for key, value in self._cache.items()
                                if key != "digest"})  # a str key: its own digest
         refined.check_refinable()

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -418,6 +419,9 @@ def _per_row(criterion: Callable[..., Tensor], outputs: Any, target: Tensor) -> 
     """``criterion`` on every (output row, target row), each with a batch dimension of 1:
     ``[b]``. One vmapped call (a Python call per row cost ~30 us, more than a small model's
     whole batched forward), or row by row where the criterion has no batching rule."""
+    rows = _cross_entropy_rows(criterion, outputs, target)
+    if rows is not None:
+        return rows
     if isinstance(outputs, Tensor) and outputs.shape[:1] == target.shape[:1]:
         try:
             return vmap(lambda row, t: criterion(row.unsqueeze(0), t.unsqueeze(0)))(
@@ -426,6 +430,33 @@ def _per_row(criterion: Callable[..., Tensor], outputs: Any, target: Tensor) -> 
             pass  # e.g. .item() or data-dependent control flow: the loop below says what fails
     return torch.stack([criterion(row, t) for row, t in zip(
         _rows(outputs, target.shape[0]), target.split(1), strict=True)])
+
+
+def _cross_entropy_rows(criterion: Callable[..., Tensor], outputs: Any,
+                        target: Tensor) -> Tensor | None:
+    """``F.cross_entropy(outputs, target, reduction="none")`` ``[b]`` where it equals, bit for
+    bit (values and gradients), the criterion on each row alone with a batch dimension of 1,
+    as ``_per_row``'s vmapped call gives it; else ``None``.
+
+    It does for ``F.cross_entropy`` (or an ``nn.CrossEntropyLoss`` with its defaults) on CPU
+    logits ``[b, C]`` and int64 class targets ``[b]`` none of which is the ignored class (a
+    row alone with an ignored target is a mean over no element: NaN, where ``"none"`` gives
+    0). vmap runs the criterion through its decomposition, several dispatches per operation:
+    most of a small model's forward. On an accelerator the ignored-class check would be a
+    host sync, so the vmapped call stays."""
+    if criterion is F.cross_entropy:
+        ignore_index = -100
+    elif (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
+          and criterion.reduction == "mean" and criterion.label_smoothing == 0.0):
+        ignore_index = criterion.ignore_index
+    else:
+        return None
+    if not isinstance(outputs, Tensor) or outputs.dim() != 2 or not outputs.is_floating_point() \
+            or outputs.device.type != "cpu" or target.dtype != torch.int64 \
+            or target.shape != outputs.shape[:1] or target.device != outputs.device \
+            or not bool((target != ignore_index).all()):
+        return None
+    return F.cross_entropy(outputs, target, reduction="none")
 
 
 def _rows(tree: Any, size: int) -> list[Any]:

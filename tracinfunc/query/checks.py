@@ -75,11 +75,21 @@ def check_test_type(test_grads: object) -> None:
 
 def check_test_tensor(meta: StoreMeta, test: Tensor) -> None:
     check_test_shape(meta, test)
-    if not bool(torch.isfinite(test).all()):
+    if not _all_finite(test):
         raise NonFiniteGradientError(
             f"{current_caller()}: test gradients contain NaN or inf; check the loss on those "
             "examples."
         )
+
+
+def _all_finite(test: Tensor) -> bool:
+    """Whether ``test`` holds no NaN/inf: one pass of ``aminmax`` (NaN propagates to both,
+    an inf is one of them), as ``check_block`` does; ``isfinite(test).all()`` writes a bool
+    mask as large as the rows first (~15x the time on a CPU: a few percent of a score)."""
+    if not test.numel():
+        return True
+    low, high = torch.aminmax(test)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def check_test_shape(meta: StoreMeta, test: Tensor) -> None:

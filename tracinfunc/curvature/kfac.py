@@ -137,23 +137,27 @@ def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tenso
     time (at most ``_ROTATED_BYTES``) and squared in place.
     """
     rotated_inputs: dict[tuple, tuple[Tensor, Tensor]] = {}  # input key -> (Q_A, x Q_A)
+    readers_left = _shared_inputs(io, layers)  # an input's x Q_A is dropped after its last
     for layer, (x, delta) in zip(layers, io, strict=True):
         q_s = bases[f"{layer.weight}:QS"].to(x.device)
         root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
-        dq = (delta.double() @ q_s) * root  # [b, T, d_out]
-        key = f"{layer.weight}:eigen"
+        dq = torch.matmul(delta.double(), q_s).mul_(root)  # [b, T, d_out]
+        key, same = f"{layer.weight}:eigen", _input_key(x, layer)
+        readers_left[same] -= 1
         if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
             index = x[..., None].expand(dq.shape)  # [b, T, d_out]
             rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
                                   device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
             _add_into(sums, key, rotated.square_().sum(0))
             continue
-        q_a, same = bases[f"{layer.weight}:QA"].to(x.device), _input_key(x, layer)
+        q_a = bases[f"{layer.weight}:QA"].to(x.device)
         if same in rotated_inputs and torch.equal(rotated_inputs[same][0], q_a):
             xq = rotated_inputs[same][1]  # q, k, v: one input, one eigenbasis
         else:
             xq = augmented(x, layer) @ q_a  # [b, T, d_a]
             rotated_inputs[same] = (q_a, xq)
+        if not readers_left[same]:
+            del rotated_inputs[same]  # [b, T, d_a] float64: no later layer reads this input
         if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
             _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
             continue

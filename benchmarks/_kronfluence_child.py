@@ -1,16 +1,17 @@
 """kronfluence's EK-FAC influence for quality_lm.py, in kronfluence's own environment.
 
-Run by ``quality_lm.py`` with ``.venv-kronfluence/bin/python`` (``make bench-setup``);
-imports neither tracinfunc nor the benchmark. Reads the payload the parent saved (the Llama
-config, the weights of every checkpoint, the train and test batches), rebuilds the same model
-at each checkpoint, fits kronfluence's EK-FAC factors there on the training sequences (true
-Fisher: next tokens sampled from the model) and computes pairwise scores ``[n_test, n_train]``
-of the test sequences' loss for each ``damping_factor`` asked (named absolute values, and
-``scales``: multiples of that checkpoint's mean EK-FAC eigenvalue, tracinfunc's sweep). The
-loss is the benchmark's: each sequence's mean next-token cross-entropy over its non-padding
-targets (summed over a batch, as kronfluence wants). Saves ``[{damping name: scores}]`` (one
-per checkpoint) with torch.save and prints ``RESULT {json}``. With ``fit_only`` in the payload
-(``curvature_fit.py``) only the factors are fitted (wall and CPU time, peak RSS).
+Run by ``quality_lm.py`` with ``.venv-kronfluence/bin/python`` (``make bench-setup``); imports
+neither tracinfunc nor the benchmark (only its ``_common`` helpers). Reads the payload the
+parent saved (the Llama config, the weights of every checkpoint, the train and test batches),
+rebuilds the same model at each checkpoint, fits kronfluence's EK-FAC factors there on the
+training sequences (true Fisher: next tokens sampled from the model) and computes pairwise
+scores ``[n_test, n_train]`` of the test sequences' loss for each ``damping_factor`` asked
+(named absolute values, and ``scales``: multiples of that checkpoint's mean EK-FAC eigenvalue,
+tracinfunc's sweep). The loss is the benchmark's: each sequence's mean next-token cross-entropy
+over its non-padding targets (summed over a batch, as kronfluence wants). Saves ``[{damping
+name: scores}]`` (one per checkpoint) with torch.save and prints ``RESULT {json}``. With
+``fit_only`` in the payload (``curvature_fit.py``) only the factors are fitted (wall and CPU
+time, peak RSS).
 
     python _kronfluence_child.py PAYLOAD.pt OUT.pt WORKDIR
 """
@@ -26,6 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 import transformers
+from _common import peak_rss_mb
 from kronfluence.analyzer import Analyzer, prepare_model
 from kronfluence.arguments import FactorArguments, ScoreArguments
 from kronfluence.task import Task
@@ -181,11 +183,9 @@ def main() -> None:
         per_ckpt.append(scores)
     scores = per_ckpt
     torch.save(scores, out_path)
-    import resource
-
     import kronfluence
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    peak = peak_rss_mb()  # this process's own (not its parent's RSS at fork)
     print("RESULT " + json.dumps({"version": kronfluence.__version__, "fit_s": sum(fit_s),
                                   "fit_cpu_s": sum(fit_cpu_s), "peak_rss_mib": peak,
                                   "rss_before_fit_mib": before, "rss_with_model_mib": with_model,

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from _common import peak_rss_mb
 
 import tracinfunc as tif
 from tracinfunc.curvature import fit_curvature
@@ -80,7 +81,7 @@ def main() -> None:
     wall, cpu = time.perf_counter(), time.process_time()
     run_scenario(payload, loss, ckpts, data, options)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    peak = peak_rss_mb()  # this process's own (not its parent's RSS at fork)
     print("RESULT " + json.dumps({"version": tif.__version__, "fit_s": wall, "fit_cpu_s": cpu,
                                   "peak_rss_mib": peak, "rss_before_fit_mib": before,
                                   "rss_with_model_mib": with_model}),

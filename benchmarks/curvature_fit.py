@@ -4,9 +4,11 @@ Each side fits EK-FAC at every checkpoint in a process of its own, on one thread
 covariance pass (``A = E[x x^T]``, ``S = E[delta delta^T]``, labels drawn from the model: the
 true Fisher), the eigendecompositions, one eigenvalue-correction pass. kronfluence 1.0.1 runs
 in its own environment (``$KRONFLUENCE_PYTHON`` or ``.venv-kronfluence``, ``make bench-setup``;
-``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py``.
+``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py`` (with
+``$TRACINFUNC_PYTHON``, e.g. an environment of ``tracinfunc[hf]`` alone, or this interpreter).
 Trials alternate the two (interleaved, so load hits both alike); the table gives medians of the
-fit's wall and process CPU seconds, the peak RSS of each process, its RSS after the imports
+fit's wall and process CPU seconds, the peak RSS of each process (its own ``VmHWM``: a child's
+``ru_maxrss`` also holds this parent's RSS at fork), its RSS after the imports
 and the data (before the model is built), and the ratios ours / kronfluence's.
 
 Models: an MLP on sklearn digits (64-256-256-10, every Linear weight and bias) and the
@@ -44,6 +46,14 @@ BATCH = 32
 
 def kronfluence_python() -> str:
     return os.environ.get("KRONFLUENCE_PYTHON", str(ROOT / ".venv-kronfluence" / "bin" / "python"))
+
+
+def tracinfunc_python() -> str:
+    """The interpreter of tracinfunc's children: ``$TRACINFUNC_PYTHON`` or this one. The dev
+    environment holds scipy, boto3 and PIL, which ``from transformers import LlamaForCausalLM``
+    imports where installed (~47 MiB of RSS kronfluence's environment lacks); an environment of
+    ``tracinfunc[hf]`` alone compares the libraries, not the environments."""
+    return os.environ.get("TRACINFUNC_PYTHON", sys.executable)
 
 
 def checkpoints(model: nn.Module) -> list[dict[str, torch.Tensor]]:
@@ -141,7 +151,7 @@ def run_child(who: str, payload: Path, tmp: Path) -> dict:
         command = [kronfluence_python(), str(HERE / "_kronfluence_child.py"), str(payload),
                    str(tmp / "scores.pt"), str(tmp / "work")]
     else:
-        command = [sys.executable, str(HERE / "_tracinfunc_fit_child.py"), str(payload)]
+        command = [tracinfunc_python(), str(HERE / "_tracinfunc_fit_child.py"), str(payload)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
@@ -177,7 +187,7 @@ def measure(name: str, sizes: tuple, tmp: Path) -> dict:
 def print_table(results: list[dict]) -> None:
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"1 thread per process, medians of interleaved trials; load "
-          f"{os.getloadavg()[0]:.1f}")
+          f"{os.getloadavg()[0]:.1f}; tracinfunc's interpreter {tracinfunc_python()}")
     print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS ratio | "
           "RSS after imports + data | peak minus that | RSS with the model | fit's own: "
           "peak minus that | ratio |")

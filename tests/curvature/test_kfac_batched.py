@@ -5,6 +5,7 @@ proved again, on all its examples; a loss that draws random numbers is refused (
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -153,3 +154,35 @@ def test_a_loss_that_draws_random_numbers_is_refused():
     model = nn.Sequential(nn.Linear(6, 5), Dropped(), nn.Linear(5, 3)).double()
     with pytest.raises(LossFunctionError, match="draws random numbers"):
         _fit_batches(model, [8])
+
+
+def test_the_proof_on_slices_of_a_batch_finds_what_the_whole_batch_proof_finds(monkeypatch):
+    # One example a slice: each slice's per-example capture is compared with its rows of
+    # the batched capture, and the maxima over the slices are the batch's (same warning,
+    # same fallback, same factors).
+    import tracinfunc.curvature.capture_batched as capture_batched
+
+    model = _Mixing(4, 4).double()
+    whole = _fit_batches(model, [8, 8, 3])
+    calls = []
+    original = fit_module.layer_io
+
+    def counting(*args):
+        io = original(*args)
+        return lambda batch: calls.append(batch[0].shape[0]) or io(batch)
+
+    monkeypatch.setattr(capture_batched, "_PROOF_BYTES", 1)
+    monkeypatch.setattr(fit_module, "layer_io", counting)
+    sliced = _fit_batches(model, [8, 8, 3])
+    assert sliced[1] == whole[1] and len(sliced[1]) == 1, sliced[1]
+    assert calls[:24] == [1] * 24  # the proof: 24 rows one by one; then the fallback's batches
+    for got_c, want_c in zip(sliced[0].estimates, whole[0].estimates, strict=True):
+        for key, value in want_c.items():
+            torch.testing.assert_close(got_c[key], value, rtol=0, atol=0)
+
+
+def test_slice_gaps_keep_a_nan_as_one_maximum_over_the_batch_does():
+    from tracinfunc.curvature.capture_batched import _larger
+
+    assert math.isnan(_larger(math.nan, 1.0)) and math.isnan(_larger(1.0, math.nan))
+    assert _larger(2.0, 1.0) == 2.0

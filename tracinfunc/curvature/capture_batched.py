@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 from torch.func import vmap
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader
@@ -160,14 +160,13 @@ def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:
     except Exception as error:  # a model may refuse a real batch in many ways
         return f"one batched forward failed ({error})", []
     try:
-        want = [list(pair) for pair in vmapped(batch)]
+        gap = _worst(_slice_gaps(together, vmapped, batch))
     except Exception as error:  # the fallback fails too: say why, if the library knows
         _refuse_random(batched, batch, together)
         clearer = explain_loss_error(error)
         if clearer is None:
             raise
         raise clearer from error
-    gap = _worst_gap(together, want)
     if gap is None:
         return None, together
     _refuse_random(batched, batch, together)
@@ -176,6 +175,45 @@ def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:
             f"the examples' own on a batch of {tree_leaves(batch)[0].shape[0]} (largest "
             f"difference {diff:.3g} where the examples' own values reach {scale:.3g}: "
             "examples interact)"), []
+
+
+def _slice_gaps(together: list, vmapped: IO, batch: Batch) -> list[tuple[float, float, bool]]:
+    """Per layer and side, ``(largest difference, largest value, float64)`` between the
+    batched capture ``together`` and the per-example ``vmapped`` capture of ``batch``.
+
+    The per-example capture runs on slices of the batch (each at most ``_PROOF_BYTES`` of
+    captured values; one slice where the batch's capture is that small): both maxima over
+    the slices are those over the batch, and its whole capture, with every layer's
+    per-example forward and backward at once, is never held beside ``together``."""
+    size = tree_leaves(batch)[0].shape[0]
+    held = sum(value.nbytes for pair in together for value in pair)
+    step = max(1, _PROOF_BYTES * size // max(held, 1))
+    gaps: list[tuple[float, float, bool]] = []
+    for start in range(0, size, step):
+        want = vmapped(_rows(batch, start, start + step))
+        part = [(*_gap(have[start:start + step], expected), expected.dtype == torch.float64)
+                for got_pair, want_pair in zip(together, want, strict=True)
+                for have, expected in zip(got_pair, want_pair, strict=True)]
+        del want
+        gaps = part if not gaps else [(_larger(a, c), _larger(b, d), wide)
+                                      for (a, b, _), (c, d, wide) in zip(gaps, part, strict=True)]
+    return gaps
+
+
+def _larger(a: float, b: float) -> float:
+    """``max`` that keeps a NaN, as one ``Tensor.max`` over the whole batch does."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+# The proof's per-example capture runs on slices of a batch holding about this many bytes of
+# captured layer inputs and output gradients (its forward and backward hold a few times that).
+_PROOF_BYTES = 4 * 2**20
+
+
+def _rows(batch: Batch, start: int, stop: int) -> Batch:
+    """Examples ``start:stop`` of a batch (every tensor leaf is batch-first, as vmap reads
+    it)."""
+    return tree_map(lambda leaf: leaf[start:stop] if isinstance(leaf, Tensor) else leaf, batch)
 
 
 def _refuse_random(batched: IO, batch: Batch, together: list) -> None:
@@ -196,16 +234,22 @@ def _refuse_random(batched: IO, batch: Batch, together: list) -> None:
 
 def _worst_gap(got: list, want: list) -> tuple[float, float] | None:
     """``None`` where every ``got[layer][side]`` equals ``want[layer][side]`` within the
+    tolerance of :func:`_worst`, else the worst ``(largest difference, largest value)``."""
+    return _worst([(*_gap(have, expected), expected.dtype == torch.float64)
+                   for got_pair, want_pair in zip(got, want, strict=True)
+                   for have, expected in zip(got_pair, want_pair, strict=True)])
+
+
+def _worst(gaps: list[tuple[float, float, bool]]) -> tuple[float, float] | None:
+    """``None`` where every ``(largest difference, largest value, float64)`` is within the
     tolerance (largest absolute difference at most 1e-6 of the largest absolute value in
     float64, 1e-3 otherwise, as the factorised projection's batched path), else the worst
     ``(largest difference, largest value)``."""
     worst, ratio = None, 0.0
-    for got_pair, want_pair in zip(got, want, strict=True):
-        for have, expected in zip(got_pair, want_pair, strict=True):
-            diff, scale = _gap(have, expected)
-            allowed = 1e-6 if expected.dtype == torch.float64 else 1e-3
-            if diff > allowed * scale and (scale == 0 or diff / scale > ratio):
-                worst, ratio = (diff, scale), (math.inf if scale == 0 else diff / scale)
+    for diff, scale, wide in gaps:
+        allowed = 1e-6 if wide else 1e-3
+        if diff > allowed * scale and (scale == 0 or diff / scale > ratio):
+            worst, ratio = (diff, scale), (math.inf if scale == 0 else diff / scale)
     return worst
 
 

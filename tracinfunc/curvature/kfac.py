@@ -54,26 +54,41 @@ def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
     shared = _shared_inputs(io, layers)
     done: dict[tuple, Tensor] = {}  # an input's A term, for layers reading the same input
     for layer, (x, delta) in zip(layers, io, strict=True):
-        d = delta.double()
-        w = weights.to(d.device, torch.float64)[:, None, None]
-        key, same = f"{layer.weight}:A", _input_key(x, layer)
-        if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
-            share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
-            _add_into(sums, key, torch.zeros(layer.d_in, dtype=torch.float64,
-                                             device=d.device).index_add_(
-                0, x.reshape(-1), share.reshape(-1)))  # [d_in]
-        elif same in done:  # q, k and v of one attention read one input: its A term once
-            _add_into(sums, key, done[same])
+        w = weights.to(delta.device, torch.float64)[:, None, None]  # [b, 1, 1]
+        # One side at a time, each in a function of its own: a layer's float64 copies are
+        # freed before the next are made (a [b T, d] input's two, then a delta's two).
+        _add_input_factor(sums, layer, x, w, shared, done)
+        _add_output_factor(sums, layer, delta, w)
+
+
+def _add_input_factor(sums: dict[str, Tensor], layer: KfacLayer, x: Tensor, w: Tensor,
+                      shared: Counter, done: dict[tuple, Tensor]) -> None:
+    """Add a layer's weighted ``A`` sum ``[d_a, d_a]`` (``[d_in]`` for an embedding) into
+    ``sums``; an input that several layers read is multiplied once (kept in ``done``)."""
+    key, same = f"{layer.weight}:A", _input_key(x, layer)
+    if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
+        share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
+        _add_into(sums, key, torch.zeros(layer.d_in, dtype=torch.float64,
+                                         device=w.device).index_add_(
+            0, x.reshape(-1), share.reshape(-1)))  # [d_in]
+    elif same in done:  # q, k and v of one attention read one input: its A term once
+        _add_into(sums, key, done[same])
+    else:
+        xa = augmented(x, layer)
+        left = (xa * (w / xa.shape[1])).reshape(-1, layer.d_a)  # [b T, d_a]
+        if shared[same] > 1:
+            done[same] = left.T @ xa.reshape(-1, layer.d_a)  # [d_a, d_a]
+            _add_into(sums, key, done[same].clone())
         else:
-            xa = augmented(x, layer)
-            left = (xa * (w / xa.shape[1])).reshape(-1, layer.d_a)  # [b T, d_a]
-            if shared[same] > 1:
-                done[same] = left.T @ xa.reshape(-1, layer.d_a)  # [d_a, d_a]
-                _add_into(sums, key, done[same].clone())
-            else:
-                _addmm_into(sums, key, left, xa.reshape(-1, layer.d_a))  # [d_a, d_a]
-        _addmm_into(sums, f"{layer.weight}:S", (d * w).reshape(-1, layer.d_out),
-                    d.reshape(-1, layer.d_out))  # [d_out, d_out]
+            _addmm_into(sums, key, left, xa.reshape(-1, layer.d_a))  # [d_a, d_a]
+
+
+def _add_output_factor(sums: dict[str, Tensor], layer: KfacLayer, delta: Tensor,
+                       w: Tensor) -> None:
+    """Add a layer's weighted ``S`` sum ``[d_out, d_out]`` into ``sums``."""
+    d = delta.double()
+    _addmm_into(sums, f"{layer.weight}:S", (d * w).reshape(-1, layer.d_out),
+                d.reshape(-1, layer.d_out))  # [d_out, d_out]
 
 
 def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
@@ -137,31 +152,46 @@ def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tenso
     time (at most ``_ROTATED_BYTES``) and squared in place.
     """
     rotated_inputs: dict[tuple, tuple[Tensor, Tensor]] = {}  # input key -> (Q_A, x Q_A)
+    readers_left = _shared_inputs(io, layers)  # an input's x Q_A is dropped after its last
     for layer, (x, delta) in zip(layers, io, strict=True):
-        q_s = bases[f"{layer.weight}:QS"].to(x.device)
-        root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
-        dq = (delta.double() @ q_s) * root  # [b, T, d_out]
-        key = f"{layer.weight}:eigen"
-        if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
-            index = x[..., None].expand(dq.shape)  # [b, T, d_out]
-            rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
-                                  device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
-            _add_into(sums, key, rotated.square_().sum(0))
-            continue
-        q_a, same = bases[f"{layer.weight}:QA"].to(x.device), _input_key(x, layer)
-        if same in rotated_inputs and torch.equal(rotated_inputs[same][0], q_a):
-            xq = rotated_inputs[same][1]  # q, k, v: one input, one eigenbasis
-        else:
-            xq = augmented(x, layer) @ q_a  # [b, T, d_a]
-            rotated_inputs[same] = (q_a, xq)
-        if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
-            _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
-            continue
-        step = max(1, _ROTATED_BYTES // (8 * layer.d_out * layer.d_a))
-        for start in range(0, dq.shape[0], step):
-            rotated = torch.bmm(dq[start:start + step].transpose(1, 2),
-                                xq[start:start + step])  # [b', d_out, d_a]
-            _add_into(sums, key, rotated.square_().sum(0))
+        same = _input_key(x, layer)
+        readers_left[same] -= 1
+        # A function of its own: the layer's float64 rotations are freed before the next's.
+        _add_layer_eigenvalues(sums, layer, x, delta, weights, bases, rotated_inputs)
+        if not readers_left[same]:
+            rotated_inputs.pop(same, None)  # [b, T, d_a] float64 no later layer reads
+
+
+def _add_layer_eigenvalues(sums: dict[str, Tensor], layer: KfacLayer, x: Tensor, delta: Tensor,
+                           weights: Tensor, bases: dict[str, Tensor],
+                           rotated_inputs: dict[tuple, tuple[Tensor, Tensor]]) -> None:
+    """Add one layer's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` into ``sums``; ``x Q_A``
+    is shared through ``rotated_inputs`` with the layers reading the same input."""
+    q_s = bases[f"{layer.weight}:QS"].to(x.device)
+    root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
+    dq = torch.matmul(delta.double(), q_s).mul_(root)  # [b, T, d_out]
+    key, same = f"{layer.weight}:eigen", _input_key(x, layer)
+    if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
+        index = x[..., None].expand(dq.shape)  # [b, T, d_out]
+        rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
+                              device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
+        _add_into(sums, key, rotated.square_().sum(0))
+        return
+    q_a = bases[f"{layer.weight}:QA"].to(x.device)
+    if same in rotated_inputs and torch.equal(rotated_inputs[same][0], q_a):
+        xq = rotated_inputs[same][1]  # q, k, v: one input, one eigenbasis
+    else:
+        xq = augmented(x, layer) @ q_a  # [b, T, d_a]
+        rotated_inputs[same] = (q_a, xq)
+    if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
+        _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
+        return
+    step = max(1, _ROTATED_BYTES // (8 * layer.d_out * layer.d_a))
+    for start in range(0, dq.shape[0], step):
+        rotated = torch.bmm(dq[start:start + step].transpose(1, 2),
+                            xq[start:start + step])  # [b', d_out, d_a]
+        _add_into(sums, key, rotated.square_().sum(0))
+        del rotated  # before the next slice's
 
 
 # The rotated per-example gradients of one layer are formed this many bytes at a time.

@@ -130,6 +130,23 @@ def test_cli_bad_neumann_values_name_the_flag(tmp_path, extra, flag):
     assert flag in proc.stderr, proc.stderr
 
 
+# ---- FINDING: huge seeds pass with_refinement and fail at the query with a bare ValueError ----
+
+@pytest.mark.parametrize("kw,seed", [(dict(batches_per_step=2), 2**63 - 1), (dict(batches_per_step=2), 2**64),
+                                     ({}, 2**64), ({}, 2**70)])
+def test_huge_seed_refused_by_with_refinement_or_used(cur, kw, seed):
+    """FINDING: with_refinement accepts seed=2**64 (and, with batches_per_step, 2**63 - 1),
+    then preconditioned_test_grads raises a bare ValueError "Overflow when unpacking long
+    long" (not a TracInFuncError, no function, no fix). Expected: refused up front by
+    with_refinement naming the range (InvalidArgumentError), or the queries made."""
+    try:
+        refined = cur.with_refinement(data(), solver="neumann", steps=2, seed=seed, **kw)
+    except InvalidArgumentError as err:
+        assert "seed" in str(err)
+        return
+    assert rows(query(refined), 5).isfinite().all()
+
+
 # ---- HELD (regression guards) ----
 
 @pytest.mark.parametrize("eta", [float("nan"), float("inf"), -0.5, 0.0, 2.5, 1e30, True, "0.5", torch.tensor(0.5)])

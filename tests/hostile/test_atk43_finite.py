@@ -57,6 +57,44 @@ def test_non_finite_error_names_the_test_example_and_checkpoint(store, tests):
     assert "3" in str(err.value) and ("1" in str(err.value) or "'b'" in str(err.value)), str(err.value)
 
 
+def test_cosine_of_a_denormal_test_row_is_finite(store, tests):
+    """FINDING: a finite test row scaled into float32 denormals (x 1e-44) scored with
+    normalize=True gives NaN cosines, silently (score returns them). Expected: the cosines of
+    its direction (as for x 1e-30, which held), or a refusal naming the test row; never NaN."""
+    tiny = tests.clone()
+    tiny[:, 0] = tests[:, 0] * 1e-44
+    try:
+        got = tif.score(store, tiny, normalize=True)
+    except NonFiniteGradientError as err:
+        assert "test" in str(err)
+        return
+    assert torch.isfinite(got).all(), got[0, :4]
+
+
+def test_top_k_denormal_test_row_not_blamed_on_the_store(store, tests):
+    """FINDING: top_k(normalize=True) with that denormal test row refuses with "the store
+    holds inf or NaN rows (... float16) Rebuild it with dtype=torch.float32": the store is
+    finite float32; the cause is the test row. Expected: the direction's top-k, or an error
+    naming the test gradients."""
+    tiny = tests.clone()
+    tiny[:, 0] = tests[:, 0] * 1e-44
+    try:
+        values, _ = tif.top_k(store, tiny, 3, normalize=True)
+    except NonFiniteGradientError as err:
+        assert "store holds" not in str(err), str(err)
+        return
+    assert torch.isfinite(values).all()
+
+
+def test_held_cosine_of_a_1e_30_scaled_row(store, tests):
+    """HELD: x 1e-30 and x 1e20 rows give their direction's cosines."""
+    want = tif.score(store, tests, normalize=True)
+    for scale in (1e-30, 1e20):
+        scaled = tests.clone()
+        scaled[:, 0] = tests[:, 0] * scale
+        assert torch.allclose(tif.score(store, scaled, normalize=True)[0], want[0], atol=1e-5)
+
+
 # ---- HELD (regression guards) ----
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -198,7 +198,7 @@ class ModuleLoss:
     def _loss(self, params: Params, example: Example) -> Tensor:
         outputs, batched = self.outputs(params, example)
         if self.pair:
-            return self.criterion(outputs, batched[1])
+            return self.criterion(outputs, _class_targets(self.criterion, batched[1]))
         if self.criterion is not None:
             return self.criterion(outputs, batched)
         return _own_loss(outputs)
@@ -237,7 +237,7 @@ class ModuleLoss:
         if self.pair:
             inputs, target = batch
             outputs = swapped_call(self.module, state, (inputs,))
-            return _per_row(self.criterion, outputs, target)
+            return _per_row(self.criterion, outputs, _class_targets(self.criterion, target))
         args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
         outputs = swapped_call(self.module, state, args, kwargs)
         size = tree_leaves(batch)[0].shape[0]
@@ -430,6 +430,17 @@ def _per_row(criterion: Callable[..., Tensor], outputs: Any, target: Tensor) -> 
             pass  # e.g. .item() or data-dependent control flow: the loop below says what fails
     return torch.stack([criterion(row, t) for row, t in zip(
         _rows(outputs, target.shape[0]), target.split(1), strict=True)])
+
+
+def _class_targets(criterion: Callable[..., Tensor], target: Any) -> Any:
+    """``target`` as int64 where it is uint8 class indices of a cross-entropy or NLL criterion:
+    torch takes those ("Long or Byte") one example at a time, but under vmap the criterion's
+    ``gather`` refuses a uint8 index. Anything else is returned as it is."""
+    if isinstance(target, Tensor) and target.dtype == torch.uint8 and (
+            criterion in (F.cross_entropy, F.nll_loss)
+            or isinstance(criterion, nn.CrossEntropyLoss | nn.NLLLoss)):
+        return target.long()
+    return target
 
 
 def _cross_entropy_rows(criterion: Callable[..., Tensor], outputs: Any,

@@ -78,12 +78,13 @@ def test_the_chosen_step_converges_where_step_one_diverges(setup):
     assert 0 < chosen.refinement.largest[key] < 1  # below 1: the fixed step's divergence
 
 
-def test_product_over_some_batches_is_their_fisher(setup):
-    """``batches=`` gives ``sum_{j in them} w_j g_j g_j^T / sum w_j`` (kept G; functional)."""
+def test_product_over_some_batches_is_the_unbiased_estimate(setup):
+    """``batches=B`` gives ``(n / |B|) sum_{j in B} w_j g_j g_j^T / sum_all w_j`` (kept G;
+    functional), on batches of unequal size: its mean over the draws is ``H``."""
     _, loss, ckpts, train, _, _ = setup
     params = dict(ckpts[0].params)
     names = sorted(params)
-    batches = _split(train, 5)
+    batches = [(train[0][a:b], train[1][a:b]) for a, b in ((0, 3), (3, 10), (10, 11), (11, 20))]
     generator = torch.Generator().manual_seed(0)
     labelled = [EXACT(loss, params, batch, generator) for batch in batches]
     g, w = fisher.sampled_gradients(loss, params, names, labelled)
@@ -94,11 +95,15 @@ def test_product_over_some_batches_is_their_fisher(setup):
     rows = torch.randn(3, g.shape[1], dtype=torch.float64, generator=generator)
     for chosen in ([1], [0, 3], [0, 1, 2, 3]):
         picked = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chosen])
-        matrix = (g[picked].T * (w[picked] / w[picked].sum())) @ g[picked]
+        matrix = (g[picked].T * (w[picked] / w.sum())) @ g[picked] * (4 / len(chosen))
         torch.testing.assert_close(kept.flat(rows, chosen), rows @ matrix, rtol=1e-10,
                                    atol=1e-12)
         torch.testing.assert_close(functional.flat(rows, batches=chosen), rows @ matrix,
                                    rtol=1e-9, atol=1e-11)
+    full = (g.T * (w / w.sum())) @ g
+    for product in (kept.flat, functional.flat):  # one batch drawn uniformly: mean is H
+        mean = sum(product(rows, batches=[i]) for i in range(4)) / 4
+        torch.testing.assert_close(mean, rows @ full, rtol=1e-9, atol=1e-11)
     with pytest.raises(InvalidArgumentError, match="needs the kept per-example gradients"):
         fisher.gradient_product(g.T @ g, None, shapes).flat(rows, [0])
 
@@ -259,7 +264,7 @@ def test_cli_neumann_matches_the_api(tmp_path, capsys):
 
 
 
-def test_expected_product_over_some_batches_is_their_expected_fisher(lm):  # noqa: F811
+def test_expected_product_over_some_batches_is_the_unbiased_estimate(lm):  # noqa: F811
     from tracinfunc.curvature.expected import expected_product
 
     model, loss, params, batch = lm
@@ -268,8 +273,10 @@ def test_expected_product_over_some_batches_is_their_expected_fisher(lm):  # noq
     product = expected_product(loss, params, names, split)
     rows = torch.randn(2, sum(params[n].numel() for n in names), dtype=torch.float64,
                        generator=torch.Generator().manual_seed(2))
+    # batches of 2 and 3 inputs: batch b's estimate is 2 x (its inputs' sum) / 5
     for chosen, part in (([0], split[0]), ([1], split[1])):
-        matrix = explicit_lm_fisher(model, params, part, names)
+        size = part["input_ids"].shape[0]
+        matrix = explicit_lm_fisher(model, params, part, names) * (2 * size / 5)
         torch.testing.assert_close(product.flat(rows, batches=chosen), rows @ matrix,
                                    rtol=1e-10, atol=1e-12)
 

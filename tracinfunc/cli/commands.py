@@ -18,6 +18,8 @@ after the command.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -226,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --refine-steps: 'cg' (default), 'direct' (the exact solve "
                             "of that Fisher, held in memory; N is then unused) or 'neumann' "
                             "(ASTRA-style preconditioned Neumann iterations)")
-    score.add_argument("--refine-step-size", type=float, default=None, metavar="ETA",
+    score.add_argument("--refine-step-size", type=_step_size, default=None, metavar="ETA",
                        help="with --refine-solver neumann: its step size in (0, 2] (default: "
                             "chosen from the preconditioned Fisher's largest eigenvalue)")
     score.add_argument("--refine-batches-per-step", type=_positive_int, default=None,
@@ -267,6 +269,19 @@ def _parser() -> argparse.ArgumentParser:
     add_select_command(commands, common, _positive_int)
     add_attribution_commands(commands, common, _positive_int)
     return parser
+
+
+def _step_size(text: str) -> float:
+    """``--refine-step-size``: a finite float in ``(0, 2]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0 < value <= 2:
+        raise argparse.ArgumentTypeError(
+            f"expected a step size in (0, 2] (the Neumann iterations diverge beyond 2), got "
+            f"{text!r}; e.g. 0.5, or leave the option out to have it chosen.")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -570,12 +585,22 @@ def _refined(args: argparse.Namespace, curvature: Curvature | None) -> Curvature
         raise SpecError("score: --refine-steps needs --curvature PATH and --spec (with --test "
                         "NAME): the queries are refined on the spec's training data, so "
                         "precomputed --test-store gradients cannot be.")
-    return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
-                                     max_examples=args.refine_examples,
-                                     solver=args.refine_solver or "cg",
-                                     fisher=args.refine_fisher or "sampled",
-                                     step_size=args.refine_step_size,
-                                     batches_per_step=args.refine_batches_per_step)
+    try:
+        return curvature.with_refinement(load_spec(args.spec).train, steps=args.refine_steps,
+                                         max_examples=args.refine_examples,
+                                         solver=args.refine_solver or "cg",
+                                         fisher=args.refine_fisher or "sampled",
+                                         step_size=args.refine_step_size,
+                                         batches_per_step=args.refine_batches_per_step)
+    except InvalidArgumentError as error:
+        if args.refine_batches_per_step is None or "batches_per_step=" not in str(error):
+            raise
+        count = re.search(r"the (\d+) batch", str(error))
+        raise InvalidArgumentError(  # the flag typed, not the keyword
+            f"score: --refine-batches-per-step {args.refine_batches_per_step} is more than the "
+            f"{count.group(1) if count else ''} batches of the spec's training data (what "
+            "each step draws from); pass fewer, or leave the option out for every batch at "
+            "every step.") from error
 
 
 def _test_gradients(args: argparse.Namespace, store: GradientStore,

@@ -86,8 +86,9 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
 
     Returns:
         ``fn({name: [t, *shape]}, batches=None) -> {name: [t, *shape]}`` in float64 (``batches``:
-        indices into ``batches``, the Fisher of those alone), with ``method`` = ``"expected"``,
-        ``kept = None`` and ``flat`` (the same map on flat rows ``[t, p]``).
+        indices into ``batches``, the unbiased estimate of ``F`` from those, ``(n / |B|) sum
+        over their inputs / m``), with ``method`` = ``"expected"``, ``kept = None`` and
+        ``flat`` (the same map on flat rows ``[t, p]``).
 
     Raises:
         NonFiniteGradientError: an example's input, logits or Jacobian-vector products are
@@ -102,27 +103,29 @@ def expected_product(loss: ModuleLoss, params: Params, names: list[str],
     dtype = next(iter(selected.values())).dtype
     output_fisher = _classifier_fisher(loss) if loss.pair else _causal_fisher
     _check_finite(loss, params, batches)
-    starts = [0]  # each batch's first example's index in the refinement data
+    starts = [0]  # each batch's first example's index in the refinement data, and m
     for batch in batches:
         starts.append(starts[-1] + _rows(batch))
+    batches_of = batches  # the products' own name: their argument is ``batches=``
 
     def logits_of(chosen: Params, example: Batch) -> Tensor:  # [1, ...] for one example
         return _logits(loss.outputs({**frozen, **chosen}, example)[0])
 
     def product(vectors: Vectors, batches: list[int] | None = None) -> Vectors:
         with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
-            return unlocked(vectors, range(len(starts) - 1) if batches is None else batches)
+            if batches is None:
+                return unlocked(vectors, range(len(batches_of)), starts[-1])
+            # every input counted, times |B| / n: the estimate's expectation is F
+            return unlocked(vectors, batches, starts[-1] * len(batches) / len(batches_of))
 
-    def unlocked(vectors: Vectors, indices: Iterable[int]) -> Vectors:
+    def unlocked(vectors: Vectors, indices: Iterable[int], inputs: float) -> Vectors:
         out = {name: torch.zeros_like(value, dtype=torch.float64)
                for name, value in vectors.items()}
         # jvp wants the tangents in the primals' key order (see fisher.fisher_product)
         tangents = {name: vectors[name].to(dtype) for name in selected}
         count = next(iter(tangents.values())).shape[0]
-        inputs = 0
         for index in indices:
-            batch, start = batches[index], starts[index]
-            inputs += starts[index + 1] - start
+            batch, start = batches_of[index], starts[index]
 
             def logits(chosen: Params, batch=batch) -> Tensor:  # [b, 1, ...]
                 return vmap(lambda example: logits_of(chosen, example))(batch)

@@ -13,9 +13,11 @@ conjugate-gradient step. Two ways, equal up to rounding:
   pass over every refinement example at every step. Used when ``G`` is over the budget (large
   models), and the reference the matrix product is tested against.
 
-Every product takes ``batches=`` (indices into the refinement's batches, ``None``: all): the
-Fisher of those batches alone, ``sum_{j in them} w_j g_j g_j^T / sum_{j in them} w_j``, the
-minibatch product of the Neumann solver (:func:`tracinfunc.curvature.refine.neumann_flat`).
+Every product takes ``batches=`` (indices into the refinement's ``n`` batches, ``None``: all):
+the unbiased estimate of ``H`` from those batches ``B`` drawn uniformly, ``(n / |B|) sum_{j in
+B} w_j g_j g_j^T / sum_j w_j`` (normalised by every batch's weights, so batches of unequal
+size or weight keep its expectation ``H``), the minibatch product of the Neumann solver
+(:func:`tracinfunc.curvature.refine.neumann_flat`).
 """
 
 from __future__ import annotations
@@ -261,7 +263,8 @@ def gradient_product(gradients: Tensor, weights: Tensor | None,
     ``[t, p]`` float64 (what conjugate gradient runs on: no conversion per step).
 
     ``batches=`` (``G`` only: ``starts`` gives each batch's rows, :class:`KeptFisher`) takes
-    the product over those batches' rows, normalised by their own weights."""
+    the product over those batches' rows, scaled to the unbiased estimate (module
+    docstring)."""
     layout = tuple(shapes.items())
     share = None if weights is None else weights / weights.sum()  # [m], once, not per step
 
@@ -274,8 +277,10 @@ def gradient_product(gradients: Tensor, weights: Tensor | None,
                     "per-example gradients G, but H [p, p] was kept; keep G "
                     "(checkpoint_product(rows=True)).")
             chosen = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batches])
-            part, w = gradients[chosen.to(gradients.device)], weights[chosen.to(weights.device)]
-            return (((rows @ part.T) * (w / w.sum())) @ part).to(device)
+            part = gradients[chosen.to(gradients.device)]
+            # share's rows times n / |B|: the estimate's expectation over the draws is H
+            scale = share[chosen.to(share.device)] * ((len(starts) - 1) / len(batches))
+            return (((rows @ part.T) * scale) @ part).to(device)
         if share is None:
             return (rows @ gradients).to(device)  # H is symmetric
         # [t, m]: g_j . v_t, then [t, p]
@@ -303,24 +308,29 @@ def fisher_product(loss: LossFn, params: Params, names: list[str],
 
     Returns:
         ``fn({name: [t, *shape]}, batches=None) -> {name: [t, *shape]}`` in float64
-        (``batches``: indices into ``labelled``, the product over those alone).
+        (``batches``: indices into ``labelled``, the unbiased estimate from those, module
+        docstring).
     """
     selected = {name: params[name] for name in names}
     frozen = {name: value for name, value in params.items() if name not in selected}
     dtype = next(iter(selected.values())).dtype
+    total_weight = float(sum(float(w.sum()) for _, w in labelled))
 
     def product(vectors: Vectors, batches: list[int] | None = None) -> Vectors:
         with FORWARD_AD_LOCK:  # the jvp and the vjp nested in it: one thread at a time
-            return unlocked(vectors, labelled if batches is None
-                            else [labelled[i] for i in batches])
+            if batches is None:
+                return unlocked(vectors, labelled, total_weight)
+            # every batch's weight times |B| / n: the estimate's expectation is H
+            return unlocked(vectors, [labelled[i] for i in batches],
+                            total_weight * len(batches) / len(labelled))
 
-    def unlocked(vectors: Vectors, chosen_batches: list[tuple[Batch, Tensor]]) -> Vectors:
+    def unlocked(vectors: Vectors, chosen_batches: list[tuple[Batch, Tensor]],
+                 total_weight: float) -> Vectors:
         out = {name: torch.zeros_like(value, dtype=torch.float64)
                for name, value in vectors.items()}
         # jvp wants the tangents in the primals' key order, which need not be the vectors'
         # (a selection listed out of module order: GPT-Neo's k, v, q projections)
         tangents = {name: vectors[name].to(dtype) for name in selected}
-        total_weight = float(sum(float(w.sum()) for _, w in chosen_batches))
         for batch, weights in chosen_batches:
             def losses(chosen: Params, batch=batch) -> Tensor:  # [b]
                 return vmap(lambda example: loss({**frozen, **chosen}, example))(batch)

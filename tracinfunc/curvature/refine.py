@@ -127,7 +127,8 @@ class Refinement:
         if self.batches_per_step is None or self.batches_per_step >= n:
             return [None] * (self.steps + 1)
         # its own stream (the label draws use seed + ckpt): the salt keeps the two apart
-        generator = torch.Generator().manual_seed(_DRAW_SALT + self.seed * 1_000_003 + ckpt)
+        generator = torch.Generator().manual_seed(
+            (_DRAW_SALT + self.seed * 1_000_003 + ckpt) % 2**63)  # within torch's seeds
         return [sorted(torch.randperm(n, generator=generator)[:self.batches_per_step].tolist())
                 for _ in range(self.steps + 1)]
 

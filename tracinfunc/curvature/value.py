@@ -282,7 +282,8 @@ class Curvature:
             raise InvalidArgumentError(
                 f"{current_caller()}: tolerance must be a positive finite float, got "
                 f"{tolerance!r}; e.g. tolerance=1e-2.")
-        seed = check_int(seed, "seed", minimum=0, fix="e.g. seed=0")
+        # at most 2**62: seed + checkpoint (the label draws) stays a torch seed
+        seed = check_int(seed, "seed", minimum=0, maximum=2**62, fix="e.g. seed=0")
         if not isinstance(solver, str) or solver not in refine.SOLVERS:
             raise InvalidArgumentError(
                 f"{current_caller()}: solver must be one of {', '.join(map(repr, refine.SOLVERS))}"

@@ -76,9 +76,13 @@ def check_test_type(test_grads: object) -> None:
 def check_test_tensor(meta: StoreMeta, test: Tensor) -> None:
     check_test_shape(meta, test)
     if not _all_finite(test):
+        # where, only now: a mask as large as the rows is not built for finite ones
+        bad = (~torch.isfinite(test)).any(dim=2).nonzero().tolist()  # [[ckpt, example]]
+        shown = ", ".join(f"example {i} at checkpoint {c}" for c, i in bad[:5])
         raise NonFiniteGradientError(
-            f"{current_caller()}: test gradients contain NaN or inf; check the loss on those "
-            "examples."
+            f"{current_caller()}: test gradients contain NaN or inf ({shown}"
+            f"{', ...' if len(bad) > 5 else ''}; {len(bad)} row(s) in all); check the loss "
+            "on those examples."
         )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.query.checks import (
@@ -123,7 +124,14 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
     # lr_c (and the test side of the cosine) folded in once, not per chunk.
     scale = torch.tensor(meta.lrs, dtype=dtype, device=device)[:, None, None]
     if normalize:
-        scale = scale * safe_reciprocal(norms.to(dtype))[..., None]
+        # The direction in float64: a finite float32 row can have a norm float32 cannot hold
+        # (entries near 3e38: inf, cosine 0) or a reciprocal it cannot (denormal entries:
+        # inf times the row, NaN); every float32 or float16 row's norm fits float64. Rows
+        # given as a tensor are measured here; a store's are its own recorded norms.
+        wide = test.to(torch.float64, copy=True)  # never the caller's own tensor
+        own = row_norms(wide) if isinstance(grads, Tensor) else norms.double()
+        wide.mul_(safe_reciprocal(own)[..., None])
+        return wide.mul_(scale.double()).to(dtype), norms
     test = test.to(dtype)
     if isinstance(grads, Tensor):  # the caller's rows: never written to
         return test * scale, norms

@@ -139,3 +139,45 @@ def test_held_quantised_and_half_stores(dtype):
     store = T.build(dtype=dtype)
     t = crafted()
     close(tif.score(store, t, normalize=True), reference(store, t))
+
+
+def _f64_denormal_query():
+    t = torch.zeros(C, 2, K, dtype=torch.float64)
+    t[:, 0, 0] = 5e-324                                        # a denormal row
+    t[:, 1] = torch.randn(C, K, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    return t
+
+
+@pytest.mark.parametrize("path", ["rerank", "score_chunks", "contrast", "indexed_top_k", "candidates"])
+def test_float64_denormal_rows_every_path(path):
+    """FINDING: the float64 denormal row through the other query paths: rerank returned NaN
+    values silently (no error), score_chunks / Contrast / candidates NaN, and indexed_top_k
+    (an ivf_flat index, nlist=1, nprobe=1: every row in the one cluster) refused with a false
+    diagnosis: "the 1 of 1 clusters searched ... hold only 0 rows, fewer than k=5; raise
+    nprobe". Every path must give the float64 reference."""
+    t = _f64_denormal_query()
+    want = reference(STORE, t)
+    if path == "rerank":
+        v, _ = tif.rerank(tif.Retriever(STORE, t), STORE, t, 5, n_candidates=40, normalize=True)
+        close(v, want.topk(5, dim=1).values)
+    elif path == "score_chunks":
+        close(torch.cat([b for _, b in tif.score_chunks(STORE, t, normalize=True, chunk_rows=16)], 1), want)
+    elif path == "contrast":
+        ctrl = torch.randn(C, 3, K, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        got = tif.score(STORE, tif.Contrast(t, ctrl), normalize=True)
+        close(got, want - reference(STORE, ctrl).mean(0))
+    elif path == "indexed_top_k":
+        index = tif.search.build_index(STORE, normalize=True, kind="ivf_flat", nlist=1)
+        v, _ = tif.search.indexed_top_k(STORE, t, 5, index=index, normalize=True, nprobe=1, n_candidates=40)
+        close(v, want.topk(5, dim=1).values)
+    else:
+        cand = torch.tensor([[0, 5, 9]] * 2)
+        close(tif.score(STORE, t, normalize=True, candidates=cand), want[:, [0, 5, 9]])
+
+
+def test_held_rerank_float32_crafted_rows():
+    """HELD: rerank (normalize on both sides, every row a candidate) equals the top 5 of the
+    float32 crafted rows' reference."""
+    t = crafted()
+    v, _ = tif.rerank(tif.Retriever(STORE, t, normalize=True), STORE, t, 5, n_candidates=40, normalize=True)
+    close(v, reference(STORE, t).topk(5, dim=1).values)

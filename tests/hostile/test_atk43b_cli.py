@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
     (root / "exp.py").write_text(SPEC)
     sys.path.insert(0, str(root))
     try:
-        import exp  # noqa: PLC0415
+        import exp
     finally:
         sys.path.remove(str(root))
     proj = tif.Projection(kind="identity")

@@ -37,10 +37,10 @@ SPEC = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    (root / "exp.py").write_text(SPEC)
+    (root / "atk43b_exp.py").write_text(SPEC)
     sys.path.insert(0, str(root))
     try:
-        import exp
+        import atk43b_exp as exp
     finally:
         sys.path.remove(str(root))
     proj = tif.Projection(kind="identity")
@@ -52,7 +52,7 @@ def setup(tmp_path_factory):
 
 def cli(root, *args, curvature=True):
     cmd = [sys.executable, "-m", "tracinfunc", "--quiet", "score", str(root / "g.zarr"),
-           "--spec", f"{root / 'exp.py'}:make", "--test", "test"]
+           "--spec", f"{root / 'atk43b_exp.py'}:make", "--test", "test"]
     cmd += ["--curvature", str(root / "c.zarr")] if curvature else []
     out = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))

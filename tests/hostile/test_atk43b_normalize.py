@@ -214,3 +214,20 @@ def test_training_rows_of_extreme_size(row):
     close(tif.score(store, t, normalize=True), want)
     values, _ = tif.top_k(store, t, N, normalize=True)
     close(values, want.topk(N, dim=1).values)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("path", ["score", "top_k", "contrast-control"])
+def test_held_non_finite_rows_named(value, dtype, path):
+    """HELD: a NaN/inf entry at example 3, checkpoint 1 is named (control named as the control)."""
+    t = torch.randn(C, 5, K, generator=torch.Generator().manual_seed(8)).to(dtype)
+    t[1, 3, 2] = value
+    with pytest.raises(tif.errors.NonFiniteGradientError, match=r"example 3 at checkpoint 1") as info:
+        if path == "score":
+            tif.score(STORE, t, normalize=True)
+        elif path == "top_k":
+            tif.top_k(STORE, t, 3, normalize=True)
+        else:
+            tif.score(STORE, tif.Contrast(torch.randn(C, 2, K).to(dtype), t), normalize=True)
+    assert path != "contrast-control" or "control" in str(info.value)

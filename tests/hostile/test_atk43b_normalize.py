@@ -270,3 +270,15 @@ def test_held_curvature_cosine_of_ordinary_rows(dtype):
     want = curvature_reference(cur, t)
     close(tif.score(STORE, t, normalize=True, curvature=cur), want)
     close(tif.top_k(STORE, t, 5, normalize=True, curvature=cur)[0], want.topk(5, dim=1).values)
+
+
+@pytest.mark.parametrize("dtype", ["sign", "int8", torch.float16, torch.bfloat16])
+def test_held_quantised_test_store_uses_its_exact_norms(dtype):
+    """HELD: a quantised / half test *store* is divided by its exact norms (docs/concepts/stores.md)."""
+    q = T.query_grads(dtype=dtype)
+    want = torch.zeros(q.n_train, N, dtype=torch.float64)
+    for c in range(C):
+        t = q.read_rows(c, 0, q.n_train).double() / q.read_norms(c, 0, q.n_train).double()[:, None]
+        x = STORE.read_rows(c, 0, N).double() / STORE.read_norms(c, 0, N).double()[:, None]
+        want += LRS[c] * t @ x.T
+    close(tif.score(STORE, q, normalize=True), want)

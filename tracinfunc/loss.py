@@ -34,7 +34,8 @@ from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
 
-__all__ = ["ModuleLoss", "check_eval_mode", "loss_from_model", "loss_from_module"]
+__all__ = ["ModuleLoss", "check_eval_mode", "class_targets", "loss_from_model",
+           "loss_from_module"]
 
 _STATEFUL_IN_TRAIN_MODE = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -198,7 +199,7 @@ class ModuleLoss:
     def _loss(self, params: Params, example: Example) -> Tensor:
         outputs, batched = self.outputs(params, example)
         if self.pair:
-            return self.criterion(outputs, _class_targets(self.criterion, batched[1]))
+            return self.criterion(outputs, class_targets(self.criterion, batched[1]))
         if self.criterion is not None:
             return self.criterion(outputs, batched)
         return _own_loss(outputs)
@@ -237,7 +238,7 @@ class ModuleLoss:
         if self.pair:
             inputs, target = batch
             outputs = swapped_call(self.module, state, (inputs,))
-            return _per_row(self.criterion, outputs, _class_targets(self.criterion, target))
+            return _per_row(self.criterion, outputs, class_targets(self.criterion, target))
         args, kwargs = _model_arguments(self.module, batch, self.skip_keys)
         outputs = swapped_call(self.module, state, args, kwargs)
         size = tree_leaves(batch)[0].shape[0]
@@ -432,7 +433,7 @@ def _per_row(criterion: Callable[..., Tensor], outputs: Any, target: Tensor) -> 
         _rows(outputs, target.shape[0]), target.split(1), strict=True)])
 
 
-def _class_targets(criterion: Callable[..., Tensor], target: Any) -> Any:
+def class_targets(criterion: Callable[..., Tensor], target: Any) -> Any:
     """``target`` as int64 where it is uint8 class indices of a cross-entropy or NLL criterion:
     torch takes those ("Long or Byte") one example at a time, but under vmap the criterion's
     ``gather`` refuses a uint8 index. Anything else is returned as it is."""

@@ -198,8 +198,8 @@ def test_expected_fisher_converges_to_the_explicit_solve(lm):  # noqa: F811
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"solver": "cg", "step_size": 0.5}, "step_size=0.5 belong to solver='neumann'"),
-    ({"solver": "direct", "batches_per_step": 2}, "batches_per_step=2 belong to"),
+    ({"solver": "cg", "step_size": 0.5}, "step_size=0.5 belongs to solver='neumann'"),
+    ({"solver": "direct", "batches_per_step": 2}, "batches_per_step=2 belongs to"),
     ({"solver": "neumann", "step_size": 0.0}, "step_size must be None"),
     ({"solver": "neumann", "step_size": 2.5}, "step_size must be None"),
     ({"solver": "neumann", "step_size": float("nan")}, "step_size must be None"),

@@ -42,7 +42,7 @@ from tracinfunc.curvature.flat import flat_map
 from tracinfunc.curvature.samplers import class_label_shape
 from tracinfunc.errors import InvalidArgumentError, LossFunctionError, NonFiniteGradientError
 from tracinfunc.lm.losses import IGNORE_INDEX, causal_lm_loss
-from tracinfunc.loss import ModuleLoss, check_eval_mode
+from tracinfunc.loss import ModuleLoss, check_eval_mode, class_targets
 from tracinfunc.types import Batch, Params
 
 __all__ = ["CHUNK_BYTES", "expected_loss", "expected_product"]
@@ -182,7 +182,7 @@ def _classifier_fisher(loss: ModuleLoss) -> Callable[[Tensor, Tensor, Batch], Te
                 f"{current_caller()}: fisher='expected' needs a classifier returning logits "
                 f"[b, n_classes], got outputs of shape {[1, *logits.shape[2:]]} per example; "
                 "refine with fisher='sampled' and your own sampler= for other outputs.")
-        target = batch[1]
+        target = class_targets(loss.criterion, batch[1])  # uint8 class indices as int64
         # every class is given to the criterion as a label of the targets' own form
         shape = class_label_shape(target, f"{current_caller()}: fisher='expected'",
                                   "fisher='sampled' with a sampler= that draws your label form")

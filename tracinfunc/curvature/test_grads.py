@@ -337,7 +337,8 @@ class RefinedSolve:
                                 for r in self.history], dim=1)
                      if self.history else torch.zeros(1, 0))
         warn_unconverged(residuals, self.curvature.refinement.tolerance, name, self.direct,
-                         neumann=self.draws is not None)
+                         neumann=self.draws is not None,
+                         drawn=self.draws is not None and any(d is not None for d in self.draws))
         return [float(r.max()) if r.numel() else 0.0 for r in residuals]
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import tensor_if_array
-from tracinfunc.query.checks import safe_reciprocal
+from tracinfunc.query.checks import norm_divisors
 from tracinfunc.query.prepared import PreparedQuery
 from tracinfunc.store.gather import norms_at, read_rows_at
 from tracinfunc.store.protocols import GradientStore, SupportsRowViews
@@ -162,7 +162,7 @@ def candidate_scores(store: GradientStore, query: PreparedQuery, candidates: Ten
         if query.normalize:  # the store's side of the cosine, per row
             norms = (store.read_norms(ckpt, 0, n_train) if unique is None
                      else norms_at(store, ckpt, unique)).to(query.device, query.dtype)
-            rows = rows * safe_reciprocal(norms)[:, None]
+            rows = rows / norm_divisors(norms)[:, None]
         for lo, plan in zip(range(0, len(position), _QUERY_BLOCK), plans, strict=True):
             hi = lo + len(plan[2])
             total[lo:hi] += _block_scores(rows, query.rows[ckpt, lo:hi], *plan)

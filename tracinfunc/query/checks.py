@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -18,7 +20,8 @@ from tracinfunc.store.meta import StoreMeta, check_compatible
 from tracinfunc.store.protocols import GradientStore, store_meta
 
 __all__ = ["check_not_empty", "check_test_shape", "check_test_tensor", "check_test_type",
-           "compute_dtype", "query_matrix", "resolve_device", "safe_reciprocal"]
+           "compute_dtype", "norm_divisors", "query_matrix", "resolve_device",
+           "safe_reciprocal"]
 
 
 def query_matrix(
@@ -127,6 +130,13 @@ def check_not_empty(meta: StoreMeta) -> None:
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     # float32 accumulation always; float64 only when asked for by float64 inputs (exactness).
     return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def norm_divisors(norms: Tensor) -> Tensor:
+    """``norms`` to divide by, ``inf`` where a norm is 0 (a zero row's cosine is 0). Dividing,
+    not multiplying by ``1 / norms``: the reciprocal of a denormal norm (a float32 row of
+    entries near 1e-42) is not a float32, and inf times the row's tiny dot products was NaN."""
+    return torch.where(norms > 0, norms, torch.full_like(norms, math.inf))
 
 
 def safe_reciprocal(norms: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from tracinfunc._validate import check_int, entry_point
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.query.checks import safe_reciprocal
+from tracinfunc.query.checks import norm_divisors
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.stream import compute_threads, stream_rows
@@ -112,10 +112,10 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
     matmul_dtype = _matmul_dtype(meta.torch_dtype, dtype, device, n_test=query.n_test)
     test = query.rows.to(device, matmul_dtype)  # [n_ckpt, n_test, k]
     rows_per_chunk = _chunk_rows(store, chunk_rows, meta, query.n_test)
-    inverse_norms = None
+    divisors = None
     if query.normalize:  # [n_ckpt, n_train]: 1/k of the store, read once
-        inverse_norms = torch.stack([
-            safe_reciprocal(store.read_norms(c, 0, meta.n_train).to(device, dtype))
+        divisors = torch.stack([
+            norm_divisors(store.read_norms(c, 0, meta.n_train).to(device, dtype))
             for c in range(meta.n_ckpt)
         ])
     upcast = None
@@ -135,28 +135,28 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
         if ckpt == 0:
             block = (out[:, start:stop] if out is not None else
                      torch.empty(query.n_test, stop - start, dtype=dtype, device=device))
-        inverse = None if inverse_norms is None else inverse_norms[ckpt, start:stop]
+        divisor = None if divisors is None else divisors[ckpt, start:stop]
         with threads, full_float32():  # no TF32 whatever the process set
             train = train_rows if upcast is None else upcast[: stop - start].copy_(train_rows)
-            _accumulate(block, test[ckpt], train, inverse, first=ckpt == 0)
+            _accumulate(block, test[ckpt], train, divisor, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
             bar.update(stop - start)
             yield start, block
     bar.close()
 
 
-def _accumulate(block: Tensor, test: Tensor, train: Tensor, inverse: Tensor | None, *,
+def _accumulate(block: Tensor, test: Tensor, train: Tensor, divisor: Tensor | None, *,
                 first: bool) -> None:
-    """``block (=|+=) test @ train.T`` (times ``inverse`` per column), in ``block``'s dtype.
+    """``block (=|+=) test @ train.T`` (over ``divisor`` per column), in ``block``'s dtype.
 
     ``first``: overwrite ``block`` (uninitialised memory; ``beta=0`` ignores it, NaN included).
     """
-    if inverse is None and test.dtype == block.dtype:
+    if divisor is None and test.dtype == block.dtype:
         block.addmm_(test, train.T, beta=0 if first else 1)  # [n_test, k] @ [k, rows]
         return
     product = test @ train.T  # [n_test, rows], bfloat16 on the CPU bf16 path
-    if inverse is not None:
-        product = product * inverse
+    if divisor is not None:
+        product = product.div_(divisor)  # its own new tensor
     if first:
         block.copy_(product)
     else:

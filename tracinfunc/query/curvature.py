@@ -80,7 +80,13 @@ def precondition_queries(meta: StoreMeta, test_grads: GradientStore | Tensor,
     # Validated (shape, finite, compatible store), left where the test gradients are.
     where = test_grads.device if isinstance(test_grads, Tensor) else torch.device("cpu")
     rows, _ = query_matrix(meta, test_grads, device=where)
-    return torch.stack([curvature.precondition_rows(c, rows[c]) for c in range(meta.n_ckpt)])
+    out = torch.stack([curvature.precondition_rows(c, rows[c]) for c in range(meta.n_ckpt)])
+    if rows.dtype != torch.float64 and not bool(out.isfinite().all()):
+        # finite rows (checked above) whose preconditioned values overflow their dtype (rows
+        # near float32's largest): float64 holds them, and the query then computes in it
+        wide = rows.double()
+        out = torch.stack([curvature.precondition_rows(c, wide[c]) for c in range(meta.n_ckpt)])
+    return out
 
 
 def curvature_self_influence(store: GradientStore, curvature: Curvature,

@@ -23,9 +23,9 @@ from tracinfunc.query.checks import (
     check_not_empty,
     check_test_type,
     compute_dtype,
+    norm_divisors,
     query_matrix,
     resolve_device,
-    safe_reciprocal,
 )
 from tracinfunc.query.contrast import Contrast
 from tracinfunc.query.control import control_rows
@@ -130,7 +130,7 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
         # given as a tensor are measured here; a store's are its own recorded norms.
         wide = test.to(torch.float64, copy=True)  # never the caller's own tensor
         own = row_norms(wide) if isinstance(grads, Tensor) else norms.double()
-        wide.mul_(safe_reciprocal(own)[..., None])
+        wide.div_(norm_divisors(own)[..., None])  # divided: float64 denormal norms too
         return wide.mul_(scale.double()).to(dtype), norms
     test = test.to(dtype)
     if isinstance(grads, Tensor):  # the caller's rows: never written to

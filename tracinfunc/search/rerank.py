@@ -10,7 +10,7 @@ from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.query.checks import check_not_empty
+from tracinfunc.query.checks import check_not_empty, norm_divisors
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import check_rows
 from tracinfunc.query.top_k import check_k
@@ -157,8 +157,7 @@ def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, index: Sear
         product = torch.bmm(gathered, test[ckpt][:, :, None]).squeeze(2)  # [b, candidates]
         norms = norms_at(store, ckpt, unique).to(device, dtype) if normalize else None
         if normalize:
-            inverse = torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
-            product = product * inverse[position]
+            product = product / norm_divisors(norms)[position]  # a denormal norm: no inf
         if sketch is not None:
             sketch.add(ckpt, rows, norms)
         total += product

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tracinfunc as tif
+from tests.curvature.cli_setup import saved_for_cli
 from tracinfunc.curvature import causal_lm_sampler, classification_sampler, fit_curvature
 from tracinfunc.curvature.expected import expected_product
 from tracinfunc.curvature.fisher import sampled_gradients
@@ -277,21 +278,15 @@ def test_non_finite_refinement_examples_are_named(lm):
 
 
 def test_cli_refine_fisher_matches_the_api(tmp_path, capsys):
-    from pathlib import Path
 
     import numpy as np
 
     from tracinfunc.cli import main
-    from tracinfunc.cli.spec import load_spec
     from tracinfunc.curvature.test_grads import MARK
 
-    spec_path = str(Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny_spec.py")
-    spec = load_spec(f"{spec_path}:make")
-    projection = tif.Projection(dim=16, seed=2)
-    store = tif.build_store(spec.loss, spec.checkpoints, spec.train, projection=projection,
-                            store=str(tmp_path / "grads.zarr"), progress=False)
-    curvature = tif.fit_curvature(spec.loss, spec.checkpoints, spec.train, kind="ekfac")
-    tif.save_curvature(curvature, tmp_path / "curvature.zarr")
+    saved = saved_for_cli(tmp_path)
+    spec_path, spec, projection, store, curvature = (
+        saved.spec_path, saved.spec, saved.projection, saved.store, saved.curvature)
     out = tmp_path / "scores.npy"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tracinfunc as tif
+from tests.curvature.cli_setup import saved_for_cli
 from tests.curvature.test_refine_direct import EXACT, IDENTITY, _explicit_solution
 from tests.curvature.test_refine_direct import setup as _direct_setup
 from tests.curvature.test_refine_expected import (
@@ -227,18 +228,12 @@ def test_neumann_settings_have_their_own_digests(setup):
 
 
 def test_cli_neumann_matches_the_api(tmp_path, capsys):
-    from pathlib import Path
 
     from tracinfunc.cli import main
-    from tracinfunc.cli.spec import load_spec
 
-    spec_path = str(Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny_spec.py")
-    spec = load_spec(f"{spec_path}:make")
-    projection = tif.Projection(dim=16, seed=2)
-    store = tif.build_store(spec.loss, spec.checkpoints, spec.train, projection=projection,
-                            store=str(tmp_path / "grads.zarr"), progress=False)
-    curvature = tif.fit_curvature(spec.loss, spec.checkpoints, spec.train, kind="ekfac")
-    tif.save_curvature(curvature, tmp_path / "curvature.zarr")
+    saved = saved_for_cli(tmp_path)
+    spec_path, spec, projection, store, curvature = (
+        saved.spec_path, saved.spec, saved.projection, saved.store, saved.curvature)
     out = tmp_path / "scores.npy"
     base = ["score", str(tmp_path / "grads.zarr"), "--spec", f"{spec_path}:make",
             "--curvature", str(tmp_path / "curvature.zarr")]

@@ -14,6 +14,7 @@ import functools
 import inspect
 import math
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -23,7 +24,8 @@ from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
-__all__ = ["as_int", "calling", "check_bool", "check_int", "current_caller", "entry_point"]
+__all__ = ["as_int", "calling", "check_bool", "check_int", "current_caller", "entry_point",
+           "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("tracinfunc_caller",
@@ -185,3 +187,16 @@ def check_bool(value: Any, name: str, *, error: type[Exception] = InvalidTypeErr
             f"{current_caller()}: {name} must be True or False, got {value!r}."
         )
     return value
+
+
+_PACKAGE_DIR = __file__.rsplit("/", 1)[0] + "/"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised here point at the first frame outside
+    tracinfunc (the user's call), however deep the library code that warns. Python 3.11 has no
+    ``skip_file_prefixes``."""
+    frame, level = sys._getframe(1), 1  # the frame calling this function is level 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -21,6 +21,7 @@ from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.query.checks import norm_divisors
+from tracinfunc.query.overflow import OverflowWatch
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.stream import compute_threads, stream_rows
@@ -118,6 +119,8 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
             norm_divisors(store.read_norms(c, 0, meta.n_train).to(device, dtype))
             for c in range(meta.n_ckpt)
         ])
+    # Cosine scores are bounded by sum_c |lr_c|; plain ones of huge rows may overflow.
+    watch = None if query.normalize else OverflowWatch(store, query.rows, dtype)
     upcast = None
     if meta.torch_dtype != matmul_dtype:  # float16 (or bf16 on GPU) rows -> float32 matmul
         upcast = torch.empty(rows_per_chunk, meta.k, dtype=matmul_dtype, device=device)
@@ -140,6 +143,8 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
             train = train_rows if upcast is None else upcast[: stop - start].copy_(train_rows)
             _accumulate(block, test[ckpt], train, divisor, first=ckpt == 0)
         if ckpt == meta.n_ckpt - 1:
+            if watch is not None:
+                watch.check(start, block)
             bar.update(stop - start)
             yield start, block
     bar.close()

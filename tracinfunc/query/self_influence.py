@@ -11,6 +11,7 @@ from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.query.checks import check_not_empty, compute_dtype, resolve_device
 from tracinfunc.query.curvature import curvature_self_influence
+from tracinfunc.query.overflow import warn_self_influence_overflow
 from tracinfunc.query.rows import row_range
 from tracinfunc.store.protocols import GradientStore, store_meta
 
@@ -59,8 +60,10 @@ def self_influence(
     check_not_empty(store_meta(store))
     chunk_rows = check_int(chunk_rows, "chunk_rows", optional=True,
               fix="pass None to let it choose")
+    first_row = 0
     if rows is not None:
         store = row_range(store, rows)
+        first_row = store.start
     device = resolve_device(device, None)
     meta = store.meta
     # The result's size comes from the store's metadata: a crafted or unsealed store claiming
@@ -82,4 +85,5 @@ def self_influence(
                 total[start:stop] += info.lr * norms.square()
             bar.update(stop - start)
     bar.close()
+    warn_self_influence_overflow(total, first_row=first_row)
     return to_framework(total, framework)

@@ -139,8 +139,9 @@ def _scan_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int,
     if nan_seen is not None and not nan_seen.is_meta and bool(nan_seen):
         raise NonFiniteGradientError(
             f"{current_caller()}: some scores are NaN: the store holds inf or NaN rows (e.g. "
-            "gradients beyond float16's range, 65504, stored as float16). Rebuild it with "
-            "dtype=torch.float32 (or bfloat16), or scale the loss down."
+            "gradients beyond float16's range, 65504, stored as float16), or rows so large "
+            "that their scores overflowed (a RuntimeWarning then names them). Rebuild it with "
+            "dtype=torch.float32 (or bfloat16; float64 for the overflow), or scale the loss down."
         )
     return best_values, best_indices
 

@@ -26,6 +26,7 @@ import json
 import numpy as np
 import torch
 
+from tracinfunc.query.checks import norm_divisors
 from tracinfunc.search.rows import index_rows
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
@@ -251,15 +252,12 @@ class CandidateSketch:
         index, as :func:`~tracinfunc.search.rows.weighted_rows`)."""
         # float32 at least: its rounding (~1e-7 of a row's scale) is far inside the tolerance.
         dtype = torch.promote_types(rows.dtype, torch.float32)
-        scale = torch.full((rows.shape[0],), self._weights[ckpt], dtype=dtype,
-                           device=rows.device)
-        if norms is not None:
-            norms = norms.to(scale)
-            scale = scale * torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
+        weighted = rows.to(dtype) * self._weights[ckpt]  # [u, k], new: as index_rows makes them
+        if norms is not None:  # divided, not times 1/norm: a denormal norm's reciprocal is inf
+            weighted.div_(norm_divisors(norms.to(weighted))[:, None])
         part = torch.from_numpy(self._directions[ckpt * self._k:(ckpt + 1) * self._k])
-        projected = (rows.to(dtype) @ part.to(rows.device, dtype)) * scale[:, None]  # [u, 8]
-        self._now += projected.double().cpu().numpy()
-        squares = torch.linalg.vector_norm(rows, dim=1, dtype=dtype).double() * scale.double()
+        self._now += (weighted @ part.to(rows.device, dtype)).double().cpu().numpy()  # [u, 8]
+        squares = torch.linalg.vector_norm(weighted, dim=1).double()
         self._squares += squares.square().cpu().numpy()
 
     def mismatch(self) -> str | None:

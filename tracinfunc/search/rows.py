@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tracinfunc.query.checks import norm_divisors
 from tracinfunc.store.gather import norms_at, read_rows_at, row_groups
 from tracinfunc.store.protocols import GradientStore
 
@@ -34,12 +35,9 @@ def weighted_rows(rows: Tensor, norms: Tensor | None, lrs: Sequence[float], *,
     """
     lr = torch.tensor(lrs, dtype=torch.float64)
     weight = lr.abs().sqrt() * (lr.sign() if query else 1.0)
-    scale = weight.to(dtype)[:, None, None]  # [n_ckpt, 1, 1]
-    if normalize:
-        norms = norms.to(dtype)
-        scale = scale * torch.where(norms > 0, norms.reciprocal(),
-                                    torch.zeros_like(norms))[..., None]
-    weighted = rows.to(dtype) * scale  # [n_ckpt, n, k]
+    weighted = rows.to(dtype) * weight.to(dtype)[:, None, None]  # [n_ckpt, n, k], new
+    if normalize:  # divided, not times 1/norm: a denormal norm's reciprocal is inf (NaN rows)
+        weighted.div_(norm_divisors(norms.to(dtype))[..., None])
     return weighted.permute(1, 0, 2).reshape(rows.shape[1], -1).contiguous()
 
 

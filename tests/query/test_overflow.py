@@ -102,3 +102,14 @@ def test_ordinary_and_large_but_fitting_rows_stay_silent(norm):
         tif.score(store, test * 1e20, normalize=True)  # cosines are bounded: never checked
     torch.testing.assert_close(scores.double(), _reference(rows, test, store.meta.lrs),
                                rtol=1e-5, atol=1e-5 * norm)
+
+
+def test_candidates_and_the_index_rescoring_warn_too():
+    pytest.importorskip("faiss", reason="the search extra: pip install 'tracinfunc[search]'")
+    store, rows = _store_with_huge_row(row=4)
+    test = rows[:, [0, 1, 4]].float()
+    with pytest.warns(RuntimeWarning, match=r"training rows \[4\]"):
+        tif.score(store, test, candidates=torch.tensor([[4, 0], [1, 4], [4, 3]]))
+    index = tif.search.build_index(store, nlist=1, target_recall=None)
+    with pytest.warns(RuntimeWarning, match=r"training rows \[4\]"):
+        tif.search.indexed_top_k(store, test, 2, index=index, n_candidates=6)

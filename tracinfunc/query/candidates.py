@@ -18,6 +18,7 @@ from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.query.checks import norm_divisors
+from tracinfunc.query.overflow import warn_candidate_overflow
 from tracinfunc.query.prepared import PreparedQuery
 from tracinfunc.store.gather import norms_at, read_rows_at
 from tracinfunc.store.protocols import GradientStore, SupportsRowViews
@@ -166,6 +167,7 @@ def candidate_scores(store: GradientStore, query: PreparedQuery, candidates: Ten
         for lo, plan in zip(range(0, len(position), _QUERY_BLOCK), plans, strict=True):
             hi = lo + len(plan[2])
             total[lo:hi] += _block_scores(rows, query.rows[ckpt, lo:hi], *plan)
+    warn_candidate_overflow(total, candidates)
     return total
 
 

@@ -20,7 +20,7 @@ from tracinfunc.query.rows import RowRange
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["OverflowWatch", "warn_self_influence_overflow"]
+__all__ = ["OverflowWatch", "warn_candidate_overflow", "warn_self_influence_overflow"]
 
 _FIX = ("build the store and the test gradients with dtype='float64' to keep them finite, and "
         "check the loss for exploding gradients")
@@ -79,4 +79,20 @@ def warn_self_influence_overflow(total: Tensor, first_row: int = 0) -> None:
         f"inf or NaN: those rows' norms are too large for their squares to fit {name}. The "
         f"other rows' values are right; these cannot be summed or correlated; build the store with "
         f"dtype='float64' to keep them finite, and check the loss for exploding gradients.",
+        RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def warn_candidate_overflow(scores: Tensor, candidates: Tensor) -> None:
+    """Warn when scores ``[n_test, M]`` of the store rows ``candidates`` ``[n_test, M]``
+    (``-1``: no candidate, ignored) are not finite: finite rows whose products overflowed."""
+    bad = ~torch.isfinite(scores) & (candidates >= 0)
+    if not bool(bad.any()):
+        return
+    rows = torch.unique(candidates[bad]).tolist()
+    name = str(scores.dtype).removeprefix("torch.")
+    warnings.warn(
+        f"{current_caller()}: {int(bad.sum())} score(s) overflowed {name} and are inf or NaN "
+        f"(training rows {rows[:5]}{' and more' if len(rows) > 5 else ''}): those rows' and "
+        f"the test rows' norms are too large for their products to fit {name}. The other "
+        f"scores are right; these cannot be summed or correlated; {_FIX}.",
         RuntimeWarning, stacklevel=user_stacklevel())

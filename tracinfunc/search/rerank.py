@@ -11,6 +11,7 @@ from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, 
 from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.query.checks import check_not_empty, norm_divisors
+from tracinfunc.query.overflow import warn_candidate_overflow
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import check_rows
 from tracinfunc.query.top_k import check_k
@@ -165,6 +166,7 @@ def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, index: Sear
         raise IncompatibleGradientsError(
             f"{current_caller()}: candidate {problem}; rebuild the index with "
             "tif.build_index(store, overwrite=True) or pass the store it was built from.")
+    warn_candidate_overflow(total, found)
     return total.masked_fill(~valid, -torch.inf if largest else torch.inf)
 
 

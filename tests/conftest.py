@@ -58,3 +58,14 @@ def mlp_setup32():
     train = make_data(40, dtype=torch.float32, seed=1)
     test = make_data(7, dtype=torch.float32, seed=3)
     return loss, make_checkpoints(model), train, test
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: bit-for-bit comparisons across store kinds. A
+    streamed Zarr store computes with one thread fewer than an in-memory one (a core for
+    the reader), and MKL on AMD CPUs sums a GEMM differently with 1 and 2 threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

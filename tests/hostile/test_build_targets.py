@@ -130,10 +130,12 @@ def test_a_refused_target_leaves_no_file_inside_a_store_or_beside_the_target(tmp
 # ---------------------------------------------------------------- HELD (regression guards)
 
 
-def test_held_store_targets_round_trip(tmp_path):
+def test_held_store_targets_round_trip(tmp_path, one_thread):
     # batch_size=10 (the data's own batches): an in-memory build otherwise merges small
     # batches into larger calls, equal to a Zarr build only up to float rounding
-    ref = tif.score(build(batch_size=10), query_grads())
+    # the same pieces (chunk_rows=) and threads (one_thread) for every store kind: equal
+    # bit for bit (docs/concepts/stores.md, "Same pieces, same bits")
+    ref = tif.score(build(batch_size=10), query_grads(), chunk_rows=40)
     targets = [
         "memory",
         "pinned",
@@ -148,7 +150,8 @@ def test_held_store_targets_round_trip(tmp_path):
         lambda meta, **kw: tif.store.ZarrWriter(str(tmp_path / "e.zarr"), meta, **kw),
     ]
     for target in targets:
-        assert torch.equal(tif.score(build(store=target, batch_size=10), query_grads()), ref)
+        assert torch.equal(tif.score(build(store=target, batch_size=10), query_grads(),
+                                     chunk_rows=40), ref)
 
 
 def test_held_nested_partial_is_split_like_a_path(tmp_path):

@@ -125,7 +125,10 @@ def test_held_five_queries_agree(dtype, t):
     _v, i = tif.top_k(s, t, k=6)
     assert torch.equal(i, torch.argsort(S, dim=1, descending=True, stable=True)[:, :6])
     blocks = torch.cat([b.clone() for _, b in tif.score_chunks(s, t, chunk_rows=7)], dim=1)
-    assert torch.equal(blocks, S)
+    # The same pieces give the same bits; other pieces agree to rounding (BLAS picks its
+    # kernel, and so its summation order, by shape: 1 ulp apart on AMD's MKL path).
+    assert torch.equal(blocks, tif.score(s, t, chunk_rows=7))
+    torch.testing.assert_close(blocks, S, rtol=1e-6, atol=1e-7)
     idx = tif.build_index(s, nlist=1, target_recall=None)
     assert torch.equal(tif.indexed_top_k(s, t, 6, index=idx, n_candidates=40)[1], i)
     assert torch.equal(

@@ -147,3 +147,42 @@ def test_cosine_index_refuses_a_turned_smallest_denormal_row_at_lr_below_one():
     st2 = _store(_rows_with(turned))
     with pytest.raises(tif.errors.IncompatibleGradientsError, match=r"rows \[3\]"):
         tif.indexed_top_k(st2, _query(), 2, index=idx, normalize=True)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_indexed_top_k_over_every_cluster_orders_ties_like_top_k(normalize):
+    """Finding: docs/search.md: with nprobe=nlist an "ivf_flat" result "equals exact top_k
+    (tested)", and top_k orders equal scores by row. Rows 3, 7 and 11 are one example stored
+    three times (bit-equal scores): top_k gives [3, 7, 11]; indexed_top_k gives [11, 3, 7]
+    (plain) and [7, 11, 3] (cosine)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, 300, 8, generator=g)
+    v = torch.randn(8, generator=g)
+    for j in (3, 7, 11):
+        rows[:, j] = v
+    st = _store(rows, lrs=[1.0])
+    test = v.reshape(1, 1, 8).clone()
+    idx = tif.build_index(st, normalize=normalize)
+    ev, ei = tif.top_k(st, test, 4, normalize=normalize)
+    iv, ii = tif.indexed_top_k(st, test, 4, index=idx, normalize=normalize, nprobe=idx.nlist)
+    assert ei.tolist() == ii.tolist(), (ei.tolist(), ii.tolist())
+
+
+def test_cosine_of_a_finite_row_whose_norm_overflows_float32():
+    """Finding: row 3 = [3e38, 3e38, 0, ...] is finite but its norm (4.2e38) is inf in float32;
+    a MemoryStore takes it (norm inf) and the test row e0+e1 has cosine 1 with it at both
+    checkpoints (score 0.3, the best). score(normalize=True) gives 0 for it, silently (as do
+    candidates= and a cosine index): expected 0.3, or the store refused (save_store refuses it:
+    'the block holds NaN/inf values')."""
+    rows = _rows_with(torch.tensor([3e38, 3e38, 0, 0, 0, 0, 0, 0]))
+    try:
+        st = _store(rows)
+    except tif.TracInFuncError:
+        return
+    test = torch.zeros(2, 1, 8)
+    test[:, 0, :2] = 1
+    try:
+        s = tif.score(st, test, normalize=True)
+    except tif.TracInFuncError:
+        return
+    assert s[0, 3].item() == pytest.approx(0.3, rel=1e-5)

@@ -374,3 +374,102 @@ def test_lr_weighting_underflow_does_not_silently_change_scores():
     s, w = _calls(lambda: tif.score(st, test))
     if not w:
         torch.testing.assert_close(s.double(), _ref(st, test), rtol=1e-5, atol=0)
+
+
+def _identity_curvature(st, scale, damping):
+    e = torch.eye(st.k, dtype=torch.float64) * scale
+    return tif.Curvature(kind="projected", checkpoints=st.meta.checkpoints, layout=st.meta.layout,
+                         projection=st.meta.projection, damping=(damping,) * st.n_ckpt,
+                         estimates=tuple({"matrix": e} for _ in range(st.n_ckpt)))
+
+
+def test_curvature_amplified_overflow_warns():
+    """Held: a "projected" curvature (F = 1e-7 I, damping 1e-6) multiplies 1e17 test rows by
+    ~9e5: score (true -3.4e39) and self_influence (true 2.4e40) overflow and warn, row 5, though
+    the raw norms' products (1e34) fit."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 20, 4, generator=g)
+    rows[:, 5] *= 1e17
+    st = _store(rows, lrs=[0.1, 0.2])
+    cv = _identity_curvature(st, 1e-7, 1e-6)
+    test = torch.randn(2, 3, 4, generator=g)
+    test[:, 1] *= 1e17
+    s, w = _calls(lambda: tif.score(st, test, curvature=cv))
+    assert not torch.isfinite(s[1, 5]) and len(w) == 1 and "[5]" in str(w[0].message)
+    si, w = _calls(lambda: tif.self_influence(st, curvature=cv))
+    assert torch.isinf(si[5]) and len(w) == 1 and "[5]" in str(w[0].message)
+
+
+def test_curvature_self_influence_warning_does_not_blame_the_norms_squares():
+    """Finding (message): with a curvature, row 5's norm is 3.1e17 (square 1e35, fits float32);
+    the overflow comes from (F + l I)^-1 (damping 1e-6). The warning says "those rows' norms are
+    too large for their squares to fit float32", which is false; expected it to name the
+    curvature (or damping) as the cause."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 20, 4, generator=g)
+    rows[:, 5] *= 1e17
+    st = _store(rows, lrs=[0.1, 0.2])
+    _, w = _calls(lambda: tif.self_influence(st, curvature=_identity_curvature(st, 1e-7, 1e-6)))
+    assert len(w) == 1
+    msg = str(w[0].message)
+    assert "too large for their squares" not in msg and ("curvature" in msg or "damping" in msg), msg
+
+
+def test_huge_test_row_against_ordinary_rows_message_is_bounded():
+    """Held: a 2e38 test row against 20,000 ordinary rows: one warning of 422 characters
+    ('2502 score(s) ... training rows [1, 4, 5, 7, 11] and more'), finite scores right, every
+    true overflow non-finite (477 of the 2502 have true values inside float32: partial sums)."""
+    g = torch.Generator().manual_seed(0)
+    st = _store(torch.randn(1, 20000, 4, generator=g), lrs=[1.0])
+    test = torch.randn(1, 2, 4, generator=g)
+    test[:, 0] *= 1e38
+    s, w = _calls(lambda: tif.score(st, test))
+    assert len(w) == 1 and len(str(w[0].message)) < 1000 and "and more" in str(w[0].message)
+    ref = _ref(st, test)
+    fin = torch.isfinite(s)
+    # every true overflow is inf/NaN (2025 of them); 477 more whose true value fits float32
+    # (a partial sum of the float32 product overflowed) are inf too: noted, not asserted
+    assert not fin[ref.abs() > torch.finfo(torch.float32).max].any()
+    torch.testing.assert_close(s[fin].double(), ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_output_jax_warns():
+    """Held: output='jax' warns once, naming rows [5, 20, 33]."""
+    pytest.importorskip("jax")
+    st, test = _three_big_rows()
+    _, w = _calls(lambda: tif.score(st, test, output="jax"))
+    assert len(w) == 1 and "training rows [5, 20, 33]" in str(w[0].message)
+
+
+def _nan_best_row():
+    """Row 5 = 1e20*e0; test row 0 is 2e20*e0 at checkpoint 0 and -1e20*e0 at checkpoint 1
+    (lr 1, 1): the true score is +1e40 (the best of the store); in float32 +inf + -inf = NaN."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 40, 4, generator=g)
+    rows[:, 5] = 0
+    rows[:, 5, 0] = 1e20
+    test = torch.randn(2, 2, 4, generator=g)
+    test[0, 0] = 0
+    test[0, 0, 0] = 2e20
+    test[1, 0] = 0
+    test[1, 0, 0] = -1e20
+    return _store(rows, lrs=[1.0, 1.0]), test
+
+
+def test_indexed_top_k_does_not_silently_drop_an_overflowed_best_row():
+    """Finding: the true best row of test row 0 (row 5, score 1e40, NaN in float32 from
+    +inf + -inf over two checkpoints) is silently left out by indexed_top_k - no warning, no
+    error, result rows [29, 24, 6] - even with nprobe=nlist and n_candidates=n_train. top_k
+    over the same store warns and raises NonFiniteGradientError naming the overflow."""
+    pytest.importorskip("faiss")
+    st, test = _nan_best_row()
+    idx = tif.build_index(st)
+    with pytest.raises(tif.errors.NonFiniteGradientError):
+        _calls(lambda: tif.top_k(st, test, 3))
+    try:
+        (v, i), w = _calls(lambda: tif.indexed_top_k(st, test, 3, index=idx, nprobe=idx.nlist,
+                                                    n_candidates=40))
+    except tif.errors.NonFiniteGradientError as e:
+        assert "overflow" in str(e)
+        return
+    assert w and "[5]" in str(w[0].message), (v, i)

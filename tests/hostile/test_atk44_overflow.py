@@ -430,7 +430,9 @@ def test_huge_test_row_against_ordinary_rows_message_is_bounded():
     # every true overflow is inf/NaN (2025 of them); 477 more whose true value fits float32
     # (a partial sum of the float32 product overflowed) are inf too: noted, not asserted
     assert not fin[ref.abs() > torch.finfo(torch.float32).max].any()
-    torch.testing.assert_close(s[fin].double(), ref[fin], rtol=1e-5, atol=1e-5)
+    # float32 rounding of sums of ~1e38 terms: error up to ~eps * |t| |r| (1e31 observed)
+    torch.testing.assert_close(s[0][fin[0]].double(), ref[0][fin[0]], rtol=1e-5, atol=1e33)
+    torch.testing.assert_close(s[1].double(), ref[1], rtol=1e-5, atol=1e-5)
 
 
 def test_output_jax_warns():

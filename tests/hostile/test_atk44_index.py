@@ -186,3 +186,22 @@ def test_cosine_of_a_finite_row_whose_norm_overflows_float32():
     except tif.TracInFuncError:
         return
     assert s[0, 3].item() == pytest.approx(0.3, rel=1e-5)
+
+
+def test_float64_cosine_score_of_the_smallest_denormal_row():
+    """Finding: the float64 analogue: a float64 row 5e-324*e0 (norm 5e-324 given exactly) and
+    the test row e0, lr=0.5: cosine 1, score 0.5; score(normalize=True) gives 0.0 (lr=0.1:
+    0.0; 1e-320 at lr=0.1: 0.998*lr); candidates= gives 0.5. lr=1 is right."""
+    base = tt.reference_store(4, 8, n_ckpt=1, dtype=torch.float64)
+    meta = dataclasses.replace(base.meta, checkpoints=(
+        dataclasses.replace(base.meta.checkpoints[0], lr=0.5),))
+    rows = torch.randn(1, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rows[0, 3] = 0
+    rows[0, 3, 0] = 5e-324
+    norms = rows.norm(dim=-1)
+    norms[0, 3] = 5e-324
+    st = MemoryStore(meta, rows, norms)
+    test = torch.zeros(1, 1, 8, dtype=torch.float64)
+    test[0, 0, 0] = 1
+    assert tif.score(st, test, normalize=True, candidates=[[3]])[0, 0].item() == pytest.approx(0.5)
+    assert tif.score(st, test, normalize=True)[0, 3].item() == pytest.approx(0.5)

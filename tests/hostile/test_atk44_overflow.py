@@ -475,3 +475,34 @@ def test_indexed_top_k_does_not_silently_drop_an_overflowed_best_row():
         assert "overflow" in str(e)
         return
     assert w and "[5]" in str(w[0].message), (v, i)
+
+
+def test_self_influence_that_fits_float32_is_not_inf():
+    """Finding: norm 2.5e19 (stored exactly enough in float32), lr=0.5: the self-influence
+    0.5 * 6.25e38 = 3.125e38 fits float32, but self_influence returns inf and warns that the
+    row's self-influence 'overflowed float32' (the square is formed before the lr). Likewise
+    lr 1 and -0.8 over two checkpoints of square 5e38 (true 1e38) give NaN."""
+    rows = torch.ones(1, 3, 4)
+    rows[0, 1] = 1.25e19
+    st = _store(rows, lrs=[0.5])
+    si, _ = _calls(lambda: tif.self_influence(st))
+    assert torch.isfinite(si[1]) and si[1].item() == pytest.approx(3.125e38, rel=1e-5), si
+
+
+def test_float64_store_overflow_warning_does_not_prescribe_float64():
+    """Finding (message): a float64 store whose score overflows float64 (1e200 x 1e200) warns
+    "overflowed float64 ... build the store and the test gradients with dtype='float64' to keep
+    them finite" - the store already is float64, so the advice cannot help; it also reports the
+    lr-weighted test row norm as 'inf' (its norm is 1e199)."""
+    base = tt.reference_store(4, 8, n_ckpt=1, dtype=torch.float64)
+    rows = torch.randn(1, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rows[0, 3] = 0
+    rows[0, 3, 0] = 1e200
+    norms = rows.norm(dim=-1)
+    norms[0, 3] = 1e200
+    st = MemoryStore(base.meta, rows, norms)
+    test = torch.zeros(1, 1, 8, dtype=torch.float64)
+    test[0, 0, 0] = 1e200
+    _, w = _calls(lambda: tif.score(st, test))
+    assert len(w) == 1
+    assert "dtype='float64' to keep them finite" not in str(w[0].message), str(w[0].message)

@@ -205,3 +205,57 @@ def test_float64_cosine_score_of_the_smallest_denormal_row():
     test[0, 0, 0] = 1
     assert tif.score(st, test, normalize=True, candidates=[[3]])[0, 0].item() == pytest.approx(0.5)
     assert tif.score(st, test, normalize=True)[0, 3].item() == pytest.approx(0.5)
+
+
+def _perm_pair(tmp_path, v, lrs):
+    rows = torch.randn(2, 30, 8, generator=torch.Generator().manual_seed(0))
+    rows[:, 3] = 0
+    rows[:, 3, 0] = v
+    rows[:, 7] = 0
+    rows[:, 7, 1] = v
+    z = tif.save_store(_store(rows, lrs=lrs), tmp_path / "a.zarr")
+    tif.build_index(z, normalize=True)
+    perm = rows.clone()
+    perm[:, 3] = rows[:, 7]
+    perm[:, 7] = rows[:, 3]
+    z2 = tif.save_store(_store(perm, lrs=lrs), tmp_path / "b.zarr")
+    return tmp_path / "a.zarr.faiss", z2
+
+
+def test_load_index_refuses_two_denormal_rows_swapped_at_lr_one(tmp_path):
+    """Held: rows 3 and 7 (1.4e-45*e0 and 1.4e-45*e1, equal norms) swapped, lr 1 and 1:
+    load_index refuses naming rows [3, 7]."""
+    path, z2 = _perm_pair(tmp_path, SMALLEST, [1.0, 1.0])
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match=r"rows \[3, 7\]"):
+        tif.load_index(path, z2)
+
+
+def test_load_index_refuses_two_denormal_rows_swapped_at_lr_below_one(tmp_path):
+    """Finding: the same swap with lr 0.1 and 0.2 (the usual case) loads without a word, and
+    indexed_top_k then answers [24, 21] for the query e0 (whose best is the moved row, cosine
+    1). With 1e-42 rows, or lr 1, the swap is refused ('rows [3, 7] differ ...')."""
+    path, z2 = _perm_pair(tmp_path, SMALLEST, [0.1, 0.2])
+    with pytest.raises(tif.errors.IncompatibleGradientsError, match=r"rows \[3, 7\]"):
+        tif.load_index(path, z2)
+
+
+def test_ivf_pq_cosine_index_over_denormal_zero_and_huge_rows():
+    """Held (lr 1): a 300-row store with rows 1e-42*e0, 1.4e-45*e1, 0 and 3e38*e2 builds an
+    ivf_pq cosine index; searching every cluster with every row as candidate gives exact top_k."""
+    rows = torch.randn(1, 300, 8, generator=torch.Generator().manual_seed(0))
+    for j, (axis, v) in {3: (0, 1e-42), 7: (1, SMALLEST), 9: (0, 0.0), 11: (2, 3e38)}.items():
+        rows[:, j] = 0
+        rows[:, j, axis] = v
+    st = _store(rows, lrs=[1.0])
+    test = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(2))
+    test[0, 0] = _e0()
+    test[0, 1] = 0
+    test[0, 1, 1] = 1
+    test[0, 2] = 0
+    test[0, 2, 2] = 1
+    idx = tif.build_index(st, normalize=True, kind="ivf_pq", m=2)
+    ev, ei = tif.top_k(st, test, 3, normalize=True)
+    v, i = tif.indexed_top_k(st, test, 3, index=idx, normalize=True, nprobe=idx.nlist,
+                             n_candidates=300)
+    assert torch.equal(ei, i) and ei[0, 0] == 3 and ei[1, 0] == 7 and ei[2, 0] == 11
+    torch.testing.assert_close(v, ev)

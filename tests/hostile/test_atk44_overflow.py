@@ -506,3 +506,20 @@ def test_float64_store_overflow_warning_does_not_prescribe_float64():
     _, w = _calls(lambda: tif.score(st, test))
     assert len(w) == 1
     assert "dtype='float64' to keep them finite" not in str(w[0].message), str(w[0].message)
+
+
+def test_top_k_over_more_than_65536_test_rows_warns_once_with_the_total():
+    """Finding: 70,000 test rows (top_k splits them into blocks of 65,536, one scan each), rows
+    5 and 69,000 overflow with training row 3: top_k emits two identical warnings, each saying
+    '1 score(s) overflowed' (under Python's default filter the second is hidden, so the user reads
+    1 of 2). score and top_k(candidates=) on the same input warn once, '2 score(s)'."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, 10, 4, generator=g)
+    rows[:, 3] = 1e20
+    st = _store(rows, lrs=[1.0])
+    test = torch.randn(1, 70000, 4, generator=g)
+    test[0, 5] = 1e20
+    test[0, 69000] = 1e20
+    (v, i), w = _calls(lambda: tif.top_k(st, test, 2))
+    assert torch.isinf(v[[5, 69000], 0]).all()
+    assert len(w) == 1 and "2 score(s)" in str(w[0].message), [str(x.message)[:60] for x in w]

@@ -523,3 +523,27 @@ def test_top_k_over_more_than_65536_test_rows_warns_once_with_the_total():
     (v, i), w = _calls(lambda: tif.top_k(st, test, 2))
     assert torch.isinf(v[[5, 69000], 0]).all()
     assert len(w) == 1 and "2 score(s)" in str(w[0].message), [str(x.message)[:60] for x in w]
+
+
+def test_no_false_warning_when_the_overflowing_row_is_outside_the_query():
+    """Held: row 5 overflows with test row 1, but rows=(10, 40), candidates without row 5, or
+    an index search over rows (10, 40): finite results, no warning."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 40, 4, generator=g)
+    rows[:, 5] *= 1e30
+    st = _store(rows, lrs=[0.1, 0.2])
+    test = torch.randn(2, 3, 4, generator=g)
+    test[:, 1] *= 1e30
+    calls = [lambda: tif.score(st, test, rows=(10, 40)),
+             lambda: tif.top_k(st, test, 2, rows=(10, 40))[0],
+             lambda: tif.self_influence(st, rows=(10, 40)),
+             lambda: tif.score(st, test, candidates=torch.tensor([[1, 2]] * 3))]
+    try:
+        import faiss  # noqa: F401
+        idx = tif.build_index(st)
+        calls.append(lambda: tif.indexed_top_k(st, test, 2, index=idx, rows=(10, 40))[0])
+    except ImportError:
+        pass
+    for fn in calls:
+        r, w = _calls(fn)
+        assert w == [] and torch.isfinite(r).all()

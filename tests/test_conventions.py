@@ -104,3 +104,20 @@ def test_every_raised_error_is_a_tracinfunc_error():
                                                  or raised is ImportError):
                 offenders.append(f"{path.relative_to(root.parent)}:{node.lineno} {name}")
     assert not offenders, offenders
+
+
+def test_no_test_module_sets_torch_threads_when_imported():
+    """A test module calling ``torch.set_num_threads`` at import sets it for the whole session
+    (every module is imported at collection), and on MKL's AMD path a GEMM sums differently
+    with 1 and 2 threads: a CLI subprocess then disagreed with the in-process API. Set it in
+    a fixture (``one_thread`` in conftest.py) or inside the test."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            call = node.value if isinstance(node, ast.Expr) else None
+            if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("set_num_threads"):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

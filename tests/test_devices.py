@@ -58,10 +58,10 @@ def test_score_keeps_queries_scales_and_rows_on_the_target_device(stores, monkey
     seen = []
     real = score_module._accumulate
 
-    def spy(block, test, train, inverse, *, first):
+    def spy(block, test, train, inverse, *, first, **options):
         tensors = [block, test, train] + ([inverse] if inverse is not None else [])
         seen.append({t.device.type for t in tensors})
-        return real(block, test, train, inverse, first=first)
+        return real(block, test, train, inverse, first=first, **options)
 
     monkeypatch.setattr(score_module, "_accumulate", spy)
     got = tif.score(store, _test_tensor(test_store), device=META, normalize=normalize)

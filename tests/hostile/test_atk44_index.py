@@ -15,7 +15,6 @@ import tracinfunc.testing as tt
 from tracinfunc.store import MemoryStore
 
 pytest.importorskip("faiss")
-torch.set_num_threads(1)
 
 SMALLEST = 1.401298464324817e-45  # float32's smallest denormal
 
@@ -25,7 +24,7 @@ def _store(rows: torch.Tensor, lrs=None, dtype=torch.float32) -> MemoryStore:
     meta = tt.reference_store(n, k, n_ckpt=c, dtype=dtype).meta
     if lrs is not None:
         meta = dataclasses.replace(meta, checkpoints=tuple(
-            dataclasses.replace(ck, lr=lr) for ck, lr in zip(meta.checkpoints, lrs)))
+            dataclasses.replace(ck, lr=lr) for ck, lr in zip(meta.checkpoints, lrs, strict=False)))
     r = rows.to(dtype)
     return MemoryStore(meta, r, r.double().norm(dim=-1).float())
 
@@ -163,8 +162,8 @@ def test_indexed_top_k_over_every_cluster_orders_ties_like_top_k(normalize):
     st = _store(rows, lrs=[1.0])
     test = v.reshape(1, 1, 8).clone()
     idx = tif.build_index(st, normalize=normalize)
-    ev, ei = tif.top_k(st, test, 4, normalize=normalize)
-    iv, ii = tif.indexed_top_k(st, test, 4, index=idx, normalize=normalize, nprobe=idx.nlist)
+    _ev, ei = tif.top_k(st, test, 4, normalize=normalize)
+    _iv, ii = tif.indexed_top_k(st, test, 4, index=idx, normalize=normalize, nprobe=idx.nlist)
     assert ei.tolist() == ii.tolist(), (ei.tolist(), ii.tolist())
 
 

@@ -17,15 +17,13 @@ import tracinfunc as tif
 import tracinfunc.testing as tt
 from tracinfunc.store import MemoryStore
 
-torch.set_num_threads(1)
-
 
 def _store(rows: torch.Tensor, lrs=None, dtype=torch.float32) -> MemoryStore:
     c, n, k = rows.shape
     meta = tt.reference_store(n, k, n_ckpt=c, dtype=dtype).meta
     if lrs is not None:
         meta = dataclasses.replace(meta, checkpoints=tuple(
-            dataclasses.replace(ck, lr=lr) for ck, lr in zip(meta.checkpoints, lrs)))
+            dataclasses.replace(ck, lr=lr) for ck, lr in zip(meta.checkpoints, lrs, strict=False)))
     r = rows.to(dtype)
     return MemoryStore(meta, r, r.double().norm(dim=-1).float())
 
@@ -167,7 +165,7 @@ def test_float64_store_stays_silent_and_exact():
     test = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
     test[:, 1] *= 1e30
     st = _store(rows, lrs=[0.5, -0.25], dtype=torch.float64)
-    (s, (v, i), si), w = _calls(lambda: (tif.score(st, test), tif.top_k(st, test, 2),
+    (s, (v, _i), si), w = _calls(lambda: (tif.score(st, test), tif.top_k(st, test, 2),
                                          tif.self_influence(st)))
     assert w == []
     torch.testing.assert_close(s, _ref(st, test), rtol=1e-12, atol=0)
@@ -278,7 +276,9 @@ def test_rerank_and_indexed_top_k_warn_at_the_user_line():
     st, test = _aligned_big()
     idx = tif.build_index(st)
     _, w = _calls(lambda: tif.indexed_top_k(st, test, 3, index=idx, nprobe=idx.nlist))
-    assert len(w) == 1 and "[33]" in str(w[0].message)
+    # one warning, before the search: the rows whose scores can overflow (session 44's fix of
+    # this pass's finding 6), the overflowed row 33 among them
+    assert len(w) == 1 and "[5, 33]" in str(w[0].message)
     assert os.path.basename(w[0].filename) == os.path.basename(__file__)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -520,7 +520,7 @@ def test_top_k_over_more_than_65536_test_rows_warns_once_with_the_total():
     test = torch.randn(1, 70000, 4, generator=g)
     test[0, 5] = 1e20
     test[0, 69000] = 1e20
-    (v, i), w = _calls(lambda: tif.top_k(st, test, 2))
+    (v, _i), w = _calls(lambda: tif.top_k(st, test, 2))
     assert torch.isinf(v[[5, 69000], 0]).all()
     assert len(w) == 1 and "2 score(s)" in str(w[0].message), [str(x.message)[:60] for x in w]
 

@@ -122,9 +122,9 @@ def test_scores_through_the_fake_device_equal_the_cpu_path(mlp_setup32, tmp_path
 
     real_accumulate = score_module._accumulate
 
-    def reading(block, test, train, inverse, *, first):
+    def reading(block, test, train, inverse, *, first, **options):
         fakes[-1].read(train)  # the compute reads the streamed rows
-        return real_accumulate(block, test, train, inverse, first=first)
+        return real_accumulate(block, test, train, inverse, first=first, **options)
 
     monkeypatch.setattr(stream_module, "copy_backend", fake_backend)
     monkeypatch.setattr(score_module, "_accumulate", reading)

@@ -166,8 +166,10 @@ def candidate_scores(store: GradientStore, query: PreparedQuery, candidates: Ten
             rows = rows / norm_divisors(norms)[:, None]
         for lo, plan in zip(range(0, len(position), _QUERY_BLOCK), plans, strict=True):
             hi = lo + len(plan[2])
-            total[lo:hi] += _block_scores(rows, query.rows[ckpt, lo:hi], *plan)
-    warn_candidate_overflow(total, candidates)
+            part = _block_scores(rows, query.rows[ckpt, lo:hi], *plan)
+            total[lo:hi] += part if query.scale(ckpt) == 1.0 else part * query.scale(ckpt)
+    if not query.normalize:  # cosines are bounded
+        warn_candidate_overflow(total, candidates, query, store)
     return total
 
 

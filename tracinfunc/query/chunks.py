@@ -105,22 +105,34 @@ def score_chunks(
 
 
 def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int | None,
-                  progress: ProgressArg, out: Tensor | None = None
-                  ) -> Iterator[tuple[int, Tensor]]:
+                  progress: ProgressArg, out: Tensor | None = None,
+                  watch: OverflowWatch | None = None) -> Iterator[tuple[int, Tensor]]:
     """``(start, block [n_test, rows])`` for every row chunk of ``store``, ``start`` a row of
-    ``store``; ``query`` was prepared for it (or for the store it is a row range of)."""
+    ``store``; ``query`` was prepared for it (or for the store it is a row range of).
+
+    Overflowed scores are recorded in ``watch`` (its owner warns: one warning for a query
+    streamed in parts), else in a watch of this stream that warns when the stream ends or
+    is closed."""
+    if watch is None and not query.normalize:  # cosines are bounded by sum_c |lr_c|
+        own = OverflowWatch(store, query)
+        try:
+            yield from stream_scores(store, query, chunk_rows=chunk_rows, progress=progress,
+                                     out=out, watch=own)
+        finally:
+            own.warn()
+        return
     meta, device, dtype = store.meta, query.device, query.dtype
     matmul_dtype = _matmul_dtype(meta.torch_dtype, dtype, device, n_test=query.n_test)
     test = query.rows.to(device, matmul_dtype)  # [n_ckpt, n_test, k]
     rows_per_chunk = _chunk_rows(store, chunk_rows, meta, query.n_test)
-    divisors = None
+    divisors = tiny = None
     if query.normalize:  # [n_ckpt, n_train]: 1/k of the store, read once
         divisors = torch.stack([
             norm_divisors(store.read_norms(c, 0, meta.n_train).to(device, dtype))
             for c in range(meta.n_ckpt)
         ])
-    # Cosine scores are bounded by sum_c |lr_c|; plain ones of huge rows may overflow.
-    watch = None if query.normalize else OverflowWatch(store, query.rows, dtype)
+        if not divisors.is_meta:  # (the tests' stand-in device holds no values)
+            tiny = (divisors < _tiny_norm(dtype)).cpu()  # rows made unit before the product
     upcast = None
     if meta.torch_dtype != matmul_dtype:  # float16 (or bf16 on GPU) rows -> float32 matmul
         upcast = torch.empty(rows_per_chunk, meta.k, dtype=matmul_dtype, device=device)
@@ -141,7 +153,10 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
         divisor = None if divisors is None else divisors[ckpt, start:stop]
         with threads, full_float32():  # no TF32 whatever the process set
             train = train_rows if upcast is None else upcast[: stop - start].copy_(train_rows)
-            _accumulate(block, test[ckpt], train, divisor, first=ckpt == 0)
+            if tiny is not None and bool(tiny[ckpt, start:stop].any()):
+                train, divisor = _unit_tiny_rows(train, divisor)
+            _accumulate(block, test[ckpt], train, divisor, first=ckpt == 0,
+                        scale=query.scale(ckpt))
         if ckpt == meta.n_ckpt - 1:
             if watch is not None:
                 watch.check(start, block)
@@ -150,16 +165,35 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
     bar.close()
 
 
+def _tiny_norm(dtype: torch.dtype) -> float:
+    """Rows of a smaller norm are made unit before a cosine's product (``sqrt(tiny)``:
+    1e-19 in float32): their products with a test row (``lr_c`` over ``|test_c|`` folded in)
+    would be subnormal, keeping a few bits or none (a 1e-45 row at lr 0.5 scored 0)."""
+    return torch.finfo(dtype).tiny ** 0.5
+
+
+def _unit_tiny_rows(train: Tensor, divisor: Tensor) -> tuple[Tensor, Tensor]:
+    """``train`` ``[rows, k]`` with its rows of norm below :func:`_tiny_norm` divided by it
+    (in float64: a denormal row's direction), and ``divisor`` 1 for them; new tensors."""
+    small = divisor < _tiny_norm(divisor.dtype)
+    train = train.clone()  # a store's own memory, or a reused buffer: never written
+    train[small] = (train[small].double() / divisor[small, None].double()).to(train.dtype)
+    return train, torch.where(small, torch.ones_like(divisor), divisor)
+
+
 def _accumulate(block: Tensor, test: Tensor, train: Tensor, divisor: Tensor | None, *,
-                first: bool) -> None:
-    """``block (=|+=) test @ train.T`` (over ``divisor`` per column), in ``block``'s dtype.
+                first: bool, scale: float = 1.0) -> None:
+    """``block (=|+=) scale * test @ train.T`` (over ``divisor`` per column), in ``block``'s
+    dtype (``scale``: :attr:`PreparedQuery.scales`, 1.0 but where ``lr_c`` did not fit the rows).
 
     ``first``: overwrite ``block`` (uninitialised memory; ``beta=0`` ignores it, NaN included).
     """
-    if divisor is None and test.dtype == block.dtype:
-        block.addmm_(test, train.T, beta=0 if first else 1)  # [n_test, k] @ [k, rows]
+    if divisor is None and test.dtype == block.dtype:  # [n_test, k] @ [k, rows]
+        block.addmm_(test, train.T, beta=0 if first else 1, alpha=scale)
         return
     product = test @ train.T  # [n_test, rows], bfloat16 on the CPU bf16 path
+    if scale != 1.0:
+        product = product.mul_(scale)
     if divisor is not None:
         product = product.div_(divisor)  # its own new tensor
     if first:

@@ -5,7 +5,7 @@ loss, or a model scaled by 1e20) have a dot product of 1e40 that float32 cannot 
 ``score`` and ``self_influence`` would return ``inf`` for it without a word. By
 Cauchy-Schwarz no score exceeds ``sum_c |lr_c test_c| |train_c|``, so a query whose bound
 fits (every ordinary one) pays nothing; one whose bound does not is checked block by block
-and warns once, naming the rows and the way out (a float64 store).
+and warns once, when the query is done, naming every row and the way out.
 """
 
 from __future__ import annotations
@@ -16,83 +16,184 @@ import torch
 from torch import Tensor
 
 from tracinfunc._validate import current_caller, user_stacklevel
+from tracinfunc.errors import NonFiniteGradientError
+from tracinfunc.query.prepared import PreparedQuery
 from tracinfunc.query.rows import RowRange
-from tracinfunc.store.meta import StoreMeta
+from tracinfunc.store.gather import norms_at
 from tracinfunc.store.protocols import GradientStore
 
-__all__ = ["OverflowWatch", "warn_candidate_overflow", "warn_self_influence_overflow"]
+__all__ = ["OverflowWatch", "largest_norm", "nan_scores_error", "overflow_advice",
+           "warn_candidate_overflow", "warn_self_influence_overflow"]
 
-_FIX = ("build the store and the test gradients with dtype='float64' to keep them finite, and "
-        "check the loss for exploding gradients")
+_NAMED = 5  # rows named in a warning
+
+
+def largest_norm(rows: Tensor) -> float:
+    """The largest row norm of ``rows`` ``[..., k]``, in float64 and without overflowing it
+    (each row scaled by its largest entry first: a float64 row of 1e200 has norm 1e200, not
+    the inf of its squares)."""
+    if rows.numel() == 0:
+        return 0.0
+    wide = rows.double()
+    scale = wide.abs().amax(dim=-1, keepdim=True)
+    units = torch.where(scale > 0, wide / scale.clamp_min(torch.finfo(torch.float64).tiny),
+                        torch.zeros_like(wide))
+    return float((torch.linalg.vector_norm(units, dim=-1) * scale.squeeze(-1)).max())
+
+
+def nan_scores_error() -> NonFiniteGradientError:
+    """The error of a ranking over NaN scores (NaN sorts first: it would be "the best")."""
+    return NonFiniteGradientError(
+        f"{current_caller()}: some scores are NaN: the store holds inf or NaN rows (e.g. "
+        "gradients beyond float16's range, 65504, stored as float16), or rows so large "
+        "that their scores overflowed (a RuntimeWarning then names them). Rebuild it with "
+        "dtype=torch.float32 (or bfloat16; float64 for the overflow), or scale the loss down.")
+
+
+def overflow_advice(dtype: torch.dtype) -> str:
+    """How to keep such scores finite, for scores computed in ``dtype``."""
+    if dtype == torch.float64:
+        return ("float64 cannot hold them either: the gradients are exploding; check the loss, "
+                "or scale it down")
+    return ("build the store and the test gradients with dtype='float64' to keep them finite, "
+            "and check the loss for exploding gradients")
+
+
+def _named(rows: list[int], total: int) -> str:
+    return f"{rows[:_NAMED]}{' and more' if total > _NAMED else ''}"
 
 
 class OverflowWatch:
-    """Checks score blocks for overflow when the rows' norms say one is possible.
+    """Records score blocks that are not finite when the rows' norms say an overflow is
+    possible; :meth:`warn` reports them all, once (``score``, ``top_k``, ``score_chunks``).
 
     Args:
         store: The training store (its norms are read once, ``[n_ckpt, n_train]``).
-        rows: The prepared test rows ``[n_ckpt, n_test, k]`` (``lr_c`` folded in).
-        dtype: The dtype scores are accumulated in.
+        query: The prepared query (:class:`~tracinfunc.query.prepared.PreparedQuery`).
     """
 
-    def __init__(self, store: GradientStore, rows: Tensor, dtype: torch.dtype) -> None:
-        meta: StoreMeta = store.meta
-        test = torch.linalg.vector_norm(rows.double(), dim=-1).amax(dim=-1)  # [n_ckpt]
-        train = torch.stack([store.read_norms(c, 0, meta.n_train).double().amax()
-                             for c in range(meta.n_ckpt)]).to(test.device)
+    def __init__(self, store: GradientStore, query: PreparedQuery) -> None:
+        meta, dtype = store.meta, query.dtype
+        self.active = False
+        self._rows: list[int] = []  # store rows with a score that is not finite (first few)
+        self._n_rows = self._n_scores = 0
+        if query.rows.is_meta:  # shapes without values (the tests' stand-in device)
+            return
+        # One pass in the rows' dtype (an overflowed norm is inf: checked, conservatively);
+        # the exact largest norms are measured only for a warning.
+        self._query = query
+        test = torch.tensor([float(torch.linalg.vector_norm(query.rows[c], dim=-1).amax())
+                             * abs(query.scale(c)) if query.n_test else 0.0
+                             for c in range(meta.n_ckpt)], dtype=torch.float64)
+        train = torch.tensor([float(store.read_norms(c, 0, meta.n_train).double().amax())
+                              if meta.n_train else 0.0 for c in range(meta.n_ckpt)],
+                             dtype=torch.float64)
         bound = float((test * train).sum())
         # A NaN bound (a crafted store's NaN norm) is checked too. Half the largest value:
         # accumulation rounding, and the block holding exactly the bound.
         self.active = not bound < torch.finfo(dtype).max / 2
-        self._dtype, self._warned = dtype, False
-        self._largest = (float(test.max()), float(train.max()))
+        self._dtype, self._store = dtype, store
+        self._largest = float(train.max())
         self._offset = store.start if isinstance(store, RowRange) else 0  # rows=: the store's
 
     def check(self, start: int, block: Tensor) -> None:
-        """Warn (once) when ``block`` ``[n_test, rows]``, training rows from ``start``, holds
-        a score that is not finite."""
-        if not self.active or self._warned or bool(torch.isfinite(block).all()):
+        """Record the scores of ``block`` ``[n_test, rows]`` (training rows from ``start``)
+        that are not finite."""
+        if not self.active or bool(torch.isfinite(block).all()):
             return
-        self._warned = True
         bad = ~torch.isfinite(block)
-        columns = (bad.any(dim=0).nonzero().flatten()[:5] + start + self._offset).tolist()
+        columns = bad.any(dim=0).nonzero().flatten()
+        self._n_scores += int(bad.sum())
+        self._n_rows += len(columns)
+        if len(self._rows) < _NAMED:
+            self._rows += (columns[:_NAMED] + start + self._offset).tolist()
+
+    def warn(self) -> None:
+        """Warn once for everything recorded (nothing when nothing was)."""
+        if not self._n_scores:
+            return
         name = str(self._dtype).removeprefix("torch.")
+        n_scores, self._n_scores = self._n_scores, 0  # warned once, however often called
         warnings.warn(
-            f"{current_caller()}: {int(bad.sum())} score(s) overflowed {name} and are inf or "
-            f"NaN (training rows {columns}{' and more' if bad.any(dim=0).sum() > 5 else ''}): "
-            f"the largest learning-rate-weighted test row norm and training row norm are "
-            f"{self._largest[0]:.3g} and {self._largest[1]:.3g}, whose products {name} cannot "
-            f"hold. The other scores are right; these cannot be summed or correlated; {_FIX}.",
+            f"{current_caller()}: {n_scores} score(s) overflowed {name} and are inf or NaN "
+            f"(training rows {_named(sorted(self._rows), self._n_rows)}): the largest "
+            f"learning-rate-weighted test row norm and training row norm are "
+            f"{_test_norm(self._query):.3g} and {self._largest:.3g}, whose products {name} cannot "
+            f"hold. The other scores are right; these cannot be summed or correlated; "
+            f"{overflow_advice(self._dtype)}.",
             RuntimeWarning, stacklevel=user_stacklevel())
 
 
-def warn_self_influence_overflow(total: Tensor, first_row: int = 0) -> None:
-    """Warn when self-influences ``[n]`` (rows from ``first_row``) overflowed their dtype."""
+    def warn_search(self) -> bool:
+        """Warn, before a FAISS search, that rows whose scores may overflow float32 may be
+        missing from its candidates (it leaves out inf and NaN products), naming them; whether
+        it warned."""
+        if not self.active:
+            return False
+        meta, query = self._store.meta, self._query
+        test = [largest_norm(query.rows[c]) * abs(query.scale(c)) for c in range(meta.n_ckpt)]
+        reach = sum(self._store.read_norms(c, 0, meta.n_train).double() * test[c]
+                    for c in range(meta.n_ckpt))  # [n_train]: each row's score bound
+        if bool((reach < torch.finfo(torch.float32).max / 2).all()):
+            return False  # the float32 norms alone had overflowed: nothing is at risk
+        risky = (~(reach < torch.finfo(torch.float32).max / 2)).nonzero().flatten()
+        rows = (risky[:_NAMED] + self._offset).tolist()
+        warnings.warn(
+            f"{current_caller()}: training rows {_named(rows, len(risky))} have norms (up to "
+            f"{self._largest:.3g}) whose scores with these test rows (norms up to "
+            f"{_test_norm(self._query):.3g}) can overflow float32; the index searches in "
+            f"float32 and leaves such rows out of its candidates, so they may be missing from "
+            f"the result. tif.top_k is exact and names overflowed scores; "
+            f"{overflow_advice(torch.float32)}.",
+            RuntimeWarning, stacklevel=user_stacklevel())
+        return True
+
+
+def warn_self_influence_overflow(total: Tensor, first_row: int = 0, *,
+                                 curvature: bool = False) -> None:
+    """Warn when self-influences ``[n]`` (rows from ``first_row``) overflowed their dtype
+    (``curvature``: they were preconditioned)."""
     bad = ~torch.isfinite(total)
     if not bool(bad.any()):
         return
-    rows = (bad.nonzero().flatten()[:5] + first_row).tolist()
+    rows = (bad.nonzero().flatten()[:_NAMED] + first_row).tolist()
     name = str(total.dtype).removeprefix("torch.")
+    cause = (f"those rows preconditioned by the curvature (a small damping divides by it) "
+             f"give values {name} cannot hold" if curvature else
+             f"those rows' norms are too large for lr times their squares to fit {name}")
+    advice = overflow_advice(total.dtype).replace(" and the test gradients", "")
+    if curvature and total.dtype != torch.float64:
+        advice = f"raise the damping, or {advice}"
     warnings.warn(
         f"{current_caller()}: the self-influence of {int(bad.sum())} training row(s) (rows "
-        f"{rows}{' and more' if int(bad.sum()) > len(rows) else ''}) overflowed {name} and is "
-        f"inf or NaN: those rows' norms are too large for their squares to fit {name}. The "
-        f"other rows' values are right; these cannot be summed or correlated; build the store with "
-        f"dtype='float64' to keep them finite, and check the loss for exploding gradients.",
+        f"{_named(rows, int(bad.sum()))}) overflowed {name} and is inf or NaN: {cause}. The "
+        f"other rows' values are right; these cannot be summed or correlated; {advice}.",
         RuntimeWarning, stacklevel=user_stacklevel())
 
 
-def warn_candidate_overflow(scores: Tensor, candidates: Tensor) -> None:
-    """Warn when scores ``[n_test, M]`` of the store rows ``candidates`` ``[n_test, M]``
-    (``-1``: no candidate, ignored) are not finite: finite rows whose products overflowed."""
+def warn_candidate_overflow(scores: Tensor, candidates: Tensor, query: PreparedQuery,
+                            store: GradientStore) -> None:
+    """Warn when scores ``[n_test, M]`` of the rows ``candidates`` ``[n_test, M]`` of
+    ``store`` (``-1``: no candidate, ignored) are not finite: finite rows whose products
+    overflowed; ``query`` holds their test rows."""
     bad = ~torch.isfinite(scores) & (candidates >= 0)
     if not bool(bad.any()):
         return
-    rows = torch.unique(candidates[bad]).tolist()
+    named = torch.unique(candidates[bad]).cpu()
+    store_norm = max(float(norms_at(store, c, named).double().amax())
+                     for c in range(store.meta.n_ckpt))
+    rows = named.tolist()
     name = str(scores.dtype).removeprefix("torch.")
     warnings.warn(
         f"{current_caller()}: {int(bad.sum())} score(s) overflowed {name} and are inf or NaN "
-        f"(training rows {rows[:5]}{' and more' if len(rows) > 5 else ''}): those rows' and "
-        f"the test rows' norms are too large for their products to fit {name}. The other "
-        f"scores are right; these cannot be summed or correlated; {_FIX}.",
+        f"(training rows {_named(rows, len(rows))}): the largest learning-rate-weighted test "
+        f"row norm and candidate row norm are {_test_norm(query):.3g} and "
+        f"{store_norm:.3g}, whose products {name} cannot hold. The other scores are right; "
+        f"these cannot be summed or correlated; {overflow_advice(scores.dtype)}.",
         RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def _test_norm(query: PreparedQuery) -> float:
+    """The largest learning-rate-weighted test row norm of ``query``."""
+    return max(largest_norm(query.rows[c]) * abs(query.scale(c))
+               for c in range(query.rows.shape[0]))

@@ -53,6 +53,10 @@ class PreparedQuery:
         device: Where ``rows`` and ``norms`` live (where the scores are computed).
         contrast: The :class:`~tracinfunc.Contrast` folded into ``rows`` (``norms`` stay
             the test rows'), or ``None``.
+        scales: ``n_ckpt`` factors each checkpoint's products are multiplied by: 1.0 where
+            ``lr_c`` is folded into ``rows`` (every ordinary query), ``lr_c`` where folding it
+            would take a row out of ``dtype``'s normal range (entries of 1e36 at lr 1e3, or
+            1e-25 at lr 1e-20): the product of the unscaled rows fits, and is scaled after.
     """
 
     rows: Tensor
@@ -62,6 +66,11 @@ class PreparedQuery:
     dtype: torch.dtype
     device: torch.device
     contrast: Contrast | None = None
+    scales: tuple[float, ...] = ()
+
+    def scale(self, ckpt: int) -> float:
+        """The factor of checkpoint ``ckpt``'s products (1.0: ``lr_c`` is in the rows)."""
+        return self.scales[ckpt] if self.scales else 1.0
 
     @property
     def n_test(self) -> int:
@@ -70,7 +79,7 @@ class PreparedQuery:
     def split(self, lo: int, hi: int) -> PreparedQuery:
         """Test rows ``[lo, hi)`` (views, nothing prepared again)."""
         return PreparedQuery(self.rows[:, lo:hi], self.norms[:, lo:hi], self.lrs,
-                             self.normalize, self.dtype, self.device, self.contrast)
+                             self.normalize, self.dtype, self.device, self.contrast, self.scales)
 
 
 def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool = False,
@@ -104,25 +113,26 @@ def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool =
     check_test_type(test_grads)
     test_grads = precondition_queries(meta, test_grads, curvature)
     device = resolve_device(device, test_grads)
-    rows, norms = _weighted(meta, test_grads, normalize, device)
+    rows, norms, scales = _weighted(meta, test_grads, normalize, device)
     if contrast is not None:
         control = control_rows(meta, contrast, rows.shape[1], curvature)
-        control, _ = _weighted(meta, control, normalize, device)
+        control, _, _ = _weighted(meta, control, normalize, device, scales=scales)
         if not contrast.paired:
             control = control.mean(dim=1, keepdim=True)  # [n_ckpt, 1, k]
         dtype = compute_dtype(rows.dtype, control.dtype)
         rows = rows.to(dtype) - contrast.weight * control.to(dtype)
-    return PreparedQuery(rows, norms, meta.lrs, bool(normalize), rows.dtype, device, contrast)
+    return PreparedQuery(rows, norms, meta.lrs, bool(normalize), rows.dtype, device, contrast,
+                         scales)
 
 
 def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
-              device: torch.device) -> tuple[Tensor, Tensor]:
-    """``lr_c * rows_c`` (over ``|rows_c|`` with ``normalize``) ``[n_ckpt, n, k]`` and the
-    norms ``[n_ckpt, n]``, validated, on ``device``."""
+              device: torch.device, scales: tuple[float, ...] | None = None
+              ) -> tuple[Tensor, Tensor, tuple[float, ...]]:
+    """``lr_c * rows_c`` (over ``|rows_c|`` with ``normalize``) ``[n_ckpt, n, k]``, the norms
+    ``[n_ckpt, n]`` and the factors left to the products (:attr:`PreparedQuery.scales`;
+    ``scales`` given: those), validated, on ``device``."""
     test, norms = query_matrix(meta, grads, device=device)
     dtype = compute_dtype(meta.torch_dtype, test.dtype)
-    # lr_c (and the test side of the cosine) folded in once, not per chunk.
-    scale = torch.tensor(meta.lrs, dtype=dtype, device=device)[:, None, None]
     if normalize:
         # The direction in float64: a finite float32 row can have a norm float32 cannot hold
         # (entries near 3e38: inf, cosine 0) or a reciprocal it cannot (denormal entries:
@@ -130,9 +140,39 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
         # given as a tensor are measured here; a store's are its own recorded norms.
         wide = test.to(torch.float64, copy=True)  # never the caller's own tensor
         own = row_norms(wide) if isinstance(grads, Tensor) else norms.double()
-        wide.div_(norm_divisors(own)[..., None])  # divided: float64 denormal norms too
-        return wide.mul_(scale.double()).to(dtype), norms
+        test = wide.div_(norm_divisors(own)[..., None])  # divided: float64 denormal norms too
+    scales = _scales(meta.lrs, test, dtype) if scales is None else scales
+    # lr_c (and, above, the test side of the cosine) folded in once, not per chunk.
+    folded = [lr if scale == 1.0 else 1.0 for lr, scale in zip(meta.lrs, scales, strict=True)]
+    factor = torch.tensor(folded, dtype=torch.float64 if normalize else dtype,
+                          device=device)[:, None, None]
+    if normalize:
+        return test.mul_(factor).to(dtype), norms, scales
     test = test.to(dtype)
     if isinstance(grads, Tensor):  # the caller's rows: never written to
-        return test * scale, norms
-    return test.mul_(scale), norms  # read from a store into a new tensor: scaled in place
+        return test * factor, norms, scales
+    return test.mul_(factor), norms, scales  # read from a store into a new tensor: in place
+
+
+def _scales(lrs: tuple[float, ...], rows: Tensor, dtype: torch.dtype) -> tuple[float, ...]:
+    """Per checkpoint, 1.0 where ``lr_c`` may be folded into ``rows`` ``[n_ckpt, n, k]``, or
+    ``lr_c`` where folding it would take a row's largest entry out of ``dtype``'s normal
+    range (overflow, or subnormal values that keep a few bits) when it was inside it."""
+    info = torch.finfo(dtype)
+    if rows.is_meta:  # shapes without values (the tests' stand-in device): nothing to fold
+        return (1.0,) * len(lrs)
+    largest = None
+    if rows.numel():  # [n_ckpt, n]: each row's largest |entry|, one pass and no copy
+        low, high = torch.aminmax(rows, dim=-1)
+        largest = torch.maximum(low.neg(), high).double()
+    scales = []
+    for c, lr in enumerate(lrs):
+        if largest is None or lr == 0.0:
+            scales.append(1.0)
+            continue
+        top = largest[c]
+        inside = (top >= info.tiny) & (top <= info.max)
+        moved = top * abs(lr)
+        leaves = inside & ((moved < info.tiny) | (moved > info.max))
+        scales.append(float(lr) if bool(leaves.any()) else 1.0)
+    return tuple(scales)

@@ -18,6 +18,7 @@ from tracinfunc.query.candidates import (
 )
 from tracinfunc.query.checks import check_not_empty
 from tracinfunc.query.chunks import stream_scores
+from tracinfunc.query.overflow import nan_scores_error
 from tracinfunc.query.prepared import prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.store.meta import StoreMeta
@@ -156,5 +157,7 @@ def candidate_top_k(store: GradientStore, test_grads: object, k: int, candidates
     check_candidate_rows(chosen, query.n_test)
     chosen = chosen.sort(dim=1).values  # row order first, so equal scores resolve by row
     scores = candidate_scores(store, query, chosen)
+    if bool(scores.isnan().any()):  # NaN sorts first: never "the best" candidate
+        raise nan_scores_error()
     values, best = scores.sort(dim=1, descending=largest, stable=True)
     return values[:, :k], chosen.to(query.device).gather(1, best[:, :k])

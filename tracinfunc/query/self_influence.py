@@ -80,10 +80,14 @@ def self_influence(
         total = torch.zeros(meta.n_train, dtype=compute_dtype(meta.torch_dtype), device=device)
         for start in range(0, meta.n_train, step):
             stop = min(start + step, meta.n_train)
+            # Summed in float64 (norms only: cheap): lr_c |row|^2 fits float32 even where
+            # |row|^2 alone would not (a norm of 2.5e19 at lr 0.5).
+            part = torch.zeros(stop - start, dtype=torch.float64, device=device)
             for ckpt, info in enumerate(meta.checkpoints):
-                norms = store.read_norms(ckpt, start, stop).to(device, total.dtype)
-                total[start:stop] += info.lr * norms.square()
+                norms = store.read_norms(ckpt, start, stop).to(device, torch.float64)
+                part += info.lr * norms.square()
+            total[start:stop] = part
             bar.update(stop - start)
     bar.close()
-    warn_self_influence_overflow(total, first_row=first_row)
+    warn_self_influence_overflow(total, first_row=first_row, curvature=curvature is not None)
     return to_framework(total, framework)

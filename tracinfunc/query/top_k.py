@@ -8,14 +8,14 @@ import torch
 from torch import Tensor
 
 from tracinfunc._devices import full_float32
-from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc._validate import check_int, entry_point
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import NonFiniteGradientError
 from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg
 from tracinfunc.query.checks import check_not_empty
 from tracinfunc.query.chunks import stream_scores
 from tracinfunc.query.merge import merge_sorted
+from tracinfunc.query.overflow import OverflowWatch, nan_scores_error
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.score import candidate_top_k
@@ -94,13 +94,18 @@ def top_k(
     k = check_k(k, part.meta.n_train)
     query = prepare_query(store, test_grads, normalize=normalize, device=device,
                           curvature=curvature)
-    options = {"largest": largest, "chunk_rows": chunk_rows, "progress": progress}
+    # one overflow warning for the whole query, however many scans it takes
+    watch = None if query.normalize else OverflowWatch(part, query)
+    options = {"largest": largest, "chunk_rows": chunk_rows, "progress": progress,
+               "watch": watch}
     if query.n_test <= _MAX_QUERY_BLOCK:
         values, indices = _exact_top_k(part, query, k, offset, **options)
     else:  # one scan per block of queries; the blocks' results stack row for row
         parts = [_exact_top_k(part, query.split(lo, lo + _MAX_QUERY_BLOCK), k, offset,
                               **options) for lo in range(0, query.n_test, _MAX_QUERY_BLOCK)]
         values, indices = (torch.cat(list(column)) for column in zip(*parts, strict=True))
+    if watch is not None:
+        watch.warn()
     return to_framework(values, framework), to_framework(indices, framework)
 
 
@@ -112,23 +117,23 @@ def check_k(k: object, n_rows: int) -> int:
 
 
 def _exact_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int, *,
-                 largest: bool, chunk_rows: int | None, progress: ProgressArg
-                 ) -> tuple[Tensor, Tensor]:
+                 largest: bool, chunk_rows: int | None, progress: ProgressArg,
+                 watch: OverflowWatch | None) -> tuple[Tensor, Tensor]:
     """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks
     (IEEE float32 set once for the scan, as in ``score``)."""
     with full_float32():
         return _scan_top_k(store, query, k, offset, largest=largest, chunk_rows=chunk_rows,
-                           progress=progress)
+                           progress=progress, watch=watch)
 
 
 def _scan_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int, *,
-                largest: bool, chunk_rows: int | None, progress: ProgressArg
-                ) -> tuple[Tensor, Tensor]:
+                largest: bool, chunk_rows: int | None, progress: ProgressArg,
+                watch: OverflowWatch | None) -> tuple[Tensor, Tensor]:
     best_values: Tensor | None = None
     best_indices: Tensor | None = None
     nan_seen: Tensor | None = None  # on the scores' device: no sync per chunk
     for start, block in _grouped(stream_scores(store, query, chunk_rows=chunk_rows,
-                                               progress=progress)):
+                                               progress=progress, watch=watch)):
         nan = block.isnan().any()
         nan_seen = nan if nan_seen is None else nan_seen | nan
         values, order = _block_best(block, k, largest=largest, nan=nan)
@@ -137,12 +142,9 @@ def _scan_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int,
         best_values, best_indices = merge_sorted(parts, k, largest=largest)
     # NaN sorts first: top "proponents". (The meta device, shapes without values: nothing.)
     if nan_seen is not None and not nan_seen.is_meta and bool(nan_seen):
-        raise NonFiniteGradientError(
-            f"{current_caller()}: some scores are NaN: the store holds inf or NaN rows (e.g. "
-            "gradients beyond float16's range, 65504, stored as float16), or rows so large "
-            "that their scores overflowed (a RuntimeWarning then names them). Rebuild it with "
-            "dtype=torch.float32 (or bfloat16; float64 for the overflow), or scale the loss down."
-        )
+        if watch is not None:
+            watch.warn()  # the overflow that made the NaN, named before the error
+        raise nan_scores_error()
     return best_values, best_indices
 
 

@@ -252,9 +252,10 @@ class CandidateSketch:
         index, as :func:`~tracinfunc.search.rows.weighted_rows`)."""
         # float32 at least: its rounding (~1e-7 of a row's scale) is far inside the tolerance.
         dtype = torch.promote_types(rows.dtype, torch.float32)
-        weighted = rows.to(dtype) * self._weights[ckpt]  # [u, k], new: as index_rows makes them
-        if norms is not None:  # divided, not times 1/norm: a denormal norm's reciprocal is inf
+        weighted = rows.to(dtype, copy=True)  # [u, k], as index_rows makes them: the direction
+        if norms is not None:  # first, divided (a denormal norm's reciprocal is inf)
             weighted.div_(norm_divisors(norms.to(weighted))[:, None])
+        weighted.mul_(self._weights[ckpt])
         part = torch.from_numpy(self._directions[ckpt * self._k:(ckpt + 1) * self._k])
         self._now += (weighted @ part.to(rows.device, dtype)).double().cpu().numpy()  # [u, 8]
         squares = torch.linalg.vector_norm(weighted, dim=1).double()

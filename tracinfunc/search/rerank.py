@@ -11,9 +11,9 @@ from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, 
 from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.query.checks import check_not_empty, norm_divisors
-from tracinfunc.query.overflow import warn_candidate_overflow
+from tracinfunc.query.overflow import OverflowWatch, warn_candidate_overflow
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
-from tracinfunc.query.rows import check_rows
+from tracinfunc.query.rows import check_rows, row_range
 from tracinfunc.query.top_k import check_k
 from tracinfunc.search.binding import CandidateSketch, meta_fingerprint
 from tracinfunc.search.index import SearchIndex, import_faiss
@@ -24,6 +24,7 @@ __all__ = ["indexed_top_k"]
 
 # Bytes of the gathered candidate rows [queries, n_candidates, k] of one block of queries.
 _BLOCK_BYTES = 64 * 2**20
+_MISSING = torch.iinfo(torch.int64).max  # FAISS's -1, sorted after every row
 
 
 @entry_point("indexed_top_k")
@@ -98,6 +99,10 @@ def indexed_top_k(
                                           span)
     query = prepare_query(store, test_grads, normalize=normalize, device=device,
                           curvature=curvature)
+    # FAISS sums in float32 and leaves out rows whose products overflow: said before the
+    # search, naming the rows (the exact re-rank then says nothing more of them)
+    warned = not normalize and OverflowWatch(store if rows is None else row_range(store, rows),
+                                             query).warn_search()
     # FAISS searches on the CPU; the exact side takes the prepared (lr-weighted) rows.
     queries = _search_queries(query)
     if not largest:
@@ -114,12 +119,15 @@ def indexed_top_k(
                                             params=params)
         found = torch.from_numpy(found)  # [b, n_candidates], -1 where lists ran out
         _check_enough(found, k, nprobe, index.nlist, start)
-        found = found.to(query.device)
-        scores = _exact_scores(store, query.rows[:, start:stop], found, index,
-                               normalize=normalize, largest=largest)
-        best, order = scores.topk(k, dim=1, largest=largest, sorted=True)
-        values.append(best)
-        indices.append(found.gather(1, order))
+        # In row order (the -1s last), then a stable sort: equal scores resolve by row, as
+        # top_k over the whole store orders them.
+        found = torch.where(found < 0, _MISSING, found).sort(dim=1).values
+        found = torch.where(found == _MISSING, -1, found).to(query.device)
+        scores = _exact_scores(store, query.split(start, stop), found, index,
+                               normalize=normalize, largest=largest, warn=not warned)
+        best, order = scores.sort(dim=1, descending=largest, stable=True)
+        values.append(best[:, :k])
+        indices.append(found.gather(1, order[:, :k]))
         bar.update(stop - start)
     bar.close()
     return (to_framework(torch.cat(values), framework),
@@ -132,19 +140,24 @@ def _search_queries(query: PreparedQuery) -> Tensor:
     ``lr_c test_c`` rows (a checkpoint with ``lr_c = 0`` contributes zeros either way)."""
     lr = torch.tensor(query.lrs, dtype=torch.float64)
     unscale = torch.where(lr != 0, lr.abs().sqrt().reciprocal(), torch.zeros_like(lr))
+    # lr_c / sqrt|lr_c| = sign(lr_c) sqrt|lr_c|, where lr_c is left to the products
+    unscale = unscale * torch.tensor([query.scale(c) for c in range(len(query.lrs))],
+                                     dtype=torch.float64)
     rows = query.rows.cpu().to(torch.float64) * unscale[:, None, None]
     return rows.to(torch.float32).permute(1, 0, 2).reshape(query.n_test, -1).contiguous()
 
 
-def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, index: SearchIndex, *,
-                  normalize: bool, largest: bool) -> Tensor:
+def _exact_scores(store: GradientStore, query: PreparedQuery, found: Tensor,
+                  index: SearchIndex, *, normalize: bool, largest: bool,
+                  warn: bool = True) -> Tensor:
     """TracIn scores ``[b, candidates]`` of each test row against its own candidate rows.
 
-    ``test`` is ``[n_ckpt, b, k]`` with lr (and the test norm) folded in; missing candidates
+    ``query`` holds ``b`` test rows, with lr (and the test norm) folded in; missing candidates
     (``-1``) score ``-inf`` (``+inf`` for opponents), so the final topk never picks them.
     The candidate rows read are compared with the index's sketch (format 4) on the way: a
     row replaced since the index was built is refused, wherever it lies in the store.
     """
+    test = query.rows  # [n_ckpt, b, k]
     meta, dtype, device = store.meta, test.dtype, test.device
     valid = found >= 0
     unique = torch.unique(found[valid]).cpu()  # sorted: read in store order, each row once
@@ -154,19 +167,20 @@ def _exact_scores(store: GradientStore, test: Tensor, found: Tensor, index: Sear
               CandidateSketch(index.sketch, index.sketch_seed, meta.lrs, meta.k, unique))
     for ckpt in range(meta.n_ckpt):
         rows = read_rows_at(store, ckpt, unique).to(device, dtype)  # [u, k]
-        gathered = rows[position]  # [b, candidates, k]
-        product = torch.bmm(gathered, test[ckpt][:, :, None]).squeeze(2)  # [b, candidates]
         norms = norms_at(store, ckpt, unique).to(device, dtype) if normalize else None
-        if normalize:
-            product = product / norm_divisors(norms)[position]  # a denormal norm: no inf
         if sketch is not None:
             sketch.add(ckpt, rows, norms)
-        total += product
+        if normalize:  # the rows' directions first: a denormal row's product keeps its bits
+            rows = rows / norm_divisors(norms)[:, None]
+        gathered = rows[position]  # [b, candidates, k]
+        product = torch.bmm(gathered, test[ckpt][:, :, None]).squeeze(2)  # [b, candidates]
+        total += product if query.scale(ckpt) == 1.0 else product * query.scale(ckpt)
     if sketch is not None and (problem := sketch.mismatch()) is not None:
         raise IncompatibleGradientsError(
             f"{current_caller()}: candidate {problem}; rebuild the index with "
             "tif.build_index(store, overwrite=True) or pass the store it was built from.")
-    warn_candidate_overflow(total, found)
+    if warn and not normalize:  # cosines are bounded
+        warn_candidate_overflow(total, found, query, store)
     return total.masked_fill(~valid, -torch.inf if largest else torch.inf)
 
 

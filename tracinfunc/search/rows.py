@@ -35,9 +35,11 @@ def weighted_rows(rows: Tensor, norms: Tensor | None, lrs: Sequence[float], *,
     """
     lr = torch.tensor(lrs, dtype=torch.float64)
     weight = lr.abs().sqrt() * (lr.sign() if query else 1.0)
-    weighted = rows.to(dtype) * weight.to(dtype)[:, None, None]  # [n_ckpt, n, k], new
-    if normalize:  # divided, not times 1/norm: a denormal norm's reciprocal is inf (NaN rows)
+    weighted = rows.to(dtype, copy=True)  # [n_ckpt, n, k]
+    if normalize:  # the direction first, divided: a denormal norm's reciprocal is inf, and a
+        # denormal row times sqrt|lr_c| < 1 loses the bits its direction needs
         weighted.div_(norm_divisors(norms.to(dtype))[..., None])
+    weighted.mul_(weight.to(dtype)[:, None, None])
     return weighted.permute(1, 0, 2).reshape(rows.shape[1], -1).contiguous()
 
 

@@ -45,6 +45,7 @@ class MemoryStore(StoreProperties):
             raise InvalidArgumentError(
                 f"MemoryStore: norms must be {list(expected[:2])}, got {list(norms.shape)}."
             )
+        _check_norms_fit(rows, norms)
         # Copy on ingest: the caller's tensors may be changed later; ours never are.
         self._adopt(meta, rows.detach().to("cpu", copy=True), norms.detach().to("cpu", copy=True))
 
@@ -153,6 +154,20 @@ class MemoryWriter:
         if meta.quantization is not None:
             return QuantizedMemoryStore._from_owned(meta, rows, scales, norms)
         return MemoryStore._from_owned(meta, rows, norms)
+
+
+def _check_norms_fit(rows: Tensor, norms: Tensor) -> None:
+    """Refuse finite rows whose given norm is not finite: the norm overflowed its dtype
+    (float32 entries near 3e38), and every cosine of such a row would be 0. (Rows that are
+    NaN or inf themselves are another matter: queries name them.)"""
+    lost = ~torch.isfinite(norms) & torch.isfinite(rows).all(dim=-1)
+    if bool(lost.any()):
+        ckpt, row = (int(i) for i in lost.nonzero()[0])
+        raise InvalidArgumentError(
+            f"MemoryStore: row {row} of checkpoint {ckpt} is finite but its norm is "
+            f"{float(norms[ckpt, row])}: a {norms.dtype} norm cannot hold it (entries near "
+            f"the largest {rows.dtype}). Give float64 rows and norms (a float64 store), or "
+            "scale the rows down.")
 
 
 def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:

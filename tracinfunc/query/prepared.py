@@ -141,7 +141,8 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
         wide = test.to(torch.float64, copy=True)  # never the caller's own tensor
         own = row_norms(wide) if isinstance(grads, Tensor) else norms.double()
         test = wide.div_(norm_divisors(own)[..., None])  # divided: float64 denormal norms too
-    scales = _scales(meta.lrs, test, dtype) if scales is None else scales
+    if scales is None:
+        scales = _scales(meta.lrs, test, None if normalize else norms, dtype)
     # lr_c (and, above, the test side of the cosine) folded in once, not per chunk.
     folded = [lr if scale == 1.0 else 1.0 for lr, scale in zip(meta.lrs, scales, strict=True)]
     factor = torch.tensor(folded, dtype=torch.float64 if normalize else dtype,
@@ -154,25 +155,29 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
     return test.mul_(factor), norms, scales  # read from a store into a new tensor: in place
 
 
-def _scales(lrs: tuple[float, ...], rows: Tensor, dtype: torch.dtype) -> tuple[float, ...]:
+def _scales(lrs: tuple[float, ...], rows: Tensor, norms: Tensor | None,
+            dtype: torch.dtype) -> tuple[float, ...]:
     """Per checkpoint, 1.0 where ``lr_c`` may be folded into ``rows`` ``[n_ckpt, n, k]``, or
-    ``lr_c`` where folding it would take a row's largest entry out of ``dtype``'s normal
-    range (overflow, or subnormal values that keep a few bits) when it was inside it."""
-    info = torch.finfo(dtype)
-    if rows.is_meta:  # shapes without values (the tests' stand-in device): nothing to fold
+    ``lr_c`` where folding it could take an entry past ``dtype``'s largest value, or every
+    entry of a row below its smallest normal one (keeping a few bits), when they were inside.
+
+    ``norms`` ``[n_ckpt, n]`` of ``rows`` (``None``: unit rows): a row's largest entry is at
+    least its norm over ``sqrt(k)``, so one pass (the largest entry) and the norms suffice.
+    """
+    if rows.is_meta or rows.numel() == 0:  # (meta: the tests' stand-in device, no values)
         return (1.0,) * len(lrs)
-    largest = None
-    if rows.numel():  # [n_ckpt, n]: each row's largest |entry|, one pass and no copy
-        low, high = torch.aminmax(rows, dim=-1)
-        largest = torch.maximum(low.neg(), high).double()
+    info = torch.finfo(dtype)
+    root_k = rows.shape[-1] ** 0.5
     scales = []
     for c, lr in enumerate(lrs):
-        if largest is None or lr == 0.0:
-            scales.append(1.0)
-            continue
-        top = largest[c]
-        inside = (top >= info.tiny) & (top <= info.max)
-        moved = top * abs(lr)
-        leaves = inside & ((moved < info.tiny) | (moved > info.max))
-        scales.append(float(lr) if bool(leaves.any()) else 1.0)
+        low, high = torch.aminmax(rows[c])
+        top = max(-float(low), float(high))  # the largest |entry|
+        if norms is None:
+            least = 1.0 / root_k  # a unit row's largest entry is at least this
+        else:
+            nonzero = norms[c][norms[c] > 0]
+            least = float(nonzero.double().min()) / root_k if len(nonzero) else 0.0
+        over = top <= info.max and top * abs(lr) > info.max
+        under = info.tiny <= least and least * abs(lr) < info.tiny
+        scales.append(float(lr) if lr != 0.0 and (over or under) else 1.0)
     return tuple(scales)

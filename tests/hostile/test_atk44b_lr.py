@@ -91,3 +91,101 @@ def test_learning_rate_above_float32_range_with_tiny_rows_gives_the_finite_score
     expected = ref(rows, test, lrs)
     assert torch.isfinite(got).all(), got
     assert _rel(got, expected) < 1e-5
+
+
+CASES = {
+    "lr1e3_test1e36": ([1e3, 1e3], 1e36, 1e-30),
+    "lr1e-20_test1e-25": ([1e-20, 1e-20], 1e-25, 1e30),
+    "mixed_safe_unsafe": ([1.0, 1e3], 1e36, 1e-30),
+    "mixed_underflow": ([1e-20, 1.0], 1e-25, 1e30),
+    "negative": ([-1e3, 1e3], 1e36, 1e-30),
+    "negative_underflow": ([-1e-20, 2e-20], 1e-25, 1e30),
+    "zero": ([0.0, 1e3], 1e36, 1e-30),
+    "zero_underflow": ([0.0, 1e-20], 1e-25, 1e30),
+    "lr1e30_test1e10": ([1e30, 1e30], 1e10, 1e-30),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_lr_applied_to_products_every_path_held(name):
+    """Held: score (chunk_rows=1, rows=, candidates=), top_k, score_chunks, Contrast (shared and
+    paired) and normalize=True match the float64 reference within 2e-6 for extreme lrs."""
+    lrs, tscale, rscale = CASES[name]
+    torch.manual_seed(0)
+    rows = torch.randn(2, 6, 4, dtype=torch.float64) * rscale
+    test = torch.randn(2, 3, 4, dtype=torch.float64) * tscale
+    store = make(rows, lrs)
+    expected = ref(rows, test, lrs)
+    t = test.float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = [
+            tif.score(store, t),
+            tif.score(store, t, chunk_rows=1),
+            torch.cat([tif.score(store, t, rows=(0, 3)), tif.score(store, t, rows=(3, 6))], 1),
+            tif.score(store, t, candidates=torch.arange(6).repeat(3, 1)),
+            torch.cat([b.clone() for _, b in tif.score_chunks(store, t, chunk_rows=2)], 1),
+        ]
+        values, indices = tif.top_k(store, t, 6)
+        outs.append(torch.empty(3, 6).scatter_(1, indices, values))
+        for out in outs:
+            assert _rel(out, expected) < 2e-6
+        ctrl = test[:, :1] * 0.5
+        got = tif.score(store, tif.Contrast(t, ctrl.float(), weight=1.0))
+        assert _rel(got, ref(rows, test - ctrl, lrs)) < 2e-6
+        got = tif.score(store, tif.Contrast(t, (test * 0.5).float(), weight=1.0, paired=True))
+        assert _rel(got, ref(rows, test * 0.5, lrs)) < 2e-6
+        got = tif.score(store, t, normalize=True)
+        assert _rel(got, ref(rows, test, lrs, normalize=True)) < 2e-6
+
+
+def test_self_influence_held():
+    """Held: self_influence summed in float64 (lr=1e-20 with rows 1e20, |row|^2 beyond float32),
+    negative lr, rows=; inf only where the true value exceeds float32 (warned)."""
+    torch.manual_seed(0)
+    rows = torch.randn(2, 40, 8, dtype=torch.float64)
+    for lrs, scale in [([1e-20, 1e-20], 1e20), ([-1.0, 1.0], 1e18), ([1e30, 1e30], 1e-30)]:
+        r = rows * scale
+        store = make(r, lrs)
+        stored = r.float().double()
+        expected = sum(lrs[c] * (stored[c] ** 2).sum(-1) for c in range(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = tif.self_influence(store)
+            part = tif.self_influence(store, rows=(3, 9))
+        assert _rel(got, expected) < 1e-5
+        assert _rel(part, expected[3:9]) < 1e-5
+    store = make(rows * 1e19, [-1.0, 1.0])
+    with pytest.warns(RuntimeWarning):
+        got = tif.self_influence(store)
+    stored = (rows * 1e19).float().double()
+    expected = -(stored[0] ** 2).sum(-1) + (stored[1] ** 2).sum(-1)
+    big = expected.abs() > 3.4028e38
+    assert torch.isinf(got[big]).all() and torch.isfinite(got[~big]).all()
+
+
+def test_indexed_and_rerank_with_extreme_lrs_held():
+    """Held: indexed_top_k and rerank (index and scan retrievers) give the exact top-5 for lr=1e3 over
+    test entries 1e36 (rows 1e-5), lr=1e-20 over 1e-25 (rows 1e20) and mixed lrs; JAX output too."""
+    torch.manual_seed(0)
+    rows = torch.randn(2, 40, 8, dtype=torch.float64)
+    test = torch.randn(2, 3, 8, dtype=torch.float64)
+    for rs, ts, lrs in [(1e-5, 1e36, [1e3, 1e3]), (1e20, 1e-25, [1e-20, 1e-20]), (1e-5, 1e36, [1.0, 1e3])]:
+        r, t = rows * rs, test * ts
+        store = make(r, lrs)
+        exact = ref(r, t, lrs).topk(5, dim=1).indices
+        index = tif.build_index(store, nlist=1, target_recall=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert torch.equal(tif.indexed_top_k(store, t.float(), 5, index=index, nprobe=1)[1], exact)
+            out = tif.rerank(tif.Retriever(store, t.float(), index=index), store, t.float(), 5, n_candidates=10)
+            assert torch.equal(out.indices, exact)
+            out = tif.rerank(tif.Retriever(store, t.float()), store, t.float(), 5, n_candidates=10)
+            assert torch.equal(out.indices, exact)
+    jnp = pytest.importorskip("jax.numpy")
+    import numpy as np
+
+    r, t = rows * 1e20, test * 1e-25
+    store = make(r, [1e-20, 1e-20])
+    got = tif.score(store, jnp.asarray(t.float().numpy()), output="jax")
+    assert _rel(torch.from_numpy(np.array(got)), ref(r, t, [1e-20, 1e-20])) < 2e-6

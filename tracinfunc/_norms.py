@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["row_norms"]
+__all__ = ["directions", "has_small_norms", "row_norms"]
 
 
 def row_norms(rows: Tensor) -> Tensor:
@@ -55,3 +55,32 @@ def _rescaled_norms(rows: Tensor) -> Tensor:
     scale = torch.where(peak > 0, torch.ldexp(ones, exponent - 1), ones)
     scale = torch.where(torch.isfinite(scale), scale, ones)  # NaN/inf rows stay NaN/inf
     return (rows / scale).norm(dim=-1) * scale.squeeze(-1)
+
+
+def directions(rows: Tensor, norms: Tensor) -> Tensor:
+    """``rows`` ``[n, k]`` over their ``norms`` ``[n]``: unit rows, a new tensor (a zero row
+    stays zero).
+
+    Rows of small norm are redone from the rows themselves: divided by a power of two near
+    their largest entry (exact), then by their own norm. Their given norm may have lost its
+    bits (a float32 denormal norm: a row ``[d, d]`` of the smallest denormal has a norm 1.41x
+    off), and their products with a test row would be subnormal too: ``score`` used to give
+    such a row a cosine of 0, or 1.41.
+    """
+    out = rows / torch.where(norms > 0, norms, torch.full_like(norms, math.inf))[..., None]
+    small = (norms > 0) & (norms < _ordinary_norms(rows.dtype)[0])
+    if rows.device.type != "cpu" or bool(small.any()):
+        out[small] = _unit(rows[small])
+    return out
+
+
+def has_small_norms(norms: Tensor, dtype: torch.dtype) -> Tensor:
+    """Which ``norms`` (of rows of ``dtype``) :func:`directions` redoes from the rows."""
+    return (norms > 0) & (norms < _ordinary_norms(dtype)[0])
+
+
+def _unit(rows: Tensor) -> Tensor:
+    peak = rows.abs().amax(dim=-1, keepdim=True)
+    _, exponent = torch.frexp(peak)
+    scaled = rows / torch.ldexp(torch.ones_like(peak), exponent - 1)  # entries in (-2, 2]
+    return scaled / scaled.norm(dim=-1, keepdim=True)

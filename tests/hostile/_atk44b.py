@@ -14,10 +14,12 @@ def make(rows64: torch.Tensor, lrs, dtype=torch.float32) -> MemoryStore:
     """A MemoryStore holding ``rows64`` (cast to ``dtype``) with per-checkpoint ``lrs``."""
     c, n, k = rows64.shape
     base = tt.reference_store(n, k, n_ckpt=c, dtype=dtype)
-    cps = tuple(dataclasses.replace(cp, lr=float(lr)) for cp, lr in zip(base.meta.checkpoints, lrs))
+    cps = tuple(dataclasses.replace(cp, lr=float(lr))
+                for cp, lr in zip(base.meta.checkpoints, lrs, strict=False))
     meta = dataclasses.replace(base.meta, checkpoints=cps)
     rows = rows64.to(dtype)
-    norms = rows.double().norm(dim=-1).to(torch.float32 if dtype != torch.float64 else torch.float64)
+    wide = torch.float32 if dtype != torch.float64 else torch.float64
+    norms = rows.double().norm(dim=-1).to(wide)
     return MemoryStore(meta, rows, norms)
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import tracinfunc as tif
-from tests.hostile._atk44b import make, ref
+from tests.hostile._atk44b import make
 
 pytest.importorskip("faiss")
 
@@ -42,10 +43,13 @@ def test_exploding_row_does_not_blind_the_binding_to_a_replaced_ordinary_row():
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1e-39])
-def test_rows_of_tiny_norm_swapped_are_refused_without_normalize(scale):
-    """Rows 4 and 9 scaled by 1e-20 (or float32 denormals 1e-39) and swapped in a rebuilt store:
-    the cosine index (normalize=True) refuses it, but the inner-product index (normalize=False)
-    accepted it; docs/search.md's 'What is not detected (exactly)' list names no such case."""
+def test_rows_of_tiny_norm_swapped_without_normalize_are_documented_as_not_detected(scale):
+    """Finding (atk44b): rows 4 and 9 scaled by 1e-20 (or float32 denormals 1e-39) and swapped
+    in a rebuilt store: the cosine index refuses it, the inner-product index accepted it, and
+    docs/search.md's "What is not detected (exactly)" list named no such case. Kept as
+    designed (rows of rounding noise, below 1e-6 of the median norm, carry no relative
+    precision; rebuilt stores must load) and now listed there; their scores are below 1e-6 of
+    a typical score, which this test also checks."""
     torch.manual_seed(0)
     rows = torch.randn(2, 40, 8, dtype=torch.float64)
     rows[:, [4, 9]] *= scale
@@ -57,8 +61,13 @@ def test_rows_of_tiny_norm_swapped_are_refused_without_normalize(scale):
     test = torch.randn(2, 3, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        with pytest.raises(tif.errors.IncompatibleGradientsError):
-            tif.indexed_top_k(store, test, 40, index=index, nprobe=1)
+        values, _ = tif.indexed_top_k(store, test, 40, index=index, nprobe=1)
+    scores = tif.score(store, test)
+    assert scores[:, [4, 9]].abs().max() < 1e-6 * scores.abs().median()
+    torch.testing.assert_close(values.sort(dim=1).values, scores.sort(dim=1).values,
+                               rtol=1e-6, atol=1e-7)
+    text = (Path(__file__).parents[2] / "docs" / "search.md").read_text()
+    assert "rows of rounding noise, whose norms are below 1e-6 of the median row norm" in text
 
 
 @pytest.mark.parametrize("scale,dtype", [(1e-42, torch.float32), (1e-39, torch.float32), (1e-6, torch.float16)])

@@ -43,7 +43,7 @@ def test_indexed_top_k_lr_1e3_test_1e36_rows_1e_30_own_index():
     lrs = [1e3, 1e3]
     store = make(rows, lrs)
     index = tif.build_index(store, nlist=1, target_recall=None)
-    values, indices = tif.indexed_top_k(store, test.float(), 5, index=index, nprobe=1)
+    _values, indices = tif.indexed_top_k(store, test.float(), 5, index=index, nprobe=1)
     expected = ref(rows, test, lrs).topk(5, dim=1)
     assert torch.equal(indices, expected.indices)
 

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import directions
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.interop import tensor_if_array
-from tracinfunc.query.checks import norm_divisors
 from tracinfunc.query.overflow import warn_candidate_overflow
 from tracinfunc.query.prepared import PreparedQuery
 from tracinfunc.store.gather import norms_at, read_rows_at
@@ -163,11 +163,11 @@ def candidate_scores(store: GradientStore, query: PreparedQuery, candidates: Ten
         if query.normalize:  # the store's side of the cosine, per row
             norms = (store.read_norms(ckpt, 0, n_train) if unique is None
                      else norms_at(store, ckpt, unique)).to(query.device, query.dtype)
-            rows = rows / norm_divisors(norms)[:, None]
+            rows = directions(rows, norms)  # tiny rows from their own entries
         for lo, plan in zip(range(0, len(position), _QUERY_BLOCK), plans, strict=True):
             hi = lo + len(plan[2])
             part = _block_scores(rows, query.rows[ckpt, lo:hi], *plan)
-            total[lo:hi] += part if query.scale(ckpt) == 1.0 else part * query.scale(ckpt)
+            total[lo:hi] += query.scaled(ckpt, part)
     if not query.normalize:  # cosines are bounded
         warn_candidate_overflow(total, candidates, query, store)
     return total

@@ -16,13 +16,14 @@ import torch
 from torch import Tensor
 
 from tracinfunc._devices import canonical_device, full_float32
+from tracinfunc._norms import directions, has_small_norms
 from tracinfunc._validate import check_int, entry_point
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.query.checks import norm_divisors
 from tracinfunc.query.overflow import OverflowWatch
-from tracinfunc.query.prepared import PreparedQuery, prepare_query
+from tracinfunc.query.prepared import PreparedQuery, fits, prepare_query, scale_products
 from tracinfunc.query.rows import row_range
 from tracinfunc.query.stream import compute_threads, stream_rows
 from tracinfunc.store.meta import StoreMeta
@@ -113,7 +114,7 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
     Overflowed scores are recorded in ``watch`` (its owner warns: one warning for a query
     streamed in parts), else in a watch of this stream that warns when the stream ends or
     is closed."""
-    if watch is None and not query.normalize:  # cosines are bounded by sum_c |lr_c|
+    if watch is None:
         own = OverflowWatch(store, query)
         try:
             yield from stream_scores(store, query, chunk_rows=chunk_rows, progress=progress,
@@ -132,7 +133,7 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
             for c in range(meta.n_ckpt)
         ])
         if not divisors.is_meta:  # (the tests' stand-in device holds no values)
-            tiny = (divisors < _tiny_norm(dtype)).cpu()  # rows made unit before the product
+            tiny = has_small_norms(divisors, dtype).cpu()  # rows made unit before the product
     upcast = None
     if meta.torch_dtype != matmul_dtype:  # float16 (or bf16 on GPU) rows -> float32 matmul
         upcast = torch.empty(rows_per_chunk, meta.k, dtype=matmul_dtype, device=device)
@@ -165,19 +166,13 @@ def stream_scores(store: GradientStore, query: PreparedQuery, *, chunk_rows: int
     bar.close()
 
 
-def _tiny_norm(dtype: torch.dtype) -> float:
-    """Rows of a smaller norm are made unit before a cosine's product (``sqrt(tiny)``:
-    1e-19 in float32): their products with a test row (``lr_c`` over ``|test_c|`` folded in)
-    would be subnormal, keeping a few bits or none (a 1e-45 row at lr 0.5 scored 0)."""
-    return torch.finfo(dtype).tiny ** 0.5
-
-
 def _unit_tiny_rows(train: Tensor, divisor: Tensor) -> tuple[Tensor, Tensor]:
-    """``train`` ``[rows, k]`` with its rows of norm below :func:`_tiny_norm` divided by it
-    (in float64: a denormal row's direction), and ``divisor`` 1 for them; new tensors."""
-    small = divisor < _tiny_norm(divisor.dtype)
+    """``train`` ``[rows, k]`` with its rows of small norm made unit from their own entries
+    (:func:`~tracinfunc._norms.directions`: their products, and their norms, would be
+    subnormal), and ``divisor`` 1 for them; new tensors."""
+    small = has_small_norms(divisor, train.dtype)
     train = train.clone()  # a store's own memory, or a reused buffer: never written
-    train[small] = (train[small].double() / divisor[small, None].double()).to(train.dtype)
+    train[small] = directions(train[small], divisor[small])
     return train, torch.where(small, torch.ones_like(divisor), divisor)
 
 
@@ -188,12 +183,10 @@ def _accumulate(block: Tensor, test: Tensor, train: Tensor, divisor: Tensor | No
 
     ``first``: overwrite ``block`` (uninitialised memory; ``beta=0`` ignores it, NaN included).
     """
-    if divisor is None and test.dtype == block.dtype:  # [n_test, k] @ [k, rows]
-        block.addmm_(test, train.T, beta=0 if first else 1, alpha=scale)
+    if divisor is None and test.dtype == block.dtype and fits(scale, block.dtype):
+        block.addmm_(test, train.T, beta=0 if first else 1, alpha=scale)  # [n_test, k] @ [k, rows]
         return
-    product = test @ train.T  # [n_test, rows], bfloat16 on the CPU bf16 path
-    if scale != 1.0:
-        product = product.mul_(scale)
+    product = scale_products(test @ train.T, scale)  # [n_test, rows], bf16 on the CPU bf16 path
     if divisor is not None:
         product = product.div_(divisor)  # its own new tensor
     if first:

@@ -64,8 +64,9 @@ def _named(rows: list[int], total: int) -> str:
 
 
 class OverflowWatch:
-    """Records score blocks that are not finite when the rows' norms say an overflow is
-    possible; :meth:`warn` reports them all, once (``score``, ``top_k``, ``score_chunks``).
+    """Records score blocks that are not finite when the rows' norms say they may be (an
+    overflow, or a row holding NaN or inf); :meth:`warn` reports them all, once (``score``,
+    ``top_k``, ``score_chunks``).
 
     Args:
         store: The training store (its norms are read once, ``[n_ckpt, n_train]``).
@@ -75,26 +76,33 @@ class OverflowWatch:
     def __init__(self, store: GradientStore, query: PreparedQuery) -> None:
         meta, dtype = store.meta, query.dtype
         self.active = False
+        self._caller = current_caller()  # a generator closed later runs outside the call
         self._rows: list[int] = []  # store rows with a score that is not finite (first few)
         self._n_rows = self._n_scores = 0
+        self._broken_seen: list[int] = []  # of those, rows whose stored norm is NaN or inf
         if query.rows.is_meta:  # shapes without values (the tests' stand-in device)
+            return
+        norms = [store.read_norms(c, 0, meta.n_train).double() for c in range(meta.n_ckpt)]
+        # [n_train]: rows holding NaN or inf (their norms say so); named as such, not as
+        # overflows, and for cosine queries too
+        self._broken = (torch.stack([~torch.isfinite(n) for n in norms]).any(dim=0)
+                        if meta.n_train else torch.zeros(0, dtype=torch.bool))
+        train = torch.tensor([float(n[torch.isfinite(n)].amax()) if bool(torch.isfinite(n).any())
+                              else 0.0 for n in norms], dtype=torch.float64)
+        self._dtype, self._store, self._query = dtype, store, query
+        self._largest = float(train.max()) if len(train) else 0.0
+        self._offset = store.start if isinstance(store, RowRange) else 0  # rows=: the store's
+        if query.normalize:  # cosines are bounded by sum_c |lr_c|: only broken rows
+            self.active = bool(self._broken.any())
             return
         # One pass in the rows' dtype (an overflowed norm is inf: checked, conservatively);
         # the exact largest norms are measured only for a warning.
-        self._query = query
         test = torch.tensor([float(torch.linalg.vector_norm(query.rows[c], dim=-1).amax())
                              * abs(query.scale(c)) if query.n_test else 0.0
                              for c in range(meta.n_ckpt)], dtype=torch.float64)
-        train = torch.tensor([float(store.read_norms(c, 0, meta.n_train).double().amax())
-                              if meta.n_train else 0.0 for c in range(meta.n_ckpt)],
-                             dtype=torch.float64)
         bound = float((test * train).sum())
-        # A NaN bound (a crafted store's NaN norm) is checked too. Half the largest value:
-        # accumulation rounding, and the block holding exactly the bound.
-        self.active = not bound < torch.finfo(dtype).max / 2
-        self._dtype, self._store = dtype, store
-        self._largest = float(train.max())
-        self._offset = store.start if isinstance(store, RowRange) else 0  # rows=: the store's
+        # Half the largest value: accumulation rounding, and the block holding the bound.
+        self.active = bool(self._broken.any()) or not bound < torch.finfo(dtype).max / 2
 
     def check(self, start: int, block: Tensor) -> None:
         """Record the scores of ``block`` ``[n_test, rows]`` (training rows from ``start``)
@@ -102,11 +110,14 @@ class OverflowWatch:
         if not self.active or bool(torch.isfinite(block).all()):
             return
         bad = ~torch.isfinite(block)
-        columns = bad.any(dim=0).nonzero().flatten()
+        columns = bad.any(dim=0).nonzero().flatten() + start  # rows of the store (or range)
         self._n_scores += int(bad.sum())
         self._n_rows += len(columns)
+        broken = columns[self._broken[columns]]
+        if len(self._broken_seen) < _NAMED:
+            self._broken_seen += (broken[:_NAMED] + self._offset).tolist()
         if len(self._rows) < _NAMED:
-            self._rows += (columns[:_NAMED] + start + self._offset).tolist()
+            self._rows += (columns[:_NAMED] + self._offset).tolist()
 
     def warn(self) -> None:
         """Warn once for everything recorded (nothing when nothing was)."""
@@ -114,15 +125,23 @@ class OverflowWatch:
             return
         name = str(self._dtype).removeprefix("torch.")
         n_scores, self._n_scores = self._n_scores, 0  # warned once, however often called
-        warnings.warn(
-            f"{current_caller()}: {n_scores} score(s) overflowed {name} and are inf or NaN "
-            f"(training rows {_named(sorted(self._rows), self._n_rows)}): the largest "
-            f"learning-rate-weighted test row norm and training row norm are "
-            f"{_test_norm(self._query):.3g} and {self._largest:.3g}, whose products {name} cannot "
-            f"hold. The other scores are right; these cannot be summed or correlated; "
-            f"{overflow_advice(self._dtype)}.",
-            RuntimeWarning, stacklevel=user_stacklevel())
-
+        rows = _named(sorted(self._rows), self._n_rows)
+        if self._broken_seen and set(self._rows) <= set(self._broken_seen):
+            message = (f"{n_scores} score(s) are NaN or inf (training rows {rows}): those "
+                       f"rows hold NaN or inf values in the store (their norms are not "
+                       f"finite). The other scores are right; rebuild those rows, or leave "
+                       f"them out with rows=.")
+        else:
+            broken = (f" Training rows {sorted(self._broken_seen)} hold NaN or inf values in "
+                      f"the store." if self._broken_seen else "")
+            message = (f"{n_scores} score(s) overflowed {name} and are inf or NaN (training "
+                       f"rows {rows}): the largest learning-rate-weighted test row norm and "
+                       f"training row norm are {_test_norm(self._query):.3g} and "
+                       f"{self._largest:.3g}, whose products {name} cannot hold.{broken} The "
+                       f"other scores are right; these cannot be summed or correlated; "
+                       f"{overflow_advice(self._dtype)}.")
+        warnings.warn(f"{self._caller}: {message}", RuntimeWarning,
+                      stacklevel=user_stacklevel())
 
     def warn_search(self) -> bool:
         """Warn, before a FAISS search, that rows whose scores may overflow float32 may be
@@ -136,10 +155,13 @@ class OverflowWatch:
                     for c in range(meta.n_ckpt))  # [n_train]: each row's score bound
         if bool((reach < torch.finfo(torch.float32).max / 2).all()):
             return False  # the float32 norms alone had overflowed: nothing is at risk
-        risky = (~(reach < torch.finfo(torch.float32).max / 2)).nonzero().flatten()
+        risky = (~(reach < torch.finfo(torch.float32).max / 2) & ~self._broken)
+        risky = risky.nonzero().flatten()
+        if not len(risky):
+            return False
         rows = (risky[:_NAMED] + self._offset).tolist()
         warnings.warn(
-            f"{current_caller()}: training rows {_named(rows, len(risky))} have norms (up to "
+            f"{self._caller}: training rows {_named(rows, len(risky))} have norms (up to "
             f"{self._largest:.3g}) whose scores with these test rows (norms up to "
             f"{_test_norm(self._query):.3g}) can overflow float32; the index searches in "
             f"float32 and leaves such rows out of its candidates, so they may be missing from "
@@ -149,26 +171,40 @@ class OverflowWatch:
         return True
 
 
-def warn_self_influence_overflow(total: Tensor, first_row: int = 0, *,
+def warn_self_influence_overflow(total: Tensor, store: GradientStore, first_row: int = 0, *,
                                  curvature: bool = False) -> None:
-    """Warn when self-influences ``[n]`` (rows from ``first_row``) overflowed their dtype
-    (``curvature``: they were preconditioned)."""
+    """Warn when self-influences ``[n]`` of ``store``'s rows (from ``first_row`` of the store
+    it is a range of) are not finite: rows holding NaN or inf, or values that overflowed
+    their dtype (``curvature``: they were preconditioned)."""
     bad = ~torch.isfinite(total)
     if not bool(bad.any()):
         return
-    rows = (bad.nonzero().flatten()[:_NAMED] + first_row).tolist()
+    positions = bad.nonzero().flatten().cpu()
+    broken = torch.zeros(len(positions), dtype=torch.bool)
+    for c in range(store.meta.n_ckpt):  # the bad rows' stored norms: NaN or inf rows?
+        broken |= ~torch.isfinite(norms_at(store, c, positions))
     name = str(total.dtype).removeprefix("torch.")
-    cause = (f"those rows preconditioned by the curvature (a small damping divides by it) "
-             f"give values {name} cannot hold" if curvature else
-             f"those rows' norms are too large for lr times their squares to fit {name}")
-    advice = overflow_advice(total.dtype).replace(" and the test gradients", "")
-    if curvature and total.dtype != torch.float64:
-        advice = f"raise the damping, or {advice}"
-    warnings.warn(
-        f"{current_caller()}: the self-influence of {int(bad.sum())} training row(s) (rows "
-        f"{_named(rows, int(bad.sum()))}) overflowed {name} and is inf or NaN: {cause}. The "
-        f"other rows' values are right; these cannot be summed or correlated; {advice}.",
-        RuntimeWarning, stacklevel=user_stacklevel())
+    if bool(broken.all()):
+        rows = (positions[:_NAMED] + first_row).tolist()
+        message = (f"the self-influence of {len(positions)} training row(s) (rows "
+                   f"{_named(rows, len(positions))}) is NaN or inf: those rows hold NaN or inf "
+                   f"values in the store (their norms are not finite). The other rows' values "
+                   f"are right; rebuild those rows, or leave them out with rows=.")
+    else:
+        over = positions[~broken]
+        rows = (over[:_NAMED] + first_row).tolist()
+        cause = (f"those rows preconditioned by the curvature (a small damping divides by it) "
+                 f"give values {name} cannot hold" if curvature else
+                 f"those rows' norms are too large for lr times their squares to fit {name}")
+        advice = overflow_advice(total.dtype).replace(" and the test gradients", "")
+        if curvature and total.dtype != torch.float64:
+            advice = f"raise the damping, or {advice}"
+        message = (f"the self-influence of {len(over)} training row(s) (rows "
+                   f"{_named(rows, len(over))}) overflowed {name} and is inf or NaN: {cause}. "
+                   f"The other rows' values are right; these cannot be summed or correlated; "
+                   f"{advice}.")
+    warnings.warn(f"{current_caller()}: {message}", RuntimeWarning,
+                  stacklevel=user_stacklevel())
 
 
 def warn_candidate_overflow(scores: Tensor, candidates: Tensor, query: PreparedQuery,

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tracinfunc._norms import row_norms
+from tracinfunc._norms import directions, row_norms
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.interop import tensor_if_array
 from tracinfunc.query.checks import (
     check_not_empty,
     check_test_type,
     compute_dtype,
-    norm_divisors,
     query_matrix,
     resolve_device,
 )
@@ -72,6 +71,12 @@ class PreparedQuery:
         """The factor of checkpoint ``ckpt``'s products (1.0: ``lr_c`` is in the rows)."""
         return self.scales[ckpt] if self.scales else 1.0
 
+    def scaled(self, ckpt: int, products: Tensor) -> Tensor:
+        """``products`` of checkpoint ``ckpt`` times its :meth:`scale` (the same tensor when
+        it is 1.0)."""
+        return scale_products(products, self.scale(ckpt))
+
+
     @property
     def n_test(self) -> int:
         return self.rows.shape[1]
@@ -80,6 +85,22 @@ class PreparedQuery:
         """Test rows ``[lo, hi)`` (views, nothing prepared again)."""
         return PreparedQuery(self.rows[:, lo:hi], self.norms[:, lo:hi], self.lrs,
                              self.normalize, self.dtype, self.device, self.contrast, self.scales)
+
+def fits(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``value`` is 0 or a normal number of ``dtype`` (a factor it can apply)."""
+    info = torch.finfo(dtype)
+    return value == 0.0 or info.tiny <= abs(value) <= info.max
+
+
+def scale_products(products: Tensor, scale: float) -> Tensor:
+    """``products * scale``, in float64 where ``scale`` is no normal number of their dtype
+    (``lr=1e-40`` is a float32 denormal, ``1e-46`` is 0 and ``1e40`` inf in float32)."""
+    if scale == 1.0:
+        return products
+    if fits(scale, products.dtype):
+        return products * scale
+    return (products.double() * scale).to(products.dtype)
+
 
 
 def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool = False,
@@ -140,14 +161,18 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
         # given as a tensor are measured here; a store's are its own recorded norms.
         wide = test.to(torch.float64, copy=True)  # never the caller's own tensor
         own = row_norms(wide) if isinstance(grads, Tensor) else norms.double()
-        test = wide.div_(norm_divisors(own)[..., None])  # divided: float64 denormal norms too
+        test = directions(wide, own)  # divided; float64 denormal rows from their own entries
     if scales is None:
         scales = _scales(meta.lrs, test, None if normalize else norms, dtype)
     # lr_c (and, above, the test side of the cosine) folded in once, not per chunk.
     folded = [lr if scale == 1.0 else 1.0 for lr, scale in zip(meta.lrs, scales, strict=True)]
-    factor = torch.tensor(folded, dtype=torch.float64 if normalize else dtype,
+    # In float64 where a folded lr is no normal number of the compute dtype (lr=1e40 with
+    # rows of 1e-20: the rows fit, the lr alone would be inf in float32)
+    wide = normalize or not all(fits(lr, dtype) for lr in folded)
+    factor = torch.tensor(folded, dtype=torch.float64 if wide else dtype,
                           device=device)[:, None, None]
-    if normalize:
+    if wide:
+        test = test if normalize else test.to(torch.float64)  # (a new tensor either way)
         return test.mul_(factor).to(dtype), norms, scales
     test = test.to(dtype)
     if isinstance(grads, Tensor):  # the caller's rows: never written to

@@ -89,5 +89,6 @@ def self_influence(
             total[start:stop] = part
             bar.update(stop - start)
     bar.close()
-    warn_self_influence_overflow(total, first_row=first_row, curvature=curvature is not None)
+    warn_self_influence_overflow(total, store, first_row=first_row,
+                                 curvature=curvature is not None)
     return to_framework(total, framework)

@@ -95,7 +95,7 @@ def top_k(
     query = prepare_query(store, test_grads, normalize=normalize, device=device,
                           curvature=curvature)
     # one overflow warning for the whole query, however many scans it takes
-    watch = None if query.normalize else OverflowWatch(part, query)
+    watch = OverflowWatch(part, query)
     options = {"largest": largest, "chunk_rows": chunk_rows, "progress": progress,
                "watch": watch}
     if query.n_test <= _MAX_QUERY_BLOCK:
@@ -104,8 +104,7 @@ def top_k(
         parts = [_exact_top_k(part, query.split(lo, lo + _MAX_QUERY_BLOCK), k, offset,
                               **options) for lo in range(0, query.n_test, _MAX_QUERY_BLOCK)]
         values, indices = (torch.cat(list(column)) for column in zip(*parts, strict=True))
-    if watch is not None:
-        watch.warn()
+    watch.warn()
     return to_framework(values, framework), to_framework(indices, framework)
 
 

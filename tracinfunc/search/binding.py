@@ -26,7 +26,7 @@ import json
 import numpy as np
 import torch
 
-from tracinfunc.query.checks import norm_divisors
+from tracinfunc._norms import directions, row_norms
 from tracinfunc.search.rows import index_rows
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
@@ -41,7 +41,9 @@ __all__ = ["NORM_ATOL", "NORM_RTOL", "SKETCH_SIZE", "CandidateSketch", "meta_fin
 # magnitude more. 1e-4 leaves three orders of headroom on either side.
 NORM_RTOL = 1e-4
 # Rows that are themselves rounding noise (examples the model fits exactly) carry no relative
-# precision at all: below this fraction of the checkpoint's mean norm, differences are allowed.
+# precision at all: below this fraction of the checkpoint's median norm, differences are
+# allowed. The median, not the mean: one exploding row (norm 1e9 among norms of 3) made the
+# mean's allowance larger than an ordinary row, and a replaced ordinary row went through.
 NORM_ATOL = 1e-6
 # Directions in a row's sketch: one differing direction suffices; 8 make a chance agreement of
 # two unrelated rows (each direction within 1e-4 of the row's scale) vanishingly rare.
@@ -102,7 +104,7 @@ def norms_mismatch(built_from: np.ndarray, ours: np.ndarray) -> str | None:
     if built_from.shape != ours.shape:
         return f"norms of shape {tuple(built_from.shape)} recorded, {tuple(ours.shape)} read"
     a, b = built_from.astype(np.float64), ours.astype(np.float64)
-    scale = np.abs(a).mean(axis=1, keepdims=True) if a.size else a
+    scale = np.median(np.abs(a), axis=1, keepdims=True) if a.size else a
     allowed = NORM_RTOL * np.maximum(np.abs(a), np.abs(b)) + NORM_ATOL * scale
     bad = ~(np.abs(a - b) <= allowed)  # NaN counts as different
     if not bad.any():
@@ -164,7 +166,7 @@ def _ambiguous(norms: np.ndarray) -> np.ndarray:
         values = norms[ckpt].astype(np.float64)
         order = np.argsort(values, kind="stable")
         ranked = values[order]
-        scale = np.abs(values).mean() if n_train else 0.0
+        scale = float(np.median(np.abs(values))) if n_train else 0.0
         close = np.diff(ranked) <= 2 * (NORM_RTOL * np.maximum(np.abs(ranked[1:]),
                                                                np.abs(ranked[:-1]))
                                         + NORM_ATOL * scale)
@@ -180,7 +182,8 @@ def sketch_mismatch(recorded: np.ndarray, now: np.ndarray, row_norms: np.ndarray
 
     A row moved by rounding (``NORM_RTOL`` of its norm at most) moves each sketch entry by at
     most ``NORM_RTOL * |row| * |direction|`` (Cauchy-Schwarz); rows of noise (below
-    ``NORM_ATOL`` of the mean row norm) carry no relative precision and are allowed that much.
+    ``NORM_ATOL`` of the median row norm) carry no relative precision and are allowed that
+    much.
 
     Args:
         recorded: ``[n_train, SKETCH_SIZE]`` sketch saved with the index.
@@ -192,7 +195,7 @@ def sketch_mismatch(recorded: np.ndarray, now: np.ndarray, row_norms: np.ndarray
     if len(rows) == 0:
         return None
     then = recorded[rows].astype(np.float64)
-    scale = float(row_norms.mean())
+    scale = float(np.median(row_norms))  # a typical row (one exploding row moves a mean)
     reach = np.linalg.norm(directions, axis=0)[None]  # [1, SKETCH_SIZE]
     allowed = (NORM_RTOL * row_norms[:, None] + NORM_ATOL * scale) * reach
     bad = ~(np.abs(now.astype(np.float64) - then) <= allowed).all(axis=1)  # NaN: different
@@ -253,12 +256,12 @@ class CandidateSketch:
         # float32 at least: its rounding (~1e-7 of a row's scale) is far inside the tolerance.
         dtype = torch.promote_types(rows.dtype, torch.float32)
         weighted = rows.to(dtype, copy=True)  # [u, k], as index_rows makes them: the direction
-        if norms is not None:  # first, divided (a denormal norm's reciprocal is inf)
-            weighted.div_(norm_divisors(norms.to(weighted))[:, None])
+        if norms is not None:  # first (tiny rows from their own entries)
+            weighted = directions(weighted, norms.to(weighted))
         weighted.mul_(self._weights[ckpt])
         part = torch.from_numpy(self._directions[ckpt * self._k:(ckpt + 1) * self._k])
         self._now += (weighted @ part.to(rows.device, dtype)).double().cpu().numpy()  # [u, 8]
-        squares = torch.linalg.vector_norm(weighted, dim=1).double()
+        squares = row_norms(weighted).double()  # rows of 1e-30: their squares underflow
         self._squares += squares.square().cpu().numpy()
 
     def mismatch(self) -> str | None:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import directions
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, InvalidTypeError
+from tracinfunc.errors import (
+    IncompatibleGradientsError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NonFiniteGradientError,
+)
 from tracinfunc.interop import Array, resolve_output, to_framework
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.query.checks import check_not_empty, norm_divisors
+from tracinfunc.query.checks import check_not_empty
 from tracinfunc.query.overflow import OverflowWatch, warn_candidate_overflow
 from tracinfunc.query.prepared import PreparedQuery, prepare_query
 from tracinfunc.query.rows import check_rows, row_range
@@ -118,7 +124,7 @@ def indexed_top_k(
         _, found = index.faiss_index.search(queries[start:stop].numpy(), n_candidates,
                                             params=params)
         found = torch.from_numpy(found)  # [b, n_candidates], -1 where lists ran out
-        _check_enough(found, k, nprobe, index.nlist, start)
+        _check_enough(found, k, nprobe, index.nlist, start, overflow=warned)
         # In row order (the -1s last), then a stable sort: equal scores resolve by row, as
         # top_k over the whole store orders them.
         found = torch.where(found < 0, _MISSING, found).sort(dim=1).values
@@ -171,10 +177,10 @@ def _exact_scores(store: GradientStore, query: PreparedQuery, found: Tensor,
         if sketch is not None:
             sketch.add(ckpt, rows, norms)
         if normalize:  # the rows' directions first: a denormal row's product keeps its bits
-            rows = rows / norm_divisors(norms)[:, None]
+            rows = directions(rows, norms)
         gathered = rows[position]  # [b, candidates, k]
         product = torch.bmm(gathered, test[ckpt][:, :, None]).squeeze(2)  # [b, candidates]
-        total += product if query.scale(ckpt) == 1.0 else product * query.scale(ckpt)
+        total += query.scaled(ckpt, product)
     if sketch is not None and (problem := sketch.mismatch()) is not None:
         raise IncompatibleGradientsError(
             f"{current_caller()}: candidate {problem}; rebuild the index with "
@@ -184,11 +190,21 @@ def _exact_scores(store: GradientStore, query: PreparedQuery, found: Tensor,
     return total.masked_fill(~valid, -torch.inf if largest else torch.inf)
 
 
-def _check_enough(found: Tensor, k: int, nprobe: int, nlist: int, offset: int) -> None:
+def _check_enough(found: Tensor, k: int, nprobe: int, nlist: int, offset: int, *,
+                  overflow: bool = False) -> None:
+    """Refuse a search that found fewer than ``k`` rows for some test example (``overflow``:
+    rows whose float32 scores may overflow were warned of: FAISS leaves them out)."""
     counts = (found >= 0).sum(dim=1)
     short = torch.nonzero(counts < k).flatten()
     if len(short):
         example = int(short[0])
+        if overflow:
+            raise NonFiniteGradientError(
+                f"{current_caller()}: the index returned only {int(counts[example])} rows for "
+                f"test example {offset + example}, fewer than k={k}: the others' scores "
+                "overflow float32 in its search, which leaves them out (see the warning "
+                "before it). tif.top_k is exact and names overflowed scores; build the store "
+                "and the test gradients with dtype='float64' to keep them finite.")
         raise InvalidArgumentError(
             f"{current_caller()}: the {nprobe} of {nlist} clusters searched for test example "
             f"{offset + example} hold only {int(counts[example])} rows, fewer than k={k}; "

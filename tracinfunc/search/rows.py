@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tracinfunc.query.checks import norm_divisors
+from tracinfunc._norms import directions
 from tracinfunc.store.gather import norms_at, read_rows_at, row_groups
 from tracinfunc.store.protocols import GradientStore
 
@@ -36,9 +36,9 @@ def weighted_rows(rows: Tensor, norms: Tensor | None, lrs: Sequence[float], *,
     lr = torch.tensor(lrs, dtype=torch.float64)
     weight = lr.abs().sqrt() * (lr.sign() if query else 1.0)
     weighted = rows.to(dtype, copy=True)  # [n_ckpt, n, k]
-    if normalize:  # the direction first, divided: a denormal norm's reciprocal is inf, and a
-        # denormal row times sqrt|lr_c| < 1 loses the bits its direction needs
-        weighted.div_(norm_divisors(norms.to(dtype))[..., None])
+    if normalize:  # the direction first: a denormal row times sqrt|lr_c| < 1 loses the bits
+        # its direction needs, and its reciprocal norm is inf (tiny rows: their own entries)
+        weighted = directions(weighted, norms.to(dtype))
     weighted.mul_(weight.to(dtype)[:, None, None])
     return weighted.permute(1, 0, 2).reshape(rows.shape[1], -1).contiguous()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -157,17 +158,38 @@ class MemoryWriter:
 
 
 def _check_norms_fit(rows: Tensor, norms: Tensor) -> None:
-    """Refuse finite rows whose given norm is not finite: the norm overflowed its dtype
-    (float32 entries near 3e38), and every cosine of such a row would be 0. (Rows that are
-    NaN or inf themselves are another matter: queries name them.)"""
-    lost = ~torch.isfinite(norms) & torch.isfinite(rows).all(dim=-1)
-    if bool(lost.any()):
-        ckpt, row = (int(i) for i in lost.nonzero()[0])
+    """Refuse norms that cannot be the rows': not finite, negative or 0 for a finite nonzero
+    row (every cosine of it would be 0 or dropped), or finite for a row holding NaN or inf
+    (queries would not name it). Only the suspect rows' own norms are measured; a 0 for a row
+    whose norm is subnormal is what torch's ``norm`` gives, and is taken."""
+    finite = torch.isfinite(rows).all(dim=-1)
+    nonzero = (rows != 0).any(dim=-1)
+    wrong = finite & (~torch.isfinite(norms) | (norms < 0) | ((norms == 0) & nonzero))
+    wrong |= ~finite & torch.isfinite(norms)
+    if not bool(wrong.any()):
+        return
+    suspects = wrong.nonzero()  # [m, 2]
+    true = row_norms(rows[wrong].double())  # [m]
+    given = norms[wrong].double()
+    taken = finite[wrong] & (given == 0) & (true < torch.finfo(norms.dtype).tiny)
+    if bool(taken.all()):
+        return
+    first = int((~taken).nonzero()[0])
+    ckpt, row = (int(i) for i in suspects[first])
+    given, true = float(given[first]), float(true[first])
+    where = f"MemoryStore: row {row} of checkpoint {ckpt}"
+    if not bool(finite[ckpt, row]):
         raise InvalidArgumentError(
-            f"MemoryStore: row {row} of checkpoint {ckpt} is finite but its norm is "
-            f"{float(norms[ckpt, row])}: a {norms.dtype} norm cannot hold it (entries near "
-            f"the largest {rows.dtype}). Give float64 rows and norms (a float64 store), or "
-            "scale the rows down.")
+            f"{where} holds NaN or inf values but its norm is given as {given}; give such a "
+            "row a NaN or inf norm (queries then name it), or drop the row.")
+    if true > torch.finfo(norms.dtype).max and rows.dtype != torch.float64:
+        raise InvalidArgumentError(
+            f"{where} is finite but its norm ({true:.3g}) does not fit {norms.dtype} (entries "
+            "near its largest value): give float64 rows and norms (a float64 store), or scale "
+            "the rows down.")
+    raise InvalidArgumentError(
+        f"{where} has norm {true:.6g} but its norm is given as {given}; give each row's own "
+        "norm (e.g. rows.double().norm(dim=-1)).")
 
 
 def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:

@@ -102,16 +102,12 @@ def test_finding_lazy_batchnorm_is_refused_by_loss_from_module_with_the_library_
     assert "'1'" in str(info.value) or "1." in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (lead, stop 42): a forward that calls register_parametrization on a weight "
-    "functional_call has swapped in fails inside torch (KeyError \"attribute 'weight' already "
-    "exists\"), which tracinfunc reports as a loss failure with advice about the batch's "
-    "structure; the module itself is restored (test_atk42c). Not named yet."))
 def test_finding_forward_parametrizing_a_parameter_gives_rows_or_names_it():
     """FINDING. A forward that registers a parametrization on an existing weight (plain
     `model(x)` runs) fails under tracinfunc with `KeyError: "attribute 'weight' already
     exists"` wrapped in advice about the batch's structure. Expected: the rows (an identity
-    parametrization changes nothing) or an error naming the parametrization."""
+    parametrization changes nothing) or an error naming the parametrization. Fixed in stop 44:
+    the error names the forward's change of a swapped-in attribute and register_parametrization."""
 
     class Reg(nn.Module):
         def __init__(self):

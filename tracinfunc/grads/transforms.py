@@ -367,6 +367,9 @@ def _call_loss_transform(fn, *args: Any, ):
             raise
         raise clearer from error
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+        clearer = explain_loss_error(error)
+        if clearer is not None:
+            raise clearer from error
         # The user's loss failed on this batch (other batches may have passed): say so.
         raise LossFunctionError(
             f"{current_caller()}: loss(params, example) failed with {type(error).__name__}: "
@@ -379,6 +382,15 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
     """A tracinfunc error that explains a known torch failure of the loss, else ``None``
     (``params``: the parameters differentiated, to name the culprits where known)."""
     message = str(error).strip()
+    if isinstance(error, KeyError) and "already exists" in message and _from_swap(error):
+        return LossFunctionError(
+            f"{current_caller()}: the model's forward changed a module attribute that "
+            f"functional_call had swapped in for the call (torch said: {message}), so torch "
+            "could not put the module's own tensor back; a forward that calls "
+            "torch.nn.utils.parametrize.register_parametrization does this. Register "
+            "parametrizations once, before the model is given to tracinfunc (loss_from_module, "
+            "Checkpoint.from_module), not inside forward."
+        )
     if "floating point dtype can require gradients" in message:
         integer = sorted(name for name, value in (params or {}).items()
                          if isinstance(value, Tensor) and not value.is_floating_point())
@@ -428,3 +440,15 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
             "`example` has no batch dimension."
         )
     return None
+
+
+def _from_swap(error: BaseException) -> bool:
+    """Whether ``error`` was raised by torch's swapping of tensors in and out of a module
+    (``functional_call``'s ``_named_member_accessor``), e.g. restoring a name the forward
+    turned into a parametrization."""
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code.co_filename.endswith("_named_member_accessor.py"):
+            return True
+        trace = trace.tb_next
+    return False

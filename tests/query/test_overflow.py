@@ -7,6 +7,7 @@ NaN of ``+inf - inf``). The reference is the same query in float64 (explicit mat
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -113,3 +114,20 @@ def test_candidates_and_the_index_rescoring_warn_too():
     index = tif.search.build_index(store, nlist=1, target_recall=None)
     with pytest.warns(RuntimeWarning, match=r"training rows \[4\]"):
         tif.search.indexed_top_k(store, test, 2, index=index, n_candidates=6)
+
+
+def test_a_float64_learning_rate_below_its_normal_range_never_scales_the_callers_tensor():
+    """lr = 1e-310 (a float64 denormal) folded into float64 test rows of 1e300 is applied in
+    float64 on a copy: ``.to(float64)`` of a float64 tensor is the tensor itself, and the
+    first version scaled the caller's rows in place."""
+    base = reference_store(6, 4, n_ckpt=1, dtype=torch.float64)
+    meta = base.meta.replace(checkpoints=(
+        dataclasses.replace(base.meta.checkpoints[0], lr=1e-310),))
+    rows = base.read_rows(0, 0, 6)[None]
+    store = MemoryStore(meta, rows, rows.norm(dim=-1))
+    test = torch.randn(1, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    test *= 1e300
+    kept = test.clone()
+    scores = tif.score(store, test)
+    assert torch.equal(test, kept)
+    torch.testing.assert_close(scores, 1e-310 * (test[0] @ rows[0].T), rtol=1e-9, atol=0)

@@ -15,6 +15,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller, user_stacklevel
 from tracinfunc.errors import NonFiniteGradientError
 from tracinfunc.query.prepared import PreparedQuery
@@ -30,15 +31,9 @@ _NAMED = 5  # rows named in a warning
 
 def largest_norm(rows: Tensor) -> float:
     """The largest row norm of ``rows`` ``[..., k]``, in float64 and without overflowing it
-    (each row scaled by its largest entry first: a float64 row of 1e200 has norm 1e200, not
-    the inf of its squares)."""
-    if rows.numel() == 0:
-        return 0.0
-    wide = rows.double()
-    scale = wide.abs().amax(dim=-1, keepdim=True)
-    units = torch.where(scale > 0, wide / scale.clamp_min(torch.finfo(torch.float64).tiny),
-                        torch.zeros_like(wide))
-    return float((torch.linalg.vector_norm(units, dim=-1) * scale.squeeze(-1)).max())
+    (:func:`~tracinfunc._norms.row_norms`: a float64 row of 1e200 has norm 1e200, not the
+    inf of its squares)."""
+    return float(row_norms(rows.double()).max()) if rows.numel() else 0.0
 
 
 def nan_scores_error() -> NonFiniteGradientError:

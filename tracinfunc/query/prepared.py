@@ -76,7 +76,6 @@ class PreparedQuery:
         it is 1.0)."""
         return scale_products(products, self.scale(ckpt))
 
-
     @property
     def n_test(self) -> int:
         return self.rows.shape[1]
@@ -85,6 +84,7 @@ class PreparedQuery:
         """Test rows ``[lo, hi)`` (views, nothing prepared again)."""
         return PreparedQuery(self.rows[:, lo:hi], self.norms[:, lo:hi], self.lrs,
                              self.normalize, self.dtype, self.device, self.contrast, self.scales)
+
 
 def fits(value: float, dtype: torch.dtype) -> bool:
     """Whether ``value`` is 0 or a normal number of ``dtype`` (a factor it can apply)."""
@@ -100,7 +100,6 @@ def scale_products(products: Tensor, scale: float) -> Tensor:
     if fits(scale, products.dtype):
         return products * scale
     return (products.double() * scale).to(products.dtype)
-
 
 
 def prepare_query(store: GradientStore, test_grads: object, *, normalize: bool = False,
@@ -172,7 +171,8 @@ def _weighted(meta: StoreMeta, grads: GradientStore | Tensor, normalize: bool,
     factor = torch.tensor(folded, dtype=torch.float64 if wide else dtype,
                           device=device)[:, None, None]
     if wide:
-        test = test if normalize else test.to(torch.float64)  # (a new tensor either way)
+        # a new tensor either way: never the caller's own (float64 rows are not copied by .to)
+        test = test if normalize else test.to(torch.float64, copy=True)
         return test.mul_(factor).to(dtype), norms, scales
     test = test.to(dtype)
     if isinstance(grads, Tensor):  # the caller's rows: never written to

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["directions", "has_small_norms", "row_norms"]
+__all__ = ["directions", "has_small_norms", "row_norms", "smallest_plain_norm"]
 
 
 def row_norms(rows: Tensor) -> Tensor:
@@ -68,7 +68,9 @@ def directions(rows: Tensor, norms: Tensor) -> Tensor:
     such a row a cosine of 0, or 1.41.
     """
     out = rows / torch.where(norms > 0, norms, torch.full_like(norms, math.inf))[..., None]
-    small = (norms > 0) & (norms < _ordinary_norms(rows.dtype)[0])
+    if rows.is_meta:  # shapes without values (the tests' stand-in device)
+        return out
+    small = has_small_norms(norms, rows.dtype)
     if rows.device.type != "cpu" or bool(small.any()):
         out[small] = _unit(rows[small])
     return out
@@ -76,7 +78,13 @@ def directions(rows: Tensor, norms: Tensor) -> Tensor:
 
 def has_small_norms(norms: Tensor, dtype: torch.dtype) -> Tensor:
     """Which ``norms`` (of rows of ``dtype``) :func:`directions` redoes from the rows."""
-    return (norms > 0) & (norms < _ordinary_norms(dtype)[0])
+    return (norms > 0) & (norms < smallest_plain_norm(dtype))
+
+
+def smallest_plain_norm(dtype: torch.dtype) -> float:
+    """Below this norm a row of ``dtype`` has squares that underflow: ``rows.norm()`` may be
+    off, or 0 (``sqrt(tiny) * 2**24``, ~2e-12 in float32)."""
+    return _ordinary_norms(dtype)[0]
 
 
 def _unit(rows: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
+from tracinfunc._norms import row_norms
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc._version import __version__
 from tracinfunc.batches import iter_batches
@@ -183,7 +184,7 @@ def marked_store(meta: StoreMeta, per_ckpt: Sequence[Tensor], curvature: Curvatu
         mark["plain"] = curvature.without_refinement().digest
     meta = meta.replace(n_train=rows.shape[1], dtype=dtype_name(rows.dtype),
                         extra={MARK: mark})
-    return MemoryStore(meta, rows, rows.norm(dim=-1))
+    return MemoryStore(meta, rows, row_norms(rows))  # rows of 1e-30 (huge damping): not 0
 
 
 class GradientPreconditioner:

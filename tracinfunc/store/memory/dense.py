@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tracinfunc._norms import row_norms
+from tracinfunc._norms import row_norms, smallest_plain_norm
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -161,7 +161,8 @@ def _check_norms_fit(rows: Tensor, norms: Tensor) -> None:
     """Refuse norms that cannot be the rows': not finite, negative or 0 for a finite nonzero
     row (every cosine of it would be 0 or dropped), or finite for a row holding NaN or inf
     (queries would not name it). Only the suspect rows' own norms are measured; a 0 for a row
-    whose norm is subnormal is what torch's ``norm`` gives, and is taken."""
+    of tiny entries (norm below ~2e-12 in float32) is what torch's ``norm`` gives, and is
+    taken."""
     finite = torch.isfinite(rows).all(dim=-1)
     nonzero = (rows != 0).any(dim=-1)
     wrong = finite & (~torch.isfinite(norms) | (norms < 0) | ((norms == 0) & nonzero))
@@ -171,7 +172,8 @@ def _check_norms_fit(rows: Tensor, norms: Tensor) -> None:
     suspects = wrong.nonzero()  # [m, 2]
     true = row_norms(rows[wrong].double())  # [m]
     given = norms[wrong].double()
-    taken = finite[wrong] & (given == 0) & (true < torch.finfo(norms.dtype).tiny)
+    # torch's own norm of a row of tiny entries is 0 (their squares underflow): taken
+    taken = finite[wrong] & (given == 0) & (true < smallest_plain_norm(norms.dtype))
     if bool(taken.all()):
         return
     first = int((~taken).nonzero()[0])

@@ -129,11 +129,12 @@ def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
                     sub.__class__ = kind
                 for held, before in ((sub._modules, modules), (sub._parameters, parameters),
                                      (sub._buffers, buffers)):
-                    for name in [name for name in held if name not in before]:
-                        del held[name]  # registered by the forward: a transformed tensor
-                    for name, value in before.items():
-                        if held.get(name) is not value:
-                            held[name] = value
+                    # What the forward registered goes (a transformed tensor), what it removed
+                    # or replaced comes back, in the order it had (state_dict's keys)
+                    if list(held) != list(before) or any(
+                            held[name] is not value for name, value in before.items()):
+                        held.clear()
+                        held.update(before)
 
 
 @dataclass(frozen=True, eq=False)

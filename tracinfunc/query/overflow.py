@@ -87,8 +87,9 @@ class OverflowWatch:
         self._dtype, self._store, self._query = dtype, store, query
         self._largest = float(train.max()) if len(train) else 0.0
         self._offset = store.start if isinstance(store, RowRange) else 0  # rows=: the store's
-        if query.normalize:  # cosines are bounded by sum_c |lr_c|: only broken rows
-            self.active = bool(self._broken.any())
+        if query.normalize:  # cosines are bounded by sum_c |lr_c| (1e39 overflows float32)
+            bound = sum(abs(lr) for lr in query.lrs)  # unit rows: lr folded in or not
+            self.active = bool(self._broken.any()) or not bound < torch.finfo(dtype).max / 2
             return
         # One pass in the rows' dtype (an overflowed norm is inf: checked, conservatively);
         # the exact largest norms are measured only for a warning.
@@ -129,10 +130,14 @@ class OverflowWatch:
         else:
             broken = (f" Training rows {sorted(self._broken_seen)} hold NaN or inf values in "
                       f"the store." if self._broken_seen else "")
+            lrs = max(abs(lr) for lr in self._query.lrs)
+            sizes = (f"the learning rates (up to {lrs:.3g}) times cosines" if
+                     self._query.normalize else
+                     f"the largest learning-rate-weighted test row norm (learning rates up to "
+                     f"{lrs:.3g}) and training row norm are {_test_norm(self._query):.3g} and "
+                     f"{self._largest:.3g}, whose products")
             message = (f"{n_scores} score(s) overflowed {name} and are inf or NaN (training "
-                       f"rows {rows}): the largest learning-rate-weighted test row norm and "
-                       f"training row norm are {_test_norm(self._query):.3g} and "
-                       f"{self._largest:.3g}, whose products {name} cannot hold.{broken} The "
+                       f"rows {rows}): {sizes} {name} cannot hold.{broken} The "
                        f"other scores are right; these cannot be summed or correlated; "
                        f"{overflow_advice(self._dtype)}.")
         warnings.warn(f"{self._caller}: {message}", RuntimeWarning,
@@ -188,9 +193,11 @@ def warn_self_influence_overflow(total: Tensor, store: GradientStore, first_row:
     else:
         over = positions[~broken]
         rows = (over[:_NAMED] + first_row).tolist()
+        lrs = max(abs(info.lr) for info in store.meta.checkpoints)
         cause = (f"those rows preconditioned by the curvature (a small damping divides by it) "
                  f"give values {name} cannot hold" if curvature else
-                 f"those rows' norms are too large for lr times their squares to fit {name}")
+                 f"the learning rates (up to {lrs:.3g}) times those rows' squared norms (up to "
+                 f"{_largest_square(store, over):.3g}) do not fit {name}")
         advice = overflow_advice(total.dtype).replace(" and the test gradients", "")
         if curvature and total.dtype != torch.float64:
             advice = f"raise the damping, or {advice}"
@@ -228,3 +235,9 @@ def _test_norm(query: PreparedQuery) -> float:
     """The largest learning-rate-weighted test row norm of ``query``."""
     return max(largest_norm(query.rows[c]) * abs(query.scale(c))
                for c in range(query.rows.shape[0]))
+
+
+def _largest_square(store: GradientStore, rows: Tensor) -> float:
+    """The largest squared norm of store ``rows`` (sorted int64) over the checkpoints."""
+    return max(float(norms_at(store, c, rows).double().square().amax())
+               for c in range(store.meta.n_ckpt))

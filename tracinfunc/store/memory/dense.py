@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -46,7 +48,7 @@ class MemoryStore(StoreProperties):
             raise InvalidArgumentError(
                 f"MemoryStore: norms must be {list(expected[:2])}, got {list(norms.shape)}."
             )
-        _check_norms_fit(rows, norms)
+        _check_norms_fit(rows, norms, type(self).__name__)
         # Copy on ingest: the caller's tensors may be changed later; ours never are.
         self._adopt(meta, rows.detach().to("cpu", copy=True), norms.detach().to("cpu", copy=True))
 
@@ -157,41 +159,47 @@ class MemoryWriter:
         return MemoryStore._from_owned(meta, rows, norms)
 
 
-def _check_norms_fit(rows: Tensor, norms: Tensor) -> None:
-    """Refuse norms that cannot be the rows': not finite, negative or 0 for a finite nonzero
-    row (every cosine of it would be 0 or dropped), or finite for a row holding NaN or inf
-    (queries would not name it). Only the suspect rows' own norms are measured; a 0 for a row
-    of tiny entries (norm below ~2e-12 in float32) is what torch's ``norm`` gives, and is
-    taken."""
+def _check_norms_fit(rows: Tensor, norms: Tensor, owner: str = "MemoryStore") -> None:
+    """Refuse norms that cannot be the rows': for a finite row, one not within 1% of the
+    row's norm (not finite, negative, 0 for a nonzero row, a positive norm for a zero row, or
+    just another row's); for a row holding NaN or inf, a finite or negative one (queries would
+    not name it). 1% leaves room for norms of rows before a cast to float16 or bfloat16 (a
+    store keeps those); a 0 is taken where ``rows.norm()`` itself gives 0 (squares that
+    underflow). One pass over the rows (their norms, :func:`~tracinfunc._norms.row_norms`)."""
     finite = torch.isfinite(rows).all(dim=-1)
-    nonzero = (rows != 0).any(dim=-1)
-    wrong = finite & (~torch.isfinite(norms) | (norms < 0) | ((norms == 0) & nonzero))
-    wrong |= ~finite & torch.isfinite(norms)
+    true = row_norms(rows).to(torch.float64)
+    given = norms.to(torch.float64)
+    close = (given - true).abs() <= 1e-2 * true
+    # Rows of tiny entries (squares that underflow: denormals) were often cast after their
+    # norm was taken, and keep few bits: within a factor of 2
+    tiny = true < smallest_plain_norm(rows.dtype)
+    close |= tiny & (given >= 0.5 * true) & (given <= 2 * true)
+    wrong = finite & ~(torch.isfinite(given) & close)
+    wrong |= ~finite & (torch.isfinite(given) | (given < 0))
     if not bool(wrong.any()):
         return
-    suspects = wrong.nonzero()  # [m, 2]
-    true = row_norms(rows[wrong].double())  # [m]
-    given = norms[wrong].double()
     # torch's own norm of a row of tiny entries is 0 (their squares underflow): taken
-    taken = finite[wrong] & (given == 0) & (true < smallest_plain_norm(norms.dtype))
-    if bool(taken.all()):
+    zero_by_torch = (given == 0) & finite & (rows.norm(dim=-1) == 0)
+    wrong &= ~zero_by_torch
+    if not bool(wrong.any()):
         return
-    first = int((~taken).nonzero()[0])
-    ckpt, row = (int(i) for i in suspects[first])
-    given, true = float(given[first]), float(true[first])
-    where = f"MemoryStore: row {row} of checkpoint {ckpt}"
+    ckpt, row = (int(i) for i in wrong.nonzero()[0])
+    # 7 digits, as a float (0.0, 1e-30), not the float32's rounding noise
+    given_value = float(f"{float(norms[ckpt, row]):.7g}")
+    true_value = float(f"{float(true[ckpt, row]):.7g}")
+    where = f"{owner}: row {row} of checkpoint {ckpt}"
     if not bool(finite[ckpt, row]):
         raise InvalidArgumentError(
-            f"{where} holds NaN or inf values but its norm is given as {given}; give such a "
-            "row a NaN or inf norm (queries then name it), or drop the row.")
-    if true > torch.finfo(norms.dtype).max and rows.dtype != torch.float64:
+            f"{where} holds NaN or inf values but its norm is given as {given_value!r}; give "
+            "such a row a NaN or +inf norm (queries then name it), or drop the row.")
+    if not math.isfinite(true_value) and rows.dtype != torch.float64:
         raise InvalidArgumentError(
-            f"{where} is finite but its norm ({true:.3g}) does not fit {norms.dtype} (entries "
-            "near its largest value): give float64 rows and norms (a float64 store), or scale "
-            "the rows down.")
+            f"{where} is finite but its norm does not fit {rows.dtype} (entries near its "
+            "largest value): give float64 rows and norms (a float64 store), or scale the "
+            "rows down.")
     raise InvalidArgumentError(
-        f"{where} has norm {true:.6g} but its norm is given as {given}; give each row's own "
-        "norm (e.g. rows.double().norm(dim=-1)).")
+        f"{where} has norm {true_value!r} but its norm is given as {given_value!r}; give "
+        "each row's own norm (e.g. rows.double().norm(dim=-1)).")
 
 
 def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:

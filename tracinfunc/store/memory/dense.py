@@ -32,7 +32,10 @@ class MemoryStore(StoreProperties):
     """Read-only gradients in CPU memory: rows ``[n_ckpt, n_train, k]``, norms ``[n_ckpt, n_train]``
 
     Built by :func:`tracinfunc.build_store` (the default store) or by :class:`MemoryWriter`.
-    Tensors handed out are copies, so nothing a caller does can change the store.
+    Tensors handed out are copies, so nothing a caller does can change the store. Built by
+    hand, ``norms`` are checked against ``rows``: a finite row's norm within 1% of its own (a
+    factor 2 for rows of denormal-range entries; 0 where ``rows.norm()`` gives 0), a NaN or
+    +inf norm for a row holding NaN or inf.
     """
 
     __slots__ = ("_meta", "_norms", "_rows")

@@ -27,6 +27,8 @@ __all__ = ["OverflowWatch", "largest_norm", "nan_scores_error", "overflow_advice
            "warn_candidate_overflow", "warn_self_influence_overflow"]
 
 _NAMED = 5  # rows named in a warning
+_BROKEN = ("those rows hold NaN or inf values in the store (their norms are not finite). The "
+           "other values are right; rebuild those rows, or leave them out with rows=.")
 
 
 def largest_norm(rows: Tensor) -> float:
@@ -123,10 +125,7 @@ class OverflowWatch:
         n_scores, self._n_scores = self._n_scores, 0  # warned once, however often called
         rows = _named(sorted(self._rows), self._n_rows)
         if self._broken_seen and set(self._rows) <= set(self._broken_seen):
-            message = (f"{n_scores} score(s) are NaN or inf (training rows {rows}): those "
-                       f"rows hold NaN or inf values in the store (their norms are not "
-                       f"finite). The other scores are right; rebuild those rows, or leave "
-                       f"them out with rows=.")
+            message = f"{n_scores} score(s) are NaN or inf (training rows {rows}): {_BROKEN}"
         else:
             broken = (f" Training rows {sorted(self._broken_seen)} hold NaN or inf values in "
                       f"the store." if self._broken_seen else "")
@@ -187,9 +186,7 @@ def warn_self_influence_overflow(total: Tensor, store: GradientStore, first_row:
     if bool(broken.all()):
         rows = (positions[:_NAMED] + first_row).tolist()
         message = (f"the self-influence of {len(positions)} training row(s) (rows "
-                   f"{_named(rows, len(positions))}) is NaN or inf: those rows hold NaN or inf "
-                   f"values in the store (their norms are not finite). The other rows' values "
-                   f"are right; rebuild those rows, or leave them out with rows=.")
+                   f"{_named(rows, len(positions))}) is NaN or inf: {_BROKEN}")
     else:
         over = positions[~broken]
         rows = (over[:_NAMED] + first_row).tolist()

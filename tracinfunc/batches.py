@@ -17,8 +17,8 @@ from tracinfunc._validate import check_int, current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.types import Batch
 
-__all__ = ["batch_size_of", "check_ordered", "iter_batches", "known_size", "rebatch",
-           "sized"]
+__all__ = ["batch_size_of", "check_ordered", "expected_rows", "iter_batches", "known_size",
+           "rebatch", "sized"]
 
 
 def sized(data: Batch | Iterable[Batch]) -> int:
@@ -59,6 +59,20 @@ def known_size(data: Batch | Iterable[Batch]) -> int | None:
         sizes = [known_size(batch) for batch in data]
         return None if None in sizes else sum(sizes)
     return None  # a DataLoader or generator: the bar counts without a total
+
+
+def expected_rows(data: Batch | Iterable[Batch]) -> int | None:
+    """Examples ``data`` should yield, as a hint (an in-memory build allocates its rows once):
+    :func:`known_size`, or a batching DataLoader's sampler length (a ``drop_last`` loader's
+    full batches). May be wrong (a dataset whose ``__len__`` is not what it yields): callers
+    must cope with more or fewer rows."""
+    size = known_size(data)
+    if size is not None or not isinstance(data, DataLoader) or data.batch_size is None:
+        return size
+    try:
+        return len(data) * data.batch_size if data.drop_last else len(data.sampler)
+    except TypeError:  # an IterableDataset without __len__
+        return None
 
 
 def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:

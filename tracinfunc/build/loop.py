@@ -37,7 +37,7 @@ from tracinfunc.errors import (
 from tracinfunc.progress import ProgressArg, progress_bar
 from tracinfunc.projection.spec import Layout, Projection
 from tracinfunc.store.codes import check_storable, storage_of
-from tracinfunc.store.memory.dense import MemoryWriter, append_fresh
+from tracinfunc.store.memory.dense import MemoryWriter, append_fresh, reserve_rows
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
 from tracinfunc.store.protocols import GradientStore, StoreWriter
 from tracinfunc.store.zarr.parts import StorePart
@@ -142,7 +142,8 @@ def fill_store(
             :class:`RowBlock` of them with their norms and finiteness.
         meta: The store's metadata (names checkpoints in errors).
         check_first: Called with the first batch to be computed, before ``rows_of``.
-        progress, total: The progress bar over examples (``total`` when known).
+        progress, total: The progress bar over examples (``total`` when known; an
+            in-memory writer also allocates that many rows up front, as a hint).
         stop: Write no row at or past ``stop`` and stop iterating there: a part of a sharded
             build (its writer's ``rows_written`` starts at the part's first row).
         overlap: Where rows come out on an accelerator, check, copy out and write batch i on
@@ -160,6 +161,8 @@ def fill_store(
         NonFiniteGradientError: a row is NaN/inf (names the checkpoint and examples).
     """
     resume_at = writer.rows_written  # > 0 when resuming, or at a part's first row
+    if type(writer) is MemoryWriter and total:  # rows in place: no concatenation at finish
+        reserve_rows(writer, total)
     # The rows this writer stored before (a part's start, or 0, up to the resume point); only
     # writers that can read rows back are checked. The batches holding the first and the last
     # of them are recomputed and compared: an example inserted or dropped anywhere before the

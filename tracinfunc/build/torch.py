@@ -17,8 +17,8 @@ from tracinfunc._validate import check_int, entry_point
 from tracinfunc.batches import (
     batch_size_of,
     check_ordered,
+    expected_rows,
     iter_batches,
-    known_size,
     rebatch,
     sized,
 )
@@ -236,7 +236,7 @@ def build_store(
             writer, pairs, site, meta=meta,
             check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
                                                   on_device(batch)),
-            progress=progress, total=known_size(data), stop=stop, overlap=True,
+            progress=progress, total=expected_rows(data), stop=stop, overlap=True,
             fresh_rows=store is None)  # a writer build_store made itself: no one else holds rows
     except NonFiniteGradientError as error:
         if options.mixed_precision is None or not hasattr(error, "bad_rows"):

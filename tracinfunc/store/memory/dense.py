@@ -111,11 +111,16 @@ class MemoryWriter:
         self._rows: list[Tensor] = []  # as stored: the storage dtype, or codes
         self._scales: list[Tensor] = []  # per-row scales of quantised rows
         self._norms: list[Tensor] = []
+        # Rows of a build of known size, written in place into their final tensor
+        # (reserve_rows): ``finish`` then concatenates nothing, and the peak memory is the
+        # store's size instead of twice it. ``_rows`` holds the blocks written before or past it.
+        self._arena: Tensor | None = None  # [n_ckpt, capacity, width], as stored
+        self._arena_rows = 0
         self._finished = False
 
     @property
     def rows_written(self) -> int:
-        return sum(block.shape[1] for block in self._rows)
+        return self._arena_rows + sum(block.shape[1] for block in self._rows)
 
     @entry_point("MemoryWriter.append")
     def append(self, rows: Tensor, norms: Tensor) -> None:
@@ -141,10 +146,27 @@ class MemoryWriter:
 
     def _add(self, stored: Tensor, scales: Tensor | None, norms: Tensor) -> None:
         # Copy on ingest: a block the caller changes after append must not change the store.
-        self._rows.append(stored.to("cpu", code_dtype(self._meta), copy=True))
+        if not self._into_arena(stored):
+            self._rows.append(stored.to("cpu", code_dtype(self._meta), copy=True))
         if scales is not None:
             self._scales.append(scales.to("cpu", torch.float32, copy=True))
         self._norms.append(norms.to("cpu", norm_dtype(self._meta), copy=True))
+
+    def _into_arena(self, stored: Tensor) -> bool:
+        """Copy ``stored`` ``[n_ckpt, b, width]`` into the reserved rows where it fits; once a
+        block does not fit, the rows so far become a block and every later one is kept as
+        given (a size hint that was too small costs the concatenation it would have saved)."""
+        if self._arena is None:
+            return False
+        start, b = self._arena_rows, stored.shape[1]
+        if start + b <= self._arena.shape[1]:
+            self._arena[:, start:start + b].copy_(stored)
+            self._arena_rows += b
+            return True
+        if start:
+            self._rows.append(self._arena[:, :start])
+        self._arena, self._arena_rows = None, 0
+        return False
 
     def finish(self) -> MemoryStore | QuantizedMemoryStore:
         """Seal the store; the writer cannot be used afterwards."""
@@ -152,7 +174,12 @@ class MemoryWriter:
             raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self.rows_written, complete=True)
-        rows = _joined(self._rows) if self._rows else stored_empty(meta, 0)
+        if self._arena is not None:  # rows in place: fewer than reserved are cut to size
+            rows = self._arena if self._arena_rows == self._arena.shape[1] \
+                else self._arena[:, :self._arena_rows].clone()
+            self._arena = None
+        else:
+            rows = _joined(self._rows) if self._rows else stored_empty(meta, 0)
         norms = _joined(self._norms) if self._norms else torch.empty(meta.n_ckpt, 0)
         norms = norms.to(norm_dtype(meta))
         scales = torch.cat(self._scales, dim=1) if self._scales else torch.empty(meta.n_ckpt, 0)
@@ -216,8 +243,25 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
         writer.append(rows, norms)
         return
     check_block_shape(writer._meta, rows, norms)  # finite: the loop checked every norm
-    writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
+    if not writer._into_arena(rows.detach()):
+        writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
     writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
+
+
+def reserve_rows(writer: MemoryWriter, rows: int) -> None:
+    """Have ``writer`` (holding no rows yet) write its next ``rows`` rows into one tensor
+    allocated now, so that ``finish`` concatenates nothing: a float store's build of known
+    size peaks at the store's size, not twice it. A hint: more rows go on in blocks, fewer
+    are cut to size at ``finish``. Pages of the allocation are only touched as rows arrive,
+    so a hint too large costs address space, not memory; one that cannot be allocated is
+    ignored (the blocks' concatenation will say what memory is short)."""
+    if writer._meta.quantization is not None or writer.rows_written or writer._finished \
+            or rows <= 0:
+        return
+    try:
+        writer._arena = stored_empty(writer._meta, rows)
+    except RuntimeError:  # more than the address space allows: the blocks as before
+        writer._arena = None
 
 
 def _joined(blocks: list[Tensor]) -> Tensor:

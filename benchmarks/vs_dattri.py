@@ -18,7 +18,9 @@ split into ``build`` (train and test gradients, projected and stored) and ``scor
   of 100 with default arguments (an in-memory build merges small batches into larger calls,
   ``tracinfunc.build.merge``); ``tif-<kind>@100`` passes ``batch_size=100``: one call per
   loader batch, as before that merge (a vmapped call costs ~2 ms here);
-  ``before-tif-<kind>``: the same child importing the tracinfunc of ``--before-root``.
+  ``before-tif-<kind>``: the same child importing the tracinfunc of ``--before-root``;
+  ``tif-<kind>+list``: the loader's batches as a list (views, no copy), whose size is known,
+  so the in-memory store's rows are written in place (a generator's are joined at the end).
 
 Trials are interleaved (trial t runs every method once, in an order rotated by t) and the
 median of each figure is reported: CPU seconds of the child process (the figure the ratios
@@ -66,7 +68,7 @@ from _common import (
 
 KINDS = ("rademacher", "sjlt", "kronecker")
 DEFAULT_METHODS = (["dattri", "naive", "naive-shared"] + [f"tif-{k}" for k in KINDS]
-                   + ["tif-sjlt@100", "tif-kronecker@100"])
+                   + ["tif-kronecker+list", "tif-sjlt@100", "tif-kronecker@100"])
 FIGURES = ("cpu", "seconds", "build_cpu", "score_cpu", "peak_rss_mb", "baseline_rss_mb")
 INSTALL_DATTRI = "create it with `make bench-setup` (or pass --dattri-python)"
 
@@ -80,6 +82,8 @@ def _batches(x, y, batch):
 
 def run_tracinfunc(problem: dict, method: str, seed: int):
     kind, _, merged = method.partition("@")
+    kind, listed = kind.removesuffix("+list"), kind.endswith("+list")
+    batches = (lambda x, y, b: list(_batches(x, y, b))) if listed else _batches
     import torch.nn.functional as F
 
     import tracinfunc as tif
@@ -97,9 +101,9 @@ def run_tracinfunc(problem: dict, method: str, seed: int):
     with Timer() as total:
         options = {"batch_size": int(merged)} if merged else {}
         with Timer() as build:
-            store = tif.build_store(loss, ckpts, _batches(x_train, y_train, batch),
+            store = tif.build_store(loss, ckpts, batches(x_train, y_train, batch),
                                     projection=spec, **options)
-            test = tif.build_store(loss, ckpts, _batches(x_test, y_test, batch),
+            test = tif.build_store(loss, ckpts, batches(x_test, y_test, batch),
                                    projection=store.projection, **options)
         scores = tif.score(store, test, device="cpu")
     return scores, _figures(total, build), baseline

@@ -115,6 +115,7 @@ class MemoryWriter:
         # (reserve_rows): ``finish`` then concatenates nothing, and the peak memory is the
         # store's size instead of twice it. ``_rows`` holds the blocks written before or past it.
         self._arena: Tensor | None = None  # [n_ckpt, capacity, width], as stored
+        self._arena_norms: Tensor | None = None  # [n_ckpt, capacity]
         self._arena_rows = 0
         self._finished = False
 
@@ -146,26 +147,31 @@ class MemoryWriter:
 
     def _add(self, stored: Tensor, scales: Tensor | None, norms: Tensor) -> None:
         # Copy on ingest: a block the caller changes after append must not change the store.
-        if not self._into_arena(stored):
-            self._rows.append(stored.to("cpu", code_dtype(self._meta), copy=True))
+        if self._into_arena(stored, norms):
+            return
+        self._rows.append(stored.to("cpu", code_dtype(self._meta), copy=True))
         if scales is not None:
             self._scales.append(scales.to("cpu", torch.float32, copy=True))
         self._norms.append(norms.to("cpu", norm_dtype(self._meta), copy=True))
 
-    def _into_arena(self, stored: Tensor) -> bool:
-        """Copy ``stored`` ``[n_ckpt, b, width]`` into the reserved rows where it fits; once a
-        block does not fit, the rows so far become a block and every later one is kept as
-        given (a size hint that was too small costs the concatenation it would have saved)."""
-        if self._arena is None:
+    def _into_arena(self, stored: Tensor, norms: Tensor) -> bool:
+        """Copy ``stored`` ``[n_ckpt, b, width]`` and ``norms`` ``[n_ckpt, b]`` into the
+        reserved rows where they fit; once a block does not fit, the rows so far become a
+        block and every later one is kept as given (a size hint that was too small costs the
+        concatenation it would have saved). The norms are reserved too: small tensors kept
+        between the large temporaries of every call would fragment the heap."""
+        if self._arena is None or self._arena_norms is None:
             return False
         start, b = self._arena_rows, stored.shape[1]
         if start + b <= self._arena.shape[1]:
             self._arena[:, start:start + b].copy_(stored)
+            self._arena_norms[:, start:start + b].copy_(norms)
             self._arena_rows += b
             return True
         if start:
             self._rows.append(self._arena[:, :start])
-        self._arena, self._arena_rows = None, 0
+            self._norms.append(self._arena_norms[:, :start])
+        self._arena, self._arena_norms, self._arena_rows = None, None, 0
         return False
 
     def finish(self) -> MemoryStore | QuantizedMemoryStore:
@@ -174,13 +180,16 @@ class MemoryWriter:
             raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self.rows_written, complete=True)
-        if self._arena is not None:  # rows in place: fewer than reserved are cut to size
-            rows = self._arena if self._arena_rows == self._arena.shape[1] \
-                else self._arena[:, :self._arena_rows].clone()
-            self._arena = None
+        if self._arena is not None and self._arena_norms is not None:
+            # rows in place: fewer than reserved are cut to size
+            rows, norms = self._arena, self._arena_norms
+            if self._arena_rows < rows.shape[1]:
+                rows = rows[:, :self._arena_rows].clone()
+                norms = norms[:, :self._arena_rows].clone()
+            self._arena = self._arena_norms = None
         else:
             rows = _joined(self._rows) if self._rows else stored_empty(meta, 0)
-        norms = _joined(self._norms) if self._norms else torch.empty(meta.n_ckpt, 0)
+            norms = _joined(self._norms) if self._norms else torch.empty(meta.n_ckpt, 0)
         norms = norms.to(norm_dtype(meta))
         scales = torch.cat(self._scales, dim=1) if self._scales else torch.empty(meta.n_ckpt, 0)
         self._rows, self._scales, self._norms = [], [], []
@@ -243,9 +252,9 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
         writer.append(rows, norms)
         return
     check_block_shape(writer._meta, rows, norms)  # finite: the loop checked every norm
-    if not writer._into_arena(rows.detach()):
+    if not writer._into_arena(rows.detach(), norms.detach()):
         writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
-    writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
+        writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
 
 
 def reserve_rows(writer: MemoryWriter, rows: int) -> None:
@@ -260,8 +269,10 @@ def reserve_rows(writer: MemoryWriter, rows: int) -> None:
         return
     try:
         writer._arena = stored_empty(writer._meta, rows)
+        writer._arena_norms = torch.empty(writer._meta.n_ckpt, rows,
+                                          dtype=norm_dtype(writer._meta))
     except RuntimeError:  # more than the address space allows: the blocks as before
-        writer._arena = None
+        writer._arena = writer._arena_norms = None
 
 
 def _joined(blocks: list[Tensor]) -> Tensor:

@@ -11,7 +11,13 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from tracinfunc._validate import check_int, current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
@@ -38,14 +44,34 @@ def sized(data: Batch | Iterable[Batch]) -> int:
 
 
 def check_ordered(data: object) -> None:
-    """Refuse a shuffling DataLoader: row i of a store must be example i of the dataset."""
-    sampler = getattr(data, "sampler", None) if isinstance(data, DataLoader) else None
-    if isinstance(sampler, RandomSampler):
-        raise InvalidArgumentError(
-            "build_store: data is a DataLoader with shuffle=True, so row i of the store would "
-            "not be example i of the dataset (and a resumed build would store duplicates and "
-            "miss examples); pass DataLoader(dataset, batch_size=..., shuffle=False)."
-        )
+    """Refuse a DataLoader whose sampler draws at random (``shuffle=True``,
+    ``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRandomSampler``) or splits the data
+    between processes (``DistributedSampler``): row i of a store must be example i of the
+    dataset."""
+    if not isinstance(data, DataLoader):
+        return
+    for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
+        if isinstance(sampler, _RANDOM_SAMPLERS):
+            name = type(sampler).__name__
+            made_by = " (shuffle=True makes one)" if isinstance(sampler, RandomSampler) else ""
+            raise InvalidArgumentError(
+                f"build_store: data is a DataLoader whose sampler is a {name}{made_by}, so row "
+                "i of the store would not be example i of the dataset (and a resumed build "
+                "would store duplicates and miss examples); pass DataLoader(dataset, "
+                "batch_size=..., shuffle=False), over torch.utils.data.Subset(dataset, "
+                "indices) for a subset (row i is then example indices[i])."
+            )
+        if isinstance(sampler, DistributedSampler):
+            raise InvalidArgumentError(
+                "build_store: data is a DataLoader whose sampler is a DistributedSampler, so "
+                "each process would see only its share of the examples, in its own order; "
+                "pass every process DataLoader(dataset, batch_size=..., shuffle=False): a "
+                "build to a Zarr store under torchrun splits the rows between processes "
+                "itself."
+            )
+
+
+_RANDOM_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 def known_size(data: Batch | Iterable[Batch]) -> int | None:
@@ -90,8 +116,10 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
             "tensors) or an "
             f"iterable of batches, got {type(data).__name__}."
         )
+    unbatched = isinstance(data, DataLoader) and data.batch_size is None \
+        and data.batch_sampler is None
     for batch in data:
-        yield _check_batch(batch)
+        yield _check_batch(batch, unbatched=unbatched)
 
 
 def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
@@ -126,7 +154,9 @@ def _concat(batches: list[Batch]) -> Batch:
     return tree_map(lambda *leaves: torch.cat(leaves), *batches)
 
 
-def _check_batch(batch: Batch) -> Batch:
+def _check_batch(batch: Batch, *, unbatched: bool = False) -> Batch:
+    """``batch`` if it is a pytree of tensors sharing a leading batch dimension.
+    ``unbatched``: it comes from a ``DataLoader(batch_size=None)`` (the error says so)."""
     leaves = tree_leaves(batch)
     if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
         kinds = sorted({type(leaf).__name__ for leaf in leaves})
@@ -141,6 +171,9 @@ def _check_batch(batch: Batch) -> Batch:
             f"{current_caller('build_store')}: all tensors of a batch need the same leading "
             "(batch) dimension, got "
             f"shapes {[list(leaf.shape) for leaf in leaves]}."
+            + (" data is a DataLoader with batch_size=None, which yields single examples "
+               "without a batch dimension: pass DataLoader(dataset, batch_size=...)."
+               if unbatched else "")
         )
     return batch
 

@@ -200,3 +200,29 @@ def test_the_jax_frontend_writes_quantised_stores_through_the_shared_writers(dty
     with pytest.raises(tif.errors.InvalidArgumentError,
                        match="unsupported storage dtype 'int9'.*'int8' or 'sign'"):
         tj.build_store(jax_loss, jax_ckpts, batch, **options, dtype="int9")
+
+
+def test_a_list_of_batches_writes_rows_in_place_and_equals_a_generator(monkeypatch):
+    """A list's size is known: the in-memory store takes its rows in place (no blocks joined
+    at the end) and its progress bar a total; the rows are those of the same batches as a
+    generator, bit for bit."""
+    from tracinfunc.jax.build import known_rows
+    from tracinfunc.store.memory import dense
+
+    _, _, jax_loss, jax_ckpts, mapping, train, _ = paired_mlp(n_train=40, n_test=7)
+    x, y = to_jax_batch(train)
+    batches = [(x[:25], y[:25]), (train[0][25:], train[1][25:])]
+    assert known_rows(batches) == 40 and known_rows(iter(batches)) is None
+    assert known_rows((x, y)) == 40 and known_rows({"x": np.zeros((3, 2))}) == 3
+    joins = []
+    monkeypatch.setattr(dense, "_joined", lambda blocks: joins.append(1) or torch.cat(blocks, 1))
+    blockwise = tj.build_store(jax_loss, jax_ckpts, iter(batches), projection=KRONECKER,
+                               mapping=mapping)
+    assert joins == [1, 1]
+    joins.clear()
+    in_place = tj.build_store(jax_loss, jax_ckpts, batches, projection=KRONECKER,
+                              mapping=mapping)
+    assert joins == []
+    for c in range(in_place.n_ckpt):
+        assert torch.equal(in_place.read_rows(c, 0, 40), blockwise.read_rows(c, 0, 40))
+        assert torch.equal(in_place.read_norms(c, 0, 40), blockwise.read_norms(c, 0, 40))

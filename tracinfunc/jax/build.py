@@ -234,7 +234,7 @@ def build_store(
     batches = ((_batch_size(batch), batch) for batch in iter_batches(data))
     return fill_store(writer, batches, rows_of, meta=meta,
                       check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
-                      progress=progress)
+                      progress=progress, total=known_rows(data))
 
 
 def host_tensor(array: Any) -> torch.Tensor:
@@ -263,6 +263,20 @@ def _refuse_integer_leaves(params: Any) -> None:
 
 def _batch_size(batch: Any) -> int:
     return tree_util.tree_leaves(batch)[0].shape[0]
+
+
+def known_rows(data: Any) -> int | None:
+    """Examples in ``data`` when cheap to know: one batch, or a list of batches (the progress
+    bar's total; an in-memory store then writes its rows in place). ``None`` otherwise, or
+    where a batch has no leading dimension (``iter_batches`` reports it)."""
+    if isinstance(data, list):
+        sizes = [known_rows(batch) for batch in data]
+        return None if None in sizes else sum(sizes)
+    if not isinstance(data, tuple | Mapping | np.ndarray | jax.Array | torch.Tensor):
+        return None
+    leaves = tree_util.tree_leaves(data)
+    shape = getattr(leaves[0], "shape", ()) if leaves else ()
+    return int(shape[0]) if len(shape) else None
 
 
 def iter_batches(data: Any) -> Iterator[Any]:

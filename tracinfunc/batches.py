@@ -45,9 +45,11 @@ def sized(data: Batch | Iterable[Batch]) -> int:
 
 def check_ordered(data: object) -> None:
     """Refuse a DataLoader whose sampler draws at random (``shuffle=True``,
-    ``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRandomSampler``) or splits the data
-    between processes (``DistributedSampler``): row i of a store must be example i of the
-    dataset."""
+    ``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRandomSampler``, a shuffling
+    ``DistributedSampler``) or splits the data between processes (``DistributedSampler``
+    over several replicas): row i of a store must be example i of the dataset. A sampler of
+    the caller's own (or an index list) that yields a permutation is not detected: row i is
+    then the i-th example the loader yields."""
     if not isinstance(data, DataLoader):
         return
     for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
@@ -61,7 +63,13 @@ def check_ordered(data: object) -> None:
                 "batch_size=..., shuffle=False), over torch.utils.data.Subset(dataset, "
                 "indices) for a subset (row i is then example indices[i])."
             )
-        if isinstance(sampler, DistributedSampler):
+        if isinstance(sampler, DistributedSampler) and sampler.shuffle:
+            raise InvalidArgumentError(
+                "build_store: data is a DataLoader whose sampler is a DistributedSampler "
+                "with shuffle=True, so row i of the store would not be example i of the "
+                "dataset; pass DataLoader(dataset, batch_size=..., shuffle=False)."
+            )
+        if isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1:
             raise InvalidArgumentError(
                 "build_store: data is a DataLoader whose sampler is a DistributedSampler, so "
                 "each process would see only its share of the examples, in its own order; "
@@ -108,7 +116,7 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
     iterable (a list, a DataLoader, a generator) is taken as a sequence of batches.
     """
     if isinstance(data, Tensor | tuple | Mapping):
-        yield _check_batch(data)
+        yield _check_batch(data, where="data")
         return
     if not isinstance(data, Iterable):
         raise InvalidTypeError(
@@ -118,8 +126,8 @@ def iter_batches(data: Batch | Iterable[Batch]) -> Iterator[Batch]:
         )
     unbatched = isinstance(data, DataLoader) and data.batch_size is None \
         and data.batch_sampler is None
-    for batch in data:
-        yield _check_batch(batch, unbatched=unbatched)
+    for index, batch in enumerate(data):
+        yield _check_batch(batch, where=f"batch {index} of data", unbatched=unbatched)
 
 
 def rebatch(data: Batch | Iterable[Batch], batch_size: int) -> Iterator[Batch]:
@@ -154,23 +162,24 @@ def _concat(batches: list[Batch]) -> Batch:
     return tree_map(lambda *leaves: torch.cat(leaves), *batches)
 
 
-def _check_batch(batch: Batch, *, unbatched: bool = False) -> Batch:
-    """``batch`` if it is a pytree of tensors sharing a leading batch dimension.
-    ``unbatched``: it comes from a ``DataLoader(batch_size=None)`` (the error says so)."""
+def _check_batch(batch: Batch, *, where: str = "data", unbatched: bool = False) -> Batch:
+    """``batch`` if it is a pytree of tensors sharing a leading batch dimension. ``where``
+    names it in errors (``"batch 3 of data"``); ``unbatched``: it comes from a
+    ``DataLoader(batch_size=None)`` (the error says so)."""
     leaves = tree_leaves(batch)
     if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
         kinds = sorted({type(leaf).__name__ for leaf in leaves})
         raise InvalidTypeError(
             f"{current_caller('build_store')}: a batch must be a pytree of tensors with a "
-            "leading batch dimension, "
-            f"got leaves of types {kinds or ['<none>']}; convert arrays with torch.as_tensor."
+            f"leading batch dimension, got leaves of types {kinds or ['<none>']} in {where}; "
+            "convert arrays with torch.as_tensor."
         )
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if len(sizes) != 1 or None in sizes:
         raise InvalidArgumentError(
             f"{current_caller('build_store')}: all tensors of a batch need the same leading "
-            "(batch) dimension, got "
-            f"shapes {[list(leaf.shape) for leaf in leaves]}."
+            f"(batch) dimension, got shapes {[list(leaf.shape) for leaf in leaves]} in "
+            f"{where}."
             + (" data is a DataLoader with batch_size=None, which yields single examples "
                "without a batch dimension: pass DataLoader(dataset, batch_size=...)."
                if unbatched else "")

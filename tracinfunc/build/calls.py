@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tracinfunc._validate import current_caller
 from tracinfunc.batches import batch_size_of
 from tracinfunc.build.merge import MergedCall
 from tracinfunc.errors import LossFunctionError, TracInFuncError
@@ -105,7 +106,8 @@ class CallSite:
 
 
 def _located(error: Exception, batch: Batch, call: Call) -> Exception:
-    """``error`` as a tracinfunc error that names the call and what its batch holds."""
+    """``error`` as a tracinfunc error that names the call and what its batch holds (torch,
+    JAX or NumPy arrays)."""
     where = call.where()
     if isinstance(error, TracInFuncError):
         return type(error)(f"{error} (failed on {where})")
@@ -113,9 +115,10 @@ def _located(error: Exception, batch: Batch, call: Call) -> Exception:
     if clearer is not None:
         return type(clearer)(f"{clearer} (failed on {where})")
     held = [f"{str(leaf.dtype).removeprefix('torch.')} {list(leaf.shape)}"
-            for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
+            for leaf in tree_leaves(batch) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
     return LossFunctionError(
-        f"build_store: loss(params, example) failed on {where} with {type(error).__name__}: "
+        f"{current_caller('build_store')}: loss(params, example) failed on {where} with "
+        f"{type(error).__name__}: "
         f"{error}. The call's batch holds tensors {held}; check that every batch has the "
         "structure, dtypes and shapes the loss expects (cast it, e.g. x.float(), or drop it)."
     )

@@ -214,8 +214,17 @@ def build_store(
 
     def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
         batch = on_device(batch)
-        return torch.stack([grads_fn(params, batch)
-                            for grads_fn, params in zip(grads_fns, params_per_ckpt, strict=True)])
+        # Each checkpoint's rows go into the call's block as they come: a call holds one
+        # checkpoint's rows beside the block, not all of them (a one-batch build: 1.5x the
+        # store at 2 checkpoints, not 2x).
+        rows = None
+        for c, (grads_fn, params) in enumerate(zip(grads_fns, params_per_ckpt, strict=True)):
+            one = grads_fn(params, batch)  # [b, k]
+            if rows is None:
+                rows = one.new_empty((len(grads_fns), *one.shape))
+            rows[c] = one
+            del one
+        return rows
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
 

@@ -19,9 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import tree_util
+from torch.utils.data import DataLoader
 
 from tracinfunc import checkpoint as torch_checkpoint
 from tracinfunc._validate import calling, entry_point
+from tracinfunc.batches import check_ordered, expected_rows
+from tracinfunc.build.calls import CallSite, numbered
 from tracinfunc.build.loop import RowBlock, checkpoint_list, fill_store, new_store_meta
 from tracinfunc.errors import (
     IncompatibleGradientsError,
@@ -204,6 +207,7 @@ def build_store(
     """
     checkpoints = _check_checkpoints(checkpoints)
     check_projection(projection)
+    check_ordered(data)
     mapping = mapping or ParamMapping.identity(checkpoints[0].params)
     meta = new_store_meta(
         [(c.name, c.lr, c._fingerprint(mapping)) for c in checkpoints],
@@ -231,8 +235,14 @@ def build_store(
         return RowBlock(*(torch.stack([host_tensor(out[part])[:b] for out in outs])
                           for part in range(3)))
 
-    batches = ((_batch_size(batch), batch) for batch in iter_batches(data))
-    return fill_store(writer, batches, rows_of, meta=meta,
+    site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
+
+    def pairs_of() -> Iterator[tuple[int, Any]]:
+        for batch, call in numbered(iter_batches(data), merged=False, batch_size=None):
+            site.current = call
+            yield call.sizes[0], batch
+
+    return fill_store(writer, pairs_of(), site, meta=meta,
                       check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
                       progress=progress, total=known_rows(data))
 
@@ -273,7 +283,7 @@ def known_rows(data: Any) -> int | None:
         sizes = [known_rows(batch) for batch in data]
         return None if None in sizes else sum(sizes)
     if not isinstance(data, tuple | Mapping | np.ndarray | jax.Array | torch.Tensor):
-        return None
+        return expected_rows(data) if isinstance(data, DataLoader) else None
     leaves = tree_util.tree_leaves(data)
     shape = getattr(leaves[0], "shape", ()) if leaves else ()
     return int(shape[0]) if len(shape) else None
@@ -287,14 +297,15 @@ def iter_batches(data: Any) -> Iterator[Any]:
             "tracinfunc.jax.build_store: data must be a batch (an array, a tuple or dict of "
             f"arrays) or an iterable of batches, got {type(data).__name__}."
         )
-    for batch in [data] if one else data:
+    for index, batch in enumerate([data] if one else data):
         batch = as_jax_tree(batch)
         sizes = {leaf.shape[0] if leaf.ndim else None for leaf in tree_util.tree_leaves(batch)}
         if len(sizes) != 1 or None in sizes:
             raise InvalidArgumentError(
                 "tracinfunc.jax.build_store: all arrays of a batch need the same leading "
                 f"(batch) dimension, got shapes "
-                f"{[list(x.shape) for x in tree_util.tree_leaves(batch)]}."
+                f"{[list(x.shape) for x in tree_util.tree_leaves(batch)]} in "
+                f"{'data' if one else f'batch {index} of data'}."
             )
         yield batch
 

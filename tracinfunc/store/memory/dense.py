@@ -252,9 +252,22 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
         writer.append(rows, norms)
         return
     check_block_shape(writer._meta, rows, norms)  # finite: the loop checked every norm
+    if _fills_reservation(writer, rows):  # one call for the whole store: kept, not copied
+        writer._arena, writer._arena_rows = rows.detach(), rows.shape[1]
+        writer._arena_norms.copy_(norms)
+        return
     if not writer._into_arena(rows.detach(), norms.detach()):
         writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
         writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
+
+
+def _fills_reservation(writer: MemoryWriter, rows: Tensor) -> bool:
+    """Whether ``rows`` (the loop's own) are the whole reservation, as stored: the first
+    block, exactly the reserved rows, in the storage dtype, contiguous on the CPU."""
+    arena = writer._arena
+    return arena is not None and writer._arena_norms is not None and \
+        writer._arena_rows == 0 and rows.shape == arena.shape and \
+        rows.dtype == arena.dtype and rows.device.type == "cpu" and rows.is_contiguous()
 
 
 def reserve_rows(writer: MemoryWriter, rows: int) -> None:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax.numpy as jnp
 import pytest
 import torch
 from torch.utils.data import (
@@ -31,8 +30,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import tracinfunc as tif
 import tracinfunc.jax as tj
-from tracinfunc.errors import InvalidArgumentError, LossFunctionError
 from tests.jax_helpers import paired_mlp, to_jax_batch
+from tracinfunc.errors import InvalidArgumentError, LossFunctionError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 P = tif.Projection(dim=16, seed=0)

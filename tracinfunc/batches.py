@@ -57,7 +57,8 @@ def check_ordered(data: object) -> None:
             name = type(sampler).__name__
             made_by = " (shuffle=True makes one)" if isinstance(sampler, RandomSampler) else ""
             raise InvalidArgumentError(
-                f"build_store: data is a DataLoader whose sampler is a {name}{made_by}, so row "
+                f"{current_caller('build_store')}: data is a DataLoader whose sampler is a "
+                f"{name}{made_by}, so row "
                 "i of the store would not be example i of the dataset (and a resumed build "
                 "would store duplicates and miss examples); pass DataLoader(dataset, "
                 "batch_size=..., shuffle=False), over torch.utils.data.Subset(dataset, "
@@ -65,17 +66,18 @@ def check_ordered(data: object) -> None:
             )
         if isinstance(sampler, DistributedSampler) and sampler.shuffle:
             raise InvalidArgumentError(
-                "build_store: data is a DataLoader whose sampler is a DistributedSampler "
-                "with shuffle=True, so row i of the store would not be example i of the "
-                "dataset; pass DataLoader(dataset, batch_size=..., shuffle=False)."
+                f"{current_caller('build_store')}: data is a DataLoader whose sampler is a "
+                "DistributedSampler with shuffle=True, so row i of the store would not be "
+                "example i of the dataset; pass DataLoader(dataset, batch_size=..., "
+                "shuffle=False)."
             )
         if isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1:
             raise InvalidArgumentError(
-                "build_store: data is a DataLoader whose sampler is a DistributedSampler, so "
-                "each process would see only its share of the examples, in its own order; "
-                "pass every process DataLoader(dataset, batch_size=..., shuffle=False): a "
-                "build to a Zarr store under torchrun splits the rows between processes "
-                "itself."
+                f"{current_caller('build_store')}: data is a DataLoader whose sampler is a "
+                "DistributedSampler, so each process would see only its share of the "
+                "examples, in its own order; pass every process DataLoader(dataset, "
+                "batch_size=..., shuffle=False): a build to a Zarr store under torchrun "
+                "splits the rows between processes itself."
             )
 
 

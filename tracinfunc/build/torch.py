@@ -215,8 +215,7 @@ def build_store(
     def rows_of(batch: Batch) -> Tensor:  # [n_ckpt, b, k]
         batch = on_device(batch)
         # Each checkpoint's rows go into the call's block as they come: a call holds one
-        # checkpoint's rows beside the block, not all of them (a one-batch build: 1.5x the
-        # store at 2 checkpoints, not 2x).
+        # checkpoint's rows beside the block, not every checkpoint's (as a stack would).
         rows = None
         for c, (grads_fn, params) in enumerate(zip(grads_fns, params_per_ckpt, strict=True)):
             one = grads_fn(params, batch)  # [b, k]

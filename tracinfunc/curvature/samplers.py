@@ -81,8 +81,7 @@ class ClassificationSampler:
             owner = torch.arange(b, device=inputs.device).repeat_interleave(n_classes)
             weights = probs.reshape(-1)
         else:
-            draws = torch.multinomial(probs.cpu(), self.samples, replacement=True,
-                                      generator=generator).to(inputs.device)  # [b, samples]
+            draws = _draw_labels(probs.cpu(), self.samples, generator).to(inputs.device)
             labels = draws.reshape(-1)
             owner = torch.arange(b, device=inputs.device).repeat_interleave(self.samples)
             weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
@@ -144,7 +143,7 @@ class CausalLMSampler:
             scored = scored.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
         _check_logits(logits[:, :-1])
         probs = logits[:, :-1].double().softmax(-1).reshape(-1, vocab).cpu()
-        draws = torch.multinomial(probs, self.samples, replacement=True, generator=generator)
+        draws = _draw_labels(probs, self.samples, generator)  # [b * (T - 1), samples]
         draws = draws.reshape(b, length - 1, self.samples).permute(0, 2, 1).to(ids.device)
         owner = torch.arange(b, device=ids.device).repeat_interleave(self.samples)
         labels = torch.full((b * self.samples, length), IGNORE_INDEX, dtype=ids.dtype,
@@ -161,7 +160,7 @@ class CausalLMSampler:
 class CheckedSampler:
     """A sampler that knows where it is in the data (the offset of each batch), so a NaN or
     infinite example is refused by its index in the data and the checkpoint, as
-    ``build_store`` names one, instead of torch.multinomial's raw error.
+    ``build_store`` names one, instead of a raw error from the draw.
 
     Attributes:
         sampler: The sampler wrapped.
@@ -208,6 +207,22 @@ class CheckedSampler:
             "Remove or fix those examples (check their inputs for NaN/inf), or fit on data "
             "without them."
         )
+
+
+def _draw_labels(probs: Tensor, samples: int, generator: torch.Generator) -> Tensor:
+    """``samples`` labels per row of ``probs`` ``[rows, C]`` (float64, on the CPU; finite,
+    non-negative, as a softmax of checked logits gives them), drawn with replacement from each
+    row's distribution: ``[rows, samples]`` int64.
+
+    Inverse transform sampling, vectorised: one uniform per draw from ``generator``, scaled by
+    the row's total (a sum of rounded probabilities), then the first class whose cumulative
+    probability exceeds it (a class of probability 0 is never drawn). torch.multinomial draws
+    from the same distribution but loops over the rows (~2 us a row: 0.14 s of a 3 s EK-FAC
+    fit of the 2-layer Llama of ``benchmarks/curvature_fit.py``)."""
+    cdf = probs.cumsum(-1)  # [rows, C]
+    uniform = torch.rand(probs.shape[0], samples, dtype=probs.dtype, generator=generator)
+    draws = torch.searchsorted(cdf, uniform.mul_(cdf[:, -1:]), right=True)
+    return draws.clamp_(max=probs.shape[1] - 1)
 
 
 def _check_weights(weights: Any, labelled: Batch, checkpoint: str) -> None:

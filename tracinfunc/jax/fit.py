@@ -38,7 +38,7 @@ from tracinfunc.curvature.fit import (
     _fit_matrix,
 )
 from tracinfunc.curvature.flat import flatten
-from tracinfunc.curvature.samplers import CheckedSampler
+from tracinfunc.curvature.samplers import CheckedSampler, _draw_labels
 from tracinfunc.curvature.value import Curvature
 from tracinfunc.errors import (
     InvalidArgumentError,
@@ -96,8 +96,7 @@ class ClassificationSampler:
             owner = torch.arange(b).repeat_interleave(n_classes)
             weights = probs.reshape(-1)
         else:
-            labels = torch.multinomial(probs, self.samples, replacement=True,
-                                       generator=generator).reshape(-1)
+            labels = _draw_labels(probs, self.samples, generator).reshape(-1)
             owner = torch.arange(b).repeat_interleave(self.samples)
             weights = torch.full((b * self.samples,), 1 / self.samples, dtype=torch.float64)
         take = jnp.asarray(owner.numpy())

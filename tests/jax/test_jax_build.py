@@ -214,6 +214,8 @@ def test_a_list_of_batches_writes_rows_in_place_and_equals_a_generator(monkeypat
     batches = [(x[:25], y[:25]), (train[0][25:], train[1][25:])]
     assert known_rows(batches) == 40 and known_rows(iter(batches)) is None
     assert known_rows((x, y)) == 40 and known_rows({"x": np.zeros((3, 2))}) == 3
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*train), batch_size=8)
+    assert known_rows(loader) == 40  # a DataLoader over a sized dataset: its bar's total
     joins = []
     monkeypatch.setattr(dense, "_joined", lambda blocks: joins.append(1) or torch.cat(blocks, 1))
     blockwise = tj.build_store(jax_loss, jax_ckpts, iter(batches), projection=KRONECKER,

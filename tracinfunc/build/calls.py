@@ -77,6 +77,13 @@ class CallSite:
         self.rows_of = rows_of
         self.current: Call | None = None
 
+    def follow(self, calls: Iterable[tuple[Batch, Call]]) -> Iterator[tuple[int, Batch]]:
+        """``(examples, batch)`` of each of ``calls`` (:func:`numbered`'s), the call made
+        :attr:`current` as it is handed on (the build loop's ``batches``)."""
+        for batch, call in calls:
+            self.current = call
+            yield sum(call.sizes), batch
+
     def __call__(self, batch: Batch) -> Tensor:
         try:
             return self.rows_of(batch)

@@ -6,7 +6,7 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -15,7 +15,6 @@ from torch.utils._pytree import tree_map
 
 from tracinfunc._validate import check_int, entry_point
 from tracinfunc.batches import (
-    batch_size_of,
     check_ordered,
     expected_rows,
     iter_batches,
@@ -226,13 +225,7 @@ def build_store(
         return rows
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
-
-    def pairs_of() -> Iterator[tuple[int, Batch]]:
-        for batch, call in numbered(batches, merged=merged, batch_size=batch_size):
-            site.current = call
-            yield batch_size_of(batch), batch
-
-    pairs = pairs_of()
+    pairs = site.follow(numbered(batches, merged=merged, batch_size=batch_size))
     if isinstance(writer, ZarrWriter) and batch_size is None:  # the data's batches are the calls
         pairs = first_batch_recorded(pairs, writer, record=precision)
     if isinstance(writer, PartWriter):  # what commit compares the parts by

@@ -236,13 +236,8 @@ def build_store(
                           for part in range(3)))
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
-
-    def pairs_of() -> Iterator[tuple[int, Any]]:
-        for batch, call in numbered(iter_batches(data), merged=False, batch_size=None):
-            site.current = call
-            yield call.sizes[0], batch
-
-    return fill_store(writer, pairs_of(), site, meta=meta,
+    pairs = site.follow(numbered(iter_batches(data), merged=False, batch_size=None))
+    return fill_store(writer, pairs, site, meta=meta,
                       check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
                       progress=progress, total=known_rows(data))
 

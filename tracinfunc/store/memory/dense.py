@@ -114,8 +114,8 @@ class MemoryWriter:
         # Rows of a build of known size, written in place into their final tensor
         # (reserve_rows): ``finish`` then concatenates nothing, and the peak memory is the
         # store's size instead of twice it. ``_rows`` holds the blocks written before or past it.
-        self._arena: Tensor | None = None  # [n_ckpt, capacity, width], as stored
-        self._arena_norms: Tensor | None = None  # [n_ckpt, capacity]
+        # (rows [n_ckpt, capacity, width] as stored, norms [n_ckpt, capacity])
+        self._arena: tuple[Tensor, Tensor] | None = None
         self._arena_rows = 0
         self._finished = False
 
@@ -160,18 +160,19 @@ class MemoryWriter:
         block and every later one is kept as given (a size hint that was too small costs the
         concatenation it would have saved). The norms are reserved too: small tensors kept
         between the large temporaries of every call would fragment the heap."""
-        if self._arena is None or self._arena_norms is None:
+        if self._arena is None:
             return False
+        rows, kept_norms = self._arena
         start, b = self._arena_rows, stored.shape[1]
-        if start + b <= self._arena.shape[1]:
-            self._arena[:, start:start + b].copy_(stored)
-            self._arena_norms[:, start:start + b].copy_(norms)
+        if start + b <= rows.shape[1]:
+            rows[:, start:start + b].copy_(stored)
+            kept_norms[:, start:start + b].copy_(norms)
             self._arena_rows += b
             return True
         if start:
-            self._rows.append(self._arena[:, :start])
-            self._norms.append(self._arena_norms[:, :start])
-        self._arena, self._arena_norms, self._arena_rows = None, None, 0
+            self._rows.append(rows[:, :start])
+            self._norms.append(kept_norms[:, :start])
+        self._arena, self._arena_rows = None, 0
         return False
 
     def finish(self) -> MemoryStore | QuantizedMemoryStore:
@@ -180,13 +181,12 @@ class MemoryWriter:
             raise ReadOnlyStoreError("MemoryWriter.finish: the store is already finished.")
         self._finished = True
         meta = self._meta.replace(n_train=self.rows_written, complete=True)
-        if self._arena is not None and self._arena_norms is not None:
-            # rows in place: fewer than reserved are cut to size
-            rows, norms = self._arena, self._arena_norms
+        if self._arena is not None:  # rows in place: fewer than reserved are cut to size
+            rows, norms = self._arena
             if self._arena_rows < rows.shape[1]:
                 rows = rows[:, :self._arena_rows].clone()
                 norms = norms[:, :self._arena_rows].clone()
-            self._arena = self._arena_norms = None
+            self._arena = None
         else:
             rows = _joined(self._rows) if self._rows else stored_empty(meta, 0)
             norms = _joined(self._norms) if self._norms else torch.empty(meta.n_ckpt, 0)
@@ -253,8 +253,8 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
         return
     check_block_shape(writer._meta, rows, norms)  # finite: the loop checked every norm
     if _fills_reservation(writer, rows):  # one call for the whole store: kept, not copied
-        writer._arena, writer._arena_rows = rows.detach(), rows.shape[1]
-        writer._arena_norms.copy_(norms)
+        reserved_norms = writer._arena[1].copy_(norms)
+        writer._arena, writer._arena_rows = (rows.detach(), reserved_norms), rows.shape[1]
         return
     if not writer._into_arena(rows.detach(), norms.detach()):
         writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
@@ -264,10 +264,11 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
 def _fills_reservation(writer: MemoryWriter, rows: Tensor) -> bool:
     """Whether ``rows`` (the loop's own) are the whole reservation, as stored: the first
     block, exactly the reserved rows, in the storage dtype, contiguous on the CPU."""
-    arena = writer._arena
-    return arena is not None and writer._arena_norms is not None and \
-        writer._arena_rows == 0 and rows.shape == arena.shape and \
-        rows.dtype == arena.dtype and rows.device.type == "cpu" and rows.is_contiguous()
+    if writer._arena is None or writer._arena_rows:
+        return False
+    reserved = writer._arena[0]
+    return rows.shape == reserved.shape and rows.dtype == reserved.dtype and \
+        rows.device.type == "cpu" and rows.is_contiguous()
 
 
 def reserve_rows(writer: MemoryWriter, rows: int) -> None:
@@ -281,11 +282,10 @@ def reserve_rows(writer: MemoryWriter, rows: int) -> None:
             or rows <= 0:
         return
     try:
-        writer._arena = stored_empty(writer._meta, rows)
-        writer._arena_norms = torch.empty(writer._meta.n_ckpt, rows,
-                                          dtype=norm_dtype(writer._meta))
+        writer._arena = (stored_empty(writer._meta, rows),
+                         torch.empty(writer._meta.n_ckpt, rows, dtype=norm_dtype(writer._meta)))
     except RuntimeError:  # more than the address space allows: the blocks as before
-        writer._arena = writer._arena_norms = None
+        writer._arena = None
 
 
 def _joined(blocks: list[Tensor]) -> Tensor:

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 pytest.importorskip("jax")
 
-import tracinfunc as tif  # noqa: E402
-import tracinfunc.jax as tj  # noqa: E402
-from tests.jax_helpers import paired_mlp  # noqa: E402
+import tracinfunc as tif
+import tracinfunc.jax as tj
+from tests.jax_helpers import paired_mlp
 
 N = 40
 BATCH = 8

@@ -35,6 +35,7 @@ from tracinfunc.errors import (
 from tracinfunc.interop import as_tensor
 from tracinfunc.jax.grads import as_jax_tree, checked_projected_grads, held_slot, pad_rows
 from tracinfunc.jax.layout import ParamMapping, path_name
+from tracinfunc.jax.precision import float32_matmuls
 from tracinfunc.jax.state import (
     is_nnx_module,
     refuse_params_in_state,
@@ -366,7 +367,8 @@ def _trace_loss(loss: Any, checkpoint: Checkpoint, example: Any) -> None:
     call = ("loss(params, state, example)" if checkpoint.state is not None else
             "loss(params, example)")
     try:
-        value = jax.eval_shape(loss, *checkpoint.args, example)
+        with float32_matmuls():  # traced as every program traces it (jax/precision.py)
+            value = jax.eval_shape(loss, *checkpoint.args, example)
     except Exception as error:
         takes = ("the checkpoint's parameter tree, its state and one example" if
                  checkpoint.state is not None else

@@ -40,6 +40,7 @@ from tracinfunc.curvature.capture import KfacLayer
 from tracinfunc.errors import IncompatibleGradientsError, InvalidArgumentError, LossFunctionError
 from tracinfunc.jax.grads import held_slot, weakly
 from tracinfunc.jax.layout import ParamMapping
+from tracinfunc.jax.precision import float32_jit, float32_matmuls
 
 __all__ = ["SUPPORTED", "kfac_io"]
 
@@ -237,7 +238,8 @@ def _kfac_io(loss: Callable, mapping: ParamMapping, args: tuple, example: Any
                             jax.ShapeDtypeStruct(c.out.shape, c.out.dtype)) for c in calls])
         return value
 
-    jax.eval_shape(discover, args, example)
+    with float32_matmuls():  # traced as every program traces it (jax/precision.py)
+        jax.eval_shape(discover, args, example)
     layers = _layers(found[0], mapping)
     outs = [c.out for c in found[0]]
 
@@ -257,7 +259,7 @@ def _kfac_io(loss: Callable, mapping: ParamMapping, args: tuple, example: Any
         deltas, inputs = jax.grad(inner, has_aux=True)(taps)
         return inputs, deltas
 
-    batched = jax.jit(jax.vmap(one, in_axes=(None, 0)))
+    batched = float32_jit(jax.vmap(one, in_axes=(None, 0)))
 
     def io(*args_and_batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         *args, batch = args_and_batch

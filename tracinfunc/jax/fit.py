@@ -50,6 +50,7 @@ from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, it
 from tracinfunc.jax.capture import kfac_io
 from tracinfunc.jax.grads import held_slot, projected_grads, torch_layout_grads, weakly
 from tracinfunc.jax.layout import ParamMapping
+from tracinfunc.jax.precision import float32_jit
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.meta import CheckpointMeta
@@ -116,7 +117,7 @@ def _batched_logits(logits: Callable) -> Callable[[tuple, Any], jax.Array]:
 
 def _compile_logits(logits: Callable) -> Callable[[tuple, Any], jax.Array]:
     logits = weakly(logits)  # cached under logits: never keep it alive
-    return jax.jit(lambda args, inputs: jax.vmap(lambda x: logits(*args, x))(inputs))
+    return float32_jit(lambda args, inputs: jax.vmap(lambda x: logits(*args, x))(inputs))
 
 
 _LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -26,6 +26,7 @@ from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.errors import InvalidArgumentError
 from tracinfunc.interop import to_framework
 from tracinfunc.jax.layout import ParamMapping
+from tracinfunc.jax.precision import float32_jit
 from tracinfunc.jax.projection import Projector, make_projector
 from tracinfunc.projection import Projection
 from tracinfunc.projection.spec import check_projection
@@ -54,7 +55,7 @@ def per_sample_grads(
         once per argument shapes (padded chunks never recompile).
     """
     chunk_size = check_int(chunk_size, "chunk_size", optional=True)
-    batched = _held(loss, ("per-sample", has_aux, chunk_size), lambda: jax.jit(
+    batched = _held(loss, ("per-sample", has_aux, chunk_size), lambda: float32_jit(
         partial(_batched, jax.grad(weakly(loss), has_aux=has_aux), chunk_size)))
 
     def per_sample_grads_fn(params: Any, *args: Any, _loss: Callable = loss) -> Any:
@@ -143,7 +144,7 @@ def torch_layout_grads(loss: Callable, mapping: ParamMapping, chunk_size: int | 
 
         def program(params, args, batch):
             return jax.vmap(mapping.to_torch)(_batched(one, chunk_size, params, args, batch))
-        return jax.jit(program)
+        return float32_jit(program)
 
     compiled = _held(loss, ("torch layout", chunk_size, mapping), make)
 
@@ -279,7 +280,7 @@ def _make_program(loss: Callable, has_aux: bool, chunk_size: int | None,
         norms = row_norms(rows)  # NaN/inf in a row make its norm NaN/inf: the flag
         return rows, norms, jnp.isfinite(norms)
 
-    return jax.jit(batched)
+    return float32_jit(batched)
 
 
 def _projector(projection: Projection, mapping: ParamMapping, dtype: Any) -> Projector:

@@ -1,6 +1,18 @@
-"""Small models, data and checkpoints shared by the tests (CPU, seconds)."""
+"""Small models, data and checkpoints shared by the tests (CPU, seconds).
+
+Every test not marked ``cuda`` runs on the CPU, also on a machine with a GPU: ``score`` and
+the JAX frontend compute on an accelerator when one is there (their documented default), and
+the tests compare against CPU references. The ``cuda``-marked tests (``pytest -m cuda``;
+``tests/test_cuda.py`` and others) are the ones that use the GPU.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +20,58 @@ import torch.nn.functional as F
 from torch import nn
 
 import tracinfunc as tif
+
+REPO = Path(__file__).resolve().parents[1]
+_TORCH_HAS_CUDA = torch.cuda.is_available()  # read once, before any test hides it
+_JAX_HAS_ACCELERATOR: bool | None = None  # read when a test first runs with JAX imported
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python process: this checkout first on ``PYTHONPATH``,
+    the caller's entries kept (packages installed there by path must stay importable)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _jax_has_accelerator() -> bool:
+    global _JAX_HAS_ACCELERATOR
+    if _JAX_HAS_ACCELERATOR is None:
+        import jax  # already imported by the test module: no import cost here
+
+        _JAX_HAS_ACCELERATOR = jax.default_backend() != "cpu"
+    return _JAX_HAS_ACCELERATOR
+
+
+@contextlib.contextmanager
+def cpu_only(monkeypatch, *, torch_cuda: bool, jax_accelerated: bool) -> Iterator[None]:
+    """Inside: torch reports no CUDA, child processes see no GPU, JAX places new arrays on
+    its CPU device. ``torch_cuda``/``jax_accelerated``: what the machine has (nothing to
+    hide when neither)."""
+    if not (torch_cuda or jax_accelerated):
+        yield
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    if not jax_accelerated:
+        yield
+        return
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_cuda(request, monkeypatch):
+    """A test not marked ``cuda`` runs in :func:`cpu_only`: a no-op on machines without a
+    GPU, so the CPU suite runs exactly as on CI."""
+    if request.node.get_closest_marker("cuda") is not None:
+        yield
+        return
+    jax_accelerated = "jax" in sys.modules and _jax_has_accelerator()
+    with cpu_only(monkeypatch, torch_cuda=_TORCH_HAS_CUDA, jax_accelerated=jax_accelerated):
+        yield
 
 
 def make_mlp(d_in=6, hidden=8, d_out=3, dtype=torch.float64, seed=0) -> nn.Module:

@@ -1,3 +1,4 @@
+
 """Every benchmark's ``--quick`` mode runs to the end, so no benchmark rots unnoticed.
 
 Each script in ``benchmarks/`` (helpers starting with ``_`` aside) runs as a user would run
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -72,7 +75,7 @@ def run_quick(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick", *extra], cwd=tmp_path,
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(),
     )
 
 

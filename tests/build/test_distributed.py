@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import torch
 import tracinfunc as tif
 from tests.build.test_shards_build import PROJ, SHARD_ROWS, batches, files_of
 from tests.cli.test_cli import SPEC, cli_here
+from tests.conftest import child_env
 from tracinfunc.build.loop import new_store_meta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def free_port() -> int:
 
 def env() -> dict[str, str]:
     """This checkout's tracinfunc in subprocesses, one thread each (2 shared cores)."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return child_env(OMP_NUM_THREADS="1")
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tracinfunc as tif
+from tests.conftest import child_env
 from tracinfunc.errors import IncompatibleGradientsError, StoreExistsError, StoreLockedError
 
 from ._atk2 import data, model_ckpts
@@ -53,7 +54,7 @@ def test_save_curvature_while_another_process_holds_the_lock_is_refused(tmp_path
     # A second process holding the path's writer lock, as a save in progress does.
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLD, str(tmp_path / "c.zarr"), str(tmp_path / "held")],
-        stdin=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        stdin=subprocess.PIPE, env=child_env())
     try:
         while not (tmp_path / "held").exists() and holder.poll() is None:
             time.sleep(0.01)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import tracinfunc as tif
+from tests.conftest import child_env
 from tracinfunc.errors import ForeignArtifactError, StoreExistsError
 
 from ._atk2 import data, model_ckpts, tree_hash
@@ -50,7 +51,7 @@ def test_two_save_curvature_at_once_are_told_about_each_other(tmp_path):
     (ForeignArtifactError), or gets zarr's raw FileExistsError "Cannot create '' with mode 'w-'"."""
     script = tmp_path / "w.py"
     script.write_text(_WRITER.format(tests=str(REPO / "tests")))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = child_env()
     bad = []
     for attempt in range(3):
         target = tmp_path / f"c{attempt}.zarr"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracinfunc as tif
+from tests.conftest import child_env
 from tracinfunc.errors import (
     IncompatibleGradientsError,
     NonFiniteGradientError,
@@ -148,7 +148,7 @@ def test_staged_build_with_an_infinite_loss_in_the_first_batch_is_not_a_stage_mi
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "tracinfunc", *args], capture_output=True,
                           text=True, env=env, timeout=120)
 

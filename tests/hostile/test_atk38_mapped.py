@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import tracinfunc as tif
+from tests.conftest import child_env
 from tracinfunc.errors import CorruptStoreError, InvalidTypeError, RowRangeError
 from tracinfunc.testing import reference_store
 
@@ -415,7 +416,7 @@ def test_held_neighbours_truncated_inside_a_held_span_raise_no_sigbus(tmp_path):
                 raise SystemExit("not refused")
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=str(Path(tif.__file__).parents[1]))
+    env = child_env()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import tracinfunc as tif
+from tests.conftest import child_env
 from tracinfunc.errors import (
     IllConditionedError,
     IncompatibleGradientsError,
@@ -109,7 +110,7 @@ def _cli(tmp_path, *extra):
     if not (tmp_path / "grads.zarr").exists():
         build(store=str(tmp_path / "grads.zarr"))
         tif.save_curvature(tif.fit_curvature(LOSS, CKPTS, data(), kind="ekfac"), str(tmp_path / "curv.zarr"))
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     cmd = [sys.executable, "-m", "tracinfunc", "score", str(tmp_path / "grads.zarr"), "--spec", f"{spec}:make",
            "--test", "test", "--curvature", str(tmp_path / "curv.zarr"), "--output", str(tmp_path / "out.npy"),
            "--quiet", "--refine-steps", "3", "--refine-solver", "neumann", *extra]

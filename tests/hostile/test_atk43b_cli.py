@@ -6,7 +6,6 @@ flag, nothing is written on error, and the numbers equal the Python API's.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 import tracinfunc as tif
+from tests.conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = textwrap.dedent('''
@@ -55,7 +55,7 @@ def cli(root, *args, curvature=True):
            "--spec", f"{root / 'atk43b_exp.py'}:make", "--test", "test"]
     cmd += ["--curvature", str(root / "c.zarr")] if curvature else []
     out = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+                         env=child_env())
     return out.returncode, out.stderr
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import pathlib
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import tracinfunc as tif
 import tracinfunc.jax as tj
+from tests.conftest import child_env
 from tests.jax_helpers import paired_mlp, to_jax_batch
 from tracinfunc.errors import InvalidArgumentError, LossFunctionError
 
@@ -344,7 +344,7 @@ def test_one_batch_in_memory_build_peaks_near_the_store_size(frontend, tmp_path)
     batch of the same examples peaks at ~2.0x (JAX) / ~2.7x (torch)."""
     script = tmp_path / "mem.py"
     script.write_text(_MEM_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     out = subprocess.run([sys.executable, str(script), frontend, "8000"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,10 +7,11 @@ rows of a sharded build and those of the same build from unsharded arrays.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,8 +49,7 @@ print("maxdiff", diff / float(np.abs(ref).max()))
 
 
 def test_sharded_batches_and_params_build_the_same_store():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "PYTHONPATH": str(ROOT)}
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from torch.func import vmap
 import tracinfunc.projection._kernels as hashing_module
 import tracinfunc.projection.keys as projection_module
 from tests import numpy_projection as ref
+from tests.conftest import child_env
 from tracinfunc.errors import InvalidProjectionError
 from tracinfunc.projection import (
     Projection,
@@ -208,7 +208,7 @@ def test_blocks_are_identical_in_another_process():
         print(hashlib.sha256(b"".join(parts)).hexdigest())
         """
     )
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
+    env = child_env(PYTHONHASHSEED="12345")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             check=True, env=env, cwd=ROOT)
     assert result.stdout.strip() == _block_digest()

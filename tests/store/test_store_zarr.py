@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import zarr
 
 import tracinfunc as tif
+from tests.conftest import child_env
 from tests.store.test_store import all_norms, all_rows
 
 PROJ = tif.Projection(dim=16, seed=0)
@@ -36,7 +36,7 @@ def built(mlp_setup32, tmp_path):
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -22,6 +22,9 @@ from torch import nn
 import tracinfunc as tif
 
 REPO = Path(__file__).resolve().parents[1]
+# JAX takes 75% of a GPU's memory when its backend starts unless told not to: torch's CUDA
+# tests in the same process would then run out of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _TORCH_HAS_CUDA = torch.cuda.is_available()  # read once, before any test hides it
 _JAX_HAS_ACCELERATOR: bool | None = None  # read when a test first runs with JAX imported
 

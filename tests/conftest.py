@@ -9,8 +9,9 @@ the tests compare against CPU references. The ``cuda``-marked tests (``pytest -m
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
-import sys
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,24 @@ REPO = Path(__file__).resolve().parents[1]
 # tests in the same process would then run out of memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _TORCH_HAS_CUDA = torch.cuda.is_available()  # read once, before any test hides it
-_JAX_HAS_ACCELERATOR: bool | None = None  # read when a test first runs with JAX imported
+
+
+def _jax_has_gpu() -> bool:
+    """Whether JAX has a GPU, read from its installed plugins (no backend is started on a
+    machine without one: a test may configure JAX's backends itself). Where a plugin is
+    installed, JAX's backends start here, before any test hides the GPU from the process."""
+    plugins = [d for d in importlib.metadata.distributions()
+               if re.match(r"jax[-_]?(cuda|rocm)", d.metadata.get("Name") or "")]
+    if not plugins:
+        return False
+    try:
+        import jax
+    except ImportError:
+        return False
+    return any(device.platform != "cpu" for device in jax.devices())
+
+
+_JAX_HAS_GPU = _jax_has_gpu()
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -34,15 +52,6 @@ def child_env(**extra: str) -> dict[str, str]:
     the caller's entries kept (packages installed there by path must stay importable)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
-
-
-def _jax_has_accelerator() -> bool:
-    global _JAX_HAS_ACCELERATOR
-    if _JAX_HAS_ACCELERATOR is None:
-        import jax  # already imported by the test module: no import cost here
-
-        _JAX_HAS_ACCELERATOR = jax.default_backend() != "cpu"
-    return _JAX_HAS_ACCELERATOR
 
 
 @contextlib.contextmanager
@@ -61,7 +70,7 @@ def cpu_only(monkeypatch, *, torch_cuda: bool, jax_accelerated: bool) -> Iterato
         return
     import jax
 
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device("cpu"):  # a platform name: starts no backend
         yield
 
 
@@ -72,8 +81,7 @@ def _cpu_unless_marked_cuda(request, monkeypatch):
     if request.node.get_closest_marker("cuda") is not None:
         yield
         return
-    jax_accelerated = "jax" in sys.modules and _jax_has_accelerator()
-    with cpu_only(monkeypatch, torch_cuda=_TORCH_HAS_CUDA, jax_accelerated=jax_accelerated):
+    with cpu_only(monkeypatch, torch_cuda=_TORCH_HAS_CUDA, jax_accelerated=_JAX_HAS_GPU):
         yield
 
 

@@ -351,9 +351,8 @@ def test_under_outer_vmap_and_grad():
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(g))
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: build_store inside jax.jit blames the loss")
 def test_build_store_inside_jit_is_refused_as_such_not_blamed_on_loss():
-    """FINDING. ``tj.build_store`` called inside ``jax.jit`` with traced data. Expected: a
+    """FINDING, fixed (``refuse_traced`` in tracinfunc/jax/build.py). ``tj.build_store`` called inside ``jax.jit`` with traced data. Expected: a
     refusal from build_store saying it cannot run inside a JAX transformation (its data are
     tracers). Observed: a bare ``AttributeError: The 'sharding' attribute is not available on
     traced array with shape float32[8]`` from the library's internals (and, in a process where
@@ -373,6 +372,38 @@ def test_build_store_inside_jit_is_refused_as_such_not_blamed_on_loss():
     assert not isinstance(info.value, AttributeError), repr(info.value)
     assert "loss(params, example) failed" not in str(info.value)
     assert "build_store" in str(info.value)
+    assert "build_store was called inside jax.jit" in str(info.value)
+    assert "outside the transformation" in str(info.value)
+
+
+def test_fits_and_traced_checkpoints_inside_jit_are_refused_by_name():
+    """The fix's reach: ``fit_curvature`` and ``preconditioned_test_grads`` read batches the
+    same way, and a checkpoint whose parameters are traced is refused before any batch."""
+    x, y = make_batch(4)
+    checkpoints = ckpts(1)
+    params = checkpoints[0].params
+
+    def fit(xx):
+        return tj.fit_curvature(flax_mlp_loss, checkpoints, (xx, y), kind="dense", mapping=MAPPING,
+                                sampler=tj.classification_sampler(lambda p, v: v[:3]))
+
+    with pytest.raises(tif.errors.InvalidArgumentError, match=r"fit_curvature was called inside jax.jit"):
+        jax.jit(fit)(x)
+
+    def traced_checkpoint(p):
+        return tj.build_store(flax_mlp_loss, [tj.Checkpoint(p)], (x, y), projection=PROJ,
+                              mapping=MAPPING)
+
+    with pytest.raises(tif.errors.InvalidArgumentError,
+                       match=r"build_store was called inside jax.jit"):
+        jax.jit(traced_checkpoint)(params)
+
+    def under_vmap(xx):  # vmap stages nothing for concrete arrays: the batch is the tracer
+        return tj.build_store(flax_mlp_loss, checkpoints, (xx, y), projection=PROJ,
+                              mapping=MAPPING)
+
+    with pytest.raises(tif.errors.InvalidArgumentError, match=r"\(data holds traced values\)"):
+        jax.vmap(under_vmap)(x[None])
 
 
 # --- traced once across outer precisions -----------------------------------------------------
@@ -804,9 +835,8 @@ def test_child_env_runs_checkout_and_keeps_callers_paths(tmp_path, monkeypatch):
     assert lines[1].startswith(str(REPO))
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: the autouse CPU pin initialises JAX's backends")
 def test_cpu_pin_does_not_initialise_jax_backends(tmp_path):
-    """FINDING (tests/conftest.py). On a CPU machine the autouse ``_cpu_unless_marked_cuda``
+    """FINDING, fixed (tests/conftest.py reads JAX's GPU plugins from package metadata). On a CPU machine the autouse ``_cpu_unless_marked_cuda``
     fixture should be a no-op. It calls ``jax.default_backend()`` before every test whenever
     JAX is imported, which initialises JAX's backends before the test body runs. Expected: a
     test that configures JAX in its body (``jax.config.update("jax_num_cpu_devices", 3)``,

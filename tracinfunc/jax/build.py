@@ -22,7 +22,7 @@ from jax import tree_util
 from torch.utils.data import DataLoader
 
 from tracinfunc import checkpoint as torch_checkpoint
-from tracinfunc._validate import calling, entry_point
+from tracinfunc._validate import calling, current_caller, entry_point
 from tracinfunc.batches import check_ordered, expected_rows
 from tracinfunc.build.calls import CallSite, numbered
 from tracinfunc.build.loop import RowBlock, checkpoint_list, fill_store, new_store_meta
@@ -295,6 +295,7 @@ def iter_batches(data: Any) -> Iterator[Any]:
         )
     for index, batch in enumerate([data] if one else data):
         batch = as_jax_tree(batch)
+        refuse_traced(batch, "data" if one else f"batch {index} of data")
         sizes = {leaf.shape[0] if leaf.ndim else None for leaf in tree_util.tree_leaves(batch)}
         if len(sizes) != 1 or None in sizes:
             raise InvalidArgumentError(
@@ -323,8 +324,23 @@ def _storage_dtype(dtype: Any) -> torch.dtype | str:
 _PART = {"params": "parameter", "state": "state"}
 
 
+def refuse_traced(tree: Any, what: str) -> None:
+    """Refuse traced values (``tree`` reached through ``jax.jit``, ``vmap`` or ``grad``): the
+    builds and fits compile their own programs and write rows to the host, which a trace
+    cannot do (a traced array has no values to write)."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in tree_util.tree_leaves(tree)):
+        raise InvalidArgumentError(
+            f"{current_caller()} was called inside jax.jit, jax.vmap or jax.grad ({what} "
+            "holds traced values). It compiles its own programs and writes rows to the host, "
+            "which a trace cannot do; call it outside the transformation, on concrete arrays.")
+
+
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
     checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.jax.Checkpoint")
+    # Inside jax.jit every array op is staged, concrete inputs or not: a new array is a tracer.
+    refuse_traced(jnp.zeros(()), "every array made in it")
+    for index, checkpoint in enumerate(checkpoints):
+        refuse_traced((checkpoint.params, checkpoint.state), f"checkpoint {index}")
     for part in ("params", "state"):
         trees = [getattr(c, part) for c in checkpoints]
         structures = {tree_util.tree_structure(tree) for tree in trees}

@@ -11,6 +11,8 @@
   Zarr) scored from codes dequantised on the device, their ``score`` time against the float32
   PinnedStore's; a GPU ``build_store`` with its copy-out and writes overlapped against the
   serial loop (same rows, bit for bit);
+* **tracinfunc.jax** on JAX's default device: exact rows against the torch CPU build, also
+  with the caller asking for TF32 (JAX's GPU default);
 * **dattri PR #257 configuration** (784 -> 10 logistic regression, 10k train / 2k test,
   batch 100, 2 checkpoints, k=512) end to end, gradients to the score matrix:
   ``build_store`` + ``score`` against the naive torch.func reference (``vmap(grad)``, a dense
@@ -338,6 +340,59 @@ def bench_dattri(tif, n_train: int, n_test: int) -> None:
           tracinfunc_run("cpu"), 1e-4)
 
 
+def bench_jax(tif, n_train: int) -> None:
+    """tracinfunc.jax on JAX's default device (the GPU where JAX has one): exact (identity)
+    rows of a float32 MLP from JAX against the torch CPU build of the same weights, also with
+    the caller asking for TF32. JAX's default float32 matmul on a GPU is TF32 (~1e-4 off);
+    tracinfunc.jax compiles in IEEE float32, so this passes at 1e-5 (found on an H100)."""
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        import tracinfunc.jax as tj
+    except ImportError:
+        print("tracinfunc.jax: skipped (JAX is not installed: pip install 'tracinfunc[jax]')")
+        return
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 10)).eval()
+    g = torch.Generator().manual_seed(1)
+    train = (torch.randn(n_train, 32, generator=g), torch.randint(0, 10, (n_train,), generator=g))
+    test = (torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+    identity = tif.Projection(kind="identity")
+    ckpt = tif.Checkpoint.from_module(model)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    expected = tif.score(tif.build_store(loss, [ckpt], train, projection=identity),
+                         tif.build_store(loss, [ckpt], test, projection=identity), device="cpu")
+
+    def jax_loss(params, example):  # the same MLP, torch names and layouts
+        x, y = example
+        for layer in ("0", "2"):
+            x = jnp.tanh(x @ params[f"{layer}.weight"].T + params[f"{layer}.bias"])
+        logits = x @ params["4.weight"].T + params["4.bias"]
+        return -jax.nn.log_softmax(logits)[y]
+
+    device = jax.devices()[0]
+    params = {name: jax.device_put(value.numpy(), device) for name, value in ckpt.params.items()}
+    jax_ckpt = tj.Checkpoint(params)
+
+    def build(batch):
+        on_device = tuple(jax.device_put(leaf.numpy(), device) for leaf in batch)
+        return tj.build_store(jax_loss, [jax_ckpt], on_device, projection=identity,
+                              progress=False)
+
+    print(f"tracinfunc.jax on {device.platform} ({device.device_kind}): MLP 32-64-64-10, "
+          f"{n_train} examples, exact rows")
+    check("tracinfunc.jax scores vs the torch CPU build", tif.score(
+        build(train), build(test), device="cpu"), expected, 1e-5)
+    with jax.default_matmul_precision("tensorfloat32"):
+        check("tracinfunc.jax scores vs the torch CPU build, caller asking for TF32",
+              tif.score(build(train), build(test), device="cpu"), expected, 1e-5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
@@ -362,10 +417,12 @@ def main() -> int:
         bench_build_overlap(tif, 50_000 if not args.quick else 8_192)
         bench_projected(tif, 1024 if not args.quick else 256)
         bench_dattri(tif, 10_000, 2_000)
+        bench_jax(tif, 4_096)
     else:
         print("build_store copy-out overlap: skipped (needs CUDA)")
         print("projected gradients: skipped (needs CUDA)")
         print("dattri PR #257 configuration: skipped (needs CUDA)")
+        bench_jax(tif, 256)  # JAX's default device: the CPU here
     verdict = f"FAIL: {', '.join(FAILURES)}" if FAILURES else "PASS: every check"
     print(f"verdict: {verdict}")
     return 1 if FAILURES else 0

@@ -54,4 +54,6 @@ def to_jax_batch(batch):
 
 
 def as_numpy(array) -> np.ndarray:
-    return np.asarray(array.detach() if isinstance(array, torch.Tensor) else array)
+    """A torch tensor (any device: score() answers on the accelerator when there is one), a
+    JAX array or an ndarray, as an ndarray."""
+    return np.asarray(array.detach().cpu() if isinstance(array, torch.Tensor) else array)

@@ -352,7 +352,7 @@ def test_under_outer_vmap_and_grad():
 
 
 def test_build_store_inside_jit_is_refused_as_such_not_blamed_on_loss():
-    """FINDING, fixed (``refuse_traced`` in tracinfunc/jax/build.py). ``tj.build_store`` called inside ``jax.jit`` with traced data. Expected: a
+    """FINDING, fixed (``_refuse_traced`` in tracinfunc/jax/build.py). ``tj.build_store`` called inside ``jax.jit`` with traced data. Expected: a
     refusal from build_store saying it cannot run inside a JAX transformation (its data are
     tracers). Observed: a bare ``AttributeError: The 'sharding' attribute is not available on
     traced array with shape float32[8]`` from the library's internals (and, in a process where

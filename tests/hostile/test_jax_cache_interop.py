@@ -25,15 +25,10 @@ jnp = jax.numpy
 
 import tracinfunc as tif  # noqa: E402
 import tracinfunc.jax as tj  # noqa: E402
+from tests.conftest import child_env  # noqa: E402
 from tracinfunc.errors import EmptyDataError, TracInFuncError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _env(**extra):
-    """This checkout's tracinfunc first (a script in tmp_path would import the installed one)."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-                **extra)
 
 
 SCRIPT = textwrap.dedent('''
@@ -71,7 +66,7 @@ SCRIPT = textwrap.dedent('''
 def _run(tmp_path, out, *names):
     script = tmp_path / "cache.py"
     script.write_text(SCRIPT)
-    res = subprocess.run([sys.executable, str(script), str(out), *names], env=_env(),
+    res = subprocess.run([sys.executable, str(script), str(out), *names], env=child_env(),
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     return np.load(out)
@@ -109,7 +104,7 @@ def test_held_sharded_batch_and_params_equal_unsharded(tmp_path):
         assert st.meta.checkpoints == ref.meta.checkpoints
         assert float((st.read_rows(0, 0, 24) - ref.read_rows(0, 0, 24)).abs().max()) < 1e-5
     '''))
-    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
 

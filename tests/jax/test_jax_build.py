@@ -9,7 +9,7 @@ import torch
 
 import tracinfunc as tif
 import tracinfunc.jax as tj
-from tests.jax_helpers import flax_template, paired_mlp, to_jax_batch
+from tests.jax_helpers import as_numpy, flax_template, paired_mlp, to_jax_batch
 
 PROJECTIONS = [tif.Projection(dim=32, seed=11), tif.Projection(dim=32, seed=11, kind="sjlt",
                                                                nnz=2)]
@@ -17,9 +17,7 @@ KRONECKER = tif.Projection(dim=32, seed=11, kind="kronecker")
 
 
 def _rel_err(got, expected) -> float:
-    # score() answers on the accelerator when there is one: bring torch results to the host
-    got, expected = (x.cpu() if isinstance(x, torch.Tensor) else x for x in (got, expected))
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    got, expected = as_numpy(got).astype(np.float64), as_numpy(expected).astype(np.float64)
     return float(np.abs(got - expected).max() / np.abs(expected).max())
 
 

@@ -13,7 +13,7 @@ import torch
 
 import tracinfunc as tif
 import tracinfunc.jax as tj
-from tests.jax_helpers import paired_mlp, to_jax_batch
+from tests.jax_helpers import as_numpy, paired_mlp, to_jax_batch
 from tracinfunc.curvature import classification_sampler
 
 PROJECTIONS = {"rademacher": tif.Projection(dim=24, seed=5),
@@ -21,9 +21,7 @@ PROJECTIONS = {"rademacher": tif.Projection(dim=24, seed=5),
 
 
 def _rel_err(got, expected) -> float:
-    # score() answers on the accelerator when there is one: bring torch results to the host
-    got, expected = (x.cpu() if isinstance(x, torch.Tensor) else x for x in (got, expected))
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    got, expected = as_numpy(got).astype(np.float64), as_numpy(expected).astype(np.float64)
     return float(np.abs(got - expected).max() / np.abs(expected).max())
 
 

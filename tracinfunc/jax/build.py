@@ -295,7 +295,7 @@ def iter_batches(data: Any) -> Iterator[Any]:
         )
     for index, batch in enumerate([data] if one else data):
         batch = as_jax_tree(batch)
-        refuse_traced(batch, "data" if one else f"batch {index} of data")
+        _refuse_traced(batch, "data" if one else f"batch {index} of data")
         sizes = {leaf.shape[0] if leaf.ndim else None for leaf in tree_util.tree_leaves(batch)}
         if len(sizes) != 1 or None in sizes:
             raise InvalidArgumentError(
@@ -324,7 +324,7 @@ def _storage_dtype(dtype: Any) -> torch.dtype | str:
 _PART = {"params": "parameter", "state": "state"}
 
 
-def refuse_traced(tree: Any, what: str) -> None:
+def _refuse_traced(tree: Any, what: str) -> None:
     """Refuse traced values (``tree`` reached through ``jax.jit``, ``vmap`` or ``grad``): the
     builds and fits compile their own programs and write rows to the host, which a trace
     cannot do (a traced array has no values to write)."""
@@ -338,9 +338,9 @@ def refuse_traced(tree: Any, what: str) -> None:
 def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
     checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.jax.Checkpoint")
     # Inside jax.jit every array op is staged, concrete inputs or not: a new array is a tracer.
-    refuse_traced(jnp.zeros(()), "every array made in it")
+    _refuse_traced(jnp.zeros(()), "every array made in it")
     for index, checkpoint in enumerate(checkpoints):
-        refuse_traced((checkpoint.params, checkpoint.state), f"checkpoint {index}")
+        _refuse_traced((checkpoint.params, checkpoint.state), f"checkpoint {index}")
     for part in ("params", "state"):
         trees = [getattr(c, part) for c in checkpoints]
         structures = {tree_util.tree_structure(tree) for tree in trees}

@@ -34,7 +34,8 @@ CRC_BYTES = 4  # bytes of a crc32c checksum
 
 @dataclass(frozen=True)
 class RawLayout:
-    """Where the bytes of rows are in a sharded 2-D array ``[n_rows, k]`` of raw chunks.
+    """Where the bytes of rows are in a sharded array of raw chunks: 2-D ``[n_rows, k]``
+    (rows), or 1-D ``[n_rows]`` (one value per row: norms, scales; a "row" is one value).
 
     Attributes:
         n_rows, row_bytes: Array shape in rows and bytes per row.
@@ -57,7 +58,7 @@ class RawLayout:
         codecs = array.metadata.codecs
         if (
             sys.byteorder != "little"
-            or array.ndim != 2
+            or array.ndim not in (1, 2)
             or len(codecs) != 1
             or not isinstance(codecs[0], ShardingCodec)
             or codecs[0].index_location.value != "end"
@@ -66,16 +67,19 @@ class RawLayout:
         sharding = codecs[0]
         chunk_crc = _raw_chain(sharding.codecs, BytesCodec, Crc32cCodec)
         index_crc = _raw_chain(sharding.index_codecs, BytesCodec, Crc32cCodec)
-        n_rows, k = array.shape
-        (chunk_rows, chunk_k), (shard_rows, shard_k) = sharding.chunk_shape, array.shards
-        if chunk_crc is None or index_crc is None or chunk_k != k or shard_k != k:
+        if chunk_crc is None or index_crc is None:
+            return None
+        n_rows, k = array.shape if array.ndim == 2 else (array.shape[0], 1)
+        (chunk_rows, *chunk_k), (shard_rows, *shard_k) = sharding.chunk_shape, array.shards
+        if chunk_k != shard_k or chunk_k not in ([], [k]):
             return None
         if array.metadata.data_type.to_native_dtype().byteorder == ">":
             return None
         metadata = array.metadata
         return cls(n_rows=n_rows, row_bytes=k * array.dtype.itemsize, chunk_rows=chunk_rows,
                    shard_rows=shard_rows, chunk_crc=chunk_crc, index_crc=index_crc,
-                   chunk_key=lambda shard: metadata.encode_chunk_key((shard, 0)))
+                   chunk_key=lambda shard: metadata.encode_chunk_key((shard,) + (0,) * (
+                       array.ndim - 1)))
 
     @property
     def chunks_per_shard(self) -> int:

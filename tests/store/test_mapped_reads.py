@@ -39,16 +39,17 @@ def reference(source, test):
 
 
 def lent(monkeypatch) -> list[tuple[int, int, int]]:
+    """The pieces lent (by ``map_rows`` or a query's ``lend_rows``)."""
     calls: list[tuple[int, int, int]] = []
-    real = ZarrStore.map_rows
+    real = ZarrStore._lend
 
-    def spy(self, ckpt, start, stop):
-        got = real(self, ckpt, start, stop)
+    def spy(self, view, method, ckpt, start, stop):
+        got = real(self, view, method, ckpt, start, stop)
         if got is not None:
             calls.append((ckpt, start, stop))
         return got
 
-    monkeypatch.setattr(ZarrStore, "map_rows", spy)
+    monkeypatch.setattr(ZarrStore, "_lend", spy)
     return calls
 
 
@@ -80,7 +81,7 @@ def test_a_file_changed_while_its_chunk_is_multiplied_is_refused(store, monkeypa
     source, opened, shard = store
     test = torch.randn(2, 3, source.meta.k)
     tif.score(opened, test, **LENT)
-    real = local_maps.ShardMaps.view
+    real = local_maps.ChunkLender.view  # what a query lends through
     changed = []
 
     def view_then_change(self, start, stop):
@@ -90,7 +91,7 @@ def test_a_file_changed_while_its_chunk_is_multiplied_is_refused(store, monkeypa
             changed.append(True)
         return got
 
-    monkeypatch.setattr(local_maps.ShardMaps, "view", view_then_change)
+    monkeypatch.setattr(local_maps.ChunkLender, "view", view_then_change)
     with pytest.raises(tif.errors.CorruptStoreError, match="changed while the chunk"):
         tif.score(opened, test, **LENT)
     # The next query maps the changed file again and verifies it: the flipped byte shows.

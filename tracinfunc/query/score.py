@@ -101,10 +101,11 @@ def score(
     _check_room(query.device, query.n_test, meta, query.dtype)
     # Blocks are written straight into the output: no per-chunk allocation or copy.
     out = torch.empty(query.n_test, meta.n_train, dtype=query.dtype, device=query.device)
-    # IEEE float32 set once for the pass (no caller code runs between its chunks), so each
-    # chunk's own full_float32 finds it set and changes nothing: setting and restoring the
-    # knobs per chunk cost ~0.1x of a warm CPU pass (torch 2.13's defaults are not "ieee").
-    with full_float32():
+    # IEEE float32 set once for the pass and held (no caller code runs between its chunks),
+    # so each chunk's own full_float32 returns at once: setting and restoring the knobs per
+    # chunk cost ~0.1x of a warm CPU pass (torch 2.13's defaults are not "ieee"), reading
+    # them ~0.04x.
+    with full_float32(hold=True):
         for _ in stream_scores(part, query, chunk_rows=chunk_rows, out=out,
                                progress=progress):
             pass

@@ -163,17 +163,22 @@ def lends_chunks(store: GradientStore, pieces: Sequence[Piece]) -> bool:
 
 def _mapped(store: SupportsMappedRows, pieces: Sequence[Piece], *, max_rows: int
             ) -> _HostPieces:
-    """Mapped views of each piece; pieces the store cannot lend (its file system cannot map
-    files) are read into one buffer instead."""
+    """Mapped views of each piece, lent through one pass (:meth:`lend_rows`: windows of the
+    shard files shared by their chunks); pieces the store cannot lend (its file system
+    cannot map files) are read into one buffer instead."""
     buffer = None
-    for piece in pieces:
-        lent = store.map_rows(*piece)
-        if lent is not None:
-            yield piece, *lent
-            continue
-        if buffer is None:
-            buffer = torch.empty(max_rows, store.meta.k, dtype=store.meta.torch_dtype)
-        yield piece, store.read_rows(*piece, out=buffer), _nothing
+    lent_pieces = store.lend_rows(pieces)
+    try:
+        for piece in pieces:
+            lent = next(lent_pieces)
+            if lent is not None:
+                yield piece, *lent
+                continue
+            if buffer is None:
+                buffer = torch.empty(max_rows, store.meta.k, dtype=store.meta.torch_dtype)
+            yield piece, store.read_rows(*piece, out=buffer), _nothing
+    finally:
+        lent_pieces.close()  # its files, now: not at garbage collection
 
 
 def _buffers(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], *, pin: bool,

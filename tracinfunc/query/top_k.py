@@ -120,7 +120,7 @@ def _exact_top_k(store: GradientStore, query: PreparedQuery, k: int, offset: int
                  watch: OverflowWatch | None) -> tuple[Tensor, Tensor]:
     """One scan of ``store``: the running ``[n_test, k]`` top-k over its streamed chunks
     (IEEE float32 set once for the scan, as in ``score``)."""
-    with full_float32():
+    with full_float32(hold=True):
         return _scan_top_k(store, query, k, offset, largest=largest, chunk_rows=chunk_rows,
                            progress=progress, watch=watch)
 

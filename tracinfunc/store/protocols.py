@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -151,6 +151,13 @@ class SupportsMappedRows(Protocol):
         """Rows ``[start, stop)`` (one stored chunk) of checkpoint ``ckpt`` as a view,
         ``[stop - start, k]``, with ``release`` to call once done with it (it raises if the
         rows changed meanwhile); ``None`` where they cannot be lent: read them instead."""
+        ...
+
+    def lend_rows(self, pieces: Iterable[tuple[int, int, int]]
+                  ) -> Iterator[tuple[Tensor, Callable[[], None]] | None]:
+        """What :meth:`map_rows` gives for each ``(ckpt, start, stop)`` piece, in order, lent
+        through one pass (files and mappings shared by its pieces until the generator is
+        closed); a lent view is valid until the next piece is asked for."""
         ...
 
 

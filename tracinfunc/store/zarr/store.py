@@ -33,7 +33,7 @@ import hashlib
 import os
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -183,14 +183,48 @@ class ZarrStore(StoreProperties):
         """
         check_row_range(self._meta, ckpt, start, stop)
         maps = self._maps[ckpt]
-        if maps is None:
-            return None
+        return None if maps is None else self._lend(maps.view, "map_rows", ckpt, start, stop)
+
+    def lend_rows(self, pieces: Iterable[tuple[int, int, int]]
+                  ) -> Iterator[tuple[Tensor, Callable[[], None]] | None]:
+        """For each piece ``(ckpt, start, stop)`` (one whole stored chunk), in order, what
+        :meth:`map_rows` gives, lent through one pass: each shard file is mapped in windows of
+        up to 64 MiB shared by the chunks they hold (each chunk lent once per window, so a
+        write into one lend reaches no other) and kept open until the generator is closed;
+        each lend and ``release`` check the file's identity as :meth:`map_rows` does
+        (:class:`~tracinfunc.store.zarr.local_maps.ChunkLender`). A lent view is valid until
+        the next piece is asked for (it stays readable, but its window may be dropped).
+
+        Raises:
+            InvalidTypeError, RowRangeError: a piece that is not integers or not in the store.
+            CorruptStoreError: as :meth:`map_rows`.
+        """
+        meta, lenders = self._meta, {}
+        try:
+            for ckpt, start, stop in pieces:
+                if not (type(ckpt) is type(start) is type(stop) is int
+                        and 0 <= ckpt < meta.n_ckpt and 0 <= start <= stop <= meta.n_train):
+                    check_row_range(meta, ckpt, start, stop)  # names what is wrong
+                maps = self._maps[ckpt]
+                if maps is None:
+                    yield None
+                    continue
+                lender = lenders.get(ckpt) or lenders.setdefault(ckpt, maps.lender())
+                yield self._lend(lender.view, "lend_rows", ckpt, start, stop)
+        finally:
+            for lender in lenders.values():
+                lender.close()
+
+    def _lend(self, view: Callable, method: str, ckpt: int, start: int, stop: int
+              ) -> tuple[Tensor, Callable[[], None]] | None:
+        """``view(start, stop)``'s bytes as rows ``[stop - start, k]`` and a release, errors
+        said as the store's."""
         try:  # the store's identity is checked whenever a file is mapped (again)
-            lent = maps.view(start, stop)
+            lent = view(start, stop)
         except _ReplacedError:
             raise
         except (CorruptStoreError, ValueError, OSError) as error:
-            raise self._corrupt("map_rows", ckpt, start, stop, error) from error
+            raise self._corrupt(method, ckpt, start, stop, error) from error
         if lent is None:
             return None
         data, release = lent
@@ -200,7 +234,7 @@ class ZarrStore(StoreProperties):
             try:
                 release()
             except (CorruptStoreError, ValueError, OSError) as error:
-                raise self._corrupt("map_rows", ckpt, start, stop, error) from error
+                raise self._corrupt(method, ckpt, start, stop, error) from error
 
         return rows, checked_release
 

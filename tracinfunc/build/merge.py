@@ -15,9 +15,8 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tracinfunc.batches import batch_size_of
+from tracinfunc.batches import batch_size_of, flatten_batch, unflatten_batch
 from tracinfunc.grads.chunking import DEFAULT_COPIES
 from tracinfunc.grads.options import GradientOptions
 from tracinfunc.projection.spec import Layout
@@ -92,7 +91,7 @@ class _Call:
     concatenated at the end, as large as the call and no larger."""
 
     def __init__(self, batch: Batch, first: int, kind: tuple, limit: int) -> None:
-        leaves, self.spec = tree_flatten(batch)
+        leaves, self.spec = flatten_batch(batch)
         self.in_place = all(leaf.device.type == "cpu" for leaf in leaves)
         self.leaves = ([leaf.new_empty((limit, *leaf.shape[1:])) for leaf in leaves]
                        if self.in_place else [[] for _ in leaves])
@@ -102,7 +101,7 @@ class _Call:
 
     def add(self, batch: Batch, size: int) -> None:
         with torch.no_grad():
-            for target, leaf in zip(self.leaves, tree_flatten(batch)[0], strict=True):
+            for target, leaf in zip(self.leaves, flatten_batch(batch)[0], strict=True):
                 if self.in_place:
                     target[self.count:self.count + size].copy_(leaf)
                 else:
@@ -112,11 +111,11 @@ class _Call:
 
     def batch(self) -> Batch:
         if self.in_place:
-            return tree_unflatten([leaf[:self.count] for leaf in self.leaves], self.spec)
-        return tree_unflatten([parts[0] if len(parts) == 1 else torch.cat(parts)
-                               for parts in self.leaves], self.spec)
+            return unflatten_batch([leaf[:self.count] for leaf in self.leaves], self.spec)
+        return unflatten_batch([parts[0] if len(parts) == 1 else torch.cat(parts)
+                                for parts in self.leaves], self.spec)
 
 
 def _kind(batch: Batch) -> tuple:
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = flatten_batch(batch)
     return spec, tuple((leaf.dtype, leaf.shape[1:]) for leaf in leaves)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from tracinfunc._host_memory import host_empty
 from tracinfunc._norms import row_norms, smallest_plain_norm
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import (
@@ -14,7 +15,7 @@ from tracinfunc.errors import (
     ReadOnlyStoreError,
 )
 from tracinfunc.interop import as_tensor
-from tracinfunc.store.codes import check_codes, code_dtype, stored_empty, to_stored
+from tracinfunc.store.codes import check_codes, code_dtype, code_width, stored_empty, to_stored
 from tracinfunc.store.memory.quantized import QuantizedMemoryStore
 from tracinfunc.store.meta import StoreMeta, norm_dtype
 from tracinfunc.store.properties import StoreProperties
@@ -282,8 +283,9 @@ def reserve_rows(writer: MemoryWriter, rows: int) -> None:
             or rows <= 0:
         return
     try:
-        writer._arena = (stored_empty(writer._meta, rows),
-                         torch.empty(writer._meta.n_ckpt, rows, dtype=norm_dtype(writer._meta)))
+        meta = writer._meta  # huge pages: the rows are first touched as they arrive
+        writer._arena = (host_empty((meta.n_ckpt, rows, code_width(meta)), code_dtype(meta)),
+                         torch.empty(meta.n_ckpt, rows, dtype=norm_dtype(meta)))
     except RuntimeError:  # more than the address space allows: the blocks as before
         writer._arena = None
 

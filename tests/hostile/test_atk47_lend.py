@@ -900,3 +900,102 @@ def test_held_score_chunks_abandoned_restores_caller_precision(tmp_path, restore
     del g
     gc.collect()
     assert _knobs() == before
+
+
+# ============================================================ class 4: integer kinds in pieces and ranges
+def _u8_store(tmp_path, chunk=250, shard=250, q=None, k=4):
+    return make(tmp_path, n=300, k=k, n_ckpt=1, chunk=chunk, shard=shard, q=q)
+
+
+def _same_or_refused(call, want):
+    """A numpy integer bound either reads the right values or is refused by type."""
+    try:
+        with np.errstate(over="ignore"):
+            got = call()
+    except (tif.errors.InvalidTypeError, tif.errors.RowRangeError):
+        return
+    if isinstance(want, tuple):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), "silently wrong values"
+    else:
+        assert torch.equal(got, want), "silently wrong values"
+
+
+@pytest.mark.parametrize("chunk,shard", [(250, 250), (255, 255)])
+def test_finding_read_norms_numpy_uint8_bounds_silently_wrong(tmp_path, chunk, shard):
+    """Expected: ``ZarrStore.read_norms(0, np.uint8(130), np.uint8(140))`` gives the norms of rows
+    130..139, as ``MemoryStore.read_norms`` does (NumPy integers are accepted elsewhere), or an
+    ``InvalidTypeError``. Observed: other norms come back, with only NumPy's ``RuntimeWarning:
+    overflow encountered in scalar multiply`` (the raw read computes the byte offset in uint8)."""
+    src, z = _u8_store(tmp_path, chunk, shard)
+    assert torch.equal(src.read_norms(0, np.uint8(130), np.uint8(140)), src.read_norms(0, 130, 140))
+    _same_or_refused(lambda: z.read_norms(0, np.uint8(130), np.uint8(140)), src.read_norms(0, 130, 140))
+    _same_or_refused(lambda: z.read_norms(0, np.uint8(240), np.uint8(250)), src.read_norms(0, 240, 250))
+
+
+def test_finding_read_codes_numpy_uint8_scales_silently_wrong(tmp_path):
+    """Expected: ``read_codes(0, np.uint8(130), np.uint8(140))`` of a Zarr int8 store equals the
+    memory store's codes and scales (or is refused by type). Observed: other codes and scales,
+    silently (NumPy overflow warning only)."""
+    src, z = _u8_store(tmp_path, q="int8", k=8)
+    _same_or_refused(lambda: z.read_codes(0, np.uint8(130), np.uint8(140)), src.read_codes(0, 130, 140))
+
+
+def test_finding_read_rows_numpy_uint8_bounds_silently_wrong(tmp_path):
+    """Expected: ``ZarrStore.read_rows(0, np.uint8(130), np.uint8(140))`` equals
+    ``MemoryStore.read_rows`` (or a type refusal). Observed: other rows, silently (the raw row
+    read shares the uint8 offset arithmetic; this may predate session 47)."""
+    src, z = _u8_store(tmp_path)
+    _same_or_refused(lambda: z.read_rows(0, np.uint8(130), np.uint8(140)), src.read_rows(0, 130, 140))
+
+
+@pytest.mark.parametrize("chunk,shard,bounds", [(250, 250, (0, 250)), (7, 252, (0, 250)), (100, 200, (0, 250))])
+def test_finding_read_norms_numpy_uint8_errors_misleading(tmp_path, chunk, shard, bounds):
+    """Expected: the right norms, or ``InvalidTypeError`` naming the argument. Observed: a raw
+    ``OverflowError: Python integer 1000 out of bounds for uint8`` (chunk 250) or a
+    ``CorruptStoreError`` telling the user the (intact) store is damaged and to rebuild it
+    (chunk 7, shard 252)."""
+    src, z = _u8_store(tmp_path, chunk, shard)
+    a, b = bounds
+    try:
+        got = z.read_norms(0, np.uint8(a), np.uint8(b))
+    except (tif.errors.InvalidTypeError, tif.errors.RowRangeError):
+        return
+    assert torch.equal(got, src.read_norms(0, a, b))
+    assert torch.equal(z.read_norms(0, 0, 300), src.read_norms(0, 0, 300))  # the store is intact
+
+
+def test_finding_lend_rows_tensor_bounds_blamed_on_store(tmp_path):
+    """Expected: a piece ``(0, torch.tensor(0), torch.tensor(256))`` (0-d integer tensors, which
+    ``read_rows`` accepts) is lent, or refused with ``InvalidTypeError``. Observed:
+    ``CorruptStoreError``: "shard file .../rows/0/c/tensor(0)/0 ... is missing. The store is
+    damaged on disk; rebuild it" - the intact store is blamed (``map_rows`` alike)."""
+    src, z = make(tmp_path)
+    assert torch.equal(z.read_rows(0, torch.tensor(0), torch.tensor(256)), src.read_rows(0, 0, 256))
+    for call in (lambda: list(z.lend_rows([(0, torch.tensor(0), torch.tensor(256))])),
+                 lambda: [z.map_rows(0, torch.tensor(0), torch.tensor(256))]):
+        try:
+            out = call()
+        except tif.errors.InvalidTypeError:
+            continue
+        assert out[0] is None or torch.equal(out[0][0], src.read_rows(0, 0, 256))
+
+
+def test_finding_lend_rows_numpy_uint8_piece_raw_error(tmp_path):
+    """Expected: ``lend_rows([(0, np.uint8(0), np.uint8(250))])`` on a store of 250-row chunks
+    lends rows 0..249 (or yields None, or refuses the type). Observed: torch's ``RuntimeError:
+    shape '[250, -1]' is invalid for input of size 40`` (byte count wrapped in uint8)."""
+    src, z = _u8_store(tmp_path)
+    try:
+        with np.errstate(over="ignore"):
+            out = list(z.lend_rows([(0, np.uint8(0), np.uint8(250))]))
+    except (tif.errors.InvalidTypeError, tif.errors.RowRangeError):
+        return
+    assert out[0] is None or torch.equal(out[0][0], src.read_rows(0, 0, 250))
+
+
+def test_held_queries_normalise_numpy_rows_bounds(tmp_path):
+    src, z = _u8_store(tmp_path)
+    T = torch.randn(1, 2, 4)
+    for rows in [(np.uint8(130), np.uint8(140)), (np.uint8(0), np.uint8(250)), (np.int16(240), np.int64(300))]:
+        got = tif.score(z, T, rows=rows, device="cpu", chunk_rows=250)
+        assert torch.equal(got, tif.score(src, T, rows=(int(rows[0]), int(rows[1])), device="cpu", chunk_rows=250))

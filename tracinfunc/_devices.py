@@ -211,18 +211,21 @@ def full_float32(*, hold: bool = False) -> Iterator[None]:
 def _ieee_float32() -> Iterator[None]:
     knobs = _precision_knobs()
     if knobs:
-        saved = torch.get_float32_matmul_precision(), [knob.fp32_precision for knob in knobs]
-        if saved[0] == "highest" and all(value == "ieee" for value in saved[1]):
+        legacy = _legacy_precision()
+        values = [knob.fp32_precision for knob in knobs]
+        if legacy == "highest" and all(value == "ieee" for value in values):
             yield  # already IEEE (the default): nothing to set per streamed chunk
             return
         try:
-            torch.set_float32_matmul_precision("highest")  # what torch.compile consults
+            if legacy is not None:
+                torch.set_float32_matmul_precision("highest")  # what torch.compile consults
             for knob in knobs:
                 knob.fp32_precision = "ieee"
             yield
         finally:
-            torch.set_float32_matmul_precision(saved[0])
-            for knob, value in zip(knobs, saved[1], strict=True):
+            if legacy is not None:
+                torch.set_float32_matmul_precision(legacy)
+            for knob, value in zip(knobs, values, strict=True):
                 knob.fp32_precision = value
         return
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn  # torch < 2.9
@@ -245,6 +248,17 @@ def in_full_float32(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _legacy_precision() -> str | None:
+    """``torch.get_float32_matmul_precision()``, or ``None`` where the caller set the
+    per-backend knobs (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, ...) so that
+    no legacy value describes them (torch then raises rather than answer): only the knobs
+    themselves are set and restored."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
 
 
 @functools.cache

@@ -79,12 +79,12 @@ class RowRange:
 
     @entry_point("RowRange.read_rows")
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self.store.read_rows(ckpt, self.start + start, self.start + stop, out=out)
 
     @entry_point("RowRange.read_norms")
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self.store.read_norms(ckpt, self.start + start, self.start + stop)
 
 
@@ -96,7 +96,7 @@ class RowRangeViews(RowRange):
 
     @entry_point("RowRange.view_rows")
     def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self.store.view_rows(ckpt, self.start + start, self.start + stop)
 
 

@@ -256,13 +256,20 @@ def aligned_rows(store: GradientStore, rows: int) -> int:
     return rows
 
 
-def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int) -> None:
-    """Raise ``IndexError`` unless ``0 <= ckpt < n_ckpt`` and ``0 <= start <= stop <= n_train``."""
+def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int) -> tuple[int, int, int]:
+    """``(ckpt, start, stop)`` as Python ints; raise unless ``0 <= ckpt < n_ckpt`` and
+    ``0 <= start <= stop <= n_train``.
+
+    Readers use the ints returned, never the arguments: a NumPy ``uint8`` bound (or any
+    fixed-width integer) overflows in byte offsets (``start * row_bytes``), and a 0-d tensor
+    prints as ``tensor(0)`` in a file name.
+    """
     for name, value in (("ckpt", ckpt), ("start", start), ("stop", stop)):
         if isinstance(value, bool) or not _is_index(value):  # a bool would index every ckpt
             raise InvalidTypeError(f"{current_caller()}: {name} must be an integer, got "
                                    f"{type(value).__name__} {value!r}; e.g. {current_caller()}(0, "
                                    "0, 10).")
+    ckpt, start, stop = operator.index(ckpt), operator.index(start), operator.index(stop)
     if not 0 <= ckpt < meta.n_ckpt:
         raise RowRangeError(
             f"{current_caller()}: checkpoint index {ckpt} out of range [0, {meta.n_ckpt})."
@@ -271,6 +278,7 @@ def check_row_range(meta: StoreMeta, ckpt: int, start: int, stop: int) -> None:
         raise RowRangeError(
             f"{current_caller()}: row range [{start}, {stop}) is not within [0, {meta.n_train}]."
         )
+    return ckpt, start, stop
 
 
 def _is_index(value: Any) -> bool:

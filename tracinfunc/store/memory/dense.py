@@ -79,7 +79,7 @@ class MemoryStore(StoreProperties):
 
     @entry_point("MemoryStore.read_rows")
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         source = self._rows[ckpt, start:stop]
         if out is None:
             return source.clone()
@@ -88,14 +88,14 @@ class MemoryStore(StoreProperties):
 
     @entry_point("MemoryStore.read_norms")
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self._norms[ckpt, start:stop].clone()
 
     @entry_point("MemoryStore.view_rows")
     def view_rows(self, ckpt: int, start: int, stop: int) -> Tensor:
         """Rows ``[start, stop)`` as a view of the store's memory, ``[stop - start, k]``
         (:class:`~tracinfunc.store.protocols.SupportsRowViews`): no copy, so never write to it."""
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self._rows[ckpt, start:stop]
 
 

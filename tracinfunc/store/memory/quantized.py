@@ -83,7 +83,7 @@ class QuantizedMemoryStore(StoreProperties):
     @entry_point("{cls}.read_rows")
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
         """Rows ``[start, stop)`` dequantised: ``[stop - start, k]`` float32 (see the protocol)."""
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         target = None if out is None else check_out_buffer(
             out, stop - start, self._meta)
         return dequantize(self._codes[ckpt, start:stop], self._scales[ckpt, start:stop],
@@ -92,13 +92,13 @@ class QuantizedMemoryStore(StoreProperties):
     @entry_point("{cls}.read_norms")
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
         """Exact L2 norms of the unquantised rows ``[start, stop)``: ``[stop - start]``."""
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self._norms[ckpt, start:stop].clone()
 
     @entry_point("{cls}.read_codes")
     def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Stored codes ``[stop - start, width]`` and scales ``[stop - start]`` (copies)."""
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self._codes[ckpt, start:stop].clone(), self._scales[ckpt, start:stop].clone()
 
     @entry_point("{cls}.view_codes")
@@ -106,5 +106,5 @@ class QuantizedMemoryStore(StoreProperties):
         """Codes ``[stop - start, width]`` and scales ``[stop - start]`` as views of the
         store's memory (page-locked for a QuantizedPinnedStore): what streaming sends to a
         device without a staging copy; never write to them."""
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         return self._codes[ckpt, start:stop], self._scales[ckpt, start:stop]

@@ -181,7 +181,7 @@ class ZarrStore(StoreProperties):
             InvalidTypeError, RowRangeError: as :meth:`read_rows` does, for arguments that
                 are not integers or rows not in the store.
         """
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         maps = self._maps[ckpt]
         return None if maps is None else self._lend(maps.view, "map_rows", ckpt, start, stop)
 
@@ -204,7 +204,7 @@ class ZarrStore(StoreProperties):
             for ckpt, start, stop in pieces:
                 if not (type(ckpt) is type(start) is type(stop) is int
                         and 0 <= ckpt < meta.n_ckpt and 0 <= start <= stop <= meta.n_train):
-                    check_row_range(meta, ckpt, start, stop)  # names what is wrong
+                    ckpt, start, stop = check_row_range(meta, ckpt, start, stop)  # or raises
                 maps = self._maps[ckpt]
                 if maps is None:
                     yield None
@@ -240,7 +240,7 @@ class ZarrStore(StoreProperties):
 
     @entry_point("ZarrStore.read_rows")
     def read_rows(self, ckpt: int, start: int, stop: int, *, out: Tensor | None = None) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         if out is None:
             target = torch.empty(stop - start, self._meta.k, dtype=self._meta.torch_dtype)
         else:
@@ -257,7 +257,7 @@ class ZarrStore(StoreProperties):
     def read_codes(self, ckpt: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Codes ``[stop - start, width]`` and scales ``[stop - start]`` float32 of a quantised
         store, read as stored (:class:`~tracinfunc.store.protocols.SupportsQuantizedRows`)."""
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         if self._meta.quantization is None:
             raise InvalidArgumentError(
                 f"ZarrStore.read_codes: the store at {str(self._path)!r} holds "
@@ -311,7 +311,7 @@ class ZarrStore(StoreProperties):
 
     @entry_point("ZarrStore.read_norms")
     def read_norms(self, ckpt: int, start: int, stop: int) -> Tensor:
-        check_row_range(self._meta, ckpt, start, stop)
+        ckpt, start, stop = check_row_range(self._meta, ckpt, start, stop)
         values = self._read_per_row(self._norms, self._norm_readers, "read_norms", ckpt, start,
                                     stop)
         return values.to(norm_dtype(self._meta))

@@ -202,6 +202,8 @@ class ZarrStore(StoreProperties):
         meta, lenders = self._meta, {}
         try:
             for ckpt, start, stop in pieces:
+                # Python ints in range pass at once (check_row_range: ~25 us a piece, ~1% of
+                # a warm query); anything else gets its full check and its ints.
                 if not (type(ckpt) is type(start) is type(stop) is int
                         and 0 <= ckpt < meta.n_ckpt and 0 <= start <= stop <= meta.n_train):
                     ckpt, start, stop = check_row_range(meta, ckpt, start, stop)  # or raises

@@ -105,7 +105,10 @@ def build_store(
             except that an in-memory build without a memory option (``chunk_size``,
             ``memory_budget``, ``stages``) merges consecutive batches into calls of up to
             64 MiB of per-example gradients and at most 4096 examples (a batch is never
-            split; rows do not change). Each call has a fixed cost (about 2 ms on a CPU), so
+            split; rows equal those of the data's own batches to float32 rounding, not
+            always bit for bit: BLAS may round a row differently by how many examples share
+            its call and where they lie in memory; pass ``batch_size=`` for the same calls,
+            hence the same bits, on every run). Each call has a fixed cost (~2 ms on a CPU), so
             merging small loader batches pays for small models; activation memory grows with
             it unless ``chunk_size`` or ``memory_budget`` bounds it. Merging reads batches
             ahead of the loss (a batch held for a later call is copied, so a loader may

@@ -17,6 +17,7 @@ import torch
 
 import tracinfunc as tif
 from tests.conftest import child_env
+from tests.store.test_raw_value_reads import flip
 from tests.store.test_tamper import N_TRAIN, memory_store
 from tracinfunc.errors import CorruptStoreError, InvalidTypeError, RowRangeError
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta
@@ -96,17 +97,6 @@ def test_a_write_into_a_lend_reaches_no_other_lend_nor_the_file(saved):
         release()
     assert shard_file(path, 0, 0).read_bytes() == before
     assert torch.equal(store.read_rows(0, 0, 8), source.read_rows(0, 0, 8))
-
-
-def flip(file, at: int) -> None:
-    """One flipped byte at ``at``, the modification time put back."""
-    before = os.stat(file)
-    with open(file, "r+b") as handle:
-        handle.seek(at)
-        value = handle.read(1)
-        handle.seek(at)
-        handle.write(bytes([value[0] ^ 0xFF]))
-    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
 def test_a_chunk_changed_after_its_window_was_mapped_is_not_lent_from_it(saved):

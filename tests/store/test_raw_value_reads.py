@@ -16,8 +16,8 @@ import zarr
 
 import tracinfunc as tif
 from tests.store.test_tamper import N_TRAIN, memory_store
+from tests.store.test_verified_once import counted_verifies
 from tracinfunc.errors import CorruptStoreError
-from tracinfunc.store.zarr import raw_layout
 
 LAYOUT = {"chunk_rows": 8, "shard_rows": 32}
 RANGES = [(0, N_TRAIN), (0, 1), (3, 5), (7, 9), (8, 16), (5, 37), (31, 33),
@@ -117,14 +117,7 @@ def test_a_norm_flipped_after_a_verified_read_is_caught(saved, monkeypatch):
     _, path = saved
     store = tif.GradientStore.open(path)
     store.read_norms(0, 0, N_TRAIN)  # verified
-    calls: list[int] = []
-    real = raw_layout.RawLayout.verify
-
-    def verify(self, data, stored_crc, chunk_start, where):
-        calls.append(chunk_start)
-        return real(self, data, stored_crc, chunk_start, where)
-
-    monkeypatch.setattr(raw_layout.RawLayout, "verify", verify)
+    calls = counted_verifies(monkeypatch)
     store.read_norms(0, 0, N_TRAIN)
     assert calls == []  # verified once while the file keeps its identity
     flip(norms_shard(path))  # (a small file: its sealed tail hash covers it too)

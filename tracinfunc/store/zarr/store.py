@@ -126,12 +126,18 @@ class ZarrStore(StoreProperties):
                 )
         if isinstance(guard, FileGuard) and guard.files is not None:
             _check_declared_bytes(path, meta, rows, guard.files)
+        byte_store = object_store_for_reads(path) if is_url(path) else None  # one for all
+
+        def readers(arrays: list[zarr.Array]) -> list:
+            """One raw reader per checkpoint's array (``None`` where zarr must decode it)."""
+            return [shard_reader(array, guard=guard, byte_store=byte_store) for array in arrays]
+
         for name, value in (("_path", path), ("_identity", identity),
                             ("_group", group), ("_meta", meta),
                             ("_rows", rows), ("_norms", norms), ("_scales", scales),
-                            ("_guard", guard), ("_readers", _readers(path, rows, guard)),
-                            ("_norm_readers", _readers(path, norms, guard)),
-                            ("_scale_readers", _readers(path, scales, guard)),
+                            ("_guard", guard), ("_readers", readers(rows)),
+                            ("_norm_readers", readers(norms)),
+                            ("_scale_readers", readers(scales)),
                             ("_maps",
                              _maps(path, rows, guard, meta, _weak(self._check_identity)))):
             object.__setattr__(self, name, value)
@@ -394,14 +400,6 @@ def _guard(path: Path | str, group: zarr.Group, meta: StoreMeta,
             )
         files = None
     return ObjectGuard(group.store, path, files)
-
-
-def _readers(path: Path | str, arrays: list[zarr.Array],
-             guard: FileGuard | ObjectGuard) -> list:
-    """One raw reader per checkpoint's array (rows, norms or scales; ``None`` where zarr
-    must decode it)."""
-    byte_store = object_store_for_reads(path) if is_url(path) and arrays else None
-    return [shard_reader(array, guard=guard, byte_store=byte_store) for array in arrays]
 
 
 def _maps(path: Path | str, rows: list[zarr.Array], guard: FileGuard | ObjectGuard,

@@ -45,6 +45,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
+from tracinfunc.grads.shared_inputs import sharing_inputs
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
 from tracinfunc.loss import ModuleLoss, check_eval_mode
 from tracinfunc.precondition.optimizer import Preconditioner, check_preconditioners
@@ -219,12 +220,14 @@ def build_store(
         # Each checkpoint's rows go into the call's block as they come: a call holds one
         # checkpoint's rows beside the block, not every checkpoint's (as a stack would).
         rows = None
-        for c, (grads_fn, params) in enumerate(zip(grads_fns, params_per_ckpt, strict=True)):
-            one = grads_fn(params, batch)  # [b, k]
-            if rows is None:
-                rows = one.new_empty((len(grads_fns), *one.shape))
-            rows[c] = one
-            del one
+        with sharing_inputs(batch):  # a first layer's input products, once for all of them
+            for c, (grads_fn, params) in enumerate(zip(grads_fns, params_per_ckpt,
+                                                       strict=True)):
+                one = grads_fn(params, batch)  # [b, k]
+                if rows is None:
+                    rows = one.new_empty((len(grads_fns), *one.shape))
+                rows[c] = one
+                del one
         return rows
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)

@@ -40,6 +40,7 @@ from tracinfunc.grads.layer_rules import (
     tapped_loss,
     vmappable_attention,
 )
+from tracinfunc.grads.shared_inputs import input_product
 from tracinfunc.types import Batch, LossFn, Params
 
 __all__ = ["BatchedPathWarning", "LossFormWarning", "batched_or_vmapped", "batched_rows",
@@ -166,7 +167,8 @@ def _linear_rows(plan, modules, inputs, deltas) -> Tensor | None:
     total = None
     for index, left, right in sides:
         p_rows, p_cols = plan.factors[index]
-        left, right = left @ p_rows, right @ p_cols  # [b, k_r], [b, k_c]
+        # [b, k_r], [b, k_c]; a first layer's input side is every checkpoint's
+        left, right = left @ p_rows, input_product(right, p_cols)
         if total is None:
             total = (left[:, :, None] * (right * plan.scale)[:, None, :]).reshape(b, -1)
         else:

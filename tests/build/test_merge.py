@@ -135,3 +135,79 @@ def test_merged_cpu_batches_are_one_copy_and_others_as_large_as_the_call():
 
 def merged_batches(batches, limit):
     return [batch for batch, _, _ in merged_calls(batches, limit)]
+
+
+def held_batches(batches, limit):
+    return [batch for batch, _, _ in merged_calls(batches, limit, held=True)]
+
+
+def test_held_slices_of_one_tensor_are_one_view():
+    """A list of consecutive slices (the caller's, whole): each call is a view of the rows,
+    no copy; the values are the concatenation's."""
+    x, y = torch.randn(40, 6), torch.arange(40)
+    calls = held_batches(_batches(x, y, 10), 25)  # 10 + 10 | 10 + 10
+    assert [len(call[1]) for call in calls] == [20, 20]
+    for start, (cx, cy) in zip((0, 20), calls, strict=True):
+        assert cx.data_ptr() == x[start].data_ptr() and cy.data_ptr() == y[start].data_ptr()
+        assert torch.equal(cx, x[start:start + 20]) and torch.equal(cy, y[start:start + 20])
+        assert cx.is_contiguous() and not cx.requires_grad
+
+
+@pytest.mark.parametrize("parts", [
+    lambda x: [x[0:5], x[6:10]],  # a gap
+    lambda x: [x[5:10], x[0:5]],  # out of order
+    lambda x: [x[0:6], x[4:10]],  # overlapping
+    lambda x: [x[0:5], x[0:5]],  # the same rows twice
+    lambda x: [x[0:5], x[5:10].clone()],  # another storage
+    lambda x: [x.t().contiguous().t()[0:5], x[5:10]],  # not contiguous
+    lambda x: [x[0:1].as_strided((1, 6), (999, 1)), x[1:5]],  # [1, d], odd (unused) stride
+])
+def test_held_parts_that_are_not_consecutive_rows_are_joined(parts):
+    x = torch.randn(10, 6)
+    pieces = parts(x)
+    (call,) = held_batches([(piece,) for piece in pieces], 100)
+    assert torch.equal(call[0], torch.cat(pieces))
+
+
+def test_held_calls_with_grad_leaves_and_a_structure_change():
+    x = torch.randn(30, 6, requires_grad=True)
+    data = [(x[0:10],), (x[10:20],), {"x": x[20:30]}]  # a dict: its own call
+    calls = held_batches(data, 100)
+    assert len(calls) == 2 and not calls[0][0].requires_grad
+    assert torch.equal(calls[0][0], x[:20].detach()) and torch.equal(calls[1]["x"], x[20:])
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "sjlt", "kronecker"])
+def test_a_list_build_uses_the_callers_batches_in_place(kind, monkeypatch):
+    """build_store on a list: calls are views of the caller's tensor (nothing copied), the
+    caller's data is unchanged, the rows are the generator's (copied) build's to float32
+    rounding and the same bits on every run."""
+    import tracinfunc.build.torch as build_module
+
+    model = make_mlp(dtype=torch.float32).eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    ckpts = make_checkpoints(model)
+    x, y = make_data(n=60, dtype=torch.float32)
+    before = x.clone(), y.clone()
+    proj = tif.Projection(dim=16, seed=0, kind=kind)
+    calls = []
+
+    def recorded(batches, limit, **options):
+        for call in merged_calls(batches, limit, **options):
+            calls.append(call[0][0])
+            yield call
+
+    monkeypatch.setattr(build_module, "merged_calls", recorded)
+    listed = _rows(tif.build_store(loss, ckpts, _batches(x, y, 7), projection=proj,
+                                   progress=False))
+    storage = x.untyped_storage().data_ptr()
+    assert calls and all(c.untyped_storage().data_ptr() == storage for c in calls)
+    again = _rows(tif.build_store(loss, ckpts, _batches(x, y, 7), projection=proj,
+                                  progress=False))
+    calls.clear()
+    copied = _rows(tif.build_store(loss, ckpts, iter(_batches(x, y, 7)), projection=proj,
+                                   progress=False))
+    assert calls and all(c.untyped_storage().data_ptr() != storage for c in calls)
+    assert torch.equal(listed, again)
+    torch.testing.assert_close(listed, copied, rtol=1e-5, atol=1e-6)
+    assert torch.equal(x, before[0]) and torch.equal(y, before[1])

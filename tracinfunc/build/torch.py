@@ -52,6 +52,7 @@ from tracinfunc.precondition.optimizer import Preconditioner, check_precondition
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
+from tracinfunc.store.memory.dense import MemoryWriter, next_rows_slot
 from tracinfunc.store.protocols import GradientStore
 from tracinfunc.store.writer import StoreTarget, make_part_writer, make_writer, writes_to_disk
 from tracinfunc.store.zarr.parts import PartWriter, StorePart
@@ -227,11 +228,18 @@ def build_store(
             for c, (grads_fn, params) in enumerate(zip(grads_fns, params_per_ckpt,
                                                        strict=True)):
                 one = grads_fn(params, batch)  # [b, k]
-                if rows is None:
-                    rows = one.new_empty((len(grads_fns), *one.shape))
+                if rows is None:  # the store's reserved rows where they are next: no copy
+                    rows = in_place(one)
+                    if rows is None:
+                        rows = one.new_empty((len(grads_fns), *one.shape))
                 rows[c] = one
                 del one
         return rows
+
+    def in_place(one: Tensor) -> Tensor | None:
+        if store is not None or type(writer) is not MemoryWriter or one.device.type != "cpu":
+            return None
+        return next_rows_slot(writer, one.shape[0], one.dtype)
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
     pairs = site.follow(numbered(batches, merged=merged, batch_size=batch_size))

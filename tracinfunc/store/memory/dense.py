@@ -118,6 +118,9 @@ class MemoryWriter:
         # (rows [n_ckpt, capacity, width] as stored, norms [n_ckpt, capacity])
         self._arena: tuple[Tensor, Tensor] | None = None
         self._arena_rows = 0
+        # (start, rows) of the reserved rows lent to the build loop (next_rows_slot) and not
+        # appended yet: no other slot is lent meanwhile
+        self._lent: tuple[int, int] | None = None
         self._finished = False
 
     @property
@@ -253,6 +256,11 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
         writer.append(rows, norms)
         return
     check_block_shape(writer._meta, rows, norms)  # finite: the loop checked every norm
+    if _is_next_slot(writer, rows):  # computed straight into the reserved rows
+        start, b = writer._arena_rows, rows.shape[1]
+        writer._arena[1][:, start:start + b].copy_(norms)
+        writer._arena_rows += b
+        return
     if _fills_reservation(writer, rows):  # one call for the whole store: kept, not copied
         reserved_norms = writer._arena[1].copy_(norms)
         writer._arena, writer._arena_rows = (rows.detach(), reserved_norms), rows.shape[1]
@@ -260,6 +268,32 @@ def append_fresh(writer: MemoryWriter, rows: Tensor, norms: Tensor) -> None:
     if not writer._into_arena(rows.detach(), norms.detach()):
         writer._rows.append(rows.detach().to("cpu", code_dtype(writer._meta)))
         writer._norms.append(norms.detach().to("cpu", norm_dtype(writer._meta)))
+
+
+def next_rows_slot(writer: MemoryWriter, b: int, dtype: torch.dtype) -> Tensor | None:
+    """The reserved rows ``[n_ckpt, b, width]`` the next ``b`` rows will fill, for the build
+    loop to compute them in place (:func:`append_fresh` then copies nothing), or ``None``:
+    no reservation, too few rows left in it, or another storage dtype than ``dtype`` (rows
+    are checked before any cast)."""
+    if writer._finished or writer._arena is None or writer._meta.quantization is not None \
+            or writer._lent is not None:  # one slot at a time: the next once it is appended
+        return None
+    rows, start = writer._arena[0], writer._arena_rows
+    if rows.dtype != dtype or start + b > rows.shape[1]:
+        return None
+    writer._lent = (start, b)
+    return rows[:, start:start + b]
+
+
+def _is_next_slot(writer: MemoryWriter, rows: Tensor) -> bool:
+    """Whether ``rows`` are the reserved rows :func:`next_rows_slot` gives now (the same
+    memory, shape and strides)."""
+    lent, writer._lent = writer._lent, None  # whatever comes next: a later slot may be lent
+    if writer._arena is None or lent != (writer._arena_rows, rows.shape[1]):
+        return False
+    slot = writer._arena[0][:, lent[0]:lent[0] + lent[1]]
+    return slot.data_ptr() == rows.data_ptr() and slot.dtype == rows.dtype and \
+        slot.shape == rows.shape and slot.stride() == rows.stride()
 
 
 def _fills_reservation(writer: MemoryWriter, rows: Tensor) -> bool:

@@ -50,6 +50,9 @@ bench-setup: install
 		accelerate einops einconv opt-einsum safetensors tqdm
 	$(KRONFLUENCE_VENV)/bin/python -m pip install -q -c constraints-cpu.txt --no-deps \
 		kronfluence==1.0.1
+	# and tracinfunc's own dependencies (not its extras), so that curvature_fit.py runs both
+	# libraries with the same packages installed: an RSS gap is then the libraries'
+	$(KRONFLUENCE_VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e .
 
 bench: bench-setup
 	DATTRI_PYTHON=$(DATTRI_VENV)/bin/python $(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)

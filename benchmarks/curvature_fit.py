@@ -4,12 +4,13 @@ Each side fits EK-FAC at every checkpoint in a process of its own, on one thread
 covariance pass (``A = E[x x^T]``, ``S = E[delta delta^T]``, labels drawn from the model: the
 true Fisher), the eigendecompositions, one eigenvalue-correction pass. kronfluence 1.0.1 runs
 in its own environment (``$KRONFLUENCE_PYTHON`` or ``.venv-kronfluence``, ``make bench-setup``;
-``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py`` (with
-``$TRACINFUNC_PYTHON``, e.g. an environment of ``tracinfunc[hf]`` alone, or this interpreter).
-Trials alternate the two (interleaved, so load hits both alike); the table gives medians of the
-fit's wall and process CPU seconds, the peak RSS of each process (its own ``VmHWM``: a child's
-``ru_maxrss`` also holds this parent's RSS at fork), its RSS after the imports
-and the data (before the model is built), and the ratios ours / kronfluence's.
+``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py`` under
+``$TRACINFUNC_PYTHON``, else kronfluence's interpreter where this checkout's tracinfunc imports
+there (the same packages installed: ``make bench-setup`` adds its dependencies), else this
+interpreter. Trials alternate the two (interleaved, so load hits both alike); the table gives
+medians of the fit's wall and process CPU seconds, the peak RSS of each process (its own
+``VmHWM``: a child's ``ru_maxrss`` also holds this parent's RSS at fork), its RSS after the
+imports and the data (before the model is built), and the ratios ours / kronfluence's.
 
 Models: an MLP on sklearn digits (64-256-256-10, every Linear weight and bias) and the
 2-layer Llama of ``quality_lm.py`` (every Linear weight), both at their seeded init and one
@@ -22,6 +23,7 @@ perturbed copy (two checkpoints).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -48,12 +50,24 @@ def kronfluence_python() -> str:
     return os.environ.get("KRONFLUENCE_PYTHON", str(ROOT / ".venv-kronfluence" / "bin" / "python"))
 
 
+@functools.cache
 def tracinfunc_python() -> str:
-    """The interpreter of tracinfunc's children: ``$TRACINFUNC_PYTHON`` or this one. The dev
-    environment holds scipy, boto3 and PIL, which ``from transformers import LlamaForCausalLM``
-    imports where installed (~47 MiB of RSS kronfluence's environment lacks); an environment of
-    ``tracinfunc[hf]`` alone compares the libraries, not the environments."""
-    return os.environ.get("TRACINFUNC_PYTHON", sys.executable)
+    """The interpreter of tracinfunc's children: ``$TRACINFUNC_PYTHON``; else kronfluence's
+    own, where this checkout's tracinfunc imports in it (``make bench-setup`` installs its
+    dependencies there): both libraries then run with the same packages installed, so an RSS
+    gap is the libraries', not the environments'; else this one. (The dev environment holds
+    scipy, boto3 and PIL, which ``from transformers import LlamaForCausalLM`` imports where
+    installed: ~47 MiB of RSS kronfluence's environment lacks.)"""
+    if "TRACINFUNC_PYTHON" in os.environ:
+        return os.environ["TRACINFUNC_PYTHON"]
+    peer = kronfluence_python()
+    if Path(peer).exists():
+        probe = subprocess.run([peer, "-c", "import tracinfunc, transformers"],
+                               capture_output=True, timeout=600,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if probe.returncode == 0:
+            return peer
+    return sys.executable
 
 
 def checkpoints(model: nn.Module) -> list[dict[str, torch.Tensor]]:

@@ -280,11 +280,28 @@ def test_batches_of_other_dtypes_and_ragged_shapes():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_inference_mode_tensors_in_a_list():
+def test_inference_mode_tensors_in_a_list_fresh_loss():
     loss, ckpts, _ = _setup()
     with torch.inference_mode():
         x, y = _xy()
-    want = _rows(_build(loss, ckpts, (x.clone(), y.clone()), batch_size=5))
+    want = _rows(_build(loss, ckpts, (b for b in _slices(x, y, 5)), RADE))
+    got = _rows(_build(loss, ckpts, _slices(x, y, 5), RADE))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_finding_inference_mode_list_fails_where_generator_works():
+    """Batches made under torch.inference_mode() (a common preprocessing idiom), kronecker.
+    Expected: a list of them builds like a generator of the same batches (the generator's
+    held batches are copied, so it works). Observed: once the loss has run on ordinary
+    tensors (here: the generator build first), the list build, used in place, raises
+    LossFunctionError "Inference tensors cannot be saved for backward ... failed on batch 0
+    of data (rows 0-4)"; with a fresh loss the same list works (after a fallback warning),
+    so the outcome depends on what the loss saw before. (A single batch (x, y) and
+    batch_size=5 fail the same way.)"""
+    loss, ckpts, _ = _setup()
+    with torch.inference_mode():
+        x, y = _xy()
+    want = _rows(_build(loss, ckpts, (b for b in _slices(x, y, 5))))
     got = _rows(_build(loss, ckpts, _slices(x, y, 5)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -716,6 +733,64 @@ def test_kronecker_checkpoint_rows_equal_single_checkpoint_builds(name):
         for c, ck in enumerate(ckpts):
             one = _rows(_build(loss, [ck], data_fn(), proj, **kw))[0]
             assert torch.equal(full[c], one), (name, kw, c, (full[c] - one).abs().max())
+
+
+class _ModeSwap(nn.Module):
+    """Checkpoint-dependent layer order (a ``mode`` buffer per checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 8)
+        self.b = nn.Linear(12, 8)
+        self.h = nn.Linear(8, 5)
+        self.register_buffer("mode", torch.zeros(()))
+
+    def forward(self, x):
+        if self.mode.item() == 0:
+            return self.h(torch.tanh(self.a(x)) + self.b(x * 0.5))
+        return self.h(torch.tanh(self.b(x)) + self.a(x * 0.5))
+
+
+def _fresh_swap_rows(ck, data):
+    """Rows of one checkpoint on a model that has never been used before."""
+    model = _ModeSwap().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    return _rows(_build(loss, [ck], data))[0]
+
+
+def test_finding_kronecker_checkpoint_dependent_layer_order_refused():
+    """Kronecker, two checkpoints whose buffers make the model call its layers in another
+    order (checkpoint 0: a then b; checkpoint 1: b then a). Each checkpoint alone, on a fresh
+    model, builds. Expected: the two-checkpoint build gives each checkpoint's rows, bit for
+    bit. Observed: LossFunctionError "layers were called in another order (or number of
+    times) than on the first example; the factorised kind='kronecker' path needs the same
+    layer calls for every example of a batch" -- every example of the batch does call the
+    same layers; only the checkpoints differ (rademacher builds it)."""
+    model = _ModeSwap().eval()
+    ckpts = _ckpts(model, 2, buffers=_mode_buffers)
+    x, y = _xy(32)
+    data = _slices(x, y, 8)
+    singles = [_fresh_swap_rows(ck, data) for ck in ckpts]
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    full = _rows(_build(loss, ckpts, data))
+    for c in range(2):
+        assert torch.equal(full[c], singles[c])
+
+
+def test_finding_kronecker_build_depends_on_earlier_build_of_same_model():
+    """Kronecker: build [checkpoint 0] and then, with a NEW loss of the same module,
+    [checkpoint 1] (whose buffer changes the layer order). Expected: the second build gives
+    the rows it gives on a never-used model (it succeeds there). Observed:
+    LossFunctionError "layers were called in another order ... than on the first example":
+    state left on the module by the earlier build decides a later, independent build."""
+    model = _ModeSwap().eval()
+    ckpts = _ckpts(model, 2, buffers=_mode_buffers)
+    x, y = _xy(32)
+    data = _slices(x, y, 8)
+    want = _fresh_swap_rows(ckpts[1], data)
+    _build(tif.loss_from_module(model, F.cross_entropy), [ckpts[0]], data)
+    got = _rows(_build(tif.loss_from_module(model, F.cross_entropy), [ckpts[1]], data))[0]
+    assert torch.equal(got, want)
 
 
 def test_kronecker_identical_checkpoints_and_float64():

@@ -822,3 +822,139 @@ def test_kronecker_rows_agree_with_rademacher_free_reference():
     c = _rows(_build(loss, ckpts, (x, y), batch_size=6))
     torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ more attacks
+
+
+def test_refilled_buffer_generator_gets_its_own_rows():
+    loss, ckpts, _ = _setup()
+    x, y = _xy()
+
+    def refill():
+        bx, by = torch.empty(4, 12), torch.empty(4, dtype=torch.long)
+        for i in range(0, 40, 4):
+            bx.copy_(x[i:i + 4])
+            by.copy_(y[i:i + 4])
+            yield bx, by
+
+    want = _rows(_build(loss, ckpts, (x, y), batch_size=4))
+    torch.testing.assert_close(_rows(_build(loss, ckpts, refill())), want, rtol=1e-5, atol=1e-6)
+
+
+class _BadLen(IterableDataset):
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        if isinstance(self.length, BaseException):
+            raise self.length
+        return self.length
+
+    def __iter__(self):
+        for i in range(37):
+            yield X37[i], Y37[i]
+
+
+@pytest.mark.parametrize(
+    "length",
+    [TypeError("no len"), NotImplementedError(), -1, np.int64(7), 10**15],
+    ids=["raises_type_error", "raises_not_implemented", "negative", "numpy_int", "huge"],
+)
+def test_len_that_raises_or_lies_is_only_a_hint(length):
+    loss, ckpts, _ = _setup()
+    want = _rows(_build(loss, ckpts, (X37, Y37), batch_size=4))
+    got = _rows(_build(loss, ckpts, DataLoader(_BadLen(length), batch_size=4)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _LyingList(list):
+    def __init__(self, items, claimed):
+        super().__init__(items)
+        self.claimed = claimed
+
+    def __len__(self):
+        return self.claimed
+
+
+@pytest.mark.parametrize("claimed", [0, 2, 1000])
+def test_list_subclass_with_lying_len(claimed):
+    loss, ckpts, _ = _setup()
+    x, y = _xy()
+    want = _rows(_build(loss, ckpts, (x, y), batch_size=4))
+    got = _rows(_build(loss, ckpts, _LyingList(_slices(x, y, 4), claimed)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _IterOverride(list):
+    def __iter__(self):
+        for a, b in list.__iter__(self):
+            yield a * 2, b
+
+
+def test_list_subclass_iteration_is_what_counts():
+    loss, ckpts, _ = _setup()
+    x, y = _xy()
+    want = _rows(_build(loss, ckpts, (x * 2, y), batch_size=4))
+    got = _rows(_build(loss, ckpts, _IterOverride(_slices(x, y, 4))))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_namedtuple_batches_keep_their_type():
+    import collections
+
+    loss, ckpts, _ = _setup()
+    pair = collections.namedtuple("Pair", "x y")
+
+    def nt_loss(params, ex):
+        return loss(params, (ex.x, ex.y))
+
+    x, y = _xy()
+    want = _rows(_build(loss, ckpts, (x, y), batch_size=4))
+    got = _rows(_build(nt_loss, ckpts, [pair(x[i:i + 4], y[i:i + 4]) for i in range(0, 40, 4)]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "int8", "sign"],
+                         ids=["f16", "bf16", "int8", "sign"])
+def test_storage_dtypes_list_equals_generator(dtype):
+    loss, ckpts, _ = _setup()
+    x, y = _xy()
+    a = _rows(_build(loss, ckpts, _slices(x, y, 4), dtype=dtype))
+    b = _rows(_build(loss, ckpts, (bb for bb in _slices(x, y, 4)), dtype=dtype))
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-5)
+
+
+def test_chunk_size_keeps_batches_bit_for_bit_and_batch_size_across_batches():
+    loss, ckpts, _ = _setup()
+    x, y = _xy()
+    opt = tif.GradientOptions(chunk_size=2)
+    assert torch.equal(_rows(_build(loss, ckpts, _slices(x, y, 4), options=opt)),
+                       _rows(_build(loss, ckpts, (x, y), options=opt, batch_size=4)))
+    a = _rows(_build(loss, ckpts, _slices(x, y, 5), batch_size=3))
+    b = _rows(_build(loss, ckpts, (bb for bb in _slices(x, y, 5)), batch_size=3))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a, _rows(_build(loss, ckpts, _slices(x, y, 5), batch_size=3)))
+
+
+@pytest.mark.parametrize("select", [["0.weight"], ["0"], "last1"])
+def test_kronecker_select_and_chunk_size_multi_vs_single(select):
+    loss, ckpts, _ = _setup(3)
+    x, y = _xy()
+    sel = tif.last_layers(1) if select == "last1" else select
+    for opt in (tif.GradientOptions(select=sel), tif.GradientOptions(select=sel, chunk_size=3)):
+        full = _rows(_build(loss, ckpts, _slices(x, y, 4), options=opt))
+        for c, ck in enumerate(ckpts):
+            one = _rows(_build(loss, [ck], _slices(x, y, 4), options=opt))[0]
+            assert torch.equal(full[c], one)
+
+
+def test_merge_cap_with_wider_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 600), nn.Tanh(), nn.Linear(600, 5)).eval()
+    ckpts = _ckpts(model, 2)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    x, y = _xy(1500)
+    want = _rows(_build(loss, ckpts, (x, y), batch_size=100))
+    got = _rows(_build(loss, ckpts, _slices(x, y, 100)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

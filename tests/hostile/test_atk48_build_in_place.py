@@ -70,7 +70,13 @@ def _slices(x, y, b):
 
 
 def _per_batch(loss, ckpts, batches, proj=KRON) -> torch.Tensor:
-    """Reference: every batch built on its own, from a private copy."""
+    """Reference: private copies of the rows, one example per gradient call (or every batch
+    built on its own where the batches cannot be joined)."""
+    kept = [(a.detach(), b) for a, b in batches if len(a)]
+    if len({tuple(a.shape[1:]) for a, _ in kept}) == 1 and len({a.dtype for a, _ in kept}) == 1:
+        xs = torch.cat([a for a, _ in kept]).clone()
+        ys = torch.cat([b for _, b in kept]).clone()
+        return _rows(_build(loss, ckpts, (xs, ys), proj, batch_size=1))
     parts = [
         _rows(_build(loss, ckpts, (a.clone(), b.clone()), proj))
         for a, b in batches
@@ -954,7 +960,7 @@ def test_merge_cap_with_wider_model():
     model = nn.Sequential(nn.Linear(12, 600), nn.Tanh(), nn.Linear(600, 5)).eval()
     ckpts = _ckpts(model, 2)
     loss = tif.loss_from_module(model, F.cross_entropy)
-    x, y = _xy(1500)
+    x, y = _xy(900)
     want = _rows(_build(loss, ckpts, (x, y), batch_size=100))
     got = _rows(_build(loss, ckpts, _slices(x, y, 100)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -1084,3 +1090,22 @@ def test_finding_kronecker_batch_mixing_missed_when_first_call_has_one_row():
     got = _rows(_build(tif.loss_from_module(_Centers().eval(), F.cross_entropy), ckpts, data,
                        options=tif.GradientOptions(chunk_size=4)))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["single", "list", "generator"])
+def test_rows_equal_to_the_input_never_alias_it(form):
+    """loss = <w, x>: the gradient IS the example; the store must still own its rows."""
+    w = torch.randn(12)
+    ckpts = [tif.Checkpoint({"w": w}, lr=1.0, name="a"),
+             tif.Checkpoint({"w": w * 2}, lr=1.0, name="b")]
+
+    def lin(params, ex):
+        return (params["w"] * ex).sum()
+
+    x = torch.randn(10, 12)
+    data = {"single": x, "list": [x[0:5], x[5:10]], "generator": (b for b in [x[0:5], x[5:10]])}
+    store = _build(lin, ckpts, data[form], IDENT)
+    before = _rows(store).clone()
+    assert torch.equal(before[0], x) and torch.equal(before[1], x)
+    x.add_(1.0)
+    assert torch.equal(_rows(store), before)

@@ -205,15 +205,6 @@ def test_list_layouts_equal_per_batch_rows(name):
         assert torch.equal(a.detach(), a0) and torch.equal(b, b0)
 
 
-def test_tuple_of_list_batches_same_as_list():
-    loss, ckpts, _ = _setup()
-    x, y = _xy()
-    batches = _slices(x, y, 4)
-    assert torch.equal(
-        _rows(_build(loss, ckpts, list(batches))), _rows(_build(loss, ckpts, list(batches)))
-    )
-
-
 def test_finding_tuple_of_batches_not_taken_as_batches():
     """docs/concepts/memory.md and the build_store docstring: "the batches of a list or tuple
     are the caller's and are used in place". Expected: a tuple of (x, y) batches builds as the
@@ -819,7 +810,7 @@ def test_kronecker_identical_checkpoints_and_float64():
         assert torch.equal(full[c], one)
 
 
-def test_kronecker_rows_agree_with_rademacher_free_reference():
+def test_kronecker_list_generator_and_batch_size_builds_agree():
     """Kronecker rows of a list build, a generator build and batch_size= agree to rounding."""
     loss, ckpts, _ = _setup(3)
     x, y = _xy(48)
@@ -1109,3 +1100,39 @@ def test_rows_equal_to_the_input_never_alias_it(form):
     assert torch.equal(before[0], x) and torch.equal(before[1], x)
     x.add_(1.0)
     assert torch.equal(_rows(store), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_kronecker_half_precision_params_multi_vs_single(dtype):
+    model = _mlp(dtype=dtype)
+    ckpts = _ckpts(model, 3)
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    x, y = _xy(32)
+    data = _slices(x.to(dtype), y, 8)
+    full = _rows(_build(loss, ckpts, data))
+    for c, ck in enumerate(ckpts):
+        assert torch.equal(full[c], _rows(_build(loss, [ck], data))[0])
+    gen = _rows(_build(loss, ckpts, (b for b in data)))
+    torch.testing.assert_close(gen.float(), full.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_kronecker_embedding_then_linear_multi_vs_single():
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(20, 6)
+            self.a = nn.Linear(6, 6)
+            self.h = nn.Linear(6, 5)
+
+        def forward(self, t):
+            return self.h(torch.tanh(self.a(self.e(t))).mean(-2))
+
+    torch.manual_seed(0)
+    bag = Bag().eval()
+    ckpts = _ckpts(bag, 3)
+    loss = tif.loss_from_module(bag, F.cross_entropy)
+    toks, ys = torch.randint(0, 20, (16, 5)), torch.randint(0, 5, (16,))
+    for proj in (KRON, KRON_PC):
+        full = _rows(_build(loss, ckpts, _slices(toks, ys, 4), proj))
+        for c, ck in enumerate(ckpts):
+            assert torch.equal(full[c], _rows(_build(loss, [ck], _slices(toks, ys, 4), proj))[0])

@@ -161,6 +161,8 @@ def _layouts():
     wide = torch.randn(40, 24)
     expanded = torch.randn(12).expand(40, 12)
     leaf = x.clone().requires_grad_()
+    cplx = torch.complex(torch.randn(40, 12), x)
+    neg = cplx.conj().imag  # a real tensor with the lazy negation bit, strides (24, 2)
     par = nn.Parameter(torch.randn(40, 12))
     return {
         "transposed_base": _slices(xt, y, 4),
@@ -181,6 +183,8 @@ def _layouts():
         "empty_between": [(x[0:4], y[0:4]), (x[4:4], y[4:4]), (x[4:8], y[4:8])],
         "empty_foreign_between": [(x[0:4], y[0:4]), (torch.randn(0, 12), y[:0]), (x[4:8], y[4:8])],
         "requires_grad_leaf": _slices(leaf, y, 4),
+        "neg_bit_imag_of_conj": _slices(neg, y, 4),
+        "real_part_of_complex": _slices(cplx.real, y, 4),
         "parameter_rows": _slices(par, y, 4),
         "mixed_bases": [(x[0:4], y[0:4]), (wide[4:8, :12], y[4:8]), (x[8:12], y[8:12])],
         "list_and_tuple_batches": [
@@ -1136,3 +1140,16 @@ def test_kronecker_embedding_then_linear_multi_vs_single():
         full = _rows(_build(loss, ckpts, _slices(toks, ys, 4), proj))
         for c, ck in enumerate(ckpts):
             assert torch.equal(full[c], _rows(_build(loss, [ck], _slices(toks, ys, 4), proj))[0])
+
+
+def test_read_only_memmap_rows_used_in_place(tmp_path):
+    loss, ckpts, _ = _setup()
+    x, y = _xy()
+    np.save(tmp_path / "x.npy", x.numpy())
+    mm = np.load(tmp_path / "x.npy", mmap_mode="r")
+    with pytest.warns(UserWarning):
+        xm = torch.from_numpy(mm)  # torch warns: the array is not writable
+    want = _rows(_build(loss, ckpts, (x, y), batch_size=4))
+    for data in (_slices(xm, y, 4), (xm, y)):
+        torch.testing.assert_close(_rows(_build(loss, ckpts, data)), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(xm, x)

@@ -142,12 +142,7 @@ def test_finding_default_merge_changes_rows_for_odd_loader_batches(b):
     5: BLAS rounds a row differently by call size and memory alignment. Now documented:
     equal to float32 rounding; ``batch_size=`` gives the same calls, hence the same bits."""
     dl = DataLoader(TensorDataset(X, Y), batch_size=b)
-    # each batch alone in fresh memory, as the loader's (a tuple of views of X is used in
-    # place since session 48: other memory offsets, equal to float32 rounding)
-    alone = torch.cat([rows((X[i : i + b].clone(), Y[i : i + b].clone()))
-                       for i in range(0, 24, b)])
-    views = torch.cat([rows((X[i : i + b], Y[i : i + b])) for i in range(0, 24, b)])
-    torch.testing.assert_close(views, alone, rtol=1e-5, atol=1e-6)
+    alone = torch.cat([rows((X[i : i + b], Y[i : i + b])) for i in range(0, 24, b)])
     assert torch.equal(rows(dl, batch_size=b), alone)
     assert torch.equal(rows(dl, batch_size=b), rows(dl, batch_size=b))  # same calls, same bits
     torch.testing.assert_close(rows(dl), alone, rtol=1e-5, atol=1e-6)
@@ -164,8 +159,7 @@ def test_finding_list_with_batch_size_is_not_honoured_like_a_dataloader():
     memory offsets differently. Equal to float32 rounding; each container reproduces its
     own bits."""
     dl = rows(DataLoader(TensorDataset(X, Y), batch_size=5), batch_size=5)
-    alone = torch.cat([rows((X[i : i + 5].clone(), Y[i : i + 5].clone()))
-                       for i in range(0, 24, 5)])  # fresh memory, as the loader's
+    alone = torch.cat([rows((X[i : i + 5], Y[i : i + 5])) for i in range(0, 24, 5)])
     assert torch.equal(dl, alone)
     for data in (chunks(5), iter(chunks(5))):
         torch.testing.assert_close(rows(data, batch_size=5), dl, rtol=1e-5, atol=1e-6)

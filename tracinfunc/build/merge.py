@@ -15,7 +15,6 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import Tensor
 
 from tracinfunc.batches import batch_size_of, flatten_batch, unflatten_batch
 from tracinfunc.grads.chunking import DEFAULT_COPIES
@@ -53,8 +52,7 @@ def merge_limit(layout: Layout, itemsize: int, options: GradientOptions, *,
     return min(MERGE_EXAMPLES, MERGE_BYTES // per_example)
 
 
-def merged_calls(batches: Iterable[Batch], limit: int, *,
-                 held: bool = False) -> Iterator[MergedCall]:
+def merged_calls(batches: Iterable[Batch], limit: int) -> Iterator[MergedCall]:
     """Consecutive ``batches`` concatenated while the total stays within ``limit`` examples.
 
     A batch is never split (one larger than ``limit`` goes alone), the order of the examples
@@ -63,11 +61,6 @@ def merged_calls(batches: Iterable[Batch], limit: int, *,
     held while the next one is read is copied first (a loader may refill one buffer for
     every batch: a prefetcher, a ``collate_fn`` writing into a preallocated tensor), straight
     into its call's leaves: one copy of the data, not a copy and then a concatenation.
-
-    With ``held``, the batches are the caller's, all alive and unchanged for the whole build
-    (a list or tuple passed as data): nothing is copied as it is read. A call whose batches
-    are consecutive rows of one tensor (a list of slices, the usual way to batch a tensor)
-    is a view of those rows, with no copy at all; other calls are joined once, at the end.
 
     Yields:
         ``(batch, first, sizes)``: the call's batch, the index of its first batch in
@@ -83,9 +76,8 @@ def merged_calls(batches: Iterable[Batch], limit: int, *,
             yield batch, index, (size,)
             continue
         if call is None:
-            call = _HeldCall(batch, index, batch_kind) if held \
-                else _Call(batch, index, batch_kind, limit)
-        call.add(batch, size)  # held past the next read: a copy (unless the caller holds it)
+            call = _Call(batch, index, batch_kind, limit)
+        call.add(batch, size)  # held past the next read: a copy
     if call is not None:
         yield call.batch(), call.first, tuple(call.sizes)
 
@@ -122,59 +114,6 @@ class _Call:
             return unflatten_batch([leaf[:self.count] for leaf in self.leaves], self.spec)
         return unflatten_batch([parts[0] if len(parts) == 1 else torch.cat(parts)
                                 for parts in self.leaves], self.spec)
-
-
-class _HeldCall:
-    """One merged call of batches the caller holds (``merged_calls(held=True)``): kept as
-    they are, each leaf joined at the end, as a view where its parts are consecutive rows of
-    one storage (:func:`_consecutive`), else by one ``torch.cat``."""
-
-    def __init__(self, batch: Batch, first: int, kind: tuple) -> None:
-        leaves, self.spec = flatten_batch(batch)
-        self.parts: list[list[Tensor]] = [[] for _ in leaves]
-        self.first, self.kind = first, kind
-        self.sizes: list[int] = []
-        self.count = 0
-
-    def add(self, batch: Batch, size: int) -> None:
-        for parts, leaf in zip(self.parts, flatten_batch(batch)[0], strict=True):
-            parts.append(leaf)
-        self.sizes.append(size)
-        self.count += size
-
-    def batch(self) -> Batch:
-        with torch.no_grad():
-            return unflatten_batch([_consecutive(parts) for parts in self.parts], self.spec)
-
-
-def _consecutive(parts: list[Tensor]) -> Tensor:
-    """``torch.cat(parts)``, as a view of the parts' own memory where they are consecutive
-    rows of one storage: each contiguous, same dtype, device and trailing shape, each
-    starting where the one before ends."""
-    first = parts[0].detach()
-    if len(parts) == 1:
-        return first
-    end = first.data_ptr() + first.nbytes
-    storage = first.untyped_storage().data_ptr()
-    consecutive = first.is_contiguous() and first.layout == torch.strided
-    for part in parts[1:]:
-        if not consecutive:
-            break
-        consecutive = (part.layout == torch.strided and part.is_contiguous()
-                       and part.dtype == first.dtype and part.device == first.device
-                       and part.shape[1:] == first.shape[1:]
-                       and part.untyped_storage().data_ptr() == storage
-                       and part.data_ptr() == end)
-        end += part.nbytes
-    if not consecutive:
-        return torch.cat([part.detach() for part in parts])
-    shape = (sum(part.shape[0] for part in parts), *first.shape[1:])
-    # row-major strides of the joined shape (a contiguous part's own strides may be anything
-    # along a dimension of size 1: [1, d] with stride (999, 1) is contiguous)
-    strides = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        strides[dim] = strides[dim + 1] * max(shape[dim + 1], 1)
-    return first.as_strided(shape, strides)
 
 
 def _kind(batch: Batch) -> tuple:

@@ -113,10 +113,8 @@ def build_store(
             hence the same bits, on every run). Each call has a fixed cost (~2 ms on a CPU), so
             merging small loader batches pays for small models; activation memory grows with
             it unless ``chunk_size`` or ``memory_budget`` bounds it. Merging reads batches
-            ahead of the loss (a loader's batch held for a later call is copied, so a loader
-            may reuse its buffers; the batches of a list or tuple are the caller's and are
-            used in place, consecutive slices of one tensor as one view of it, so the loss
-            must not write into its batch): state the loss reads must travel in the batch (e.g. a
+            ahead of the loss (a batch held for a later call is copied, so a loader may
+            reuse its buffers): state the loss reads must travel in the batch (e.g. a
             per-example weight tensor), not in a variable the loader sets per batch.
             Resuming needs the same ``batch_size`` (a Zarr store records it; another is
             refused).
@@ -209,8 +207,7 @@ def build_store(
                         and (store is None or isinstance(store, str)))
     merged = batch_size is None and limit > 1
     if merged:  # a small model's fixed cost per call, paid less often
-        # a list or tuple is the caller's, whole, for the build: its batches are not copied
-        batches = merged_calls(batches, limit, held=type(data) in (list, tuple))
+        batches = merged_calls(batches, limit)
     # A resume (or a re-run over a finished store) makes the same calls in the same precision.
     precision = {"mixed_precision": precision_name(options.mixed_precision)}
     if isinstance(writer, ZarrWriter) and batch_size is not None:

@@ -81,6 +81,9 @@ class _Plan:
         self.shapes: dict[tuple, tuple[list, list]] = {}
         self.checked = False
         self.batched: bool | None = None  # batched path proven (None: not yet tried)
+        # examples run together in the proof (1 where they were copies of one example): a
+        # larger run is proved again, as examples may interact only in larger ones
+        self.proved_size = 0
         self.fallback_reason: str | None = None
         self.precondition = precondition  # factored: folded into the factors
         self._finish(params)

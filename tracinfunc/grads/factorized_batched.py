@@ -186,9 +186,13 @@ def batched_or_vmapped(plan, loss: LossFn, params: Params, batch: Batch, order, 
     The first batch tries one batched forward (``batch_loss``, where it applies), then
     ``vmap(loss)``, and keeps the first whose rows equal ``vmapped``'s. ``plan.batched``
     records the outcome (``None`` until the first batch; ``"forward"``, ``"vmap"`` or
-    ``False``), ``plan.fallback_reason`` why a faster one was not kept.
+    ``False``), ``plan.fallback_reason`` why a faster one was not kept. A call that runs more
+    examples together than the proof did (``plan.proved_size``: a first call of one example,
+    or of copies of one, shows no interaction) is proved again, as a model may mix the
+    examples of a batch (normalise over it) in a way only more distinct examples reveal.
     """
-    if plan.batched is None:
+    together = min(_batch_size(batch), chunk_size or _batch_size(batch))
+    if plan.batched is None or (plan.batched and together > plan.proved_size):
         return _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size,
                       batch_loss)
     if plan.batched is False:
@@ -223,6 +227,8 @@ def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_
         allowed = 1e-6 if rows.dtype == torch.float64 else 1e-3
         if error <= allowed:
             plan.batched = mode
+            step = b if chunk_size is None else min(b, chunk_size)
+            plan.proved_size = step if _distinct_examples(batch) else 1
             _say(plan, reasons, "uses one backward of vmap(loss) over the batch")
             return rows
         reasons.append(f"{_NAMES[mode]} gives rows that differ from the per-example ones on "
@@ -247,6 +253,21 @@ def _say(plan, reasons: list[str], instead: str) -> None:
         f"projected_grads: kind='kronecker' {instead} for this loss because "
         f"{plan.fallback_reason}. The rows are the same; only the speed differs.",
         BatchedPathWarning, stacklevel=6)
+
+
+def _batch_size(batch: Batch) -> int:
+    return tree_leaves(batch)[0].shape[0]
+
+
+def _distinct_examples(batch: Batch) -> bool:
+    """Whether the batch holds two examples that differ (in any leaf): copies of one example
+    cannot show that a batched forward mixes examples (``x - x.mean(0)`` is then 0 both
+    ways)."""
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, Tensor) and leaf.shape[0] > 1 and \
+                not bool((leaf[1:] == leaf[:1]).all()):
+            return True
+    return False
 
 
 def _rows(batch: Batch, start: int, stop: int) -> Batch:

@@ -5,13 +5,15 @@ learns about a loss before its first row: which weights its layers apply (one fo
 their gradients are the layers' ``left.T @ right`` (one per-example backward), the projection
 factors, and which batched mode gives the per-example rows (the first batch's proof, about one
 batch of work). None of it depends on parameter values, so every gradient function made for
-the same loss, layout, projection and preconditioner reuses one plan: a ``build_store`` per
-checkpoint, a test-gradient build per query.
+the same loss, layout, projection, preconditioner and buffers reuses one plan: a
+``build_store`` per checkpoint, a test-gradient build per query.
 
 The key must never name another loss. It holds:
 
 - for a :class:`~tracinfunc.loss.ModuleLoss`: its module (by a weak reference, so a freed
-  model's address reused by a new one is a miss), criterion, form and buffer names;
+  model's address reused by a new one is a miss), criterion, form and buffers (each by
+  name, identity and version counter: a checkpoint's own buffers, whose values may change
+  which layers run or whether a batched forward mixes examples, get a plan of their own);
 - for any other callable: the callable itself (weakly), its code, the objects its closure,
   defaults and ``functools.partial`` arguments hold (by identity);
 - for every module reached that way: its structure (each submodule's name, identity, class,
@@ -93,9 +95,11 @@ def _identity(loss: Callable) -> tuple[tuple, list] | None:
     """``(hashable key, referents)`` naming ``loss`` and what it runs, or ``None``."""
     if isinstance(loss, ModuleLoss):
         criterion = loss.criterion
+        buffers = sorted(loss.buffers.items())
         key = ("module", id(loss.module), _structure(loss.module), id(criterion),
-               _code(criterion), loss.pair, loss.skip_keys, tuple(sorted(loss.buffers)))
-        referents = [_ref(loss.module), _ref(criterion)]
+               _code(criterion), loss.pair, loss.skip_keys,
+               tuple((name, id(value), _version(value)) for name, value in buffers))
+        referents = [_ref(loss.module), _ref(criterion), *(_ref(value) for _, value in buffers)]
         return None if any(ref is None for ref in referents) else (key, referents)
     held = _held(loss)
     referents = [_ref(loss), *(_ref(value) for value in held)]
@@ -105,6 +109,14 @@ def _identity(loss: Callable) -> tuple[tuple, list] | None:
     key = ("callable", id(loss), _code(loss), tuple(id(value) for value in held),
            tuple(_structure(module) for module in modules))
     return key, referents
+
+
+def _version(tensor: Any) -> int | None:
+    """A buffer's version counter (an in-place write moves it); ``None`` for a tensor that
+    has none (inference mode) or another object."""
+    if not hasattr(tensor, "_version") or getattr(tensor, "is_inference", lambda: False)():
+        return None
+    return tensor._version
 
 
 def _held(loss: Callable) -> list:

@@ -189,8 +189,8 @@ class TestInputProduct:
 
 def test_a_model_writing_its_batch_in_place_is_refused_as_before(monkeypatch):
     """A model adding to its input in place (the batch, between checkpoints) is refused
-    with the same error with or without sharing (the unit tests above show a write after
-    a product recomputes it)."""
+    (``build/unchanged.py``) with the same error with or without sharing (the unit tests
+    above show a write after a product recomputes it)."""
 
     class Shifting(nn.Module):
         def __init__(self) -> None:
@@ -204,9 +204,9 @@ def test_a_model_writing_its_batch_in_place_is_refused_as_before(monkeypatch):
     model = Shifting().eval()
     loss = tif.loss_from_module(model, F.cross_entropy)
     ckpts = _checkpoints(model, 2)
-    with pytest.raises(tif.errors.TrainModeError, match="in place"):
+    with pytest.raises(tif.errors.LossFunctionError, match="wrote into its batch in place"):
         _build(loss, ckpts, _data(40)[2])
     with monkeypatch.context() as patch, \
-            pytest.raises(tif.errors.TrainModeError, match="in place"):
+            pytest.raises(tif.errors.LossFunctionError, match="wrote into its batch in place"):
         _unshared(patch)
         _build(loss, ckpts, _data(40)[2])

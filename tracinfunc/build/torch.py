@@ -6,7 +6,7 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -30,6 +30,7 @@ from tracinfunc.build.inputs import (
 )
 from tracinfunc.build.loop import checkpoint_list, fill_store, new_store_meta
 from tracinfunc.build.merge import merge_limit, merged_calls
+from tracinfunc.build.unchanged import batch_versions, check_batch_unchanged
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.distributed import (
     commit_after_barrier,
@@ -39,6 +40,7 @@ from tracinfunc.distributed import (
 )
 from tracinfunc.errors import (
     IncompatibleGradientsError,
+    InvalidArgumentError,
     LossFunctionError,
     NonFiniteGradientError,
     TracInFuncError,
@@ -221,10 +223,12 @@ def build_store(
         # Each checkpoint's rows go into the call's block as they come: a call holds one
         # checkpoint's rows beside the block, not every checkpoint's (as a stack would).
         rows = None
+        versions = batch_versions(batch)
         with sharing_inputs(batch):  # a first layer's input products, once for all of them
             for c, (grads_fn, params) in enumerate(zip(grads_fns, params_per_ckpt,
                                                        strict=True)):
                 one = grads_fn(params, batch)  # [b, k]
+                check_batch_unchanged(batch, versions)
                 if rows is None:  # the store's reserved rows where they are next: no copy
                     rows = in_place(one)
                     if rows is None:
@@ -257,7 +261,22 @@ def build_store(
         if options.mixed_precision is None or not hasattr(error, "bad_rows"):
             raise
         raise NonFiniteGradientError(_precision_hint(error, options.mixed_precision)) from error
+    except (LossFunctionError, InvalidArgumentError) as error:
+        if type(error) not in (LossFunctionError, InvalidArgumentError) or \
+                not _nested_tuple(data):
+            raise
+        raise InvalidArgumentError(
+            f"{error} Note: data is a tuple, which build_store reads as ONE batch (a pytree "
+            f"of tensors); if its {len(data)} elements are batches, pass them as a list: "
+            "[(x1, y1), (x2, y2)].") from error
     return commit_after_barrier(result.path) if distributed else result
+
+
+def _nested_tuple(data: object) -> bool:
+    """Whether ``data`` is a tuple of tuples, lists or dicts: one nested batch, or (more
+    often, when the loss fails on it) several batches meant as a list."""
+    return type(data) is tuple and len(data) > 1 and \
+        all(isinstance(element, tuple | list | Mapping) for element in data)
 
 
 def _precision_hint(error: NonFiniteGradientError, mixed_precision: torch.dtype) -> str:
@@ -312,9 +331,11 @@ def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
     if isinstance(loss, ModuleLoss):
         # Before any call: in train mode BatchNorm would update the loss's buffers in place.
         check_eval_mode(loss.module)
+    versions = batch_versions(batch)
     try:
         with torch.no_grad():
             value = loss(params, example)
+        check_batch_unchanged(batch, versions)
     except TracInFuncError:
         raise  # already says what is wrong and how to fix it
     except Exception as error:

@@ -410,8 +410,10 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
     if any(hint in message for hint in batchnorm_hints):
         return TrainModeError(
             f"{current_caller()}: the loss updates state in place, as a BatchNorm layer in train "
-            f"mode does ({message}). Put the model in eval mode (model.eval()) before computing "
-            "gradients: per-example gradients need fixed statistics."
+            f"mode does, or a loss writing into its batch (x.mul_(2)) ({message}). Put the "
+            "model in eval mode (model.eval()) before computing gradients: per-example "
+            "gradients need fixed statistics; compute on a copy of the batch (x.clone()) or "
+            "out of place (x * 2)."
         )
     vmap_hints = (".item()", "data-dependent control flow", "randomness")
     if "vmap" in message and any(hint in message for hint in vmap_hints):

@@ -110,3 +110,37 @@ def test_checkpoint_buffers_get_their_own_proof():
                                 projection=SPEC, progress=False)
     for c, ckpt in enumerate(ckpts):
         _check(store, c, loss, ckpt, x, y)
+
+
+def test_equal_buffers_share_one_proof_and_changed_ones_are_proved(monkeypatch):
+    """A BatchNorm model's checkpoint buffers are new tensors in every build: builds with
+    equal values prove once; a build after the statistics changed proves again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 3)).eval()
+    proved = []
+    real = factorized_batched._prove
+
+    def spy(plan, *args):
+        proved.append(1)
+        return real(plan, *args)
+
+    monkeypatch.setattr(factorized_batched, "_prove", spy)
+    x, y = _data()
+    data = [(x[:10], y[:10]), (x[10:], y[10:])]
+
+    def build():
+        loss = tif.loss_from_module(model, F.cross_entropy)
+        ckpt = tif.Checkpoint.from_module(model, lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", factorized_batched.BatchedPathWarning)
+            store = tif.build_store(loss, [ckpt], data, projection=SPEC, batch_size=10,
+                                    progress=False)
+        _check(store, 0, loss, ckpt, x, y)
+
+    for _ in range(3):
+        build()
+    assert len(proved) == 1
+    with torch.no_grad():
+        model[0].running_mean.add_(0.5)
+    build()
+    assert len(proved) == 2

@@ -210,3 +210,13 @@ def test_a_model_writing_its_batch_in_place_is_refused_as_before(monkeypatch):
             pytest.raises(tif.errors.LossFunctionError, match="wrote into its batch in place"):
         _unshared(patch)
         _build(loss, ckpts, _data(40)[2])
+
+
+def test_an_inference_mode_factor_is_not_shared():
+    x = torch.randn(6, 4)
+    with torch.inference_mode():
+        p = torch.randn(4, 3)
+    with sharing_inputs([x]):
+        first = input_product(x, p)
+        assert input_product(x, p) is not first
+        assert torch.equal(first, x @ p)

@@ -12,8 +12,9 @@ The key must never name another loss. It holds:
 
 - for a :class:`~tracinfunc.loss.ModuleLoss`: its module (by a weak reference, so a freed
   model's address reused by a new one is a miss), criterion, form and buffers (each by
-  name, identity and version counter: a checkpoint's own buffers, whose values may change
-  which layers run or whether a batched forward mixes examples, get a plan of their own);
+  name and the digest of its values: a checkpoint's own buffers, whose values may change
+  which layers run or whether a batched forward mixes examples, get a plan of their own;
+  equal values, as the new buffer tensors of every build are, share one);
 - for any other callable: the callable itself (weakly), its code, the objects its closure,
   defaults and ``functools.partial`` arguments hold (by identity);
 - for every module reached that way: its structure (each submodule's name, identity, class,
@@ -29,12 +30,14 @@ it was proved (a ModuleLoss's module is fixed, and its submodules' identities ar
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from tracinfunc.loss import ModuleLoss
@@ -95,11 +98,10 @@ def _identity(loss: Callable) -> tuple[tuple, list] | None:
     """``(hashable key, referents)`` naming ``loss`` and what it runs, or ``None``."""
     if isinstance(loss, ModuleLoss):
         criterion = loss.criterion
-        buffers = sorted(loss.buffers.items())
         key = ("module", id(loss.module), _structure(loss.module), id(criterion),
                _code(criterion), loss.pair, loss.skip_keys,
-               tuple((name, id(value), _version(value)) for name, value in buffers))
-        referents = [_ref(loss.module), _ref(criterion), *(_ref(value) for _, value in buffers)]
+               tuple((name, _content(value)) for name, value in sorted(loss.buffers.items())))
+        referents = [_ref(loss.module), _ref(criterion)]
         return None if any(ref is None for ref in referents) else (key, referents)
     held = _held(loss)
     referents = [_ref(loss), *(_ref(value) for value in held)]
@@ -111,12 +113,17 @@ def _identity(loss: Callable) -> tuple[tuple, list] | None:
     return key, referents
 
 
-def _version(tensor: Any) -> int | None:
-    """A buffer's version counter (an in-place write moves it); ``None`` for a tensor that
-    has none (inference mode) or another object."""
-    if not hasattr(tensor, "_version") or getattr(tensor, "is_inference", lambda: False)():
-        return None
-    return tensor._version
+def _content(value: Any) -> tuple:
+    """A buffer by its values (dtype, shape, device and a digest of its bytes): a build's
+    checkpoint buffers are new tensor objects each time, equal values must share a plan,
+    and different ones (a flag that changes which layers run) must not."""
+    if not isinstance(value, torch.Tensor):
+        return ("object", id(value))
+    if value.device.type == "meta" or value.is_sparse or value.layout != torch.strided:
+        return ("tensor", id(value))  # no bytes to read: only itself
+    data = value.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return (str(value.dtype), tuple(value.shape), str(value.device),
+            hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest())
 
 
 def _held(loss: Callable) -> list:

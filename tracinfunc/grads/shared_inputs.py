@@ -65,8 +65,8 @@ def input_product(x: Tensor, p: Tensor) -> Tensor:
     where ``x`` is one of the call's batch leaves (module docstring). Do not write into the
     result: it may be another checkpoint's too."""
     scope = _SCOPE.get()
-    index = None if scope is None else _leaf_of(scope.leaves, x)
-    if index is None:
+    index = None if scope is None or p.is_inference() else _leaf_of(scope.leaves, x)
+    if index is None:  # (an inference-mode factor has no version counter to watch)
         return x @ p
     leaf = scope.leaves[index]
     key = (index, id(p), tuple(x.shape))

@@ -3,6 +3,7 @@ per-checkpoint-buffer proofs and tuple-of-batches errors (docs only, black box).
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -93,6 +94,31 @@ def test_error_names_the_written_tensor():
     with pytest.raises(errors.LossFunctionError) as ei:
         build(writer_loss(lambda e: e[1].add_(1)), batches())
     assert "tensor 1" in str(ei.value), str(ei.value)
+
+
+def test_finding_inplace_error_names_rows_on_default_merge():
+    """Expected (docstring: LossFunctionError "names the failing batch and its data rows"):
+    the in-place refusal says which rows. Observed with default merging: no rows, and the
+    shape given is the merged call's ([12, 5]), not any batch the caller passed ([4, 5])."""
+    with pytest.raises(errors.LossFunctionError, match="in place") as ei:
+        build(writer_loss(lambda e: e[0].mul_(2)), batches())
+    assert re.search(r"rows \d+-\d+", str(ei.value)), str(ei.value)
+
+
+def test_zarr_refusal_mid_build_then_resume_with_fixed_loss(tmp_path):
+    path = str(tmp_path / "m.zarr")
+    calls = {"n": 0}
+
+    def write(e):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            e[0].mul_(2)
+
+    with pytest.raises(errors.LossFunctionError, match="in place"):
+        build(writer_loss(write), batches(), store=path, batch_size=4)
+    good = build(LOSS, batches(), store=path, batch_size=4)
+    ref = build(LOSS, batches(), batch_size=4)
+    torch.testing.assert_close(rows(good), rows(ref))
 
 
 def test_dict_leaf_write_refused():
@@ -577,6 +603,38 @@ def test_checkpoint_buffers_get_own_proof(proj, flags):
     torch.testing.assert_close(both[1], alone[0], atol=1e-5, rtol=1e-4)
     if proj.kind == "kronecker":
         torch.testing.assert_close(both[1], ref[0], atol=1e-5, rtol=1e-4)
+
+
+class BoolFlagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = nn.Linear(5, 6)
+        self.c = nn.Linear(6, 3)
+        self.register_buffer("mix", torch.tensor(False))
+
+    def forward(self, x):
+        h = self.a(x)
+        if bool(self.mix):
+            h = h - h.mean(0, keepdim=True)
+        return self.c(torch.tanh(h))
+
+
+def test_bool_buffer_flag_third_checkpoint_chunked():
+    m = BoolFlagged()
+    loss = tif.loss_from_module(m, F.cross_entropy)
+    proj = tif.Projection(dim=4, kind="kronecker")
+    params = {k: v.detach().clone() for k, v in m.named_parameters()}
+    cks = [tif.Checkpoint(params, lr=0.1, name=f"c{i}",
+                          buffers={"mix": torch.tensor(i == 2)}) for i in range(3)]
+    data = [(X[:1], Y[:1]), (X[1:], Y[1:])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = rows(build(loss, data, proj, ckpts=cks, options=tif.GradientOptions(chunk_size=3)))
+        one = [(X[i:i + 1], Y[i:i + 1]) for i in range(12)]
+        ref = rows(build(tif.loss_from_module(BoolFlagged(), F.cross_entropy), one, proj,
+                         ckpts=cks, batch_size=1))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
 def test_consecutive_builds_same_model_do_not_interfere():

@@ -324,6 +324,33 @@ def test_refused_write_leaves_caller_list_unchanged():
             assert torch.equal(u, v)
 
 
+@pytest.mark.parametrize("proj", KINDS, ids=lambda p: p.kind)
+@pytest.mark.parametrize("form", ["list_batch_size", "one_batch_zarr"])
+def test_finding_refused_write_changes_caller_data(proj, form, tmp_path):
+    """Expected: a refused in-place loss leaves the caller's tensors as they were (as with
+    one in-memory batch, a DataLoader, or a list under default merging), or the error says
+    they were changed. Observed: a list with batch_size=4, or one batch built into a Zarr
+    path, is refused but the caller's x is left partly doubled, and the error does not say."""
+    x, y = X.clone(), Y.clone()
+    if form == "list_batch_size":
+        data, kw = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)], {"batch_size": 4}
+    else:
+        data, kw = (x, y), {"store": str(tmp_path / "o.zarr")}
+    with pytest.raises(errors.LossFunctionError, match="in place"):
+        build(writer_loss(lambda e: e[0].mul_(2)), data, proj, **kw)
+    assert torch.equal(x, X) and torch.equal(y, Y)
+
+
+def test_refused_write_one_batch_and_loader_leave_caller_data():
+    for proj in KINDS:
+        x, y = X.clone(), Y.clone()
+        dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+        for data in [(x, y), dl]:
+            with pytest.raises(errors.LossFunctionError, match="in place"):
+                build(writer_loss(lambda e: e[0].mul_(2)), data, proj)
+            assert torch.equal(x, X) and torch.equal(y, Y)
+
+
 def test_refused_write_leaves_caller_generator_batches_unchanged():
     data = batches()
     before = [tuple(t.clone() for t in b) for b in data]

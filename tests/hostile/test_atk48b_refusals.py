@@ -664,6 +664,52 @@ def test_bool_buffer_flag_third_checkpoint_chunked():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
+class Skipper(nn.Module):
+    """Buffer `skip` drops layer b (its gradient is then 0); `mix` mixes the batch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 5)
+        self.c = nn.Linear(5, 3)
+        self.register_buffer("skip", torch.tensor(1.0))
+        self.register_buffer("mix", torch.tensor(1.0))
+
+    def forward(self, x):
+        h = self.a(x)
+        if not bool(self.skip > 0):
+            h = self.b(torch.tanh(h))
+        if bool(self.mix > 0):
+            h = h - h.mean(0, keepdim=True)
+        return self.c(torch.tanh(h))
+
+
+@pytest.mark.parametrize("flags", [({"skip": 1, "mix": 1}, {"skip": 0, "mix": 0}),
+                                   ({"skip": 0, "mix": 1}, {"skip": 1, "mix": 0}),
+                                   ({"skip": 1, "mix": 0}, {"skip": 0, "mix": 1})])
+def test_reverse_and_skip_flags_per_checkpoint(flags):
+    m = Skipper()
+    loss = tif.loss_from_module(m, F.cross_entropy)
+    proj = tif.Projection(dim=4, kind="kronecker")
+    params = {k: v.detach().clone() for k, v in m.named_parameters()}
+    cks = [tif.Checkpoint(params, lr=0.1, name=f"c{i}",
+                          buffers={k: torch.tensor(float(v)) for k, v in f.items()})
+           for i, f in enumerate(flags)]
+    data = [(X[:6], Y[:6]), (X[6:], Y[6:])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = rows(build(loss, data, proj, ckpts=cks))
+        for i, ck in enumerate(cks):
+            alone = rows(build(tif.loss_from_module(Skipper(), F.cross_entropy), data, proj,
+                               ckpts=[ck]))
+            torch.testing.assert_close(got[i], alone[0], atol=1e-5, rtol=1e-4)
+        one = [(X[i:i + 1], Y[i:i + 1]) for i in range(12)]
+        ref = rows(build(tif.loss_from_module(Skipper(), F.cross_entropy), one, proj,
+                         ckpts=cks, batch_size=1))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
 def test_consecutive_builds_same_model_do_not_interfere():
     m = Flagged()
     loss = tif.loss_from_module(m, F.cross_entropy)

@@ -21,7 +21,7 @@ from tracinfunc.batches import (
     rebatch,
     sized,
 )
-from tracinfunc.build.calls import CallSite, numbered
+from tracinfunc.build.calls import Call, CallSite, numbered
 from tracinfunc.build.inputs import (
     build_record,
     fingerprinted,
@@ -254,7 +254,7 @@ def build_store(
         result = fill_store(
             writer, pairs, site, meta=meta,
             check_first=lambda batch: _check_loss(ckpt_losses[0], params_per_ckpt[0],
-                                                  on_device(batch)),
+                                                  on_device(batch), call=site.current),
             progress=progress, total=expected_rows(data), stop=stop, overlap=True,
             fresh_rows=store is None)  # a writer build_store made itself: no one else holds rows
     except NonFiniteGradientError as error:
@@ -274,8 +274,8 @@ def build_store(
 
 def _nested_tuple(data: object) -> bool:
     """Whether ``data`` is a tuple of tuples, lists or dicts: one nested batch, or (more
-    often, when the loss fails on it) several batches meant as a list."""
-    return type(data) is tuple and len(data) > 1 and \
+    often, when the loss fails on it) batches meant as a list (``((x, y),)`` too)."""
+    return type(data) is tuple and len(data) >= 1 and \
         all(isinstance(element, tuple | list | Mapping) for element in data)
 
 
@@ -325,7 +325,8 @@ def _loss_on(loss: LossFn, checkpoint: Checkpoint, device: torch.device) -> Loss
     return loss_at(loss, replace(checkpoint, buffers=buffers))
 
 
-def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
+def _check_loss(loss: LossFn, params: Params, batch: Batch, *, call: Call | None = None
+                ) -> None:
     """Evaluate the loss on the first example, so mistakes fail before any real work."""
     example = tree_map(lambda leaf: leaf[0], batch)
     if isinstance(loss, ModuleLoss):
@@ -335,7 +336,9 @@ def _check_loss(loss: LossFn, params: Params, batch: Batch) -> None:
     try:
         with torch.no_grad():
             value = loss(params, example)
-        check_batch_unchanged(batch, versions)
+        first = "" if call is None else \
+            f" (its first example, on {(call.part(0) if call.first is not None else call).where()})"
+        check_batch_unchanged(batch, versions, where=first)
     except TracInFuncError:
         raise  # already says what is wrong and how to fix it
     except Exception as error:

@@ -27,19 +27,24 @@ def batch_versions(batch: Batch) -> list[int | None]:
     return [_version(leaf) for leaf in batch_leaves(batch)]
 
 
-def check_batch_unchanged(batch: Batch, versions: list[int | None]) -> None:
+def check_batch_unchanged(batch: Batch, versions: list[int | None], *,
+                          where: str = "") -> None:
     """Raise :class:`LossFunctionError` where a leaf of ``batch`` was written in place since
-    :func:`batch_versions` read ``versions``."""
+    :func:`batch_versions` read ``versions`` (``where``: words naming the data, e.g. " on
+    the data's first example"; a call's error gets its batch and rows from the build loop)."""
     leaves = batch_leaves(batch)
     for index, (leaf, before) in enumerate(zip(leaves, versions, strict=True)):
         if before is not None and _version(leaf) != before:
-            shape = list(leaf.shape)
+            each = list(leaf.shape[1:])
             raise LossFunctionError(
-                f"{current_caller('build_store')}: the loss wrote into its batch in place "
-                f"(tensor {index} of the batch, {str(leaf.dtype).removeprefix('torch.')} "
-                f"{shape}): every checkpoint must see the same examples, so the rows of the "
-                "checkpoints after the first would be of changed inputs. Compute on a copy "
-                "(x = x.clone()) or out of place (x = x * 2, not x.mul_(2)).")
+                f"{current_caller('build_store')}: the loss wrote into its batch in place"
+                f"{where} (tensor {index} of the batch, "
+                f"{str(leaf.dtype).removeprefix('torch.')}, each example's of shape {each}): "
+                "every checkpoint must see the same examples, so the rows of the checkpoints "
+                "after the first would be of changed inputs. The tensors you passed as data "
+                "may have been changed by it (a batch the build did not copy is yours): check "
+                "them. Compute on a copy (x = x.clone()) or out of place (x = x * 2, not "
+                "x.mul_(2)).")
 
 
 def _version(leaf: object) -> int | None:

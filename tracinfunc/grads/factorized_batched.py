@@ -47,7 +47,7 @@ from tracinfunc.types import Batch, LossFn, Params
 __all__ = ["BatchedPathWarning", "LossFormWarning", "batched_or_vmapped", "batched_rows",
            "tell_vmapped_forward"]
 
-_CHECKED_EXAMPLES = 4  # of the first batch, compared with the vmapped path
+_CHECKED_EXAMPLES = 4  # rows of a proved call (spread over it) compared with the vmapped path
 BatchLoss = Callable[[Params, Batch], Tensor]
 
 
@@ -213,7 +213,9 @@ def _chunked(plan, loss, params, batch, order, shapes, chunk_size: int | None,
 
 def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_loss) -> Tensor:
     b = tree_leaves(batch)[0].shape[0]
-    expected = vmapped(_rows(batch, 0, min(b, _CHECKED_EXAMPLES)))
+    # the first, the last and evenly between: a model may mix only some rows of a batch
+    checked = torch.linspace(0, b - 1, min(b, _CHECKED_EXAMPLES)).round().long().unique()
+    expected = vmapped(tree_map(lambda leaf: leaf[checked], batch))
     reasons = []
     forward_applies = batch_loss is not None and all(shape[:1] == (1,) for shape, _ in shapes)
     for mode in ("forward", "vmap") if forward_applies else ("vmap",):
@@ -223,7 +225,7 @@ def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_
         except _CAUGHT[mode] as error:
             reasons.append(f"{_NAMES[mode]} failed ({error})")
             continue
-        error = float(((rows[:len(expected)] - expected).norm(dim=1)
+        error = float(((rows[checked.to(rows.device)] - expected).norm(dim=1)
                        / expected.norm(dim=1).clamp_min(1e-30)).max())
         allowed = 1e-6 if rows.dtype == torch.float64 else 1e-3
         if error <= allowed:

@@ -44,7 +44,7 @@ def test_build_store_checks_the_first_batch_with_buffers_on_the_target_device(mo
         ckpt = tif.Checkpoint(params=dict(ckpt.params))
     seen = {}
 
-    def spy(loss, params, batch):
+    def spy(loss, params, batch, **where):  # where: the call, for error messages
         seen["buffers"] = {value.device for value in loss.buffers.values()}
         seen["params"] = {value.device for value in params.values()}
         seen["batch"] = {leaf.device for leaf in batch}

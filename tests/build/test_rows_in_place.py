@@ -113,15 +113,21 @@ def test_nan_rows_in_a_later_call_raise_the_same_error(setup, monkeypatch):
     assert str(error.value) == str(before.value) and "37" in str(error.value)
 
 
-def test_one_slot_at_a_time():
-    """A slot is lent only when the one before it was appended (a pipeline that computes
-    call i + 1 before writing call i gets a fresh block for it)."""
+def _reserved_writer(rows: int) -> tuple[MemoryWriter, object]:
+    """An empty in-memory writer of a small store's layout, ``rows`` rows reserved."""
     model = make_mlp(dtype=torch.float32).eval()
     meta = tif.build_store(tif.loss_from_module(model, F.cross_entropy),
                            make_checkpoints(model), make_data(n=4, dtype=torch.float32),
                            projection=PROJ, progress=False).meta
     writer = MemoryWriter(meta.replace(n_train=0, complete=False))
-    dense.reserve_rows(writer, 10)
+    dense.reserve_rows(writer, rows)
+    return writer, meta
+
+
+def test_one_slot_at_a_time():
+    """A slot is lent only when the one before it was appended (a pipeline that computes
+    call i + 1 before writing call i gets a fresh block for it)."""
+    writer, meta = _reserved_writer(10)
     first = next_rows_slot(writer, 4, torch.float32)
     assert first is not None and next_rows_slot(writer, 4, torch.float32) is None
     first.fill_(1.0)
@@ -142,12 +148,7 @@ def test_one_slot_at_a_time():
 def test_rows_not_in_the_lent_slot_are_copied():
     """Rows handed to ``append_fresh`` that are not the lent slot (another tensor, or the
     slot's memory at another shape) are copied in, and the slot is no longer lent."""
-    model = make_mlp(dtype=torch.float32).eval()
-    meta = tif.build_store(tif.loss_from_module(model, F.cross_entropy),
-                           make_checkpoints(model), make_data(n=4, dtype=torch.float32),
-                           projection=PROJ, progress=False).meta
-    writer = MemoryWriter(meta.replace(n_train=0, complete=False))
-    dense.reserve_rows(writer, 6)
+    writer, meta = _reserved_writer(6)
     slot = next_rows_slot(writer, 4, torch.float32)
     slot.fill_(9.0)
     other = torch.full((meta.n_ckpt, 3, meta.k), 1.0)

@@ -237,8 +237,10 @@ def build_store(
                 del one
         return rows
 
+    lends_rows = store is None and type(writer) is MemoryWriter  # the build's own writer
+
     def in_place(one: Tensor) -> Tensor | None:
-        if store is not None or type(writer) is not MemoryWriter or one.device.type != "cpu":
+        if not lends_rows or one.device.type != "cpu":
             return None
         return next_rows_slot(writer, one.shape[0], one.dtype)
 

@@ -192,8 +192,7 @@ def batched_or_vmapped(plan, loss: LossFn, params: Params, batch: Batch, order, 
     or of copies of one, shows no interaction) is proved again, as a model may mix the
     examples of a batch (normalise over it) in a way only more distinct examples reveal.
     """
-    together = min(_batch_size(batch), chunk_size or _batch_size(batch))
-    if plan.batched is None or (plan.batched and together > plan.proved_size):
+    if plan.batched is None or (plan.batched and _together(batch, chunk_size) > plan.proved_size):
         return _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size,
                       batch_loss)
     if plan.batched is False:
@@ -230,8 +229,7 @@ def _prove(plan, loss, params, batch, order, shapes, vmapped, chunk_size, batch_
         allowed = 1e-6 if rows.dtype == torch.float64 else 1e-3
         if error <= allowed:
             plan.batched = mode
-            step = b if chunk_size is None else min(b, chunk_size)
-            plan.proved_size = step if _distinct_examples(batch) else 1
+            plan.proved_size = _together(batch, chunk_size) if _distinct_examples(batch) else 1
             _say(plan, reasons, "uses one backward of vmap(loss) over the batch")
             return rows
         reasons.append(f"{_NAMES[mode]} gives rows that differ from the per-example ones on "
@@ -258,8 +256,10 @@ def _say(plan, reasons: list[str], instead: str) -> None:
         BatchedPathWarning, stacklevel=6)
 
 
-def _batch_size(batch: Batch) -> int:
-    return batch_leaves(batch)[0].shape[0]  # (not torch's pytree: ~50 us every call)
+def _together(batch: Batch, chunk_size: int | None) -> int:
+    """Examples one batched run of ``batch`` holds: the batch, or a chunk of it."""
+    b = batch_leaves(batch)[0].shape[0]  # (not torch's pytree: ~50 us every call)
+    return b if chunk_size is None else min(b, chunk_size)
 
 
 def _distinct_examples(batch: Batch) -> bool:

@@ -293,3 +293,37 @@ def test_layers_reading_one_input_ekfac_eigenvalues_are_the_dense_fishers_diagon
         basis = torch.kron(estimate[f"{name}.weight:QS"], estimate[f"{name}.weight:QA"])
         expected = (basis.T @ fisher[order][:, order] @ basis).diagonal().reshape(d_out, -1)
         torch.testing.assert_close(estimate[f"{name}.weight:eigen"], expected)
+
+
+class _ThreeReaders(nn.Module):
+    """``a``, ``b`` and ``d`` read the same ``x [b, T, 4]`` (q, k and v of attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.d = nn.Linear(4, 2), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.c = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.c((self.a(x) * torch.tanh(self.b(x)) + self.d(x)).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_three_layers_reading_one_input_each_get_its_exact_factor_over_batches(kind):
+    # The second and third readers once stored the first batch's shared A term itself, so
+    # each later batch added into one tensor twice (k and v of every attention; found in
+    # session 49).
+    torch.manual_seed(0)
+    model = _ThreeReaders().double().eval()
+    loss = tif.loss_from_module(model, F.cross_entropy)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 3, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=g)
+    curvature = fit_curvature(loss, [tif.Checkpoint.from_module(model, name="a")], (x, y),
+                              kind=kind, sampler=EXACT, damping=LAM, batch_size=3)
+    rows = torch.cat([x, torch.ones(10, 3, 1, dtype=torch.float64)], -1)  # [n, T, 5]
+    a = sum(rows[i].T @ rows[i] / 3 for i in range(10)) / 10  # E[(1/T) sum_t x_t x_t^T]
+    estimate = curvature.estimates[0]
+    for name in ("a", "b", "d"):
+        torch.testing.assert_close(estimate[f"{name}.weight:A"], a)
+    pointers = [estimate[f"{name}.weight:{side}"].data_ptr() for name in "abdc" for side in "AS"]
+    assert len(set(pointers)) == len(pointers)  # one sum each, never aliased

@@ -115,11 +115,12 @@ def _addmm_into(sums: dict[str, Tensor], key: str, left: Tensor, right: Tensor) 
 
 
 def _add_into(sums: dict[str, Tensor], key: str, value: Tensor) -> None:
-    """``sums[key] += value`` in place (created on first use), on the CPU."""
+    """``sums[key] += value`` in place, on the CPU; created on first use as a copy of its
+    own (``value`` may be an input's ``A`` term that other layers' sums add too)."""
     if key in sums:
         sums[key] += value.cpu()
     else:
-        sums[key] = value.cpu()
+        sums[key] = value.to("cpu", copy=True)
 
 
 def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str, Tensor]:

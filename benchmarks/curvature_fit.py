@@ -14,10 +14,11 @@ imports and the data (before the model is built), and the ratios ours / kronflue
 
 Models: an MLP on sklearn digits (64-256-256-10, every Linear weight and bias) and the
 2-layer Llama of ``quality_lm.py`` (every Linear weight), both at their seeded init and one
-perturbed copy (two checkpoints).
+perturbed copy (two checkpoints); ``--model lm-wide``: that Llama at width 256 and 128 tokens.
 
     python benchmarks/curvature_fit.py --quick    # tiny sizes, one trial (tests/ runs it)
     python benchmarks/curvature_fit.py            # both models, 5 trials (a few minutes)
+    python benchmarks/curvature_fit.py --model lm-wide   # 3 trials (about 2 minutes)
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# model -> sizes: (n_train, width, length (LM) or hidden (MLP), trials)
-FULL = {"mlp": (1797, 256, 0, 5), "lm": (256, 64, 64, 5)}
-QUICK = {"mlp": (200, 32, 0, 1), "lm": (16, 8, 16, 1)}
+# model -> sizes: (n_train, width, length (LM) or hidden (MLP), trials). "lm-wide" (run when
+# named: --model lm-wide) is the Llama at width 256 (MLP 1024 wide) and 128 tokens: a batch's
+# output gradients (~110 MiB) and float64 terms outgrow its factors, as in real models.
+FULL = {"mlp": (1797, 256, 0, 5), "lm": (256, 64, 64, 5), "lm-wide": (128, 256, 128, 3)}
+QUICK = {"mlp": (200, 32, 0, 1), "lm": (16, 8, 16, 1), "lm-wide": (8, 32, 16, 1)}
+DEFAULT = ("mlp", "lm")
 BATCH = 32
 
 
@@ -245,7 +249,7 @@ def main() -> None:
             print_memory(result)
             print("\n" + json.dumps(result))
             return
-        for name in args.model or table:
+        for name in args.model or DEFAULT:
             sizes = table[name] if args.trials is None else (*table[name][:3], args.trials)
             results.append(measure(name, sizes, Path(tmp)))
     print_table(results)

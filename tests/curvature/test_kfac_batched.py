@@ -130,11 +130,20 @@ def test_batches_no_larger_than_the_proved_one_are_not_proved_again(monkeypatch)
     model = make_mlp().double()
     calls = {"batched": [], "per_example": []}
 
+    class Counted:  # a capture whose batches are counted, whole or fed layer by layer
+        def __init__(self, name, io):
+            self.name, self.io = name, io
+
+        def __call__(self, batch):
+            calls[self.name].append(batch[0].shape[0])
+            return self.io(batch)
+
+        def feed(self, batch, start):
+            calls[self.name].append(batch[0].shape[0])
+            return self.io.feed(batch, start)
+
     def counting(name, make):
-        def wrapped(*args):
-            io = make(*args)
-            return lambda batch: calls[name].append(batch[0].shape[0]) or io(batch)
-        return wrapped
+        return lambda *args: Counted(name, make(*args))
 
     monkeypatch.setattr(fit_module, "batched_io", counting("batched", fit_module.batched_io))
     monkeypatch.setattr(fit_module, "layer_io", counting("per_example", fit_module.layer_io))

@@ -33,22 +33,24 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader
+from tracinfunc.curvature.kfac import input_key, input_keys
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
 from tracinfunc.grads.transforms import explain_loss_error
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.types import Batch, Example, Params
 
-__all__ = ["BatchedProof", "batched_io", "proven_io"]
+__all__ = ["BatchedIO", "BatchedProof", "Feed", "Start", "batched_io", "layer_by_layer",
+           "proven_io", "stream_keys"]
 
 IO = Callable[[Batch], list[tuple[Tensor, Tensor]]]
 
 
 def batched_io(loss: ModuleLoss, frozen: Params, params: Params, layers: list[KfacLayer],
-               example: Example) -> IO | None:
-    """``fn(batch) -> [(x [b, T, d_in], delta [b, T, d_out]) per layer]`` from one batched
-    forward and backward, or ``None`` where a layer's output has no leading batch dimension
-    of 1 for one example (the batched outputs could not be split by example)."""
+               example: Example) -> BatchedIO | None:
+    """The batched capture of ``layers`` (:class:`BatchedIO`), or ``None`` where a layer's
+    output has no leading batch dimension of 1 for one example (the batched outputs could not
+    be split by example)."""
     consts = {name: value.detach() for name, value in params.items()}  # views, no copy
     state = {**frozen, **consts}
     ids = {id(consts[layer.weight]): i for i, layer in enumerate(layers)}
@@ -57,37 +59,152 @@ def batched_io(loss: ModuleLoss, frozen: Params, params: Params, layers: list[Kf
     if any(output.shape[:1] != (1,) for *_, output, _ in seen):
         return None
     readers = [vmap(_reader(module, layers[index])) for index, module, *_ in seen]
+    return BatchedIO(loss, state, ids, readers, layers)
 
-    def io(batch: Batch) -> list[tuple[Tensor, Tensor]]:
+
+class BatchedIO:
+    """Every layer's inputs and output gradients of a batch from one batched forward and
+    backward: all at once (:meth:`__call__`, what the proof compares), or handed to a
+    consumer a layer at a time as the backward produces them (:meth:`feed`)."""
+
+    def __init__(self, loss: ModuleLoss, state: Params, ids: dict[int, int],
+                 readers: list[Callable], layers: list[KfacLayer]) -> None:
+        self.loss, self.state, self.ids, self.readers, self.layers = (loss, state, ids,
+                                                                      readers, layers)
+        self.held_per_example = 0  # output-gradient bytes an example holds, all layers at once
+
+    def __call__(self, batch: Batch) -> list[tuple[Tensor, Tensor]]:
+        """``[(x [b, T, d_in], delta [b, T, d_out]) per layer]``."""
         b = tree_leaves(batch)[0].shape[0]
-        with torch.enable_grad(), _recording(ids) as calls:
-            values = loss.per_example(state, batch)  # [b]
-        _check_calls(calls, len(layers), b)
+        with torch.enable_grad(), _recording(self.ids, None) as calls:
+            values = self.loss.per_example(self.state, batch)  # [b]
+        _check_calls(calls, len(self.layers), b)
         deltas = torch.autograd.grad(values.sum(), [output for _, _, output, _ in calls],
                                      materialize_grads=True)
         del values
+        self.held_per_example = sum(delta.nbytes for delta in deltas) // max(b, 1)
         out, read_once = [], {}
-        for read, (_, x, _, _), delta in zip(readers, calls, deltas, strict=True):
-            inputs = x.detach().expand(b, *x.shape[1:]).unsqueeze(1)  # [b, 1, ...]
-            x_read, delta_read = read(inputs, delta.unsqueeze(1))
+        for read, (_, x, _, _), delta in zip(self.readers, calls, deltas, strict=True):
+            x_read, delta_read = read(_per_example(x, b), delta.unsqueeze(1))
             out.append((read_once.setdefault(id(x), x_read), delta_read))  # q, k, v: one x
         return out
 
-    return io
+    def feed(self, batch: Batch, start: Start) -> None:
+        """Hand each layer's ``(x [b, T, d_in], delta [b, T, d_out])`` to ``start(keys)``.
+
+        Where every layer's output gradients of the batch would hold more than
+        ``_STREAM_BYTES`` (as measured on the last batch captured whole, the proof's), each
+        layer is handed over as the backward reaches it (``keys``: :func:`stream_keys`): its
+        output gradient is freed once consumed, so the batch never holds every layer's at
+        once (kronfluence folds them in its hooks alike), and a layer whose output does not
+        reach the loss gets zeros, as ``materialize_grads`` gives. Below that, the batch is
+        captured whole and handed over in order: measured on a 2-layer Llama (10 MiB of
+        output gradients a batch), streaming cost 5-10% more CPU time and no less memory."""
+        b = tree_leaves(batch)[0].shape[0]
+        if b * self.held_per_example <= _STREAM_BYTES:
+            return _consume_all(self(batch), self.layers, start)
+        anchor = torch.zeros((), requires_grad=True)  # every tap leads here: one backward
+        arrived: dict[int, Callable] = {}
+        try:
+            with torch.enable_grad(), _recording(self.ids, (anchor, arrived)) as calls:
+                values = self.loss.per_example(self.state, batch)  # [b]
+        except RuntimeError as error:  # a tap's view written in place (proof batches passed)
+            if "modified inplace" not in str(error):
+                raise
+            raise LossFunctionError(_IN_PLACE) from error
+        _check_calls(calls, len(self.layers), b)
+        consume = start(stream_keys(calls, self.layers))
+        pending = {index: (x, output.shape, output.dtype) for index, x, output, _ in calls}
+        del calls  # the inputs the backward no longer needs go as it goes
+
+        def arrive(index: int, delta: Tensor) -> None:
+            x, *_ = pending.pop(index)
+            consume(index, *self.readers[index](_per_example(x, b), delta.unsqueeze(1)))
+
+        arrived["fn"] = arrive
+        torch.autograd.grad(values.sum(), anchor, allow_unused=True)
+        del values
+        for index, (x, shape, dtype) in sorted(pending.items()):  # outputs the loss ignores
+            zeros = torch.zeros(shape, dtype=dtype, device=x.device).unsqueeze(1)
+            consume(index, *self.readers[index](_per_example(x, b), zeros))
+
+
+# A batched capture streams its layers to the consumer where all their output gradients of
+# one batch would hold more than this (BatchedIO.feed).
+_STREAM_BYTES = 32 * 2**20
+
+Start = Callable[[list[tuple]], Callable[[int, Tensor, Tensor], None]]
+"""``start(keys) -> consume``: a batch's consumer, told each layer's input key first, then
+called ``consume(index, x, delta)`` once per layer, in any order."""
+
+
+def stream_keys(calls: list, layers: list[KfacLayer]) -> list[tuple]:
+    """Per layer, the key of its input for :class:`~tracinfunc.curvature.kfac.FactorBatch`:
+    a Linear reads its input as a view, so layers reading one input the same way share
+    its key (:func:`~tracinfunc.curvature.kfac.input_key`); other layers' readers make new
+    tensors (Conv2d patches), so each has a key of its own."""
+    return [input_key(x, layers[index]) if layers[index].rule == "linear"
+            else ("layer", index) for index, x, *_ in calls]
+
+
+def _per_example(x: Tensor, b: int) -> Tensor:
+    """``[b, 1, ...]``: the batched input as the vmapped reader takes it."""
+    return x.detach().expand(b, *x.shape[1:]).unsqueeze(1)
+
+
+def layer_by_layer(io: IO, layers: list[KfacLayer]) -> Feed:
+    """A capture that returns every layer's ``(x, delta)`` at once, as a feed (in order)."""
+
+    def feed(batch: Batch, start: Start) -> None:
+        _consume_all(io(batch), layers, start)
+
+    return feed
+
+
+def _consume_all(pairs: list[tuple[Tensor, Tensor]], layers: list[KfacLayer],
+                 start: Start) -> None:
+    consume = start(input_keys(pairs, layers))
+    for index, (x, delta) in enumerate(pairs):
+        consume(index, x, delta)
+
+
+Feed = Callable[[Batch, Start], None]
+"""``feed(batch, start)``: a batch's layer inputs and output gradients, handed to a consumer
+(:data:`Start`)."""
+
+
+class _Tap(torch.autograd.Function):
+    """The identity on a layer's output whose backward hands the output gradient to the
+    feed's ``arrive``; its second input, the feed's anchor, makes every tap a step of the
+    one backward to the anchor (no gradient is formed for the anchor itself)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, anchor: Tensor, index: int, arrived: dict):
+        ctx.index, ctx.arrived = index, arrived
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, delta: Tensor):
+        ctx.arrived["fn"](ctx.index, delta)
+        return delta, None, None, None
 
 
 @contextmanager
-def _recording(ids: dict[int, int]) -> Iterator[list]:
+def _recording(ids: dict[int, int], taps: tuple[Tensor, dict] | None) -> Iterator[list]:
     """Record ``(layer index, input, output, output version)`` of the calls of layers in
-    ``ids``; an output that needs no gradient (the first layers: the weights are constants)
-    is made to need one, so the backward reaches it (no zero tap to allocate and add)."""
+    ``ids``. Without ``taps``, an output that needs no gradient (the first layers: the
+    weights are constants) is made to need one, so the backward reaches it (no zero tap to
+    allocate and add); with ``(anchor, arrived)``, each output goes on through a
+    :class:`_Tap` (a view of it: the same memory)."""
     seen: list = []
 
     def hook(module, inputs, output):
         index = ids.get(id(getattr(module, "weight", None)))
         if index is None:
             return None
-        if not output.requires_grad:
+        if taps is not None:
+            output = _Tap.apply(output, *taps[:1], index, taps[1])
+        elif not output.requires_grad:
             output = output.detach().requires_grad_()
         seen.append((index, inputs[0], output, output._version))
         return output
@@ -107,8 +224,11 @@ def _check_calls(calls: list, n_layers: int, b: int) -> None:
                                 "differently from one example's forward")
     if any(output.shape[:1] != (b,) or output._version != version
            for _, _, output, version in calls):
-        raise LossFunctionError("fit_curvature: a layer's batched output has no batch "
-                                "dimension first, or was modified in place")
+        raise LossFunctionError(_IN_PLACE)
+
+
+_IN_PLACE = ("fit_curvature: a layer's batched output has no batch dimension first, or was "
+             "modified in place")
 
 
 class BatchedProof:
@@ -122,34 +242,37 @@ class BatchedProof:
         self.failed = False
 
 
-def proven_io(vmapped: IO, batched: IO | None, proof: BatchedProof) -> IO:
-    """``batched`` for each batch no larger than one it was proved on; a larger batch is
-    proved first: every example's inputs and output gradients in the batched run must equal
-    those of the per-example ``vmapped`` capture (the cost of the per-example capture, once
-    per larger batch). From a failed proof on, ``vmapped`` (with one BatchedPathWarning per
-    fit; the batches already captured were proved at their own sizes, so they stay).
+def proven_io(vmapped: IO, batched: BatchedIO | None, proof: BatchedProof,
+              layers: list[KfacLayer]) -> Feed:
+    """A feed (:data:`Feed`) through ``batched`` for each batch no larger than one it was
+    proved on; a larger batch is proved first: every example's inputs and output gradients
+    in the batched run must equal those of the per-example ``vmapped`` capture (the cost of
+    the per-example capture, once per larger batch). From a failed proof on, ``vmapped``
+    (with one BatchedPathWarning per fit; the batches already captured were proved at their
+    own sizes, so they stay).
 
     Raises:
         LossFunctionError: two batched runs of one batch differ: the loss draws random
             numbers (dropout in training mode), which no capture can fit."""
+    per_example = layer_by_layer(vmapped, layers)
     if batched is None:
-        return vmapped
+        return per_example
 
-    def io(batch: Batch) -> list[tuple[Tensor, Tensor]]:
+    def feed(batch: Batch, start: Start) -> None:
         if proof.failed:
-            return vmapped(batch)
+            return per_example(batch, start)
         size = tree_leaves(batch)[0].shape[0]
         if size <= proof.largest:
-            return batched(batch)
+            return batched.feed(batch, start)
         reason, together = _prove(batched, vmapped, batch)
         if reason is not None:
             proof.failed = True
             _warn(reason)
-            return vmapped(batch)
+            return per_example(batch, start)
         proof.largest = size
-        return together
+        return _consume_all(together, layers, start)
 
-    return io
+    return feed
 
 
 def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:

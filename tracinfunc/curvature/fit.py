@@ -222,7 +222,7 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
         vmapped = layer_io(selected_loss, selected, layers, example)
         batched = (batched_io(loss, frozen, selected, layers, example)
                    if isinstance(loss, ModuleLoss) and loss.criterion is not None else None)
-        return layers, proven_io(vmapped, batched, proof)
+        return layers, proven_io(vmapped, batched, proof, layers)
 
     return _fit_factors(lambda batch: sampler(loss, params, batch, generator), batches,
                         capture, sampler, eigen=eigen)
@@ -238,24 +238,25 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
     Args:
         sample: ``batch -> (labelled batch, weights [b'])``.
         batches: ``() -> iterator of batches`` (called twice for EK-FAC).
-        capture: ``labelled batch -> (layers, io)`` (called once, on the first batch), with
-            ``io(labelled) -> [(x, delta) per layer]`` as ``capture.layer_io`` returns.
+        capture: ``labelled batch -> (layers, feed)`` (called once, on the first batch), with
+            ``feed(labelled, start)`` handing each layer's ``(x, delta)`` to a consumer
+            (:data:`~tracinfunc.curvature.capture_batched.Feed`).
         sampler: The checked sampler, for refusals naming the data index.
         eigen: Refit the eigenvalues (EK-FAC) in a second pass.
     """
-    sums, seen, io_fn, layers = {}, 0.0, None, []
+    sums, seen, feed, layers = {}, 0.0, None, []
     for batch in batches():
         labelled, weights = sample(batch)
-        if io_fn is None:
-            layers, io_fn = capture(labelled)
-        kfac.accumulate_factors(sums, io_fn(labelled), layers, weights)
+        if feed is None:
+            layers, feed = capture(labelled)
+        feed(labelled, partial(kfac.FactorBatch, sums, layers, weights))
         if not _all_finite(sums.values()):
             sampler.refuse("a layer's input or output gradient")
         seen += float(weights.sum())
-    if io_fn is None:
+    if feed is None:
         raise EmptyDataError(f"{current_caller()}: data holds no examples; pass training "
                              "batches (or a sample of them).")
-    estimate = {key: value / seen for key, value in sums.items()}
+    estimate = {key: value.div_(seen) for key, value in sums.items()}  # the sums, in place
     if not eigen:
         return estimate, kfac.kfac_mean_eigenvalue(estimate, layers), round(seen), layers
     estimate.update(kfac.eigenbases(estimate, layers))
@@ -264,14 +265,14 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
     again = 0.0
     for batch in batches():  # EK-FAC's second pass: eigenvalues in the fitted eigenbases
         labelled, weights = sample(batch)
-        kfac.accumulate_eigenvalues(corrected, io_fn(labelled), layers, weights, estimate)
+        feed(labelled, partial(kfac.EigenBatch, corrected, layers, weights, estimate))
         again += float(weights.sum())
     if round(again) != round(seen):
         raise InvalidArgumentError(
             f"{current_caller()}: kind='ekfac' reads data twice, but the second pass gave "
             f"{round(again)} examples and the first {round(seen)}; pass a list or a "
             "DataLoader (data that can be iterated again), not a generator.")
-    estimate.update({key: value / seen for key, value in corrected.items()})
+    estimate.update({key: value.div_(seen) for key, value in corrected.items()})
     return estimate, kfac.ekfac_mean_eigenvalue(estimate, layers), round(seen), layers
 
 

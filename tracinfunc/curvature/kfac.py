@@ -22,14 +22,15 @@ damps them exactly: ``G -> Q_S [(Q_S^T G Q_A) / (L + lambda)] Q_A^T``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from tracinfunc.curvature.capture import KfacLayer
 
-__all__ = ["accumulate_eigenvalues", "accumulate_factors", "augmented", "ekfac_mean_eigenvalue",
-           "kfac_mean_eigenvalue", "kron_eigensystem", "precondition_ekfac"]
+__all__ = ["EigenBatch", "FactorBatch", "augmented", "ekfac_mean_eigenvalue", "input_key",
+           "input_keys", "kfac_mean_eigenvalue", "kron_eigensystem", "precondition_ekfac"]
 
 
 def augmented(x: Tensor, layer: KfacLayer) -> Tensor:
@@ -40,58 +41,94 @@ def augmented(x: Tensor, layer: KfacLayer) -> Tensor:
     return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
 
 
-def accumulate_factors(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
-                       layers: list[KfacLayer], weights: Tensor) -> None:
-    """Add one labelled batch's weighted ``A`` and ``S`` sums into ``sums`` (float64).
+class FactorBatch:
+    """Adds one labelled batch's weighted ``A`` and ``S`` sums into ``sums`` (float64), one
+    layer at a time, in any order (a batched capture hands each layer's output gradient over
+    as its backward produces it, so no batch holds every layer's at once).
 
     The sums are updated in place (``addmm_`` on the flattened ``[b T, d]`` rows, as
     kronfluence accumulates its covariances): no ``[d, d]`` temporary per batch.
 
     Args:
-        io: Per layer ``(x [b, T, d_in], delta [b, T, d_out])``.
         weights: ``[b]``, each input's weights summing to 1.
+        keys: Per layer, the key of its input (:func:`input_keys`): layers of one key read
+            one input, whose ``A`` term is multiplied once.
     """
-    shared = _shared_inputs(io, layers)
-    done: dict[tuple, Tensor] = {}  # an input's A term, for layers reading the same input
-    for layer, (x, delta) in zip(layers, io, strict=True):
-        w = weights.to(delta.device, torch.float64)[:, None, None]  # [b, 1, 1]
+
+    def __init__(self, sums: dict[str, Tensor], layers: list[KfacLayer], weights: Tensor,
+                 keys: list[tuple]) -> None:
+        self.sums, self.layers, self.weights, self.keys = sums, layers, weights, keys
+        self.readers, self.left = Counter(keys), Counter(keys)
+        self.done: dict[tuple, Tensor] = {}  # an input's A term, for layers reading it
+
+    def __call__(self, index: int, x: Tensor, delta: Tensor) -> None:
+        """Add layer ``index``'s terms: ``x [b, T, d_in]``, ``delta [b, T, d_out]``."""
+        layer, same = self.layers[index], self.keys[index]
+        w = self.weights.to(delta.device, torch.float64)[:, None, None]  # [b, 1, 1]
         # One side at a time, each in a function of its own: a layer's float64 copies are
         # freed before the next are made (a [b T, d] input's two, then a delta's two).
-        _add_input_factor(sums, layer, x, w, shared, done)
-        _add_output_factor(sums, layer, delta, w)
+        _add_input_factor(self.sums, layer, x, w, self.readers[same] > 1, same, self.done)
+        _add_output_factor(self.sums, layer, delta, w)
+        self.left[same] -= 1
+        if not self.left[same]:
+            self.done.pop(same, None)  # [d_a, d_a] no later layer reads
 
 
 def _add_input_factor(sums: dict[str, Tensor], layer: KfacLayer, x: Tensor, w: Tensor,
-                      shared: Counter, done: dict[tuple, Tensor]) -> None:
+                      shared: bool, same: tuple, done: dict[tuple, Tensor]) -> None:
     """Add a layer's weighted ``A`` sum ``[d_a, d_a]`` (``[d_in]`` for an embedding) into
-    ``sums``; an input that several layers read is multiplied once (kept in ``done``)."""
-    key, same = f"{layer.weight}:A", _input_key(x, layer)
+    ``sums``; an input that several layers read (``shared``, key ``same``) is multiplied
+    once (kept in ``done``). The float64 rows are formed a slice of the batch at a time."""
+    key = f"{layer.weight}:A"
     if layer.rule == "embedding":  # diag(E[onehot onehot^T]): token counts / T
         share = (w[:, :, 0] / x.shape[1]).expand(x.shape)  # [b, T]
         _add_into(sums, key, torch.zeros(layer.d_in, dtype=torch.float64,
                                          device=w.device).index_add_(
             0, x.reshape(-1), share.reshape(-1)))  # [d_in]
-    elif same in done:  # q, k and v of one attention read one input: its A term once
+        return
+    if same in done:  # q, k and v of one attention read one input: its A term once
         _add_into(sums, key, done[same])
-    else:
-        xa = augmented(x, layer)
-        left = (xa * (w / xa.shape[1])).reshape(-1, layer.d_a)  # [b T, d_a]
-        if shared[same] > 1:
-            done[same] = left.T @ xa.reshape(-1, layer.d_a)  # [d_a, d_a]
-            _add_into(sums, key, done[same].clone())
-        else:
+        return
+    term = torch.zeros(layer.d_a, layer.d_a, dtype=torch.float64, device=x.device) \
+        if shared else None
+    for rows in _slices(x.shape[0], 2 * x.shape[1] * layer.d_a):
+        xa = augmented(x[rows], layer)  # [b', T, d_a]
+        left = (xa * (w[rows] / xa.shape[1])).reshape(-1, layer.d_a)  # [b' T, d_a]
+        if term is None:
             _addmm_into(sums, key, left, xa.reshape(-1, layer.d_a))  # [d_a, d_a]
+        else:
+            term.addmm_(left.T, xa.reshape(-1, layer.d_a))
+        del xa, left  # before the next slice's
+    if term is not None:
+        done[same] = term
+        _add_into(sums, key, term)
 
 
 def _add_output_factor(sums: dict[str, Tensor], layer: KfacLayer, delta: Tensor,
                        w: Tensor) -> None:
-    """Add a layer's weighted ``S`` sum ``[d_out, d_out]`` into ``sums``."""
-    d = delta.double()
-    _addmm_into(sums, f"{layer.weight}:S", (d * w).reshape(-1, layer.d_out),
-                d.reshape(-1, layer.d_out))  # [d_out, d_out]
+    """Add a layer's weighted ``S`` sum ``[d_out, d_out]`` into ``sums``, a slice of the
+    batch at a time."""
+    for rows in _slices(delta.shape[0], 2 * delta.shape[1] * layer.d_out):
+        d = delta[rows].double()  # [b', T, d_out]
+        _addmm_into(sums, f"{layer.weight}:S", (d * w[rows]).reshape(-1, layer.d_out),
+                    d.reshape(-1, layer.d_out))  # [d_out, d_out]
+        del d  # before the next slice's
 
 
-def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
+def _slices(b: int, per_example: int) -> Iterator[slice]:
+    """Slices of ``b`` examples whose float64 temporaries (``per_example`` numbers each)
+    hold at most ``_TEMP_BYTES`` (one example at least)."""
+    step = max(1, _TEMP_BYTES // max(8 * per_example, 1))
+    for start in range(0, b, step):
+        yield slice(start, start + step)
+
+
+# A layer's float64 temporaries are formed this many bytes of the batch at a time: a batched
+# capture hands layers over during its backward, while the forward's activations are alive.
+_TEMP_BYTES = 16 * 2**20
+
+
+def input_key(x: Tensor, layer: KfacLayer) -> tuple:
     """Equal for two layers reading the same memory the same way (so the same ``A``); a
     tensor without memory (meta, empty: address 0) is only ever equal to itself."""
     where = x.data_ptr() or ("object", id(x))
@@ -99,9 +136,9 @@ def _input_key(x: Tensor, layer: KfacLayer) -> tuple:
             layer.bias is None)
 
 
-def _shared_inputs(io: list[tuple[Tensor, Tensor]], layers: list[KfacLayer]) -> dict:
-    """How many layers read each input (by :func:`_input_key`)."""
-    return Counter(_input_key(x, layer) for layer, (x, _) in zip(layers, io, strict=True))
+def input_keys(io: list[tuple[Tensor, Tensor]], layers: list[KfacLayer]) -> list[tuple]:
+    """Per layer, :func:`input_key` of its input."""
+    return [input_key(x, layer) for layer, (x, _) in zip(layers, io, strict=True)]
 
 
 def _addmm_into(sums: dict[str, Tensor], key: str, left: Tensor, right: Tensor) -> None:
@@ -141,62 +178,74 @@ def eigenbases(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> dict[str
     return out
 
 
-def accumulate_eigenvalues(sums: dict[str, Tensor], io: list[tuple[Tensor, Tensor]],
-                           layers: list[KfacLayer], weights: Tensor,
-                           bases: dict[str, Tensor]) -> None:
-    """Add one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into ``sums``.
+class EigenBatch:
+    """Adds one batch's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` per layer into
+    ``sums``, one layer at a time, in any order.
 
     The weights are folded into the rotated deltas as ``sqrt(w)`` (weights are ``>= 0``), so
     ``sum_b w_b R_b^2 = sum_b (sqrt(w_b) R_b)^2``. With one row per example (``T = 1``: an
     MLP) ``R_b = dq_b xq_b^T`` is rank one and ``sum_b (dq_b^2)(xq_b^2)^T`` is one matmul;
-    otherwise the ``[b, d_out, d_a]`` rotated gradients are formed a slice of the batch at a
-    time (at most ``_ROTATED_BYTES``) and squared in place.
+    otherwise the ``[b', d_out, d_a]`` rotated gradients are formed and squared in place. A
+    slice of the batch at a time (``_TEMP_BYTES`` of float64 temporaries).
+
+    Args:
+        keys: Per layer, the key of its input (:func:`input_keys`): layers of one key and
+            one eigenbasis share ``x Q_A`` (held for the batch, dropped after the last).
     """
-    rotated_inputs: dict[tuple, tuple[Tensor, Tensor]] = {}  # input key -> (Q_A, x Q_A)
-    readers_left = _shared_inputs(io, layers)  # an input's x Q_A is dropped after its last
-    for layer, (x, delta) in zip(layers, io, strict=True):
-        same = _input_key(x, layer)
-        readers_left[same] -= 1
+
+    def __init__(self, sums: dict[str, Tensor], layers: list[KfacLayer], weights: Tensor,
+                 bases: dict[str, Tensor], keys: list[tuple]) -> None:
+        self.sums, self.layers, self.weights, self.bases = sums, layers, weights, bases
+        self.keys, self.readers, self.left = keys, Counter(keys), Counter(keys)
+        self.rotated_inputs: dict[tuple, tuple[Tensor, Tensor]] = {}  # key -> (Q_A, x Q_A)
+
+    def __call__(self, index: int, x: Tensor, delta: Tensor) -> None:
+        """Add layer ``index``'s term: ``x [b, T, d_in]``, ``delta [b, T, d_out]``."""
+        same = self.keys[index]
+        self.left[same] -= 1
+        shared = self.rotated_inputs if self.readers[same] > 1 else None
         # A function of its own: the layer's float64 rotations are freed before the next's.
-        _add_layer_eigenvalues(sums, layer, x, delta, weights, bases, rotated_inputs)
-        if not readers_left[same]:
-            rotated_inputs.pop(same, None)  # [b, T, d_a] float64 no later layer reads
+        _add_layer_eigenvalues(self.sums, self.layers[index], x, delta, self.weights,
+                               self.bases, same, shared)
+        if not self.left[same]:
+            self.rotated_inputs.pop(same, None)  # [b, T, d_a] float64 no later layer reads
 
 
 def _add_layer_eigenvalues(sums: dict[str, Tensor], layer: KfacLayer, x: Tensor, delta: Tensor,
-                           weights: Tensor, bases: dict[str, Tensor],
-                           rotated_inputs: dict[tuple, tuple[Tensor, Tensor]]) -> None:
-    """Add one layer's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` into ``sums``; ``x Q_A``
-    is shared through ``rotated_inputs`` with the layers reading the same input."""
+                           weights: Tensor, bases: dict[str, Tensor], same: tuple,
+                           shared: dict[tuple, tuple[Tensor, Tensor]] | None) -> None:
+    """Add one layer's weighted ``(Q_S^T G Q_A)^2`` ``[d_out, d_a]`` into ``sums``, a slice
+    of the batch at a time; ``x Q_A`` of an input several layers read is computed once for
+    the batch and kept in ``shared`` under ``same``."""
     q_s = bases[f"{layer.weight}:QS"].to(x.device)
     root = weights.to(x.device, torch.float64).sqrt()[:, None, None]  # [b, 1, 1]
-    dq = torch.matmul(delta.double(), q_s).mul_(root)  # [b, T, d_out]
-    key, same = f"{layer.weight}:eigen", _input_key(x, layer)
+    key, t = f"{layer.weight}:eigen", delta.shape[1]
     if layer.rule == "embedding":  # Q_A = I: sum each token's rotated deltas
-        index = x[..., None].expand(dq.shape)  # [b, T, d_out]
-        rotated = torch.zeros(x.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
-                              device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
-        _add_into(sums, key, rotated.square_().sum(0))
+        for rows in _slices(x.shape[0], 2 * t * layer.d_out + layer.d_in * layer.d_out):
+            dq = torch.matmul(delta[rows].double(), q_s).mul_(root[rows])  # [b', T, d_out]
+            index = x[rows][..., None].expand(dq.shape)  # [b', T, d_out]
+            rotated = torch.zeros(dq.shape[0], layer.d_in, layer.d_out, dtype=torch.float64,
+                                  device=x.device).scatter_add_(1, index, dq).transpose(1, 2)
+            _add_into(sums, key, rotated.square_().sum(0))
+            del dq, rotated  # before the next slice's
         return
     q_a = bases[f"{layer.weight}:QA"].to(x.device)
-    if same in rotated_inputs and torch.equal(rotated_inputs[same][0], q_a):
-        xq = rotated_inputs[same][1]  # q, k, v: one input, one eigenbasis
-    else:
-        xq = augmented(x, layer) @ q_a  # [b, T, d_a]
-        rotated_inputs[same] = (q_a, xq)
-    if dq.shape[1] == 1:  # rank one per example: (dq^2)^T (xq^2)
-        _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
-        return
-    step = max(1, _ROTATED_BYTES // (8 * layer.d_out * layer.d_a))
-    for start in range(0, dq.shape[0], step):
-        rotated = torch.bmm(dq[start:start + step].transpose(1, 2),
-                            xq[start:start + step])  # [b', d_out, d_a]
-        _add_into(sums, key, rotated.square_().sum(0))
-        del rotated  # before the next slice's
-
-
-# The rotated per-example gradients of one layer are formed this many bytes at a time.
-_ROTATED_BYTES = 64 * 2**20
+    whole = None  # x Q_A [b, T, d_a] of an input several layers read
+    if shared is not None:
+        if same not in shared or not torch.equal(shared[same][0], q_a):
+            shared[same] = (q_a, augmented(x, layer) @ q_a)
+        whole = shared[same][1]
+    for rows in _slices(x.shape[0], t * (2 * layer.d_out + layer.d_a) + (
+            layer.d_out * layer.d_a if t > 1 else 0)):
+        dq = torch.matmul(delta[rows].double(), q_s).mul_(root[rows])  # [b', T, d_out]
+        xq = whole[rows] if whole is not None else augmented(x[rows], layer) @ q_a
+        if t == 1:  # rank one per example: (dq^2)^T (xq^2)
+            _addmm_into(sums, key, dq[:, 0].square(), xq[:, 0].square())
+        else:
+            rotated = torch.bmm(dq.transpose(1, 2), xq)  # [b', d_out, d_a]
+            _add_into(sums, key, rotated.square_().sum(0))
+            del rotated
+        del dq, xq  # before the next slice's
 
 
 def kfac_mean_eigenvalue(estimate: dict[str, Tensor], layers: list[KfacLayer]) -> float:

@@ -29,6 +29,7 @@ import torch
 from jax import tree_util
 
 from tracinfunc._validate import check_int, current_caller, entry_point
+from tracinfunc.curvature.capture_batched import layer_by_layer
 from tracinfunc.curvature.damping import Damping, check_damping, resolve
 from tracinfunc.curvature.fit import (
     _blocks,
@@ -247,13 +248,13 @@ def fit_curvature(
 
 def _capture(loss: Callable, mapping: ParamMapping, checkpoint: Checkpoint, labelled: Any,
              captured: list):
-    """``(layers, io(labelled))`` for the K-FAC loop, at ``checkpoint``; the layers are found
+    """``(layers, feed)`` for the K-FAC loop, at ``checkpoint``; the layers are found
     (and the capture compiled) at the first checkpoint only, kept in ``captured``."""
     if not captured:
         first = tree_util.tree_map(lambda leaf: leaf[0], labelled)
         captured.append(kfac_io(loss, mapping, checkpoint.args, first))
     layers, io = captured[0]
-    return layers, lambda batch: io(*checkpoint.args, batch)
+    return layers, layer_by_layer(lambda batch: io(*checkpoint.args, batch), layers)
 
 
 class _JaxCheckedSampler(CheckedSampler):

@@ -138,9 +138,12 @@ def test_batches_no_larger_than_the_proved_one_are_not_proved_again(monkeypatch)
             calls[self.name].append(batch[0].shape[0])
             return self.io(batch)
 
-        def feed(self, batch, start):
+        def stream(self, batch, start):
             calls[self.name].append(batch[0].shape[0])
-            return self.io.feed(batch, start)
+            return self.io.stream(batch, start)
+
+        def __getattr__(self, name):  # what the capture measured (held_per_example)
+            return getattr(self.io, name)
 
     def counting(name, make):
         return lambda *args: Counted(name, make(*args))

@@ -1,5 +1,5 @@
 """K-FAC's batched capture handed to the factor sums a layer at a time, as the backward reaches
-each layer (``BatchedIO.feed``), with every layer's float64 terms formed a slice of the batch
+each layer (``BatchedIO.stream``), with every layer's float64 terms formed a slice of the batch
 at a time (``kfac._TEMP_BYTES``): the same factors and eigenvalues as the explicit float64
 references of ``test_kfac_layers`` and as the per-example capture, and no batch holding every
 layer's output gradients at once.
@@ -30,7 +30,7 @@ from tracinfunc.errors import LossFunctionError
 
 EXACT = classification_sampler(exact=True)
 TAPPED: list[int] = []  # layer indices whose output gradient reached a tap, in order
-_TAP = capture_batched._Tap
+_TAP, _PROVEN = capture_batched._Tap, fit_module.proven_io
 
 
 class _CountedTap(_TAP):
@@ -41,12 +41,10 @@ class _CountedTap(_TAP):
 
 
 def _always_fed(monkeypatch) -> None:
-    """Every batch through ``BatchedIO.feed`` streaming (the proof's batch is proved, then
-    fed again), with one example a slice."""
-    original = fit_module.proven_io
-
+    """Every batch through ``BatchedIO.stream`` (the proof's batch is proved, then streamed
+    again), with one example a slice."""
     def proven(vmapped, batched, proof, layers):
-        inner = original(vmapped, batched, proof, layers)
+        inner = _PROVEN(vmapped, batched, proof, layers)
         if batched is None:
             return inner
 
@@ -54,7 +52,7 @@ def _always_fed(monkeypatch) -> None:
             inner(batch, lambda keys: lambda *layer: None)  # the proof (or a proved batch)
             if proof.failed:
                 return capture_batched.layer_by_layer(vmapped, layers)(batch, start)
-            return batched.feed(batch, start)
+            return batched.stream(batch, start)
 
         return feed
 
@@ -151,10 +149,16 @@ def test_a_layers_output_gradient_is_freed_before_the_last_layer_is_fed():
     assert not any(any(seen) for seen in alive), alive
 
 
-def test_whole_batch_below_the_stream_threshold(monkeypatch):
+def test_whole_batch_below_the_stream_threshold_streamed_above(monkeypatch):
+    monkeypatch.setattr(fit_module, "proven_io", _PROVEN)  # the library's own choice
     monkeypatch.setattr(capture_batched, "_STREAM_BYTES", 32 * 2**20)
     _attention_fit("kfac")
     assert TAPPED == []  # 12 examples of a tiny model: captured whole, handed over in order
+    # A threshold below the batches' output gradients: every batch after the proof streams,
+    # at every checkpoint (the proof's measure is the fit's, shared by its checkpoints).
+    monkeypatch.setattr(capture_batched, "_STREAM_BYTES", 1)
+    _attention_fit("kfac")
+    assert TAPPED.count(4) == 2 * 3 - 1  # 3 batches a checkpoint, the first proved whole
 
 
 def test_an_output_written_in_place_on_a_fed_batch_is_refused():

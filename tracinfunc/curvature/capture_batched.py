@@ -9,6 +9,9 @@ the batch's losses there: one autograd backward, with respect to zero taps ``[b,
 to the layers' outputs (the weights are constants), gives every example's ``delta``, as a
 training step's backward does (kronfluence's capture). The layers' inputs are recorded by the
 same forward hook. Each example's ``(x, delta)`` is then read by the per-example readers.
+A batch whose output gradients are large is instead handed to the factor sums a layer at a
+time, as the backward reaches each layer (:meth:`BatchedIO.stream`): the consumer is a
+:data:`Feed`'s ``start(keys)``, as :class:`~tracinfunc.curvature.kfac.FactorBatch`.
 
 The first batch, and each batch larger than every batch proved before in the fit, proves the
 batched mode: every example's inputs and output gradients must equal those of the per-example
@@ -65,13 +68,13 @@ def batched_io(loss: ModuleLoss, frozen: Params, params: Params, layers: list[Kf
 class BatchedIO:
     """Every layer's inputs and output gradients of a batch from one batched forward and
     backward: all at once (:meth:`__call__`, what the proof compares), or handed to a
-    consumer a layer at a time as the backward produces them (:meth:`feed`)."""
+    consumer a layer at a time as the backward produces them (:meth:`stream`)."""
 
     def __init__(self, loss: ModuleLoss, state: Params, ids: dict[int, int],
                  readers: list[Callable], layers: list[KfacLayer]) -> None:
         self.loss, self.state, self.ids, self.readers, self.layers = (loss, state, ids,
                                                                       readers, layers)
-        self.held_per_example = 0  # output-gradient bytes an example holds, all layers at once
+        self.held_per_example = 0  # output-gradient bytes of an example, all layers (last call)
 
     def __call__(self, batch: Batch) -> list[tuple[Tensor, Tensor]]:
         """``[(x [b, T, d_in], delta [b, T, d_out]) per layer]``."""
@@ -89,20 +92,13 @@ class BatchedIO:
             out.append((read_once.setdefault(id(x), x_read), delta_read))  # q, k, v: one x
         return out
 
-    def feed(self, batch: Batch, start: Start) -> None:
-        """Hand each layer's ``(x [b, T, d_in], delta [b, T, d_out])`` to ``start(keys)``.
-
-        Where every layer's output gradients of the batch would hold more than
-        ``_STREAM_BYTES`` (as measured on the last batch captured whole, the proof's), each
-        layer is handed over as the backward reaches it (``keys``: :func:`stream_keys`): its
-        output gradient is freed once consumed, so the batch never holds every layer's at
-        once (kronfluence folds them in its hooks alike), and a layer whose output does not
-        reach the loss gets zeros, as ``materialize_grads`` gives. Below that, the batch is
-        captured whole and handed over in order: measured on a 2-layer Llama (10 MiB of
-        output gradients a batch), streaming cost 5-10% more CPU time and no less memory."""
+    def stream(self, batch: Batch, start: Start) -> None:
+        """Hand each layer's ``(x [b, T, d_in], delta [b, T, d_out])`` to ``start(keys)``
+        (``keys``: :func:`stream_keys`) as the backward reaches the layer: its output
+        gradient is freed once consumed, so the batch never holds every layer's at once
+        (kronfluence folds them in its hooks alike). A layer whose output does not reach the
+        loss gets zeros, as ``materialize_grads`` gives."""
         b = tree_leaves(batch)[0].shape[0]
-        if b * self.held_per_example <= _STREAM_BYTES:
-            return _consume_all(self(batch), self.layers, start)
         anchor = torch.zeros((), requires_grad=True)  # every tap leads here: one backward
         arrived: dict[int, Callable] = {}
         try:
@@ -129,8 +125,10 @@ class BatchedIO:
             consume(index, *self.readers[index](_per_example(x, b), zeros))
 
 
-# A batched capture streams its layers to the consumer where all their output gradients of
-# one batch would hold more than this (BatchedIO.feed).
+# A proved batch is streamed (BatchedIO.stream) where all its layers' output gradients would
+# hold more than this, as measured on the fit's largest proved batch; below it, captured whole
+# and handed over in order: on a 2-layer Llama (10 MiB of output gradients a batch),
+# streaming measured 5-10% more CPU time and no less memory.
 _STREAM_BYTES = 32 * 2**20
 
 Start = Callable[[list[tuple]], Callable[[int, Tensor, Tensor], None]]
@@ -203,7 +201,8 @@ def _recording(ids: dict[int, int], taps: tuple[Tensor, dict] | None) -> Iterato
         if index is None:
             return None
         if taps is not None:
-            output = _Tap.apply(output, *taps[:1], index, taps[1])
+            anchor, arrived = taps
+            output = _Tap.apply(output, anchor, index, arrived)
         elif not output.requires_grad:
             output = output.detach().requires_grad_()
         seen.append((index, inputs[0], output, output._version))
@@ -240,16 +239,18 @@ class BatchedProof:
     def __init__(self) -> None:
         self.largest = 0
         self.failed = False
+        self.held_per_example = 0  # output-gradient bytes of an example, on the largest proved
 
 
 def proven_io(vmapped: IO, batched: BatchedIO | None, proof: BatchedProof,
               layers: list[KfacLayer]) -> Feed:
     """A feed (:data:`Feed`) through ``batched`` for each batch no larger than one it was
-    proved on; a larger batch is proved first: every example's inputs and output gradients
-    in the batched run must equal those of the per-example ``vmapped`` capture (the cost of
-    the per-example capture, once per larger batch). From a failed proof on, ``vmapped``
-    (with one BatchedPathWarning per fit; the batches already captured were proved at their
-    own sizes, so they stay).
+    proved on (streamed where its output gradients would exceed ``_STREAM_BYTES``, as
+    measured on the largest proved batch); a larger batch is proved first: every example's
+    inputs and output gradients in the batched run must equal those of the per-example
+    ``vmapped`` capture (the cost of the per-example capture, once per larger batch). From a
+    failed proof on, ``vmapped`` (with one BatchedPathWarning per fit; the batches already
+    captured were proved at their own sizes, so they stay).
 
     Raises:
         LossFunctionError: two batched runs of one batch differ: the loss draws random
@@ -263,13 +264,15 @@ def proven_io(vmapped: IO, batched: BatchedIO | None, proof: BatchedProof,
             return per_example(batch, start)
         size = tree_leaves(batch)[0].shape[0]
         if size <= proof.largest:
-            return batched.feed(batch, start)
+            if size * proof.held_per_example > _STREAM_BYTES:
+                return batched.stream(batch, start)
+            return _consume_all(batched(batch), layers, start)
         reason, together = _prove(batched, vmapped, batch)
         if reason is not None:
             proof.failed = True
             _warn(reason)
             return per_example(batch, start)
-        proof.largest = size
+        proof.largest, proof.held_per_example = size, batched.held_per_example
         return _consume_all(together, layers, start)
 
     return feed

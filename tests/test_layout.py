@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,6 +24,10 @@ PACKAGE = ROOT / "tracinfunc"
 # function body may import, so that ``import tracinfunc`` works without them.
 OPTIONAL = {"faiss", "s3fs", "fsspec", "botocore", "obstore", "transformers", "peft",
             "safetensors", "jax", "jaxlib", "flax", "matplotlib", "sklearn"}
+# Core dependencies imported inside functions on purpose: zarr (with numcodecs) costs 0.3-0.5
+# s and ~6 MiB to import, which ``import tracinfunc`` need not pay until a Zarr store, a saved
+# curvature or a retraining run is opened or written.
+DEFERRED = {"zarr"}
 
 
 def _module_name(path: Path) -> str:
@@ -119,9 +125,17 @@ def test_function_bodies_import_only_optional_dependencies():
         (name, line, target)
         for name, path in modules.items()
         for line, target in _imports(path, name, modules)[1]
-        if target.split(".")[0] not in OPTIONAL
+        if target.split(".")[0] not in OPTIONAL | DEFERRED
     )
     assert offenders == []
+
+
+def test_import_tracinfunc_leaves_the_deferred_dependencies_unloaded():
+    code = ("import sys, tracinfunc; print(sorted(m for m in sys.modules "
+            f"if m.split('.')[0] in {sorted(DEFERRED)!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_the_optional_list_matches_the_extras():

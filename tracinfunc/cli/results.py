@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import zarr
 from torch import Tensor
 
 from tracinfunc._artifacts import check_writable
@@ -140,6 +139,7 @@ def _write_npy(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _write_zarr(path: Path, arrays: dict[str, np.ndarray], attributes: dict) -> None:
+    import zarr
     group = zarr.open_group(str(path), mode="w-")
     group.attrs.update(attributes)
     group.attrs[RESULTS_MARK] = True  # what --overwrite may replace later

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zarr
 
 from tracinfunc._artifacts import check_writable
 from tracinfunc._jsonfile import check_json_file
@@ -104,6 +103,7 @@ def _refuse_existing(root: Path, overwrite: bool) -> None:
 
 def _write(curvature: Curvature, root: Path) -> None:
     """Write and seal ``curvature`` as a new Zarr group at ``root``."""
+    import zarr
     group = zarr.open_group(str(root), mode="w-")
     tensors = {}
     for c, estimate in enumerate(curvature.estimates):
@@ -125,6 +125,7 @@ def load_curvature(path: str | PathLike) -> Curvature:
         StoreNotFoundError: nothing at ``path``.
         CorruptStoreError: the metadata, a file or a tensor differs from what was sealed.
     """
+    import zarr
     root = Path(path)
     if not (root / "zarr.json").is_file():
         raise StoreNotFoundError(

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zarr
 from torch import Tensor
 
 from tracinfunc.errors import CorruptStoreError, InvalidArgumentError, InvalidTypeError
@@ -121,6 +120,7 @@ def load_retrain(path: str | Path) -> RetrainResult:
         CorruptStoreError: saved outputs fail their checksums (a deleted or damaged chunk),
             or the saved subsets are not those the run's settings draw.
     """
+    import zarr
     path = Path(path)
     check_run_json(path)
     try:

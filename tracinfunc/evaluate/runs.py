@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 
 from tracinfunc._artifacts import check_writable
 from tracinfunc._jsonfile import check_json_file
@@ -36,6 +35,7 @@ ATTRS_KEY = "tracinfunc_retrain"
 
 def open_run(path: Path, config: dict[str, Any]) -> Any:
     """The run's group at ``path``: a new one, or a previous run's with the same ``config``."""
+    import zarr
     with calling("retrain_subsets"):  # an enclosing entry point speaks first
         check_writable(path, "retraining run", overwrite=False)
     if not (path / "zarr.json").exists():

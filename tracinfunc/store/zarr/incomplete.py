@@ -11,13 +11,16 @@ remedy; :func:`incomplete_error` names the right one instead of advising deletio
 
 from __future__ import annotations
 
-import zarr
+from typing import TYPE_CHECKING
 
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import IncompleteStoreError
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.zarr.lock import live_writers
 from tracinfunc.store.zarr.urls import Location
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["incomplete_error"]
 

@@ -11,13 +11,11 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import zarr
 from torch import Tensor
-from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from tracinfunc._jsonfile import check_json_file
 from tracinfunc._validate import current_caller
@@ -33,6 +31,9 @@ from tracinfunc.store.codes import code_width, stored_empty
 from tracinfunc.store.meta import FORMAT_VERSION, StoreMeta, norm_dtype
 from tracinfunc.store.zarr.integrity import INTEGRITY_KEY, check_digest
 from tracinfunc.store.zarr.urls import is_url
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["ATTRS_KEY", "buffer_rows", "check_rerun", "check_resumable", "chunk_files",
            "create_layout", "norms_numpy", "open_group", "pending_buffers", "read_meta",
@@ -111,6 +112,8 @@ def _largest_divisor(n: int, at_most: int) -> int:
 def create_layout(path: Path, meta: StoreMeta, *, chunk_rows: int | None,
                   shard_rows: int | None, compression: str | None) -> zarr.Group:
     """Create the group and its empty (0-row) arrays, exclusively; return the group."""
+    import zarr
+    from zarr.codecs import Crc32cCodec, ZstdCodec
     if compression not in (None, "zstd"):
         raise InvalidArgumentError(
             f"ZarrWriter: compression must be None or 'zstd', got {compression!r}; None "
@@ -231,6 +234,7 @@ def write_errors(path: Path, rows_stored: int) -> Iterator[None]:
 def open_group(path: Path, *, mode: str) -> zarr.Group:
     """``zarr.open_group`` with a CorruptStoreError naming the file for malformed metadata
     (crafted JSON nested too deep or too large for zarr's parser included)."""
+    import zarr
     if not is_url(path):
         check_json_file(Path(path) / "zarr.json", what="store metadata")
     try:

@@ -26,7 +26,6 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from zarr.storage import LocalStore
 
 from tracinfunc.errors import CorruptStoreError
 from tracinfunc.store.zarr.integrity import file_identity, open_regular
@@ -57,6 +56,7 @@ class ShardReader:
     @classmethod
     def for_array(cls, array, *, guard=None) -> ShardReader | None:
         """A local reader for ``array``, or ``None`` if it is not raw local files."""
+        from zarr.storage import LocalStore
         layout = RawLayout.of(array)
         if layout is None or not isinstance(array.store, LocalStore):
             return None

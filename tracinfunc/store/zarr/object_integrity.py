@@ -18,10 +18,6 @@ import hashlib
 import threading
 from typing import Any
 
-from zarr.abc.store import RangeByteRequest
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
-
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import CorruptStoreError
 from tracinfunc.store.zarr.integrity import INTEGRITY_KEY, TAIL_BYTES, digest
@@ -43,6 +39,8 @@ async def _size(store, key: str) -> int | None:
 async def _tail_hash(store, key: str, size: int) -> str | None:
     """BLAKE2b-64 of the last ``TAIL_BYTES`` of the object (as ``integrity._tail_hash`` of a
     file); ``None`` if the object is gone (a listing or size may come from a cache)."""
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import default_buffer_prototype
     begin = max(0, size - TAIL_BYTES)
     data = await store.get(key, default_buffer_prototype(), RangeByteRequest(begin, size))
     if data is None:
@@ -59,6 +57,7 @@ def object_manifest(store, where: str) -> dict[str, list]:
     Raises:
         CorruptStoreError: an object is empty (a lost write, which zarr would read as zeros).
     """
+    from zarr.core.sync import sync
     async def entries() -> dict[str, list]:
         keys = sorted([key async for key in store.list() if key != _ROOT_JSON])
 
@@ -102,6 +101,7 @@ class ObjectGuard:
 
     def check_metadata_files(self) -> None:
         """Every sealed array and group ``zarr.json`` present and unedited (read in full)."""
+        from zarr.core.sync import sync
         names = [n for n in self._files or {} if n.endswith(".json")]
 
         async def run() -> None:
@@ -113,6 +113,7 @@ class ObjectGuard:
 
     def check(self, key: str) -> None:
         """Before the first read of object ``key``: present, right size, tail as sealed."""
+        from zarr.core.sync import sync
         if key not in self._checked:
             sync(self.acheck(key))
 

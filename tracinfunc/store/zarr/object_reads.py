@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime, timedelta
 
-from zarr.storage import ObjectStore
-
 __all__ = ["object_store_for_reads"]
 
 _CREDENTIAL_TTL = timedelta(minutes=15)  # re-asked of botocore (which refreshes) after this
@@ -26,6 +24,7 @@ def object_store_for_reads(url: str):
 
     ``None`` for schemes other than ``s3://``, without obstore or botocore, and when botocore
     finds no credentials (anonymous access stays with s3fs)."""
+    from zarr.storage import ObjectStore
     if not url.startswith("s3://"):
         return None
     try:

@@ -16,8 +16,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import zarr
+from typing import TYPE_CHECKING
 
 from tracinfunc.errors import StoreExistsError, StoreLockedError, StoreWriteError
 from tracinfunc.store.meta import StoreMeta
@@ -31,6 +30,9 @@ from tracinfunc.store.zarr.layout import (
 )
 from tracinfunc.store.zarr.lock import RemoteLock, WriterLock
 from tracinfunc.store.zarr.urls import Location, exists, is_url, remove
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["PARTS_KEY", "balanced_rows", "creation_lock", "open_or_create"]
 
@@ -90,6 +92,7 @@ def _existing(path: Location, meta: StoreMeta, count: int) -> zarr.Group | None:
     """The group of the sharded build at ``path`` (checked against this part's arguments),
     or ``None`` when there is none yet (nothing, an empty directory, or a half-made layout,
     which is removed). Called holding the creation lock."""
+    import zarr
     if not exists(path) or (isinstance(path, Path) and path.is_dir()
                             and not any(path.iterdir())):
         return None
@@ -161,6 +164,7 @@ def _half_made(path: Location, existing: dict | None) -> None:
 def _layout_only(group: zarr.Group) -> bool:
     """Whether ``group`` holds nothing but (part of) a store's layout: groups ``rows``,
     ``norms``, ``scales`` of arrays named by checkpoint numbers."""
+    import zarr
     for name, member in group.members():
         if name not in ("rows", "norms", "scales") or not isinstance(member, zarr.Group):
             return False

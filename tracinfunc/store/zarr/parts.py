@@ -23,8 +23,8 @@ import dataclasses
 import itertools
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import zarr
 from torch import Tensor
 
 from tracinfunc._artifacts import check_writable
@@ -56,6 +56,9 @@ from tracinfunc.store.zarr.object_integrity import seal_objects
 from tracinfunc.store.zarr.part_layout import PARTS_KEY, open_or_create
 from tracinfunc.store.zarr.store import ZarrStore, read_back_rows
 from tracinfunc.store.zarr.urls import is_url, location, write_location
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["PARTS_KEY", "PartWriter", "StorePart", "check_shard", "commit_store",
            "part_rows", "read_parts"]
@@ -369,6 +372,7 @@ def _progress(path: object, index: int) -> str:
 
 
 def _group(path: str | os.PathLike[str]) -> zarr.Group:
+    import zarr
     try:
         group = zarr.open_group(location(path), mode="r+")
         group.attrs[PARTS_KEY]["count"]

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
 from tracinfunc.errors import CorruptStoreError
 
@@ -55,6 +54,7 @@ class RawLayout:
     @classmethod
     def of(cls, array) -> RawLayout | None:
         """The layout of ``array`` (a ``zarr.Array``), or ``None`` if its chunks are not raw."""
+        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
         codecs = array.metadata.codecs
         if (
             sys.byteorder != "little"

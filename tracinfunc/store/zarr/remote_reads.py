@@ -16,10 +16,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from zarr.abc.store import RangeByteRequest, SuffixByteRequest
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.config import config
-from zarr.core.sync import sync
 
 from tracinfunc.errors import CorruptStoreError
 from tracinfunc.store.zarr.raw_layout import RawLayout, copy_chunk_rows
@@ -57,10 +53,12 @@ class RemoteShardReader:
         Raises:
             CorruptStoreError: a checksum fails, or an object or chunk is missing or short.
         """
+        from zarr.core.sync import sync
         if stop > start:
             sync(self._read(start, stop, out))
 
     async def _read(self, start: int, stop: int, out: memoryview) -> None:
+        from zarr.core.config import config
         limit = asyncio.Semaphore(max(1, int(config.get("async.concurrency") or 10)))
         shards = self._layout.shards(start, stop)
         await self._load_indices([s for s in shards if s not in self._indices], limit)
@@ -94,6 +92,8 @@ class RemoteShardReader:
 
     async def _load_indices(self, shards: list[int], limit: asyncio.Semaphore) -> None:
         async def load(shard: int) -> None:
+            from zarr.abc.store import SuffixByteRequest
+            from zarr.core.buffer import default_buffer_prototype
             key = f"{self._path}/{self._layout.chunk_key(shard)}"
             async with limit:
                 if self._guard is not None:  # the object sealed at this position?
@@ -110,6 +110,8 @@ class RemoteShardReader:
                      out: memoryview, limit: asyncio.Semaphore) -> None:
         """Fetch whole stored ``chunks`` from ``offset`` of ``key``; check and place their rows
         (here, while other requests are still in flight)."""
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
         size = len(chunks) * self._layout.stored_bytes
         async with limit:
             data = await self._store.get(key, default_buffer_prototype(),

@@ -35,12 +35,11 @@ import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import zarr
 from torch import Tensor
-from zarr.storage import LocalStore
 
 from tracinfunc._artifacts import enclosing_artifact
 from tracinfunc._validate import current_caller, entry_point
@@ -71,6 +70,9 @@ from tracinfunc.store.zarr.object_reads import object_store_for_reads
 from tracinfunc.store.zarr.raw_layout import RawLayout
 from tracinfunc.store.zarr.remote_reads import RemoteShardReader
 from tracinfunc.store.zarr.urls import chunk_keys, exists, is_url, location
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["ZarrStore"]
 
@@ -405,6 +407,7 @@ def _guard(path: Path | str, group: zarr.Group, meta: StoreMeta,
 def _maps(path: Path | str, rows: list[zarr.Array], guard: FileGuard | ObjectGuard,
           meta: StoreMeta, before_map: Callable[[], None]) -> list[ShardMaps | None]:
     """Mapped chunk views per checkpoint's rows: local, uncompressed float rows only."""
+    from zarr.storage import LocalStore
     if meta.quantization is not None or is_url(path):
         return [None] * len(rows)
     maps = []
@@ -423,6 +426,7 @@ def shard_reader(array, *, guard=None, byte_store=None):
     ``guard``: an optional :class:`~tracinfunc.store.zarr.integrity.FileGuard` checking each
     local shard file before its first read. ``byte_store``: a zarr store with the same root
     as the array's to read remote bytes through instead (``object_reads.py``)."""
+    from zarr.storage import LocalStore
     layout = RawLayout.of(array)
     if layout is None:
         return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-import zarr
 from torch import Tensor
 
 from tracinfunc._artifacts import check_writable
@@ -117,6 +116,7 @@ class ZarrWriter:
 
     def _resumable(self, meta: StoreMeta, overwrite: bool) -> bool:
         """True to resume the store at ``path``; False to replace it (after checks)."""
+        import zarr
         try:
             self._group = zarr.open_group(self._path, mode="r+")
             existing = self._group.attrs[ATTRS_KEY]

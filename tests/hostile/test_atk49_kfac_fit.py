@@ -1011,3 +1011,50 @@ def test_finding_global_forward_hook_replacing_an_output(mode, monkeypatch):
 
     est, want = _hooked_fit(register, mode, monkeypatch)
     torch.testing.assert_close(est["0.weight:S"], want["0"], rtol=1e-9, atol=1e-13)
+
+
+# --- 14. the JAX frontend on a Flax twin ---------------------------------------------------------
+
+def test_jax_fit_equals_the_streamed_sliced_torch_fit(monkeypatch):
+    jax = pytest.importorskip("jax")
+    fnn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    import numpy as np
+
+    import tracinfunc.jax as tj
+
+    class MLP(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            hidden = jax.numpy.tanh(fnn.Dense(6)(x))  # Dense_0, then Dense_1
+            return fnn.Dense(3)(hidden)
+
+    module = MLP()
+    params = module.init(jax.random.PRNGKey(0), jax.numpy.zeros((1, 4)))["params"]
+
+    def logits(p, x):
+        return module.apply({"params": p}, x[None])[0]
+
+    def jloss(p, example):
+        return optax.softmax_cross_entropy_with_integer_labels(logits(p, example[0]),
+                                                               example[1])
+
+    mapping = tj.ParamMapping.flax(
+        params, rename=lambda n: n.replace("Dense_0", "0").replace("Dense_1", "2"))
+    ckpts = [tj.Checkpoint(params, lr=1.0, name="c0")]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((10, 4)).astype(np.float32), rng.integers(0, 3, 10)
+    jc = tj.fit_curvature(jloss, ckpts, (jax.numpy.asarray(x), jax.numpy.asarray(y)),
+                          kind="ekfac", mapping=mapping,
+                          sampler=tj.classification_sampler(logits, exact=True))
+    _mode(monkeypatch, "stream_sliced")
+    twin = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).eval()
+    tc = fit_curvature(tif.loss_from_module(twin, F.cross_entropy),
+                       [c.to_torch(mapping) for c in ckpts],
+                       (torch.from_numpy(x), torch.from_numpy(y)), kind="ekfac",
+                       sampler=EXACT, batch_size=3)
+    assert tc.checkpoints == jc.checkpoints
+    for key, value in tc.estimates[0].items():
+        if key.endswith((":A", ":S", ":eigen")):
+            other = torch.as_tensor(np.asarray(jc.estimates[0][key]))
+            assert float((value - other).abs().max() / value.abs().max()) < 1e-5, key

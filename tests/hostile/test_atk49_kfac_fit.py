@@ -1058,3 +1058,30 @@ def test_jax_fit_equals_the_streamed_sliced_torch_fit(monkeypatch):
         if key.endswith((":A", ":S", ":eigen")):
             other = torch.as_tensor(np.asarray(jc.estimates[0][key]))
             assert float((value - other).abs().max() / value.abs().max()) < 1e-5, key
+
+
+# --- 15. readers of one input with and without their bias selected --------------------------------
+
+@pytest.mark.parametrize("mode", ["whole", "stream_sliced"])
+def test_shared_input_readers_with_and_without_selected_bias(mode, monkeypatch):
+    _mode(monkeypatch, mode)
+    torch.manual_seed(0)
+    model = QKV().double().eval()
+    x, y = _qkv_data(11)
+    ckpts = _ckpts(model, 2)
+    select = ["q.weight", "k.weight", "v.weight", "v.bias"]  # q's bias exists, not selected
+    curv = fit_curvature(tif.loss_from_module(model, F.cross_entropy), ckpts, (x, y),
+                         kind="ekfac", sampler=EXACT, batch_size=4,
+                         options=tif.GradientOptions(select=select))
+    rows = torch.cat([x, torch.ones(11, 3, 1, dtype=torch.float64)], -1)
+    a = sum(rows[i].T @ rows[i] / 3 for i in range(11)) / 11
+    for c in range(2):
+        est = curv.estimates[c]
+        torch.testing.assert_close(est["v.weight:A"], a)
+        torch.testing.assert_close(est["q.weight:A"], a[:4, :4])
+        torch.testing.assert_close(est["k.weight:A"], a[:4, :4])
+        assert len({est[f"{n}.weight:A"].data_ptr() for n in "qkv"}) == 3
+        ref = _reference(model, {"v": model.v}, x, dict(ckpts[c].params), n_classes=3,
+                         ekfac_from=est)
+        torch.testing.assert_close(est["v.weight:S"], ref[1]["v"])
+        torch.testing.assert_close(est["v.weight:eigen"], ref[2]["v"])

@@ -1085,3 +1085,41 @@ def test_shared_input_readers_with_and_without_selected_bias(mode, monkeypatch):
                          ekfac_from=est)
         torch.testing.assert_close(est["v.weight:S"], ref[1]["v"])
         torch.testing.assert_close(est["v.weight:eigen"], ref[2]["v"])
+
+
+# --- 16. bfloat16 models and autocast ------------------------------------------------------------
+
+class _Autocast(QKV):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x).float()
+
+
+def _low_precision_fit(which):
+    import warnings
+
+    torch.manual_seed(0)
+    model = (QKV().to(torch.bfloat16) if which == "bf16" else _Autocast()).eval()
+    x, y = _qkv_data(9)
+    x = x.to(torch.bfloat16 if which == "bf16" else torch.float32)
+    ckpts = _ckpts(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        curv = fit_curvature(tif.loss_from_module(model, F.cross_entropy), ckpts, (x, y),
+                             kind="kfac", sampler=EXACT, batch_size=4)
+    twin = QKV().double().eval()
+    _, s, _ = _reference(twin, {n: getattr(twin, n) for n in "qkvo"}, x.double(),
+                         {k: v.double() for k, v in ckpts[0].params.items()}, n_classes=3)
+    for n in "qkvo":  # right to bfloat16 rounding (the per-example fallback)
+        got = curv.estimates[0][f"{n}.weight:S"]
+        assert float((got - s[n]).abs().max() / s[n].abs().max()) < 5e-2, n
+    return [str(w.message) for w in caught if type(w.message).__name__ == "BatchedPathWarning"]
+
+
+@pytest.mark.xfail(strict=True, reason="FINDING: bfloat16 rounding fails the batched proof "
+                   "(tolerance 1e-3), reported as 'examples interact'; every batch then takes "
+                   "the per-example vmap capture")
+@pytest.mark.parametrize("which", ["bf16", "autocast"])
+def test_finding_bfloat16_models_fall_off_the_batched_path(which):
+    warned = _low_precision_fit(which)
+    assert warned == [], warned

@@ -160,9 +160,9 @@ def _qkv_data(n=9):
 
 # --- 1. exactness against the float64 reference ----------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
-@pytest.mark.parametrize("bias_k", [False, True])
+@pytest.mark.parametrize(("mode", "kind", "bias_k"), [
+    *((m, k, False) for m in MODES for k in ("kfac", "ekfac")),
+    ("stream_sliced", "kfac", True), ("stream_sliced", "ekfac", True), ("whole", "ekfac", True)])
 def test_qkv_shared_input_exact_over_batches(mode, kind, bias_k, monkeypatch):
     _mode(monkeypatch, mode)
     torch.manual_seed(0)
@@ -175,7 +175,7 @@ def test_qkv_shared_input_exact_over_batches(mode, kind, bias_k, monkeypatch):
     _check(curv, model, layers, x, ckpts, 3, kind)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["whole", "stream_sliced"])
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
 def test_residual_and_dead_output_exact(mode, kind, monkeypatch):
     _mode(monkeypatch, mode)
@@ -193,7 +193,7 @@ def test_residual_and_dead_output_exact(mode, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["whole", "stream_sliced"])
-@pytest.mark.parametrize("batch_size", [1, 2, 5, None])
+@pytest.mark.parametrize("batch_size", [1, 5, None])
 def test_batch_sizes_one_uneven_and_whole(mode, batch_size, monkeypatch):
     _mode(monkeypatch, mode)
     torch.manual_seed(0)

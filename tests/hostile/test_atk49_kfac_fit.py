@@ -1123,3 +1123,28 @@ def _low_precision_fit(which):
 def test_finding_bfloat16_models_fall_off_the_batched_path(which):
     warned = _low_precision_fit(which)
     assert warned == [], warned
+
+
+# --- 17. a generator as data with several checkpoints --------------------------------------------
+
+def test_ekfac_generator_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = QKV().double().eval()
+    x, y = _qkv_data(9)
+    gen = ((x[i:i + 3], y[i:i + 3]) for i in range(0, 9, 3))
+    with pytest.raises(tif.errors.InvalidArgumentError, match="generator"):
+        fit_curvature(tif.loss_from_module(model, F.cross_entropy), _ckpts(model), gen,
+                      kind="ekfac", sampler=EXACT)
+
+
+@pytest.mark.xfail(strict=True, reason="FINDING: kind='kfac' with 2 checkpoints and a generator "
+                   "says 'data holds no examples' (EmptyDataError) at the second checkpoint "
+                   "instead of ekfac's 'pass a list or a DataLoader, not a generator'")
+def test_finding_kfac_generator_with_several_checkpoints_names_the_generator():
+    torch.manual_seed(0)
+    model = QKV().double().eval()
+    x, y = _qkv_data(9)
+    gen = ((x[i:i + 3], y[i:i + 3]) for i in range(0, 9, 3))
+    with pytest.raises(tif.errors.InvalidArgumentError, match="generator"):
+        fit_curvature(tif.loss_from_module(model, F.cross_entropy), _ckpts(model, 2), gen,
+                      kind="kfac", sampler=EXACT)

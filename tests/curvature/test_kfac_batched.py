@@ -198,3 +198,31 @@ def test_slice_gaps_keep_a_nan_as_one_maximum_over_the_batch_does():
 
     assert math.isnan(_larger(math.nan, 1.0)) and math.isnan(_larger(1.0, math.nan))
     assert _larger(2.0, 1.0) == 2.0
+
+
+class _InputWrittenAfterRead(nn.Module):
+    """``second`` reads ``h``, then ``h`` is written in place (atk49)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.out = nn.Linear(6, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.first(x)
+        read = self.second(h)
+        h.add_(1.0)
+        return self.out(torch.tanh(read) + h)
+
+
+@pytest.mark.parametrize("form", ["module loss", "plain loss"])
+def test_a_layer_input_written_after_the_layer_read_it_is_refused(form):
+    # The batched capture and the per-example one (a plain loss, or the fallback) both kept
+    # the input tensor, not its values: A was formed from the written values, silently.
+    model = _InputWrittenAfterRead().double().eval()
+    module_loss = tif.loss_from_module(model, F.cross_entropy)
+    loss, sampler = (module_loss, EXACT) if form == "module loss" else (
+        lambda params, example: module_loss(params, example),  # the data's own labels
+        lambda loss, params, batch, generator: (batch, torch.ones(batch[0].shape[0])))
+    with pytest.raises(LossFunctionError, match="wrote into a layer's input in place"):
+        fit_curvature(loss, make_checkpoints(model, n_ckpt=1), make_data(12), kind="kfac",
+                      sampler=sampler, batch_size=4)

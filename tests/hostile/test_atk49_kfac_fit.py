@@ -281,8 +281,6 @@ class InputWrittenAfterRead(nn.Module):
         return self.c(torch.tanh(out) + h)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: a layer input written in place after the layer "
-                   "read it is accepted silently; A is built from the written values")
 @pytest.mark.parametrize("mode", ["whole", "stream"])
 def test_finding_layer_input_written_in_place_after_read(mode, monkeypatch):
     _mode(monkeypatch, mode)
@@ -744,8 +742,6 @@ class _UsedOutside(nn.Module):
         return self.c(h)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: a weight read outside its one layer call is "
-                   "accepted; EK-FAC eigenvalues are not E[(Q_S^T G Q_A)^2] of its gradient")
 @pytest.mark.parametrize("how", ["tied_matmul", "penalty"])
 def test_finding_weight_used_outside_its_layer_call(how):
     torch.manual_seed(0)
@@ -803,8 +799,6 @@ class _TiedEmbeddingHead(nn.Module):
         return F.linear(torch.tanh(self.h(self.e(ids).mean(1))), self.e.weight)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: an embedding table tied to a functional output "
-                   "head is fitted as a plain embedding instead of refused as tied")
 def test_finding_embedding_tied_to_a_functional_head_is_refused():
     torch.manual_seed(0)
     model = _TiedEmbeddingHead().double().eval()
@@ -890,9 +884,6 @@ def test_two_convs_of_one_geometry_reading_one_input_stay_batched():
         torch.testing.assert_close(curv.estimates[0][f"{name}.weight:A"], a)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: layers of different geometry reading one input "
-                   "fail the batched proof ('examples interact'), so the whole fit falls back to "
-                   "the per-example vmap capture")
 @pytest.mark.parametrize("second", ["stride", "linear"])
 def test_finding_layers_of_other_geometry_reading_one_input_fall_off_the_batched_path(second):
     _model, x, curv, warned = _branch_fit(second)
@@ -999,9 +990,6 @@ def test_local_user_hooks_are_respected(where, mode, monkeypatch):
         torch.testing.assert_close(est[f"{n}.weight:S"], want[n], rtol=1e-9, atol=1e-13)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: a global module forward hook that replaces a "
-                   "layer's output makes S the hooked output's (here 1/4 of the true S), "
-                   "silently")
 @pytest.mark.parametrize("mode", ["whole", "stream"])
 def test_finding_global_forward_hook_replacing_an_output(mode, monkeypatch):
     import torch.nn.modules.module as module
@@ -1116,9 +1104,6 @@ def _low_precision_fit(which):
     return [str(w.message) for w in caught if type(w.message).__name__ == "BatchedPathWarning"]
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: bfloat16 rounding fails the batched proof "
-                   "(tolerance 1e-3), reported as 'examples interact'; every batch then takes "
-                   "the per-example vmap capture")
 @pytest.mark.parametrize("which", ["bf16", "autocast"])
 def test_finding_bfloat16_models_fall_off_the_batched_path(which):
     warned = _low_precision_fit(which)
@@ -1137,9 +1122,6 @@ def test_ekfac_generator_is_refused_with_the_fix():
                       kind="ekfac", sampler=EXACT)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: kind='kfac' with 2 checkpoints and a generator "
-                   "says 'data holds no examples' (EmptyDataError) at the second checkpoint "
-                   "instead of ekfac's 'pass a list or a DataLoader, not a generator'")
 def test_finding_kfac_generator_with_several_checkpoints_names_the_generator():
     torch.manual_seed(0)
     model = QKV().double().eval()

@@ -21,7 +21,8 @@ parameter is refused by name.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,14 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, vmap
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import InvalidArgumentError, LossFunctionError
 from tracinfunc.types import Batch, Example, LossFn, Params
 
-__all__ = ["SUPPORTED", "KfacLayer", "find_layers", "layer_io"]
+__all__ = ["SUPPORTED", "KfacLayer", "check_inputs_unchanged", "find_layers", "layer_io"]
 
 SUPPORTED = ("nn.Linear", "transformers Conv1D", "nn.Conv2d", "nn.Embedding")
 
@@ -145,7 +147,8 @@ def _hooked(ids: dict[int, int], taps: list[Tensor] | None) -> Iterator[list]:
         if index is None:
             return None
         call = len(seen)
-        seen.append((index, module, inputs[0], output, id(getattr(module, "bias", None))))
+        seen.append((index, module, inputs[0], output, id(getattr(module, "bias", None)),
+                     inputs[0]._version))
         if taps is None:
             return None
         if call >= len(taps):
@@ -166,16 +169,20 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
     """The layers applying ``params``, in call order; refuse what K-FAC cannot cover.
 
     Raises:
-        InvalidArgumentError: a parameter is not the weight or bias of a supported layer, or
-            a layer is called more than once (a tied weight).
+        InvalidArgumentError: a parameter is not the weight or bias of a supported layer, a
+            layer is called more than once (a tied weight), or a layer's weight or bias is
+            read outside its call (``h @ layer.weight``, a penalty, a tied output head).
     """
     ids = {id(value): i for i, value in enumerate(params.values())}
     names = list(params)
-    with torch.no_grad(), _hooked(ids, None) as seen:
+    with torch.no_grad(), _hooked(ids, None) as seen, _ParameterUses(params) as uses:
         loss(params, example)
     bias_names = {id(value): name for name, value in params.items()}
     layers, covered, unsupported, repeated = [], set(), [], []
-    for index, module, _, _, bias_id in seen:
+    calls = Counter(name for index, _, _, _, bias_id, _ in seen
+                    for name in (names[index], bias_names.get(bias_id)) if name is not None)
+    outside = sorted(name for name, count in uses.items() if 0 < calls[name] < count)
+    for index, module, _, _, bias_id, _ in seen:
         weight, rule = names[index], _rule(module)
         if rule is None:
             bias = bias_names.get(bias_id)  # name the bias too: both are refused
@@ -190,13 +197,15 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
         d_out, d_in = _sizes(rule, params[weight].shape)
         layers.append(KfacLayer(weight, bias, rule, d_out, d_in))
         covered |= {weight, bias} - {None}
+    repeated += [name for name in outside if name not in repeated]
     rest = [name for name in names if name not in covered]
     if unsupported or repeated or rest:
         problems = []
         if unsupported:
             problems.append(f"applied by unsupported layers: {', '.join(unsupported)}")
         if repeated:
-            problems.append(f"applied by several layer calls (tied weights): {repeated}")
+            problems.append("applied by several layer calls, or read outside their layer's "
+                            f"call (tied weights, a weight in a matmul or penalty): {repeated}")
         if rest:
             problems.append(f"not the weight or bias of a layer: {rest[:6]}")
         coverable = sorted({name for layer in layers for name in (layer.weight, layer.bias)
@@ -218,6 +227,33 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
     return layers
 
 
+class _ParameterUses(TorchFunctionMode):
+    """Counts, per parameter name, the torch functions that take the parameter itself and
+    return a tensor (a layer's own call is one; ``h @ layer.weight``, ``weight ** 2`` or a
+    tied head's ``F.linear(h, embedding.weight)`` are more). Metadata (``.shape``,
+    ``.dtype``, ``.size()``) returns no tensor and is not counted. K-FAC describes a weight
+    only as its layer applies it: any other use changes the weight's gradient."""
+
+    def __init__(self, params: Params) -> None:
+        super().__init__()
+        self.names = {id(value): name for name, value in params.items()}
+        self.uses: Counter = Counter()
+
+    def __enter__(self) -> Counter:
+        super().__enter__()
+        return self.uses
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, Tensor) or (isinstance(result, tuple | list) and any(
+                isinstance(item, Tensor) for item in result)):
+            for value in tree_leaves((args, kwargs)):  # torch.cat([w, ...]) too
+                name = self.names.get(id(value))
+                if name is not None:
+                    self.uses[name] += 1
+        return result
+
+
 def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Example
              ) -> Callable[[Batch], list[tuple[Tensor, Tensor]]]:
     """``fn(batch) -> [(x [b, T, d_in], delta [b, T, d_out]) per layer]`` at ``params``
@@ -230,7 +266,7 @@ def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Exa
     ids = {id(params[layer.weight]): i for i, layer in enumerate(layers)}
     with torch.no_grad(), _hooked(ids, None) as seen:
         loss(params, example)
-    shapes = [(output.shape, output.dtype) for _, _, _, output, _ in seen]
+    shapes = [(output.shape, output.dtype) for _, _, _, output, *_ in seen]
     readers = [_reader(module, layers[index]) for index, module, *_ in seen]
     order = [index for index, *_ in seen]
     if order != list(range(len(layers))):
@@ -246,7 +282,8 @@ def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Exa
         def inner(taps: list[Tensor]):
             with _hooked(ids, taps) as calls:
                 value = loss(params, example)
-            return value, [x for _, _, x, _, _ in calls]
+            check_inputs_unchanged(x._version != version for _, _, x, _, _, version in calls)
+            return value, [x for _, _, x, *_ in calls]
 
         deltas, inputs = grad(inner, has_aux=True)(taps)
         return [read(x, delta) for read, x, delta in zip(readers, inputs, deltas, strict=True)]
@@ -255,6 +292,16 @@ def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Exa
         return vmap(one)(batch)
 
     return batched
+
+
+def check_inputs_unchanged(changed: Iterable[bool]) -> None:
+    """Refuse a forward that wrote into a layer's input after the layer read it: ``A`` would
+    be formed from the written values (the weights are constants, so no backward notices)."""
+    if any(changed):
+        raise LossFunctionError(
+            f"{current_caller()}: the model wrote into a layer's input in place after the "
+            "layer read it (e.g. out = layer(h); h.add_(1)), so K-FAC would see the written "
+            "values, not the ones the layer read; write out of place (h = h + 1).")
 
 
 def first_example(batch: Batch) -> Example:

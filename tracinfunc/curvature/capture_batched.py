@@ -16,8 +16,9 @@ time, as the backward reaches each layer (:meth:`BatchedIO.stream`): the consume
 The first batch, and each batch larger than every batch proved before in the fit, proves the
 batched mode: every example's inputs and output gradients must equal those of the per-example
 (vmapped) capture of the batch (largest difference at most 1e-6 of the largest value in
-float64, 1e-3 otherwise). A model whose examples interact in a batched forward, or that fails
-on one, is captured under vmap from that batch on, with one
+float64, 1e-3 in float32, four units of the last place in bfloat16 and float16). A model
+whose examples interact in a batched forward, or that fails on one, is captured under vmap
+from that batch on, with one
 :class:`~tracinfunc.grads.factorized_batched.BatchedPathWarning` per fit saying why; a loss
 that draws random numbers is refused.
 """
@@ -35,7 +36,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._hooks import register_thread_forward_hook
-from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader
+from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader, check_inputs_unchanged
 from tracinfunc.curvature.kfac import input_key, input_keys
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.grads.factorized_batched import BatchedPathWarning
@@ -59,10 +60,22 @@ def batched_io(loss: ModuleLoss, frozen: Params, params: Params, layers: list[Kf
     ids = {id(consts[layer.weight]): i for i, layer in enumerate(layers)}
     with torch.no_grad(), _hooked(ids, None) as seen:
         loss(state, example)
-    if any(output.shape[:1] != (1,) for *_, output, _ in seen):
+    if any(output.shape[:1] != (1,) for _, _, _, output, *_ in seen):
         return None
     readers = [vmap(_reader(module, layers[index])) for index, module, *_ in seen]
-    return BatchedIO(loss, state, ids, readers, layers)
+    ways = [_way_of_reading(module, layers[index], index) for index, module, *_ in seen]
+    return BatchedIO(loss, state, ids, readers, ways, layers)
+
+
+def _way_of_reading(module, layer: KfacLayer, index: int) -> tuple:
+    """Equal for two layers whose readers turn one input into the same ``x``: Linears of one
+    input width, Conv2d of one geometry; an embedding's ids are never shared."""
+    if layer.rule == "conv2d":
+        return ("conv2d", layer.d_in, module.kernel_size, module.stride, module.padding,
+                module.dilation)
+    if layer.rule == "linear":
+        return ("linear", layer.d_in)
+    return (layer.rule, index)
 
 
 class BatchedIO:
@@ -71,9 +84,10 @@ class BatchedIO:
     consumer a layer at a time as the backward produces them (:meth:`stream`)."""
 
     def __init__(self, loss: ModuleLoss, state: Params, ids: dict[int, int],
-                 readers: list[Callable], layers: list[KfacLayer]) -> None:
+                 readers: list[Callable], ways: list[tuple], layers: list[KfacLayer]) -> None:
         self.loss, self.state, self.ids, self.readers, self.layers = (loss, state, ids,
                                                                       readers, layers)
+        self.ways = ways  # per layer, how its reader reads its input (_way_of_reading)
         self.held_per_example = 0  # output-gradient bytes of an example, all layers (last call)
 
     def __call__(self, batch: Batch) -> list[tuple[Tensor, Tensor]]:
@@ -82,14 +96,15 @@ class BatchedIO:
         with torch.enable_grad(), _recording(self.ids, None) as calls:
             values = self.loss.per_example(self.state, batch)  # [b]
         _check_calls(calls, len(self.layers), b)
-        deltas = torch.autograd.grad(values.sum(), [output for _, _, output, _ in calls],
+        deltas = torch.autograd.grad(values.sum(), [output for _, _, output, *_ in calls],
                                      materialize_grads=True)
         del values
         self.held_per_example = sum(delta.nbytes for delta in deltas) // max(b, 1)
         out, read_once = [], {}
-        for read, (_, x, _, _), delta in zip(self.readers, calls, deltas, strict=True):
+        for read, way, (_, x, *_), delta in zip(self.readers, self.ways, calls, deltas,
+                                                  strict=True):
             x_read, delta_read = read(_per_example(x, b), delta.unsqueeze(1))
-            out.append((read_once.setdefault(id(x), x_read), delta_read))  # q, k, v: one x
+            out.append((read_once.setdefault((id(x), way), x_read), delta_read))  # q, k, v
         return out
 
     def stream(self, batch: Batch, start: Start) -> None:
@@ -110,7 +125,7 @@ class BatchedIO:
             raise LossFunctionError(_IN_PLACE) from error
         _check_calls(calls, len(self.layers), b)
         consume = start(stream_keys(calls, self.layers))
-        pending = {index: (x, output.shape, output.dtype) for index, x, output, _ in calls}
+        pending = {index: (x, output.shape, output.dtype) for index, x, output, *_ in calls}
         del calls  # the inputs the backward no longer needs go as it goes
 
         def arrive(index: int, delta: Tensor) -> None:
@@ -189,10 +204,10 @@ class _Tap(torch.autograd.Function):
 
 @contextmanager
 def _recording(ids: dict[int, int], taps: tuple[Tensor, dict] | None) -> Iterator[list]:
-    """Record ``(layer index, input, output, output version)`` of the calls of layers in
-    ``ids``. Without ``taps``, an output that needs no gradient (the first layers: the
-    weights are constants) is made to need one, so the backward reaches it (no zero tap to
-    allocate and add); with ``(anchor, arrived)``, each output goes on through a
+    """Record ``(layer index, input, output, output version, input version)`` of the calls
+    of layers in ``ids``. Without ``taps``, an output that needs no gradient (the first
+    layers: the weights are constants) is made to need one, so the backward reaches it (no
+    zero tap to allocate and add); with ``(anchor, arrived)``, each output goes on through a
     :class:`_Tap` (a view of it: the same memory)."""
     seen: list = []
 
@@ -205,7 +220,7 @@ def _recording(ids: dict[int, int], taps: tuple[Tensor, dict] | None) -> Iterato
             output = _Tap.apply(output, anchor, index, arrived)
         elif not output.requires_grad:
             output = output.detach().requires_grad_()
-        seen.append((index, inputs[0], output, output._version))
+        seen.append((index, inputs[0], output, output._version, inputs[0]._version))
         return output
 
     handle = register_thread_forward_hook(hook)
@@ -222,8 +237,17 @@ def _check_calls(calls: list, n_layers: int, b: int) -> None:
         raise LossFunctionError("fit_curvature: the batched forward called the layers "
                                 "differently from one example's forward")
     if any(output.shape[:1] != (b,) or output._version != version
-           for _, _, output, version in calls):
+           for _, _, output, version, _ in calls):
         raise LossFunctionError(_IN_PLACE)
+    try:
+        check_inputs_unchanged(x._version != version for _, x, _, _, version in calls)
+    except LossFunctionError as error:  # no capture can fit it: refused, not a fallback
+        raise _InputWritten(str(error)) from None
+
+
+class _InputWritten(LossFunctionError):
+    """A layer's input written in place after the layer read it (refused by the proof too,
+    where another failure of the batched forward falls back to the per-example capture)."""
 
 
 _IN_PLACE = ("fit_curvature: a layer's batched output has no batch dimension first, or was "
@@ -283,6 +307,8 @@ def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:
     per-example ``vmapped`` capture), else ``(why not, [])``."""
     try:
         together = batched(batch)
+    except _InputWritten:
+        raise
     except Exception as error:  # a model may refuse a real batch in many ways
         return f"one batched forward failed ({error})", []
     try:
@@ -303,8 +329,8 @@ def _prove(batched: IO, vmapped: IO, batch: Batch) -> tuple[str | None, list]:
             "examples interact)"), []
 
 
-def _slice_gaps(together: list, vmapped: IO, batch: Batch) -> list[tuple[float, float, bool]]:
-    """Per layer and side, ``(largest difference, largest value, float64)`` between the
+def _slice_gaps(together: list, vmapped: IO, batch: Batch) -> list[tuple[float, float, float]]:
+    """Per layer and side, ``(largest difference, largest value, tolerance)`` between the
     batched capture ``together`` and the per-example ``vmapped`` capture of ``batch``.
 
     The per-example capture runs on slices of the batch (each at most ``_PROOF_BYTES`` of
@@ -314,15 +340,15 @@ def _slice_gaps(together: list, vmapped: IO, batch: Batch) -> list[tuple[float, 
     size = tree_leaves(batch)[0].shape[0]
     held = sum(value.nbytes for pair in together for value in pair)
     step = max(1, _PROOF_BYTES * size // max(held, 1))
-    gaps: list[tuple[float, float, bool]] = []
+    gaps: list[tuple[float, float, float]] = []
     for start in range(0, size, step):
         want = vmapped(_rows(batch, start, start + step))
-        part = [(*_gap(have[start:start + step], expected), expected.dtype == torch.float64)
+        part = [(*_gap(have[start:start + step], expected), _tolerance(expected.dtype))
                 for got_pair, want_pair in zip(together, want, strict=True)
                 for have, expected in zip(got_pair, want_pair, strict=True)]
         del want
-        gaps = part if not gaps else [(_larger(a, c), _larger(b, d), wide)
-                                      for (a, b, _), (c, d, wide) in zip(gaps, part, strict=True)]
+        gaps = part if not gaps else [(_larger(a, c), _larger(b, d), allowed) for (a, b, _),
+                                      (c, d, allowed) in zip(gaps, part, strict=True)]
     return gaps
 
 
@@ -361,22 +387,32 @@ def _refuse_random(batched: IO, batch: Batch, together: list) -> None:
 def _worst_gap(got: list, want: list) -> tuple[float, float] | None:
     """``None`` where every ``got[layer][side]`` equals ``want[layer][side]`` within the
     tolerance of :func:`_worst`, else the worst ``(largest difference, largest value)``."""
-    return _worst([(*_gap(have, expected), expected.dtype == torch.float64)
+    return _worst([(*_gap(have, expected), _tolerance(expected.dtype))
                    for got_pair, want_pair in zip(got, want, strict=True)
                    for have, expected in zip(got_pair, want_pair, strict=True)])
 
 
-def _worst(gaps: list[tuple[float, float, bool]]) -> tuple[float, float] | None:
-    """``None`` where every ``(largest difference, largest value, float64)`` is within the
-    tolerance (largest absolute difference at most 1e-6 of the largest absolute value in
-    float64, 1e-3 otherwise, as the factorised projection's batched path), else the worst
-    ``(largest difference, largest value)``."""
+def _worst(gaps: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """``None`` where every ``(largest difference, largest value, tolerance)`` is within its
+    tolerance (:func:`_tolerance`: the largest absolute difference at most that fraction of
+    the largest absolute value), else the worst ``(largest difference, largest value)``."""
     worst, ratio = None, 0.0
-    for diff, scale, wide in gaps:
-        allowed = 1e-6 if wide else 1e-3
+    for diff, scale, allowed in gaps:
         if diff > allowed * scale and (scale == 0 or diff / scale > ratio):
             worst, ratio = (diff, scale), (math.inf if scale == 0 else diff / scale)
     return worst
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """The proof's relative tolerance for captured values of ``dtype``: 1e-6 in float64,
+    1e-3 in float32 (as the factorised projection's batched path), four units of the last
+    place in lower precision (bfloat16: 0.031; one batched and one per-example run round
+    apart by a unit, which 1e-3 took for interacting examples)."""
+    if dtype == torch.float64:
+        return 1e-6
+    if dtype == torch.float32 or not dtype.is_floating_point:
+        return 1e-3
+    return max(1e-3, 4 * torch.finfo(dtype).eps)
 
 
 def _gap(got: Tensor, want: Tensor) -> tuple[float, float]:

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -130,6 +131,8 @@ def fit_curvature(
     blocks = _blocks(block_diagonal, kind, layout, projection)
     metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr, c.fingerprint)
                   for i, c in enumerate(checkpoints))
+
+    check_rereadable(data, kind, len(checkpoints))
 
     def batches() -> Iterator[Batch]:
         return _limited(data if batch_size is None else rebatch(data, batch_size), max_examples)
@@ -287,6 +290,18 @@ _fit_ekfac = partial(_fit_kfac, eigen=True)  # no frame of its own: the warning'
 
 _FITTERS = {"dense": _fit_dense, "projected": _fit_projected, "kfac": _fit_kfac,
             "ekfac": _fit_ekfac}
+
+
+def check_rereadable(data: Any, kind: str, n_ckpt: int) -> None:
+    """Refuse a one-pass iterator (a generator) as ``data`` where the fit reads it more than
+    once: once per checkpoint, and twice for ``"ekfac"`` (the second reading would find it
+    empty: "no examples")."""
+    reads = n_ckpt * (2 if kind == "ekfac" else 1)
+    if isinstance(data, Iterator) and reads > 1:
+        raise InvalidArgumentError(
+            f"{current_caller()}: data is a one-pass iterator ({type(data).__name__}), but "
+            f"kind={kind!r} at {n_ckpt} checkpoint(s) reads it {reads} times; pass a list or a "
+            "DataLoader (data that can be iterated again), not a generator.")
 
 
 def _limited(data: Batch | Iterable[Batch], max_examples: int | None) -> Iterator[Batch]:

@@ -37,6 +37,7 @@ from tracinfunc.curvature.fit import (
     _check_kind,
     _fit_factors,
     _fit_matrix,
+    check_rereadable,
 )
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import CheckedSampler, _draw_labels
@@ -221,6 +222,7 @@ def fit_curvature(
     metas = tuple(CheckpointMeta(c.name or f"checkpoint-{i}", c.lr,
                                  c._fingerprint(mapping))
                   for i, c in enumerate(checkpoints))
+    check_rereadable(data, kind, len(checkpoints))
     batches = partial(_limited, data, max_examples)
     estimates, dampings, layers, seen = [], [], [], 0
     captured: list = []  # one compiled capture serves every checkpoint (same shapes)

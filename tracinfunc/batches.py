@@ -23,9 +23,19 @@ from tracinfunc._validate import check_int, current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 from tracinfunc.types import Batch
 
-__all__ = ["batch_leaves", "batch_size_of", "check_ordered", "expected_rows",
-           "flatten_batch", "iter_batches", "known_size", "rebatch", "sized",
-           "unflatten_batch"]
+__all__ = [
+    "batch_leaves",
+    "batch_size_of",
+    "check_ordered",
+    "expected_rows",
+    "flatten_batch",
+    "iter_batches",
+    "known_size",
+    "rebatch",
+    "sized",
+    "tuple_of_batches",
+    "unflatten_batch",
+]
 
 # A batch's structure where it is a tensor or a plain tuple or list of tensors (nearly every
 # loader's): ``(type, length)``, else torch's TreeSpec. torch's pytree costs ~50 us a call
@@ -228,3 +238,11 @@ def has_no_examples(batch: Batch) -> bool:
     examples; one without tensors, or a 0-dim leaf, is left to the caller's own checks)."""
     leaf = next((leaf for leaf in batch_leaves(batch) if isinstance(leaf, Tensor)), None)
     return leaf is not None and leaf.ndim > 0 and leaf.shape[0] == 0
+
+
+def tuple_of_batches(data: object) -> bool:
+    """Whether ``data`` is a tuple of tuples, lists or dicts: one nested batch, or (more
+    often, when the loss fails on it) batches meant as a list (``((x, y),)`` too). Functions
+    that read a tuple as ONE batch add this to the failure's message."""
+    return type(data) is tuple and len(data) >= 1 and \
+        all(isinstance(element, tuple | list | Mapping) for element in data)

@@ -26,7 +26,7 @@ from tests.conftest import make_checkpoints, make_data, make_mlp
 from tests.curvature.test_kfac_layers import *  # noqa: F403 (the references, fed and sliced)
 from tests.curvature.test_kfac_layers import _SharedInput
 from tracinfunc.curvature import classification_sampler, fit_curvature
-from tracinfunc.errors import LossFunctionError
+from tracinfunc.grads.factorized_batched import BatchedPathWarning
 
 EXACT = classification_sampler(exact=True)
 TAPPED: list[int] = []  # layer indices whose output gradient reached a tap, in order
@@ -161,7 +161,7 @@ def test_whole_batch_below_the_stream_threshold_streamed_above(monkeypatch):
     assert TAPPED.count(4) == 2 * 3 - 1  # 3 batches a checkpoint, the first proved whole
 
 
-def test_an_output_written_in_place_on_a_fed_batch_is_refused():
+def test_an_output_written_in_place_on_a_fed_batch_falls_back_to_the_per_example_capture():
     class Late(nn.Module):  # writes into its Linear's output on the last batch only
         def __init__(self):
             super().__init__()
@@ -176,9 +176,9 @@ def test_an_output_written_in_place_on_a_fed_batch_is_refused():
     torch.manual_seed(0)
     model = Late().double().eval()
     loss = tif.loss_from_module(model, F.cross_entropy)
-    with pytest.raises(LossFunctionError, match="modified in place"):
+    with pytest.warns(BatchedPathWarning, match="modified in place"):
         fit_curvature(loss, make_checkpoints(model), make_data(20), kind="kfac",
-                      sampler=EXACT, batch_size=8)  # 8 proved, 8, then 4 fed
+                      sampler=EXACT, batch_size=8)  # 8 proved, 8, then 4 fed: per example
 
 
 def test_shared_input_sums_are_never_aliased_when_fed():

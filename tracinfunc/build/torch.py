@@ -6,7 +6,7 @@ writer) that a user could rebuild; it adds the checks that make failures early a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -20,6 +20,7 @@ from tracinfunc.batches import (
     iter_batches,
     rebatch,
     sized,
+    tuple_of_batches,
 )
 from tracinfunc.build.calls import Call, CallSite, numbered
 from tracinfunc.build.inputs import (
@@ -265,20 +266,13 @@ def build_store(
         raise NonFiniteGradientError(_precision_hint(error, options.mixed_precision)) from error
     except (LossFunctionError, InvalidArgumentError) as error:
         if type(error) not in (LossFunctionError, InvalidArgumentError) or \
-                not _nested_tuple(data):
+                not tuple_of_batches(data):
             raise
         raise InvalidArgumentError(
             f"{error} Note: data is a tuple, which build_store reads as ONE batch (a pytree "
             f"of tensors); if its {len(data)} elements are batches, pass them as a list: "
             "[(x1, y1), (x2, y2)].") from error
     return commit_after_barrier(result.path) if distributed else result
-
-
-def _nested_tuple(data: object) -> bool:
-    """Whether ``data`` is a tuple of tuples, lists or dicts: one nested batch, or (more
-    often, when the loss fails on it) batches meant as a list (``((x, y),)`` too)."""
-    return type(data) is tuple and len(data) >= 1 and \
-        all(isinstance(element, tuple | list | Mapping) for element in data)
 
 
 def _precision_hint(error: NonFiniteGradientError, mixed_precision: torch.dtype) -> str:

@@ -175,7 +175,9 @@ def find_layers(loss: LossFn, params: Params, example: Example) -> list[KfacLaye
     """
     ids = {id(value): i for i, value in enumerate(params.values())}
     names = list(params)
-    with torch.no_grad(), _hooked(ids, None) as seen, _ParameterUses(params) as uses:
+    # Grad mode on (nothing needs a gradient, so no graph is kept): a read of a weight under
+    # the model's own torch.no_grad() carries no gradient and is not counted as a use.
+    with torch.enable_grad(), _hooked(ids, None) as seen, _ParameterUses(params) as uses:
         loss(params, example)
     bias_names = {id(value): name for name, value in params.items()}
     layers, covered, unsupported, repeated = [], set(), [], []
@@ -231,7 +233,8 @@ class _ParameterUses(TorchFunctionMode):
     """Counts, per parameter name, the torch functions that take the parameter itself and
     return a tensor (a layer's own call is one; ``h @ layer.weight``, ``weight ** 2`` or a
     tied head's ``F.linear(h, embedding.weight)`` are more). Metadata (``.shape``,
-    ``.dtype``, ``.size()``) returns no tensor and is not counted. K-FAC describes a weight
+    ``.dtype``, ``.size()``) returns no tensor, and a use under ``torch.no_grad()`` or through
+    ``.detach()``/``.data`` carries no gradient: neither is counted. K-FAC describes a weight
     only as its layer applies it: any other use changes the weight's gradient."""
 
     def __init__(self, params: Params) -> None:
@@ -245,6 +248,8 @@ class _ParameterUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        if not torch.is_grad_enabled() or any(func == plain for plain in _NO_GRADIENT):
+            return result
         if isinstance(result, Tensor) or (isinstance(result, tuple | list) and any(
                 isinstance(item, Tensor) for item in result)):
             for value in tree_leaves((args, kwargs)):  # torch.cat([w, ...]) too
@@ -252,6 +257,9 @@ class _ParameterUses(TorchFunctionMode):
                 if name is not None:
                     self.uses[name] += 1
         return result
+
+
+_NO_GRADIENT = (Tensor.detach, Tensor.data.__get__)  # a parameter's values, no gradient
 
 
 def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Example

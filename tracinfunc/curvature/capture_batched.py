@@ -93,7 +93,7 @@ class BatchedIO:
     def __call__(self, batch: Batch) -> list[tuple[Tensor, Tensor]]:
         """``[(x [b, T, d_in], delta [b, T, d_out]) per layer]``."""
         b = tree_leaves(batch)[0].shape[0]
-        with torch.enable_grad(), _recording(self.ids, None) as calls:
+        with _output_writes(), torch.enable_grad(), _recording(self.ids, None) as calls:
             values = self.loss.per_example(self.state, batch)  # [b]
         _check_calls(calls, len(self.layers), b)
         deltas = torch.autograd.grad(values.sum(), [output for _, _, output, *_ in calls],
@@ -116,13 +116,9 @@ class BatchedIO:
         b = tree_leaves(batch)[0].shape[0]
         anchor = torch.zeros((), requires_grad=True)  # every tap leads here: one backward
         arrived: dict[int, Callable] = {}
-        try:
-            with torch.enable_grad(), _recording(self.ids, (anchor, arrived)) as calls:
-                values = self.loss.per_example(self.state, batch)  # [b]
-        except RuntimeError as error:  # a tap's view written in place (proof batches passed)
-            if "modified inplace" not in str(error):
-                raise
-            raise LossFunctionError(_IN_PLACE) from error
+        with _output_writes(), torch.enable_grad(), \
+                _recording(self.ids, (anchor, arrived)) as calls:
+            values = self.loss.per_example(self.state, batch)  # [b]
         _check_calls(calls, len(self.layers), b)
         consume = start(stream_keys(calls, self.layers))
         pending = {index: (x, output.shape, output.dtype) for index, x, output, *_ in calls}
@@ -238,11 +234,29 @@ def _check_calls(calls: list, n_layers: int, b: int) -> None:
                                 "differently from one example's forward")
     if any(output.shape[:1] != (b,) or output._version != version
            for _, _, output, version, _ in calls):
-        raise LossFunctionError(_IN_PLACE)
+        raise _OutputWritten(_IN_PLACE)
     try:
         check_inputs_unchanged(x._version != version for _, x, _, _, version in calls)
     except LossFunctionError as error:  # no capture can fit it: refused, not a fallback
         raise _InputWritten(str(error)) from None
+
+
+class _OutputWritten(LossFunctionError):
+    """A layer's batched output written in place (or without a batch dimension first): the
+    per-example capture fits it (its taps are added, not viewed), so a proved batch falls
+    back to it, as the proof does."""
+
+
+@contextmanager
+def _output_writes() -> Iterator[None]:
+    """Torch's refusals of a write into a layer's recorded output (a leaf made to need a
+    gradient, or a tap's view) as :class:`_OutputWritten`."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "in-place operation" in str(error) or "modified inplace" in str(error):
+            raise _OutputWritten(_IN_PLACE) from error
+        raise
 
 
 class _InputWritten(LossFunctionError):
@@ -288,9 +302,14 @@ def proven_io(vmapped: IO, batched: BatchedIO | None, proof: BatchedProof,
             return per_example(batch, start)
         size = tree_leaves(batch)[0].shape[0]
         if size <= proof.largest:
-            if size * proof.held_per_example > _STREAM_BYTES:
-                return batched.stream(batch, start)
-            return _consume_all(batched(batch), layers, start)
+            try:
+                if size * proof.held_per_example > _STREAM_BYTES:
+                    return batched.stream(batch, start)
+                return _consume_all(batched(batch), layers, start)
+            except _OutputWritten as error:  # only on a later batch; before any layer is added
+                proof.failed = True
+                _warn(f"one batched forward failed ({error})")
+                return per_example(batch, start)
         reason, together = _prove(batched, vmapped, batch)
         if reason is not None:
             proof.failed = True

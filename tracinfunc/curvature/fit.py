@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, current_caller, entry_point
-from tracinfunc.batches import iter_batches, rebatch
+from tracinfunc.batches import iter_batches, rebatch, tuple_of_batches
 from tracinfunc.build.loop import checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature import kfac
@@ -36,6 +36,7 @@ from tracinfunc.errors import (
     EmptyDataError,
     InvalidArgumentError,
     InvalidTypeError,
+    LossFunctionError,
     MemoryBudgetError,
 )
 from tracinfunc.grads import per_sample_grads, projected_grads
@@ -141,12 +142,21 @@ def fit_curvature(
     shared = {"proof": BatchedProof()} if kind in ("kfac", "ekfac") else {}
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
         fit_one = partial(_fit_projected, blocks=blocks) if blocks else _FITTERS[kind]
-        estimate, mean, n, layers = fit_one(
-            loss_at(loss, ckpt), dict(ckpt.params), names, batches,
-            CheckedSampler(sampler, meta.name),
-            torch.Generator().manual_seed(seed + position), chunk_size,
-            None if projection is None else projection.for_checkpoint(meta.name),
-            **shared)  # K-FAC: one proof of the batched capture (and one warning) per fit
+        try:
+            estimate, mean, n, layers = fit_one(
+                loss_at(loss, ckpt), dict(ckpt.params), names, batches,
+                CheckedSampler(sampler, meta.name),
+                torch.Generator().manual_seed(seed + position), chunk_size,
+                None if projection is None else projection.for_checkpoint(meta.name),
+                **shared)  # K-FAC: one proof of the batched capture (and one warning) per fit
+        except (TypeError, ValueError, RuntimeError, LossFunctionError,
+                InvalidArgumentError) as error:
+            if not tuple_of_batches(data):
+                raise
+            raise InvalidArgumentError(
+                f"{error} Note: data is a tuple, which fit_curvature reads as ONE batch (a "
+                f"pytree of tensors); if its {len(data)} elements are batches, pass them as a "
+                "list: [(x1, y1), (x2, y2)].") from error
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
         seen = n

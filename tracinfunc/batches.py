@@ -33,6 +33,7 @@ __all__ = [
     "known_size",
     "rebatch",
     "sized",
+    "tuple_note",
     "tuple_of_batches",
     "unflatten_batch",
 ]
@@ -246,3 +247,11 @@ def tuple_of_batches(data: object) -> bool:
     that read a tuple as ONE batch add this to the failure's message."""
     return type(data) is tuple and len(data) >= 1 and \
         all(isinstance(element, tuple | list | Mapping) for element in data)
+
+
+def tuple_note(error: Exception, function: str, data: tuple) -> str:
+    """``error``'s message with the note that ``function`` read the tuple ``data`` as ONE
+    batch (for data :func:`tuple_of_batches` says may be batches meant as a list)."""
+    return (f"{error} Note: data is a tuple, which {function} reads as ONE batch (a pytree of "
+            f"tensors); if its {len(data)} elements are batches, pass them as a list: "
+            "[(x1, y1), (x2, y2)].")

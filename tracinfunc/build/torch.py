@@ -20,6 +20,7 @@ from tracinfunc.batches import (
     iter_batches,
     rebatch,
     sized,
+    tuple_note,
     tuple_of_batches,
 )
 from tracinfunc.build.calls import Call, CallSite, numbered
@@ -268,10 +269,7 @@ def build_store(
         if type(error) not in (LossFunctionError, InvalidArgumentError) or \
                 not tuple_of_batches(data):
             raise
-        raise InvalidArgumentError(
-            f"{error} Note: data is a tuple, which build_store reads as ONE batch (a pytree "
-            f"of tensors); if its {len(data)} elements are batches, pass them as a list: "
-            "[(x1, y1), (x2, y2)].") from error
+        raise InvalidArgumentError(tuple_note(error, "build_store", data)) from error
     return commit_after_barrier(result.path) if distributed else result
 
 

@@ -302,11 +302,13 @@ def layer_io(loss: LossFn, params: Params, layers: list[KfacLayer], example: Exa
     return batched
 
 
-def check_inputs_unchanged(changed: Iterable[bool]) -> None:
-    """Refuse a forward that wrote into a layer's input after the layer read it: ``A`` would
-    be formed from the written values (the weights are constants, so no backward notices)."""
+def check_inputs_unchanged(changed: Iterable[bool],
+                           error: type[LossFunctionError] = LossFunctionError) -> None:
+    """Refuse (``error``) a forward that wrote into a layer's input after the layer read it:
+    ``A`` would be formed from the written values (the weights are constants, so no backward
+    notices)."""
     if any(changed):
-        raise LossFunctionError(
+        raise error(
             f"{current_caller()}: the model wrote into a layer's input in place after the "
             "layer read it (e.g. out = layer(h); h.add_(1)), so K-FAC would see the written "
             "values, not the ones the layer read; write out of place (h = h + 1).")

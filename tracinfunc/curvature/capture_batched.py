@@ -235,10 +235,9 @@ def _check_calls(calls: list, n_layers: int, b: int) -> None:
     if any(output.shape[:1] != (b,) or output._version != version
            for _, _, output, version, _ in calls):
         raise _OutputWritten(_IN_PLACE)
-    try:
-        check_inputs_unchanged(x._version != version for _, x, _, _, version in calls)
-    except LossFunctionError as error:  # no capture can fit it: refused, not a fallback
-        raise _InputWritten(str(error)) from None
+    # No capture can fit it: refused (_InputWritten passes the proof), not a fallback.
+    check_inputs_unchanged((x._version != version for _, x, _, _, version in calls),
+                           _InputWritten)
 
 
 class _OutputWritten(LossFunctionError):

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, current_caller, entry_point
-from tracinfunc.batches import iter_batches, rebatch, tuple_of_batches
+from tracinfunc.batches import iter_batches, rebatch, tuple_note, tuple_of_batches
 from tracinfunc.build.loop import checkpoint_list
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.curvature import kfac
@@ -153,10 +153,7 @@ def fit_curvature(
                 InvalidArgumentError) as error:
             if not tuple_of_batches(data):
                 raise
-            raise InvalidArgumentError(
-                f"{error} Note: data is a tuple, which fit_curvature reads as ONE batch (a "
-                f"pytree of tensors); if its {len(data)} elements are batches, pass them as a "
-                "list: [(x1, y1), (x2, y2)].") from error
+            raise InvalidArgumentError(tuple_note(error, "fit_curvature", data)) from error
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
         seen = n

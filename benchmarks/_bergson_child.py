@@ -45,7 +45,7 @@ class Rows(HookCollectorBase):
 
 def build(cfg):
     """The same model as the tracinfunc side builds (one definition, in llm_throughput.py)."""
-    return llm_throughput.build(cfg["model"], cfg["quick"])
+    return llm_throughput.build(cfg["model"], cfg["quick"], cfg["tokens"])
 
 
 def batches_of(config, n, batch, tokens, seed):

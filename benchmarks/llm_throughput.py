@@ -53,7 +53,7 @@ METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
            ("kronecker", "adam factored all"), ("identity", None)]
 
 
-def build(size: str, quick: bool):
+def build(size: str, quick: bool, tokens: int = 64):
     import torch
     import transformers
 
@@ -62,7 +62,7 @@ def build(size: str, quick: bool):
                                          n_positions=32)
     elif size == "small":
         config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2048,
-                                         n_positions=128)
+                                         n_positions=max(128, tokens))
     else:  # GPT-2 small's shape, ~124M parameters
         config = transformers.GPT2Config(n_positions=1024)
     torch.manual_seed(0)
@@ -195,7 +195,7 @@ def cpu_seconds(fn) -> float:
 
 def run_config(cfg: dict) -> dict:
     """One configuration in this process: timings, peak RSS, agreement."""
-    model, config = build(cfg["model"], cfg["quick"])
+    model, config = build(cfg["model"], cfg["quick"], cfg["tokens"])
     markov = bool(cfg.get("trained"))
     losses, optimizer = train(model, config, cfg) if markov else (None, None)
     batches = token_batches(config, 3, cfg["batch"], cfg["tokens"], seed=1, markov=markov)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from tracinfunc._attention import math_attention
+from tracinfunc._attention import vmap_attention
 from tracinfunc._validate import current_caller, entry_point
 from tracinfunc.errors import LossFunctionError, TrainModeError
 from tracinfunc.types import Example, Params
@@ -212,7 +212,7 @@ class ModuleLoss:
         self._check_names(params)
         state = {**self.buffers, **params}
         batched = tree_map(lambda leaf: leaf.unsqueeze(0), example)
-        with math_attention():
+        with vmap_attention():
             if self.pair:
                 return swapped_call(self.module, state, (batched[0],)), batched
             args, kwargs = _model_arguments(self.module, batched, self.skip_keys)

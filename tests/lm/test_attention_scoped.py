@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tracinfunc as tif
 from tests.lm_helpers import explicit_kronecker, params_of, tiny_gpt2
 from tests.reference import loop_grads
-from tracinfunc._attention import math_attention
+from tracinfunc._attention import vmap_attention
 
 SPEC = tif.Projection(dim=16, seed=3, kind="kronecker")
 
@@ -115,7 +115,7 @@ def test_math_attention_is_the_math_backend_bit_for_bit(kwargs, gqa):
         kwargs["attn_mask"][..., 0] = True  # every query attends somewhere
     with sdpa_kernel([SDPBackend.MATH]):
         expected = F.scaled_dot_product_attention(query, key, value, **kwargs)
-    with math_attention():
+    with vmap_attention():
         got = F.scaled_dot_product_attention(query, key, value, **kwargs)
     assert torch.equal(got, expected)
 
@@ -135,7 +135,7 @@ def test_math_attention_under_vmap_with_per_example_masks(kwargs):
     mapped = torch.func.vmap(attend, in_dims=(0, 0, 0, None if mask is None else 0))
     with sdpa_kernel([SDPBackend.MATH]):
         expected = mapped(query, key, value, mask)
-    with warnings.catch_warnings(record=True) as caught, math_attention():
+    with warnings.catch_warnings(record=True) as caught, vmap_attention():
         warnings.simplefilter("always")
         got = mapped(query, key, value, mask)
     assert torch.equal(got, expected)
@@ -201,7 +201,7 @@ def test_a_causal_bias_subclass_keeps_its_own_meaning():
     bias = causal_lower_right(4, 6)  # a Tensor subclass that dispatches SDPA itself
     with sdpa_kernel([SDPBackend.MATH]):
         expected = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
-    with math_attention():
+    with vmap_attention():
         got = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
     assert torch.equal(got, expected)
     assert torch.backends.cuda.flash_sdp_enabled()

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.func import grad, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tracinfunc._attention import vmap_attention
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidTypeError, LossFunctionError
 from tracinfunc.grads.factorized_batched import batched_or_vmapped, tell_vmapped_forward
@@ -49,7 +50,6 @@ from tracinfunc.grads.layer_rules import (
     rule_sides,
     tapped_loss,
     tapping,
-    vmappable_attention,
 )
 from tracinfunc.grads.plan_cache import cached_plan
 from tracinfunc.grads.selection import Selection, check_select, selected_names
@@ -323,7 +323,7 @@ def factorized_projected_grads(
             return plan.project(selected_loss, chosen, example, order, shapes)
 
         def vmapped(batch: Batch) -> Tensor:
-            with vmappable_attention():
+            with vmap_attention():
                 return vmap(one_example, in_dims=(None, 0), chunk_size=chunk_size)(chosen,
                                                                                    batch)
 

@@ -33,13 +33,13 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tracinfunc._attention import vmap_attention
 from tracinfunc.batches import batch_leaves
 from tracinfunc.grads.factorized_forward import forward_sides
 from tracinfunc.grads.layer_rules import (
     layer_rule,
     rule_sides,
     tapped_loss,
-    vmappable_attention,
 )
 from tracinfunc.grads.shared_inputs import input_product
 from tracinfunc.types import Batch, LossFn, Params
@@ -113,7 +113,7 @@ def batched_rows(plan, loss: LossFn, params: Params, batch: Batch, order, shapes
         shifted = {name: rest[name] + shift for name, shift in shifts.items()}
         return tapped_loss(loss, {**consts, **shifted}, example, ids, taps, order, modules)
 
-    with torch.enable_grad(), vmappable_attention():
+    with torch.enable_grad(), vmap_attention():
         values, inputs = vmap(one_loss)(taps, shifts, batch)  # [b], per call [b, *in_shape]
         grads = torch.autograd.grad(values.sum(), [*taps, *shifts.values()],
                                     allow_unused=True, materialize_grads=True)

@@ -12,25 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tracinfunc._attention import math_attention
 from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.errors import LossFunctionError
 from tracinfunc.types import LossFn, Params
 
-__all__ = ["dense_grad", "differentiable", "layer_rule", "project_left", "rule_sides", "tapping",
-           "vmappable_attention"]
-
-
-def vmappable_attention():
-    """A context in which this thread's ``scaled_dot_product_attention`` takes the math kernel.
-
-    Under ``vmap`` the fused CPU/CUDA kernels (``_scaled_dot_product_flash_attention_for_cpu``
-    and its backward) have no batching rule: functorch warns on every call and runs them
-    example by example. The math kernel is made of matmuls and a softmax, which batch. Any
-    ``vmap`` over a user's loss runs inside it (a ``ModuleLoss`` already chooses it itself).
-    Scoped to the calling thread, no global SDPA flag is set (:mod:`tracinfunc._attention`).
-    """
-    return math_attention()
+__all__ = ["dense_grad", "differentiable", "layer_rule", "project_left", "rule_sides", "tapping"]
 
 
 def layer_rule(module: nn.Module) -> str | None:

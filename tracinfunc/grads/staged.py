@@ -28,9 +28,9 @@ from torch import Tensor
 from torch.func import grad, vjp, vmap
 from torch.utils._pytree import tree_map
 
+from tracinfunc._attention import vmap_attention
 from tracinfunc._validate import current_caller
 from tracinfunc.errors import ParameterSelectionError
-from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.offload import ActivationStash
 from tracinfunc.grads.precision import loss_scale, mixed_precision_context, with_mixed_precision
 from tracinfunc.grads.stages import Stage, Stages, split_batch, stage_params
@@ -186,7 +186,7 @@ def _stage_backward(
 
     mapped = vmap(one_example, in_dims=(None, 0, 0, None if scales is None else 0),
                   chunk_size=chunk_size)
-    with vmappable_attention():
+    with vmap_attention():
         parts = list(mapped(selected, activation, cotangent, scales))
     out = parts.pop(0) if names else None
     return out, (parts.pop(0) if need_input else None)

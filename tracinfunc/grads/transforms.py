@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_leaves
 
+from tracinfunc._attention import vmap_attention
 from tracinfunc._devices import in_full_float32
 from tracinfunc._validate import check_bool, current_caller, entry_point
 from tracinfunc.batches import has_no_examples
@@ -36,7 +37,6 @@ from tracinfunc.errors import (
     TrainModeError,
 )
 from tracinfunc.grads.factorized import factorized_projected_grads
-from tracinfunc.grads.layer_rules import vmappable_attention
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.precision import (
     loss_scaled_grad,
@@ -270,7 +270,7 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
         grad_fn = loss_scaled_grad(fn, has_aux=has_aux, mixed_precision=options.mixed_precision,
                                    scaling=scaling)
         batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=_chunk_for(examples, chunk))
-        with vmappable_attention():
+        with vmap_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
     return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
@@ -293,7 +293,7 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
 
         batched = vmap(one_example, in_dims=(None, None, 0),
                        chunk_size=_chunk_for(examples, chunk))
-        with vmappable_attention():
+        with vmap_attention():
             return _call_loss_transform(batched, selected, frozen, examples)
 
     return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,

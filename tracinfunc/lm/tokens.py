@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import jvp, vjp, vmap
 
-from tracinfunc._attention import math_attention
+from tracinfunc._attention import vmap_attention
 from tracinfunc._validate import check_int, entry_point
 from tracinfunc.checkpoint import Checkpoint, loss_at
 from tracinfunc.errors import (
@@ -225,7 +225,7 @@ def _checkpoint_scores(store, terms_loss, checkpoint, index, test, documents, ch
         def terms(selected):
             logits = loss_c.per_example({**fixed, **selected}, chunk)[:, 0]  # [b, T, V]
             return next_token_terms(logits, chunk)  # [b, T]
-        with math_attention():
+        with vmap_attention():
             return jvp(terms, (chosen,), (direction,))[1]
 
     def one(direction, example):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -103,6 +105,66 @@ class _ModuleLocks:
 
 
 _LOCKS = _ModuleLocks()
+
+
+def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
+    """The modules a hand-written loss names directly, found without calling it: its closure
+    cells, the globals its code (and the code of functions defined inside it) reads, the
+    arguments of a ``functools.partial`` and the object of a bound method, in that order,
+    each module once. A module reached only through another object (a list, an attribute of
+    a config) is not found."""
+    found: dict[int, nn.Module] = {}
+    pending, seen = [loss], set()
+    while pending:
+        fn = pending.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if isinstance(fn, nn.Module):
+            found.setdefault(id(fn), fn)
+        elif isinstance(fn, functools.partial):
+            pending.extend([fn.func, *fn.args, *fn.keywords.values()])
+        elif inspect.ismethod(fn):
+            pending.extend([fn.__self__, fn.__func__])
+        elif inspect.isfunction(fn):
+            cells = [cell.cell_contents for cell in fn.__closure__ or ()
+                     if _filled(cell)]
+            names = _global_names(fn.__code__)
+            pending.extend(value for value in cells
+                           if isinstance(value, nn.Module) or callable(value))
+            pending.extend(fn.__globals__[name] for name in names if name in fn.__globals__
+                           and (isinstance(fn.__globals__[name], nn.Module)
+                                or inspect.isfunction(fn.__globals__[name])))
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 -- an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _global_names(code: Any) -> set[str]:
+    """Names a code object and the code objects nested in it read as globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+@contextlib.contextmanager
+def holding(modules: list[nn.Module]) -> Iterator[None]:
+    """The locks of ``modules`` (those a forward through them holds, :func:`swapped_call`)
+    for the duration: a hand-written ``functional_call`` loss swaps a checkpoint's tensors
+    into its module as tracinfunc's own forwards do, and two threads doing it on one module
+    at once would read each other's weights."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(_LOCKS.held(module))
+        yield
 
 
 def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),

@@ -528,11 +528,6 @@ def test_loss_with_inner_transform_other_kinds_hold(form):
     assert relerr(rows, ref) < F64_TOL
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: loss calling torch.func.grad inside (vmap+grad active, docs: math kernel) on "
-    "kind='kronecker': expected rows == math-kernel loop (rademacher/per_sample_grads work); "
-    "observed raw RuntimeError 'derivative for _scaled_dot_product_flash_attention_for_cpu_"
-    "backward is not implemented'"))
 def test_FINDING_kronecker_loss_with_inner_grad():
     model = make("plain")
     params = params_of(model)
@@ -544,10 +539,6 @@ def test_FINDING_kronecker_loss_with_inner_grad():
     assert relerr(rows, ref) < F64_TOL
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: loss calling torch.func.jvp inside on kind='kronecker': expected rows == "
-    "math-kernel loop (rademacher works); observed raw NotImplementedError 'forward AD with "
-    "_scaled_dot_product_flash_attention_for_cpu'"))
 def test_FINDING_kronecker_loss_with_inner_jvp():
     model = make("plain")
     params = params_of(model)
@@ -578,11 +569,6 @@ def test_nested_vmap_loss_other_kinds_hold():
     assert relerr(rows, loop_rows(loss, params, batch, proj, 4)) < F64_TOL
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: user loss with its own inner torch.func.vmap (every active transform a vmap) on "
-    "kind='kronecker': expected rows == loop (plain torch, rademacher, per_sample_grads work); "
-    "observed raw functorch 'tensor may have escaped' RuntimeError and a 'performance drop' "
-    "batching-rule warning for _scaled_dot_product_flash_attention_for_cpu"))
 def test_FINDING_kronecker_nested_vmap_in_user_loss():
     model = make("plain")
     params, loss = params_of(model), _nested_vmap_loss(model)
@@ -594,11 +580,6 @@ def test_FINDING_kronecker_nested_vmap_in_user_loss():
     assert not [w for w in caught if "performance drop" in str(w.message)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: torch.autocast(bfloat16) inside a hand-written loss (docs: rows equal torch's "
-    "kernels under autocast) on kind='kronecker': expected rows within bf16 rounding of the "
-    "autocast loop (rademacher gives 5e-3); observed raw RuntimeError 'expected m1 and m2 to "
-    "have the same dtype, but got: c10::BFloat16 != float' (not attention-specific)"))
 def test_FINDING_kronecker_user_autocast_in_loss():
     model = make("plain", dtype=torch.float32)
     params, base = params_of(model), make_loss(model)
@@ -633,11 +614,6 @@ def _two_threads(fn, trials=12):
     return runs
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: two threads, one attention model, per_sample_grads at once (docs: 'two "
-    "tracinfunc calls on one model in two threads give each its own rows'): expected each "
-    "thread's grads == single-thread grads; observed k/v/o weight and bias grads all ZERO in "
-    "one or both threads, silently (also with hand-written softmax attention)"))
 def test_FINDING_two_threads_one_model_per_sample_grads():
     model = make("plain")
     params, loss = params_of(model), make_loss(model)
@@ -650,10 +626,6 @@ def test_FINDING_two_threads_one_model_per_sample_grads():
                 assert torch.allclose(got[k], ref[k], rtol=1e-12, atol=1e-14), k
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: two threads, one attention model, a fresh projected_grads(kind='kronecker') each "
-    "at once: expected both rows == loop; observed LossFunctionError 'N layer calls, M on "
-    "the first example', functorch 'tensor escaped' errors or wrong rows"))
 def test_FINDING_two_threads_one_model_kronecker():
     model = make("plain")
     params = params_of(model)

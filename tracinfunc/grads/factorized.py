@@ -128,7 +128,7 @@ class _Plan:
         candidates = sorted(n for n, v in params.items()
                             if v.dim() >= 2 and (keep is None or keep.factorises(n)))
         ids = {id(params[name]): i for i, name in enumerate(candidates)}
-        with torch.no_grad(), tapping(ids, None, None) as seen:
+        with torch.no_grad(), vmap_attention(), tapping(ids, None, None) as seen:
             loss(params, example)
         found = {index for index, *_ in seen}
         self.weights = [name for i, name in enumerate(candidates) if i in found]
@@ -138,7 +138,7 @@ class _Plan:
         """Call order and output shapes/dtypes of the layers for examples shaped like this one."""
         key = tuple((leaf.shape, leaf.dtype) for leaf in tree_leaves(example))
         if key not in self.shapes:
-            with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
+            with torch.no_grad(), vmap_attention(), tapping(self._ids(params), None, None) as seen:
                 loss(params, example)
             self.shapes[key] = ([(i, id(m)) for i, m, _, _ in seen],
                                 [(out.shape, out.dtype) for *_, out in seen])
@@ -149,7 +149,7 @@ class _Plan:
         shapes, as when this plan was made (one no-grad forward; a shared plan's re-check)."""
         key = tuple((leaf.shape, leaf.dtype) for leaf in tree_leaves(example))
         known = self.shapes.get(key)  # read only: other functions may share this plan
-        with torch.no_grad(), tapping(self._ids(params), None, None) as seen:
+        with torch.no_grad(), vmap_attention(), tapping(self._ids(params), None, None) as seen:
             loss(params, example)
         order = [(i, id(m)) for i, m, _, _ in seen]
         if known is None:  # a new example shape: the same layer objects, in the same order
@@ -209,9 +209,14 @@ class _Plan:
         self.checked = True
         if not self.weights:
             return
-        order, shapes = self.tap_shapes(loss, params, example)
-        _, sides = self.layer_sides(loss, params, example, order, shapes)
-        exact = grad(loss)(params, example)
+        with vmap_attention():  # the kernel the vmapped rows use (a loss may differentiate it)
+            exact = grad(loss)(params, example)
+            try:
+                order, shapes = self.tap_shapes(loss, params, example)
+                _, sides = self.layer_sides(loss, params, example, order, shapes)
+            except (RuntimeError, LossFunctionError) as error:  # the loss alone ran above
+                self._materialise_all(params, error)
+                return
         bad = []
         for index, name in enumerate(self.weights):
             expected = exact[name].reshape(exact[name].shape[0], -1)
@@ -229,6 +234,19 @@ class _Plan:
                 "projection, more memory and time).", stacklevel=5)
             self.weights = [name for name in self.weights if name not in bad]
             self._finish(params)
+
+    def _materialise_all(self, params: Params, error: Exception) -> None:
+        """No layer factorises: their inputs could not be captured (a loss that runs its
+        layers inside its own ``torch.func`` transform, whose tensors cannot leave it)."""
+        reason = " ".join(str(error).split())[:300]
+        warnings.warn(
+            f"projected_grads: the layers' inputs and output gradients could not be captured "
+            f"for this loss ({type(error).__name__}: {reason}); a loss that runs its layers "
+            "inside its own torch.func.grad, jvp or vmap does this. Every gradient is "
+            "projected from materialised per-example gradients instead (same projection, "
+            "more memory and time).", stacklevel=6)
+        self.weights = []
+        self._finish(params)
 
 
 def _plan_for(plans: dict, loss: LossFn, projection: Projection, params: Params,

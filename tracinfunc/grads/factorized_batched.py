@@ -164,7 +164,8 @@ def _linear_rows(plan, modules, inputs, deltas) -> Tensor | None:
         if layer_rule(module) != "linear" or x[0].numel() != module.in_features \
                 or delta[0].numel() != module.out_features:
             return None  # a layer seen more than once per example (a sequence): vmap
-        sides.append((index, delta.reshape(b, -1), x.detach().reshape(b, -1)))
+        dtype = plan.factors[index][0].dtype  # a loss's own autocast: bfloat16 gradients
+        sides.append((index, delta.reshape(b, -1).to(dtype), x.detach().reshape(b, -1).to(dtype)))
     total = None
     for index, left, right in sides:
         p_rows, p_cols = plan.factors[index]

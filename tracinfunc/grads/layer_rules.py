@@ -41,7 +41,14 @@ def layer_rule(module: nn.Module) -> str | None:
 
 def rule_sides(rule: str, module: nn.Module, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
     """``(left, right)`` with ``G = left.T @ right``; for embeddings ``left`` is token ids
-    ``[T]`` with ``-1`` where the gradient is zero (``padding_idx``)."""
+    ``[T]`` with ``-1`` where the gradient is zero (``padding_idx``).
+
+    Both sides come in the weight's dtype, that of the projection's factors: under a loss's
+    own ``torch.autocast`` a float32 layer reads float32 inputs but returns (and is
+    differentiated through) a bfloat16 output."""
+    dtype = module.weight.dtype
+    x = x.to(dtype) if x.is_floating_point() else x
+    delta = delta.to(dtype)
     if rule == "linear":
         return delta.reshape(-1, module.out_features), x.reshape(-1, module.in_features)
     if rule == "conv1d":

@@ -45,7 +45,7 @@ from tracinfunc.grads.precision import (
 )
 from tracinfunc.grads.staged import staged_grads
 from tracinfunc.grads.stages import Stages, check_stages
-from tracinfunc.loss import in_place_mismatch
+from tracinfunc.loss import holding, in_place_mismatch, modules_reached
 from tracinfunc.precondition.optimizer import Preconditioner
 from tracinfunc.projection import Projection, Projector, canonical_layout, make_projector
 from tracinfunc.projection.spec import check_projection
@@ -166,7 +166,7 @@ def projected_grads(
         factorized = factorized_projected_grads(loss, projection, chunk_size=options.chunk_size,
                                                 select=options.select, precondition=precondition)
         return entry_point("projected_grads")(in_full_float32(
-            lambda params, batch: _call_loss_transform(factorized, params, batch)))
+            lambda params, batch: _call_loss_transform(factorized, params, batch, loss=loss)))
     projector_for = _projector_cache(projection, compile=options.compile_projection)
     check_staged = _StagesCheck(loss, options.stages)
 
@@ -271,7 +271,7 @@ def _plain_per_sample(loss, params, batch, names, chunk, options, has_aux
                                    scaling=scaling)
         batched = vmap(grad_fn, in_dims=(None, None, 0), chunk_size=_chunk_for(examples, chunk))
         with vmap_attention():
-            return _call_loss_transform(batched, selected, frozen, examples)
+            return _call_loss_transform(batched, selected, frozen, examples, loss=loss)
 
     return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
                             has_aux=has_aux)
@@ -294,7 +294,7 @@ def _plain_projected(loss, project, params, batch, names, chunk, options, has_au
         batched = vmap(one_example, in_dims=(None, None, 0),
                        chunk_size=_chunk_for(examples, chunk))
         with vmap_attention():
-            return _call_loss_transform(batched, selected, frozen, examples)
+            return _call_loss_transform(batched, selected, frozen, examples, loss=loss)
 
     return loss_scaled_rows(run, batch, mixed_precision=options.mixed_precision,
                             has_aux=has_aux)
@@ -347,8 +347,16 @@ def _projector_cache(projection: Projection, *, compile: bool
     return projector_for
 
 
-def _call_loss_transform(fn, *args: Any, ):
-    """Call a vmapped gradient function, turning torch.func's errors into actionable ones."""
+def _call_loss_transform(fn, *args: Any, loss: LossFn):
+    """Call a vmapped gradient function of ``loss``, turning torch.func's errors into
+    actionable ones, while holding the modules ``loss`` names (a hand-written
+    ``functional_call`` loss swaps tensors into its module: two threads at once on one module
+    would read each other's weights)."""
+    with holding(modules_reached(loss)):
+        return _call_checked(fn, *args)
+
+
+def _call_checked(fn, *args: Any):
     batch = args[-1]
     flat = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)]
     if any(leaf.ndim == 0 for leaf in flat):

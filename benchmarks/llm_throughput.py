@@ -48,7 +48,8 @@ import time
 import warnings
 from pathlib import Path
 
-METHODS = [("kronecker", None), ("kronecker vmapped", None), ("sjlt", None),
+METHODS = [("kronecker", None), ("kronecker vmapped", None), ("kronecker vectors", None),
+           ("sjlt", None),
            ("kronecker", "adam factored"), ("kronecker", "adam exact"),
            ("kronecker", "adam factored all"), ("identity", None)]
 
@@ -174,7 +175,8 @@ def method_fn(model, method: str, precondition: str | None, names, state, k: int
 
     loss = functional_loss(model) if functional else tif.causal_lm_loss(model)
     kind = method if method in ("sjlt", "identity") else "kronecker"
-    spec = tif.Projection(dim=None if kind == "identity" else k, kind=kind)
+    vectors = "kronecker" if method == "kronecker vectors" else "dense"  # biases side by side
+    spec = tif.Projection(dim=None if kind == "identity" else k, kind=kind, vectors=vectors)
     if method == "kronecker vmapped":
         return factorized_projected_grads(loss, spec, select=names, batched=False)
     chosen = state
@@ -334,7 +336,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def configurations(args) -> list[dict]:
-    methods = METHODS[::3] if args.quick else METHODS
+    methods = ([("kronecker", None), ("kronecker vectors", None), ("kronecker", "adam factored"),
+                ("identity", None)] if args.quick else METHODS)
     if not args.quick and Path(bergson_python()).exists():
         methods = [("bergson", None), ("bergson exact", None), *methods]
     if args.methods:

@@ -93,10 +93,27 @@ def kronecker_split(dim, shape=None) -> tuple[int, int]:
     return best
 
 
+def vector_view(numel) -> tuple[int, int]:
+    """``(d_out, d_in)`` of a vector under ``vectors="kronecker"``: ``d_in`` the smallest
+    integer whose square is at least ``numel``, ``d_out`` the rows of ``d_in`` needed to hold
+    ``numel`` entries (written as plain loops)."""
+    d_in = 1
+    while d_in * d_in < numel:
+        d_in += 1
+    d_out = 1
+    while d_out * d_in < numel:
+        d_out += 1
+    return d_out, d_in
+
+
 def kronecker_factors(seed, dim, name, shape, split="square"):
-    """``(P_out [d_out, k_out], P_in [d_in, k_in])`` float32 +-1 (unscaled)."""
-    k_out, k_in = kronecker_split(dim, shape if split == "shape" else None)
-    d_out, d_in = shape[0], int(np.prod(shape[1:]))
+    """``(P_out [d_out, k_out], P_in [d_in, k_in])`` float32 +-1 (unscaled); a shape with
+    fewer than two dimensions is a vector under ``vectors="kronecker"``."""
+    if len(shape) >= 2:
+        d_out, d_in = shape[0], int(np.prod(shape[1:]))
+    else:
+        d_out, d_in = vector_view(int(np.prod(shape)))
+    k_out, k_in = kronecker_split(dim, (d_out, d_in) if split == "shape" else None)
     keys_out = block_seed(seed, "kronecker", dim, 1, name, shape, side="out")
     keys_in = block_seed(seed, "kronecker", dim, 1, name, shape, side="in")
     return _rademacher(*keys_out, k_out, 0, d_out), _rademacher(*keys_in, k_in, 0, d_in)
@@ -111,7 +128,8 @@ def sjlt_block(seed, dim, nnz, name, shape, row_start, row_stop):
     return cols.astype(np.int64), _signs(mix32(h))
 
 
-def project(grads: dict, seed, kind, dim, nnz=1, split="square") -> np.ndarray:
+def project(grads: dict, seed, kind, dim, nnz=1, split="square", vectors="dense"
+            ) -> np.ndarray:
     """One example's ``{name: array}`` projected to ``[k]`` in float64, via dense matrices."""
     parts = []
     for name in sorted(grads):
@@ -119,10 +137,10 @@ def project(grads: dict, seed, kind, dim, nnz=1, split="square") -> np.ndarray:
         flat, shape, numel = g.reshape(-1), g.shape, g.size
         if kind == "identity":
             parts.append(flat)
-        elif kind == "kronecker" and g.ndim >= 2:
+        elif kind == "kronecker" and numel > 0 and (g.ndim >= 2 or vectors == "kronecker"):
             p_out, p_in = kronecker_factors(seed, dim, name, shape, split)
-            kron = np.kron(p_out.astype(np.float64), p_in.astype(np.float64))  # [numel, dim]
-            parts.append(flat @ kron / np.sqrt(dim))
+            kron = np.kron(p_out.astype(np.float64), p_in.astype(np.float64))  # [>=numel, dim]
+            parts.append(flat @ kron[:numel] / np.sqrt(dim))  # a vector's padding: rows unused
         elif kind in ("rademacher", "kronecker"):
             block = rademacher_block(seed, dim, name, shape, 0, numel, kind).astype(np.float64)
             parts.append(flat @ block / np.sqrt(dim))

@@ -215,6 +215,7 @@ def test_llm_throughput_benchmark_quick_mode_runs(capsys):
     rows = module.main(["--quick"])
     assert [(r["method"], r["precondition"], r["functional"]) for r in rows] == [
         ("kronecker", None, False), ("kronecker", None, True),
+        ("kronecker vectors", None, False), ("kronecker vectors", None, True),
         ("kronecker", "adam factored", False), ("identity", None, False)]
     assert all(r["tool_s"] > 0 and r["floor_s"] > 0 for r in rows)
     assert all(-1 <= r["r"] <= 1 for r in rows if r["method"] != "identity")

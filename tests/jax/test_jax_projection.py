@@ -223,3 +223,24 @@ def test_one_stacked_rademacher_matrix_holds_the_torch_blocks_bit_for_bit(projec
     np.testing.assert_allclose(np.asarray(project(jax_grads)),
                                np.asarray(per_weight.apply(per_weight.blocks, jax_grads)),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", ["square", "shape"])
+def test_kronecker_vectors_are_bit_identical_to_torch_and_project_alike(split):
+    projection = tif.Projection(dim=48, seed=7, kind="kronecker", vectors="kronecker",
+                                split=split)
+    for shape in [(), (1,), (5,), (16,), (130,)]:
+        got = tj.kronecker_factors(projection, "norm.bias", shape)
+        expected = torch_projection.kronecker_factors(projection, "norm.bias", shape)
+        for side, side_t in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(side), side_t.numpy())
+    g = np.random.default_rng(0)
+    grads = {"a.weight": g.standard_normal((6, 5)), "a.bias": g.standard_normal(6),
+             "norm.weight": g.standard_normal(130), "scalar": g.standard_normal(())}
+    grads = {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
+    layout = tif.projection.canonical_layout(grads)
+    got = np.asarray(tj.make_projector(projection, layout)(
+        {k: jnp.asarray(v) for k, v in grads.items()}))
+    expected = torch_projection.make_projector(projection, layout)(
+        {k: torch.from_numpy(v) for k, v in grads.items()}).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -179,7 +179,7 @@ def test_kronecker_factors_reject_vectors_and_other_kinds():
     with pytest.raises(InvalidProjectionError, match="expected a Projection with kind='kronecker'"):
         kronecker_factors(Projection(dim=4), "w", (5, 3))
     project = make_projector(Projection(dim=4, kind="kronecker"), {"w": (5, 3), "b": (5,)})
-    with pytest.raises(InvalidProjectionError, match="'b' is not a matrix parameter"):
+    with pytest.raises(InvalidProjectionError, match="'b' is not projected side by side"):
         project.kronecker_factors("b", torch.float32, torch.device("cpu"))
 
 

@@ -42,7 +42,12 @@ from tracinfunc._attention import vmap_attention
 from tracinfunc._validate import entry_point
 from tracinfunc.errors import InvalidTypeError, LossFunctionError
 from tracinfunc.grads.factorized_batched import batched_or_vmapped, tell_vmapped_forward
-from tracinfunc.grads.factorized_vectors import VectorBlocks, split_vectors
+from tracinfunc.grads.factorized_vectors import (
+    KroneckerVectors,
+    VectorBlocks,
+    split_vectors,
+    vector_blocks,
+)
 from tracinfunc.grads.layer_rules import (
     dense_grad,
     layer_rule,
@@ -98,10 +103,10 @@ class _Plan:
             self._precondition_factors()
         rest = {name: value for name, value in params.items() if name not in self.weights}
         vectors, others = split_vectors(self.projection, rest)
-        self.vectors: VectorBlocks | None = None  # biases, norms: one stacked matmul
+        self.vectors: VectorBlocks | KroneckerVectors | None = None  # biases, norms
         if vectors:
-            self.vectors = VectorBlocks(self.projection, {n: rest[n] for n in vectors},
-                                        device=self.device, dtype=self.dtype)
+            self.vectors = vector_blocks(self.projection, {n: rest[n] for n in vectors},
+                                         device=self.device, dtype=self.dtype)
         self.rest: Projector | None = None
         if others:
             self.rest = make_projector(self.projection,

@@ -1,8 +1,11 @@
-"""The non-matrix parameters of the factorised kronecker path, projected from one packed block.
+"""The non-matrix parameters of the factorised kronecker path: one packed block, or side
+factors under ``vectors="kronecker"``.
 
-Under ``kind="kronecker"`` a parameter with fewer than two dimensions (a bias, a LayerNorm
-weight or bias) has a dense Rademacher block ``[numel, k]`` (its definition in
-:mod:`tracinfunc.projection.spec`). The generic projector applies one block per parameter: some
+Under ``Projection(kind="kronecker", vectors="kronecker")`` each parameter with fewer than
+two dimensions is projected side by side through its zero-padded near-square view
+(:class:`KroneckerVectors`, :func:`~tracinfunc.projection.keys.kronecker_view`). By default
+(``vectors="dense"``) such a parameter (a bias, a LayerNorm weight or bias) has a dense
+Rademacher block ``[numel, k]`` (its definition in :mod:`tracinfunc.projection.spec`). The generic projector applies one block per parameter: some
 forty ``[b, n] @ [n, k]`` products for a small transformer, each reading its block from memory
 for a handful of examples, and blocks over its cache budget are regenerated on every call
 (GPT-2 small: 121k vector rows, 2 GB in float32). Here the blocks are generated once, stacked in
@@ -25,9 +28,10 @@ from torch import Tensor
 
 from tracinfunc.projection import Projection, canonical_layout, plan_projection
 from tracinfunc.projection._kernels import rademacher_bits, row_ranges
+from tracinfunc.projection.torch import as_kronecker_matrix, kronecker_factors
 from tracinfunc.types import Params
 
-__all__ = ["VectorBlocks", "split_vectors"]
+__all__ = ["KroneckerVectors", "VectorBlocks", "split_vectors", "vector_blocks"]
 
 # Packed stacks larger than this stay with the generic projector (which streams blocks over
 # its own cache budget instead of holding them): 2 million rows at k=4096.
@@ -40,9 +44,17 @@ def split_vectors(projection: Projection, rest: Params) -> tuple[list[str], list
     vectors = [name for name, value in sorted(rest.items())
                if value.dim() < 2 and value.numel() > 0]
     rows = sum(rest[name].numel() for name in vectors)
-    if not vectors or rows * _packed_width(projection.dim) > _MAX_BYTES:
+    if not vectors or (projection.vectors == "dense"
+                       and rows * _packed_width(projection.dim) > _MAX_BYTES):
         return [], sorted(rest)
     return vectors, [name for name in sorted(rest) if name not in vectors]
+
+
+def vector_blocks(projection: Projection, vectors: Params, *, device: torch.device,
+                  dtype: torch.dtype) -> VectorBlocks | KroneckerVectors:
+    """The block of ``vectors`` (from :func:`split_vectors`) under ``projection.vectors``."""
+    kind = KroneckerVectors if projection.vectors == "kronecker" else VectorBlocks
+    return kind(projection, vectors, device=device, dtype=dtype)
 
 
 def _packed_width(k: int) -> int:
@@ -92,6 +104,47 @@ class VectorBlocks:
         for start, stop in row_ranges(self.bits.shape[0], self.k, self.bits.device):
             signs = F.embedding(self.bits[start:stop].long(), self.table)  # [rows, k/8, 8]
             part = flat[..., start:stop] @ signs.reshape(stop - start, -1)[:, :self.k]
+            total = part if total is None else total.add_(part)  # the first part is new
+        return total
+
+
+class KroneckerVectors:
+    """Parameters with fewer than two dimensions under ``vectors="kronecker"``: each gradient
+    read as its zero-padded ``[d_out, d_in]`` view and projected side by side,
+    ``P_out.T @ G @ P_in`` (:func:`~tracinfunc.projection.keys.kronecker_view`); unscaled.
+
+    A few small products per parameter instead of a dense ``[n, k]`` block read whole on every
+    call. Same interface as :class:`VectorBlocks`.
+
+    Args:
+        projection: A ``kind="kronecker"``, ``vectors="kronecker"`` spec.
+        vectors: ``{name: value}`` of non-empty parameters with fewer than two dimensions.
+        device, dtype: Where and in which dtype the gradients come.
+    """
+
+    def __init__(self, projection: Projection, vectors: Params, *, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        plan = plan_projection(projection, canonical_layout(vectors))
+        self.names = [name for name, _ in plan.layout]
+        self.k = plan.k
+        self.factors = [kronecker_factors(projection, name, shape, device=device, dtype=dtype)
+                        for name, shape in plan.layout]  # [(P_out [d_out, k_out], P_in)]
+
+    def __call__(self, grads: Params) -> Tensor:
+        """One example's ``[k]`` (``[b, k]`` under ``vmap``), unscaled."""
+        return self._product({name: grads[name].reshape(-1) for name in self.names})
+
+    def batched(self, grads: Params) -> Tensor:
+        """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap``."""
+        return self._product({name: grads[name].flatten(1) for name in self.names})
+
+    def _product(self, flat: Params) -> Tensor:
+        """``{name: [..., n]} -> [..., k]``, the parameters' parts summed in name order."""
+        total = None
+        for name, (p_out, p_in) in zip(self.names, self.factors, strict=True):
+            g = flat[name].to(p_out.dtype)
+            matrix = as_kronecker_matrix(g, (p_out.shape[0], p_in.shape[0]))
+            part = (p_out.T @ matrix @ p_in).reshape(*g.shape[:-1], self.k)  # [..., k]
             total = part if total is None else total.add_(part)  # the first part is new
         return total
 

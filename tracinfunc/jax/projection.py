@@ -39,6 +39,7 @@ from tracinfunc.projection.spec import (
     check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
+    kronecker_view,
     plan_projection,
     side_split,
 )
@@ -130,7 +131,8 @@ def sjlt_block(
 @entry_point("tracinfunc.jax.kronecker_factors")
 def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
                       ) -> tuple[jax.Array, jax.Array]:
-    """The side projections of a parameter with two or more dimensions, unscaled.
+    """The side projections of a parameter projected side by side, unscaled: one with two or
+    more dimensions, or under ``vectors="kronecker"`` any non-empty one.
 
     Args:
         projection: A ``kind="kronecker"`` spec.
@@ -142,18 +144,18 @@ def kronecker_factors(projection: Projection, name: str, shape: Sequence[int]
         to :func:`tracinfunc.projection.kronecker_factors`.
 
     Raises:
-        InvalidProjectionError: another kind, or fewer than two dimensions.
+        InvalidProjectionError: another kind, or a parameter projected by a dense block.
     """
-    shape = check_kronecker_args(projection, name, shape)
+    shape, view = check_kronecker_args(projection, name, shape)
     keys = kronecker_seeds(projection, name, shape)
-    return _kronecker_sides(keys, shape, projection, jnp.float32)
+    return _kronecker_sides(keys, view, projection, jnp.float32)
 
 
-def _kronecker_sides(keys, shape: tuple[int, ...], projection: Projection, dtype
+def _kronecker_sides(keys, view: tuple[int, int], projection: Projection, dtype
                      ) -> tuple[jax.Array, jax.Array]:
     """``(P_out, P_in)`` from ``kronecker_seeds`` keys: Rademacher rows from row 0."""
-    (k_out, k_in), (keys_out, keys_in) = side_split(projection, shape), keys
-    d_out, d_in = shape[0], math.prod(shape[1:])
+    (k_out, k_in), (keys_out, keys_in) = side_split(projection, view), keys
+    d_out, d_in = view
     return (_rademacher_rows(keys_out, k_out, _rows(0, d_out), dtype),
             _rademacher_rows(keys_in, k_in, _rows(0, d_in), dtype))
 
@@ -237,23 +239,29 @@ class _SparseBlock(_Block):
 
 
 class _KroneckerSides(_Block):
-    """``P_out.T @ G @ P_in`` for a matrix parameter; the sides are small, always cached."""
+    """``P_out.T @ G @ P_in`` for a parameter read as a matrix ``G [d_out, d_in]``
+    (:func:`~tracinfunc.projection.keys.kronecker_view`); the sides are small, always cached."""
 
     always_cached = True
 
     def cache_bytes(self, shape, plan, itemsize):
-        k_out, k_in = side_split(plan.projection, shape)
-        return (shape[0] * k_out + math.prod(shape[1:]) * k_in) * itemsize
+        view = kronecker_view(plan.projection, shape)
+        k_out, k_in = side_split(plan.projection, view)
+        return (view[0] * k_out + view[1] * k_in) * itemsize
 
     def generate(self, keys, shape, plan, dtype):
-        return _kronecker_sides(keys, shape, plan.projection, dtype)
+        return _kronecker_sides(keys, kronecker_view(plan.projection, shape), plan.projection,
+                                dtype)
 
     def rows(self, keys, plan, rows, dtype):  # never streamed: always cached
         return None
 
     def apply_block(self, flat, block, plan):
         p_out, p_in = (side.astype(flat.dtype) for side in block)
-        matrix = flat.reshape(p_out.shape[0], -1)  # [d_out, d_in], as weight.reshape(d_out, -1)
+        d_out, d_in = p_out.shape[0], p_in.shape[0]
+        if flat.shape[0] != d_out * d_in:  # a vector under vectors="kronecker": zero-padded
+            flat = jnp.pad(flat, (0, d_out * d_in - flat.shape[0]))
+        matrix = flat.reshape(d_out, d_in)  # as weight.reshape(d_out, -1)
         if p_out.shape[1] <= p_in.shape[1]:  # contract the larger side with the smaller k first
             left = jnp.matmul(p_out.T, matrix, precision=_HIGHEST)  # [k_out, d_in]
             return jnp.matmul(left, p_in, precision=_HIGHEST).reshape(-1)  # [k]
@@ -270,7 +278,7 @@ _DENSE, _SPARSE, _SIDES = _DenseBlock(), _SparseBlock(), _KroneckerSides()
 def _strategy(plan: ProjectionPlan, name: str) -> _Block:
     if plan.projection.kind == "sjlt":
         return _SPARSE
-    return _SIDES if plan.is_kronecker_matrix(name) else _DENSE
+    return _SIDES if plan.kronecker_view(name) is not None else _DENSE
 
 
 class Projector:

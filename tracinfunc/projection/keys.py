@@ -32,6 +32,7 @@ __all__ = [
     "is_matrix",
     "kronecker_seeds",
     "kronecker_split",
+    "kronecker_view",
     "param_keys",
     "side_split",
 ]
@@ -48,6 +49,7 @@ class ProjectionFields(Protocol):
     seed: int
     nnz: int
     split: str
+    vectors: str
     checkpoint: str | None
 
 PERSON = b"tracinfunc.proj1"  # blake2b domain tag: bump it if the element rule ever changes
@@ -122,9 +124,11 @@ def kronecker_seeds(projection: ProjectionFields, name: str, shape: Sequence[int
 
 
 def param_keys(projection: ProjectionFields, name: str, shape: tuple[int, ...]) -> tuple:
-    """A parameter's keys: ``kronecker_seeds`` for a kronecker matrix, else ``block_seed``."""
-    if projection.kind == "kronecker" and is_matrix(shape):
-        if max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
+    """A parameter's keys: ``kronecker_seeds`` where it is projected side by side
+    (:func:`kronecker_view`), else ``block_seed``."""
+    view = kronecker_view(projection, shape)
+    if view is not None:
+        if max(view) > MAX_ROWS:
             raise InvalidProjectionError(
                 f"make_projector: each side of {name!r} must hold at most 2**32 elements, got "
                 f"shape {list(shape)}; reshape the parameter or use kind='sjlt'."
@@ -136,3 +140,27 @@ def param_keys(projection: ProjectionFields, name: str, shape: tuple[int, ...]) 
 def is_matrix(shape: Sequence[int]) -> bool:
     """Two or more dimensions: projected side by side under ``kind="kronecker"``."""
     return len(shape) >= 2
+
+
+def kronecker_view(projection: ProjectionFields, shape: Sequence[int]) -> tuple[int, int] | None:
+    """``(d_out, d_in)``: the matrix a parameter is projected as under ``kind="kronecker"``,
+    by ``P_out [d_out, k_out]`` and ``P_in [d_in, k_in]``; ``None`` where the dense
+    Rademacher rule applies (other kinds, and vectors under ``vectors="dense"``).
+
+    A parameter with two or more dimensions is ``[shape[0], prod(shape[1:])]``. Under
+    ``vectors="kronecker"`` a non-empty parameter with fewer (``n`` elements: a bias, a norm's
+    weight, a scalar) is its flat gradient padded with zeros to ``d_out * d_in`` entries, read
+    row by row as ``[d_out, d_in]`` with ``d_in = ceil(sqrt(n))`` and ``d_out = ceil(n /
+    d_in)``: the most square shape, so that the Kronecker matrix keeps rank ``n`` while ``n``
+    is at most about ``k`` (a ``[1, n]`` view would keep ``min(n, k_in)``). The padding's rows
+    of ``P_out (x) P_in`` meet only zeros.
+    """
+    if projection.kind != "kronecker":
+        return None
+    if is_matrix(shape):
+        return shape[0], math.prod(shape[1:])
+    n = math.prod(shape)
+    if projection.vectors != "kronecker" or n == 0:
+        return None
+    d_in = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
+    return -(-n // d_in), d_in

@@ -46,6 +46,7 @@ from tracinfunc.projection.keys import (
     is_matrix,
     kronecker_seeds,
     kronecker_split,
+    kronecker_view,
     param_keys,
     side_split,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "is_matrix",
     "kronecker_seeds",
     "kronecker_split",
+    "kronecker_view",
     "param_keys",
     "plan_projection",
     "side_split",
@@ -78,6 +80,7 @@ Layout: TypeAlias = tuple[tuple[str, tuple[int, ...]], ...]
 """Parameter names and shapes sorted by name: ``(("fc.bias", (3,)), ("fc.weight", (3, 8)))``."""
 
 KINDS = ("identity", "rademacher", "sjlt", "kronecker")
+VECTORS = ("dense", "kronecker")
 SPLITS = ("square", "shape")
 # Largest k a projector builds: one example's row is 4 * k bytes and a dense block row 8 * k
 # while hashed; past this a typo (dim=2**31-1) ran until the process was OOM-killed.
@@ -115,11 +118,23 @@ class Projection:
             ``build_store`` applies it; a projector needs :meth:`for_checkpoint`.
         checkpoint: Set by :meth:`for_checkpoint` only: the checkpoint a per-checkpoint
             projection is drawn for.
+        vectors: How ``"kronecker"`` projects parameters with fewer than two dimensions
+            (biases, LayerNorm weights and biases): ``"dense"`` (default: a dense Rademacher
+            block ``[n, k]`` each, the rule of ``"rademacher"``) or ``"kronecker"`` (each
+            gradient, zero-padded, read as a near-square ``[d_out, d_in]`` matrix and
+            projected side by side like a weight; see
+            :func:`~tracinfunc.projection.keys.kronecker_view`). A dense block is read whole
+            for every call whatever the batch, which made collecting all of a small
+            transformer's parameters 1.4x the training step; ``"kronecker"`` costs a few
+            small products instead (docs/language-models.md has the measurement and the
+            agreement). Must stay ``"dense"`` for other kinds. A store records it, so stores
+            and queries of the two forms never mix.
 
     Example:
         >>> Projection(dim=512, seed=0)                  # dense Rademacher
         >>> Projection(dim=4096, kind="sjlt", nnz=4)      # sparse, for large models
         >>> Projection(dim=1024, kind="kronecker")       # factorised, split per weight
+        >>> Projection(dim=4096, kind="kronecker", vectors="kronecker")  # biases too
     """
 
     dim: int | None = None
@@ -129,6 +144,7 @@ class Projection:
     split: str = "square"
     per_checkpoint: bool = False
     checkpoint: str | None = None
+    vectors: str = "dense"
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -165,6 +181,13 @@ class Projection:
                 f"kind='kronecker' (and 'square' for other kinds), got {self.split!r} with "
                 f"kind={kind!r}; leave the default split='square'."
             )
+        if self.vectors not in VECTORS or (kind != "kronecker" and self.vectors != "dense"):
+            raise InvalidProjectionError(
+                f"Projection: vectors must be one of {', '.join(map(repr, VECTORS))} for "
+                f"kind='kronecker' (and 'dense' for other kinds), got {self.vectors!r} with "
+                f"kind={kind!r}; use Projection(dim=..., kind='kronecker', vectors='kronecker') "
+                "or leave the default vectors='dense'."
+            )
         if not isinstance(self.per_checkpoint, bool) or (
                 self.checkpoint is not None
                 and (not self.per_checkpoint or not isinstance(self.checkpoint, str))):
@@ -199,6 +222,8 @@ class Projection:
         data = {"kind": self.kind, "dim": self.dim, "seed": self.seed, "nnz": self.nnz}
         if self.split != "square":  # absent otherwise: metadata as before splits existed
             data["split"] = self.split
+        if self.vectors != "dense":  # absent otherwise: metadata as before the option
+            data["vectors"] = self.vectors
         if self.per_checkpoint:  # absent otherwise: metadata of shared projections unchanged
             data["per_checkpoint"] = True
         if self.checkpoint is not None:
@@ -297,8 +322,9 @@ def as_layout(layout: Layout | Mapping[str, Any]) -> Layout:
 
 def check_kronecker_args(
     projection: Projection, name: str, shape: Sequence[int]
-) -> tuple[int, ...]:
-    """``shape`` as a tuple if ``projection`` is kronecker and ``name`` a matrix, else raise.
+) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """``(shape, (d_out, d_in))`` if ``projection`` is kronecker and projects ``name`` side
+    by side (:func:`~tracinfunc.projection.keys.kronecker_view`), else raise.
 
     Shared by the torch and JAX ``kronecker_factors``, so both refuse the same input alike.
     """
@@ -309,12 +335,16 @@ def check_kronecker_args(
             "Projection(dim=..., kind='kronecker')."
         )
     shape = check_shape(shape, check_name(name))
-    if len(shape) < 2 or max(shape[0], math.prod(shape[1:])) > MAX_ROWS:
+    view = kronecker_view(projection, shape)
+    if view is None or max(view) > MAX_ROWS:
+        vectors = ("vectors use the Rademacher block (block_seed) unless "
+                   "Projection(..., vectors='kronecker')" if projection.vectors == "dense"
+                   else "an empty vector has no block")
         raise InvalidProjectionError(
             f"{current_caller()}: {name!r} needs at least two dimensions, each side at most 2**32 "
-            f"elements, got shape {list(shape)}; vectors use the Rademacher block (block_seed)."
+            f"elements, got shape {list(shape)}; {vectors}."
         )
-    return shape
+    return shape, view
 
 
 def check_block_args(projection: Projection, kind: str, name: str, shape: Sequence[int],
@@ -383,9 +413,10 @@ class ProjectionPlan:
         sparse = self.projection.kind == "sjlt"
         return 1 / math.sqrt(self.projection.nnz if sparse else self.k)
 
-    def is_kronecker_matrix(self, name: str) -> bool:
-        """Whether ``name`` is projected side by side (``P_out.T @ G @ P_in``)."""
-        return self.projection.kind == "kronecker" and is_matrix(dict(self.layout)[name])
+    def kronecker_view(self, name: str) -> tuple[int, int] | None:
+        """``(d_out, d_in)`` where ``name`` is projected side by side (``P_out.T @ G @ P_in``),
+        else ``None`` (:func:`~tracinfunc.projection.keys.kronecker_view`)."""
+        return kronecker_view(self.projection, dict(self.layout)[name])
 
 
 def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any]) -> ProjectionPlan:

@@ -26,11 +26,13 @@ from tracinfunc.projection.spec import (
     check_cache_bytes,
     check_kronecker_args,
     kronecker_seeds,
+    kronecker_view,
     plan_projection,
     side_split,
 )
 
-__all__ = ["Projector", "kronecker_factors", "make_projector", "rademacher_block", "sjlt_block"]
+__all__ = ["Projector", "as_kronecker_matrix", "kronecker_factors", "make_projector",
+           "rademacher_block", "sjlt_block"]
 
 
 @entry_point("kronecker_factors")
@@ -38,26 +40,38 @@ def kronecker_factors(
     projection: Projection, name: str, shape: Sequence[int], *,
     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
-    """The side projections of a parameter with two or more dimensions, unscaled.
+    """The side projections of a parameter projected side by side, unscaled: one with two or
+    more dimensions, or under ``vectors="kronecker"`` any non-empty one.
 
     Returns:
         ``(P_out [d_out, k_out], P_in [d_in, k_in])`` of exact +-1 in ``dtype`` on ``device``,
-        ``d_out = shape[0]``, ``d_in = prod(shape[1:])``, ``(k_out, k_in) =
-        side_split(projection, shape)``; the block is ``(P_out.T @ G @ P_in) / sqrt(k)``.
+        ``(d_out, d_in) = kronecker_view(projection, shape)`` (``shape[0]`` and
+        ``prod(shape[1:])`` for a matrix), ``(k_out, k_in) = side_split(projection, (d_out,
+        d_in))``; the block is ``(P_out.T @ G @ P_in) / sqrt(k)``, ``G`` the gradient read as
+        ``[d_out, d_in]`` (a vector's zero-padded).
     """
-    shape = check_kronecker_args(projection, name, shape)
+    shape, view = check_kronecker_args(projection, name, shape)
     keys_out, keys_in = kronecker_seeds(projection, name, shape)
     device = torch.empty(0, device=device).device
-    return _kronecker_sides(keys_out, keys_in, shape, *side_split(projection, shape), device,
+    return _kronecker_sides(keys_out, keys_in, view, *side_split(projection, view), device,
                             dtype)
 
 
-def _kronecker_sides(keys_out, keys_in, shape, k_out, k_in, device, dtype) -> tuple:
-    d_out, d_in = shape[0], math.prod(shape[1:])
+def _kronecker_sides(keys_out, keys_in, view, k_out, k_in, device, dtype) -> tuple:
+    d_out, d_in = view
     p_out = torch.empty(d_out, k_out, dtype=dtype, device=device)
     p_in = torch.empty(d_in, k_in, dtype=dtype, device=device)
     return (_kernels.fill_rademacher(p_out, keys_out, 0),
             _kernels.fill_rademacher(p_in, keys_in, 0))
+
+
+def as_kronecker_matrix(flat: Tensor, view: tuple[int, int]) -> Tensor:
+    """``[..., n] -> [..., d_out, d_in]``: a gradient read as the matrix it is projected as,
+    zero-padded where ``d_out * d_in > n`` (a vector under ``vectors="kronecker"``)."""
+    size = view[0] * view[1]
+    if flat.shape[-1] != size:
+        flat = torch.nn.functional.pad(flat, (0, size - flat.shape[-1]))
+    return flat.reshape(*flat.shape[:-1], *view)
 
 
 @entry_point("rademacher_block")
@@ -165,21 +179,23 @@ class _SparseBlock(_Block):
 
 
 class _KroneckerSides(_Block):
-    """``P_out.T @ G @ P_in`` for a matrix parameter; the sides are small, always cached."""
+    """``P_out.T @ G @ P_in`` for a parameter read as a matrix ``G [d_out, d_in]``
+    (:func:`~tracinfunc.projection.keys.kronecker_view`); the sides are small, always cached."""
 
     always_cached = True
 
     def cache_bytes(self, shape, plan, itemsize):
-        k_out, k_in = side_split(plan.projection, shape)
-        return (shape[0] * k_out + math.prod(shape[1:]) * k_in) * itemsize
+        view = kronecker_view(plan.projection, shape)
+        k_out, k_in = side_split(plan.projection, view)
+        return (view[0] * k_out + view[1] * k_in) * itemsize
 
     def generate(self, keys, shape, plan, dtype, device, rows_fn):
-        return _kronecker_sides(*keys, shape, *side_split(plan.projection, shape), device,
-                                dtype)
+        view = kronecker_view(plan.projection, shape)
+        return _kronecker_sides(*keys, view, *side_split(plan.projection, view), device, dtype)
 
     def project(self, flat, entry, keys, plan, rows_fn):
         p_out, p_in = entry
-        matrix = flat.reshape(p_out.shape[0], p_in.shape[0])  # [d_out, d_in]
+        matrix = as_kronecker_matrix(flat, (p_out.shape[0], p_in.shape[0]))  # [d_out, d_in]
         k = p_out.shape[1] * p_in.shape[1]  # explicit sizes: -1 fails under vmap over 0 examples
         if p_out.shape[1] <= p_in.shape[1]:  # contract the larger side with the smaller k first
             return ((p_out.T @ matrix) @ p_in).reshape(k)  # [k_out, k_in] -> [k]
@@ -192,7 +208,7 @@ _DENSE, _SPARSE, _SIDES = _DenseBlock(), _SparseBlock(), _KroneckerSides()
 def _strategy(plan: ProjectionPlan, name: str) -> _Block:
     if plan.projection.kind == "sjlt":
         return _SPARSE
-    return _SIDES if plan.is_kronecker_matrix(name) else _DENSE
+    return _SIDES if plan.kronecker_view(name) is not None else _DENSE
 
 
 class Projector:
@@ -260,11 +276,12 @@ class Projector:
                           ) -> tuple[Tensor, Tensor]:
         """Cached ``(P_out [d_out, k_out], P_in [d_in, k_in])`` of a matrix parameter, unscaled
         (the projector's overall scale ``1/sqrt(k)`` applies), for ``grads.factorized``."""
-        if name not in self._shapes or not self.plan.is_kronecker_matrix(name):
+        if name not in self._shapes or self.plan.kronecker_view(name) is None:
             raise InvalidProjectionError(
-                f"Projector.kronecker_factors: {name!r} is not a matrix parameter of a "
-                f"kind='kronecker' projector (kind={self.projection.kind!r}); ask for a "
-                "parameter with two or more dimensions."
+                f"Projector.kronecker_factors: {name!r} is not projected side by side by this "
+                f"projector (kind={self.projection.kind!r}, vectors="
+                f"{self.projection.vectors!r}); ask for a parameter with two or more "
+                "dimensions (or any, under kind='kronecker', vectors='kronecker')."
             )
         return self._entry(name, dtype, device)
 

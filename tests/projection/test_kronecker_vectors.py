@@ -182,7 +182,8 @@ def test_a_store_records_the_option_and_refuses_mixed_queries(tmp_path):
     assert store.meta.projection == SPEC
     same = tif.build_store(loss, [ckpt], [(x[:2], y[:2])], projection=SPEC)
     expected = same.read_rows(0, 0, 2) @ store.read_rows(0, 0, 8).T * 0.1  # [2, 8]
-    np.testing.assert_allclose(tif.score(store, same).numpy(), expected.numpy(), rtol=1e-5)  # float32 rows
+    # float32 rows
+    np.testing.assert_allclose(tif.score(store, same).numpy(), expected.numpy(), rtol=1e-5)
     dense = tif.build_store(loss, [ckpt], [(x[:2], y[:2])],
                             projection=tif.Projection(dim=48, seed=5, kind="kronecker"))
     with pytest.raises(tif.errors.TracInFuncError, match="vectors"):

@@ -5,8 +5,8 @@ Under ``Projection(kind="kronecker", vectors="kronecker")`` each parameter with 
 two dimensions is projected side by side through its zero-padded near-square view
 (:class:`KroneckerVectors`, :func:`~tracinfunc.projection.keys.kronecker_view`). By default
 (``vectors="dense"``) such a parameter (a bias, a LayerNorm weight or bias) has a dense
-Rademacher block ``[numel, k]`` (its definition in :mod:`tracinfunc.projection.spec`). The generic projector applies one block per parameter: some
-forty ``[b, n] @ [n, k]`` products for a small transformer, each reading its block from memory
+Rademacher block ``[numel, k]`` (its definition in :mod:`tracinfunc.projection.spec`). The
+generic projector applies one block per parameter: some forty ``[b, n] @ [n, k]`` products for a small transformer, each reading its block from memory
 for a handful of examples, and blocks over its cache budget are regenerated on every call
 (GPT-2 small: 121k vector rows, 2 GB in float32). Here the blocks are generated once, stacked in
 the layout's order into one ``[n_vectors, k]`` block kept as bits (``k / 8`` bytes a row, 32x

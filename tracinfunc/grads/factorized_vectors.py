@@ -1,21 +1,21 @@
 """The non-matrix parameters of the factorised kronecker path: one packed block, or side
 factors under ``vectors="kronecker"``.
 
-Under ``Projection(kind="kronecker", vectors="kronecker")`` each parameter with fewer than
-two dimensions is projected side by side through its zero-padded near-square view
+Under ``Projection(kind="kronecker", vectors="kronecker")`` each parameter with fewer than two
+dimensions is projected side by side through its zero-padded near-square view
 (:class:`KroneckerVectors`, :func:`~tracinfunc.projection.keys.kronecker_view`). By default
 (``vectors="dense"``) such a parameter (a bias, a LayerNorm weight or bias) has a dense
 Rademacher block ``[numel, k]`` (its definition in :mod:`tracinfunc.projection.spec`). The
-generic projector applies one block per parameter: some forty ``[b, n] @ [n, k]`` products for a small transformer, each reading its block from memory
-for a handful of examples, and blocks over its cache budget are regenerated on every call
-(GPT-2 small: 121k vector rows, 2 GB in float32). Here the blocks are generated once, stacked in
-the layout's order into one ``[n_vectors, k]`` block kept as bits (``k / 8`` bytes a row, 32x
-less than float32), and one example's vector gradients, concatenated in the same order
-``[n_vectors]``, are multiplied with it a row slice at a time, each slice unpacked to exact
-+-1 in the gradients' dtype by a 256-entry table while it is in cache (``[b, rows] @ [rows,
-k]`` under ``vmap``). Reading a bit instead of a float also makes the memory-bound product
-faster than from the float32 block. The sum is the projector's, in another float summation
-order.
+generic projector applies one block per parameter: some forty ``[b, n] @ [n, k]`` products for
+a small transformer, each reading its block from memory for a handful of examples, and blocks
+over its cache budget are regenerated on every call (GPT-2 small: 121k vector rows, 2 GB in
+float32). Here the blocks are generated once, stacked in the layout's order into one
+``[n_vectors, k]`` block kept as bits (``k / 8`` bytes a row, 32x less than float32), and one
+example's vector gradients, concatenated in the same order ``[n_vectors]``, are multiplied with
+it a row slice at a time, each slice unpacked to exact +-1 in the gradients' dtype by a
+256-entry table while it is in cache (``[b, rows] @ [rows, k]`` under ``vmap``). Reading a bit
+instead of a float also makes the memory-bound product faster than from the float32 block. The
+sum is the projector's, in another float summation order.
 """
 
 from __future__ import annotations

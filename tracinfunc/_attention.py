@@ -104,11 +104,14 @@ def _folded_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | 
 
     Attention treats every leading index independently, so ``vmap``'s batch of ``B`` examples
     of ``[N, H, L, E]`` is one call on ``[B * N, H, L, E]``: the kernel a batched forward
-    uses, not the math kernel's ``[L, S]`` scores per head (measured: a hand-written
-    ``functional_call`` GPT-2 loss 1.24x the floor -> see benchmarks/RESULTS.md). Only 4-D
-    inputs without dropout (dropout would draw one mask for the folded batch, which vmap's
-    ``randomness`` setting must decide) under ``vmap`` levels alone."""
+    uses, not the math kernel's ``[L, S]`` scores per head (a hand-written ``functional_call``
+    loss on GPT-2 4 x 128 at 8 x 512 tokens: 1.45-1.49x -> 1.05-1.18x the training step,
+    benchmarks/RESULTS.md). Only 4-D inputs with one ``N`` (a ``[1, ...]`` key broadcast over
+    the queries' ``N`` would not broadcast once folded), without dropout (which would draw
+    one mask for the folded batch, where vmap's ``randomness`` setting must decide), under
+    ``vmap`` levels alone."""
     if dropout_p != 0.0 or query.dim() != 4 or key.dim() != 4 or value.dim() != 4 \
+            or not query.shape[0] == key.shape[0] == value.shape[0] \
             or (attn_mask is not None and attn_mask.dim() > 4) or not _only_vmap_levels():
         return None
     return _FoldedAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)

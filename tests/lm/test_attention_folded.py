@@ -207,3 +207,23 @@ def test_autocast_casts_the_folded_call_as_it_casts_each_example():
             out = vmap(F.scaled_dot_product_attention)(q, k, v)
     assert out.dtype == reference.dtype == torch.bfloat16
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+
+def test_a_key_broadcast_over_the_queries_takes_the_math_kernel_and_is_exact():
+    """``[1, H, S, E]`` keys against ``[N, H, L, E]`` queries broadcast in one call, but not
+    once each is folded with the examples (``[B, ...]`` against ``[B * N, ...]``)."""
+    torch.manual_seed(7)
+    q, k, v = _randn(B, N, H, L, E), _randn(B, 1, H, S, E), _randn(B, 1, H, S, E)
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    reference = torch.stack([attend(q[i], k[i], v[i]) for i in range(B)])
+    out = {}
+
+    def run():
+        with vmap_attention():
+            out["rows"] = vmap(attend)(q, k, v)
+
+    assert _kernel_calls(run) == []
+    torch.testing.assert_close(out["rows"], reference, rtol=1e-12, atol=1e-12)

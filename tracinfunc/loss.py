@@ -108,12 +108,18 @@ _LOCKS = _ModuleLocks()
 
 
 def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
-    """The modules a hand-written loss names directly, found without calling it: its closure
-    cells, the globals its code (and the code of functions defined inside it) reads, the
-    arguments of a ``functools.partial`` and the object of a bound method, in that order,
-    each module once. A module reached only through another object (a list, an attribute of
-    a config) is not found."""
+    """The modules a hand-written loss names directly, found without calling it, in the order
+    of their ``id`` (so two threads take their locks in one order): its closure cells, the
+    globals its code (and the code of functions defined inside it) reads, the arguments of a
+    ``functools.partial`` and the object of a bound method, and the same for the functions
+    of the loss's own module it reaches that way (not a library's: torch's functions are not
+    walked). A module reached only through another object (a list, an attribute of a config)
+    is not found."""
     found: dict[int, nn.Module] = {}
+    inner = loss
+    while isinstance(inner, functools.partial) or inspect.ismethod(inner):
+        inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
+    home = getattr(inner, "__module__", None)
     pending, seen = [loss], set()
     while pending:
         fn = pending.pop()
@@ -126,16 +132,14 @@ def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
             pending.extend([fn.func, *fn.args, *fn.keywords.values()])
         elif inspect.ismethod(fn):
             pending.extend([fn.__self__, fn.__func__])
-        elif inspect.isfunction(fn):
-            cells = [cell.cell_contents for cell in fn.__closure__ or ()
-                     if _filled(cell)]
-            names = _global_names(fn.__code__)
-            pending.extend(value for value in cells
-                           if isinstance(value, nn.Module) or callable(value))
-            pending.extend(fn.__globals__[name] for name in names if name in fn.__globals__
-                           and (isinstance(fn.__globals__[name], nn.Module)
-                                or inspect.isfunction(fn.__globals__[name])))
-    return list(found.values())
+        elif inspect.isfunction(fn) and (fn is inner or fn.__module__ == home):
+            values = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
+            values += [fn.__globals__[name] for name in _global_names(fn.__code__)
+                       if name in fn.__globals__]
+            pending.extend(value for value in values
+                           if isinstance(value, (nn.Module, functools.partial))
+                           or inspect.isfunction(value) or inspect.ismethod(value))
+    return [found[key] for key in sorted(found)]
 
 
 def _filled(cell: Any) -> bool:

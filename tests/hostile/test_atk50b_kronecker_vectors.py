@@ -252,11 +252,6 @@ def test_scalar_parameter_generic_path_exact():
     assert rel(out, ref(grads_loop(m, x, y), kv())) < F64
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: a 0-d scalar parameter on kind='kronecker' factorised path (plain or chunked; "
-    "vectors='kronecker' and the default alike): expected rows equal to the generic path's / "
-    "float64 reference, observed LossFunctionError(IndexError 'Dimension out of range') "
-    "blaming the batch structure"))
 @pytest.mark.parametrize("vectors", ["kronecker", "dense"])
 def test_finding_scalar_parameter_factorised_path(vectors):
     torch.manual_seed(0)
@@ -277,11 +272,6 @@ def test_empty_parameter_generic_path_exact():
     assert rel(out, ref(grads_loop(m, x, y), kv())) < F64
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: an empty (0-element) parameter beside others on kind='kronecker' factorised "
-    "path: expected rows equal to the generic path's (rademacher/sjlt also accept it), "
-    "observed InvalidProjectionError 'the layout must hold at least one element ... got 1 "
-    "parameters with sizes [0]' about a 3-parameter model"))
 @pytest.mark.parametrize("vectors", ["kronecker", "dense"])
 def test_finding_empty_parameter_factorised_path(vectors):
     torch.manual_seed(0)

@@ -188,3 +188,11 @@ def test_a_store_records_the_option_and_refuses_mixed_queries(tmp_path):
                             projection=tif.Projection(dim=48, seed=5, kind="kronecker"))
     with pytest.raises(tif.errors.TracInFuncError, match="vectors"):
         tif.score(store, dense)
+
+
+def test_numpy_strings_become_str():
+    spec = tif.Projection(dim=8, kind=np.str_("kronecker"), vectors=np.str_("kronecker"),
+                          split=np.str_("shape"))
+    assert type(spec.vectors) is str and type(spec.split) is str
+    assert "np.str_" not in repr(spec)
+    assert spec == tif.Projection(dim=8, kind="kronecker", vectors="kronecker", split="shape")

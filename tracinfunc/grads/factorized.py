@@ -103,6 +103,9 @@ class _Plan:
             self._precondition_factors()
         rest = {name: value for name, value in params.items() if name not in self.weights}
         vectors, others = split_vectors(self.projection, rest)
+        filled = [name for name in others if rest[name].numel() > 0]
+        if filled or vectors or self.weights:  # an empty parameter adds nothing to a row
+            others = filled
         self.vectors: VectorBlocks | KroneckerVectors | None = None  # biases, norms
         if vectors:
             self.vectors = vector_blocks(self.projection, {n: rest[n] for n in vectors},

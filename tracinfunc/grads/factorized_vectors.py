@@ -95,7 +95,8 @@ class VectorBlocks:
         """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap``: the same product
         with one ``[b, rows] @ [rows, k]`` per row slice (under ``vmap`` the slices' products
         cost about twice as much on a CPU)."""
-        return self._product(torch.cat([grads[name].flatten(1) for name in self.names], 1))
+        b = grads[self.names[0]].shape[0]  # reshape, not flatten(1): a 0-d parameter is [b]
+        return self._product(torch.cat([grads[name].reshape(b, -1) for name in self.names], 1))
 
     def _product(self, flat: Tensor) -> Tensor:
         """``[..., n_vectors] -> [..., k]``, a row slice of the block at a time."""
@@ -136,7 +137,8 @@ class KroneckerVectors:
 
     def batched(self, grads: Params) -> Tensor:
         """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap``."""
-        return self._product({name: grads[name].flatten(1) for name in self.names})
+        b = grads[self.names[0]].shape[0]  # reshape, not flatten(1): a 0-d parameter is [b]
+        return self._product({name: grads[name].reshape(b, -1) for name in self.names})
 
     def _product(self, flat: Params) -> Tensor:
         """``{name: [..., n]} -> [..., k]``, the parameters' parts summed in name order."""

@@ -197,8 +197,10 @@ class Projection:
                 f"checkpoint={self.checkpoint!r}; use Projection(..., per_checkpoint=True)"
                 ".for_checkpoint('epoch-1')."
             )
-        for field, value in (("dim", dim), ("seed", seed), ("nnz", nnz)):
-            object.__setattr__(self, field, value)  # numpy ints -> int, for JSON and hashing
+        for field, value in (("dim", dim), ("seed", seed), ("nnz", nnz), ("kind", str(kind)),
+                             ("split", str(self.split)), ("vectors", str(self.vectors))):
+            # numpy ints -> int and numpy strings -> str, for JSON, hashing and the repr
+            object.__setattr__(self, field, value)
 
     @entry_point("Projection.output_dim")
     def output_dim(self, layout: Layout | Mapping[str, Any]) -> int:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -60,29 +61,34 @@ class _ModuleLocks:
         self._waiting: dict[int, int] = {}  # thread -> id(module) it waits for
 
     @contextlib.contextmanager
-    def held(self, module: nn.Module) -> Iterator[None]:
-        key, me = id(module), threading.get_ident()
+    def held(self, *modules: nn.Module) -> Iterator[None]:
+        """Every module given and every submodule of them, taken together once none is held
+        by another thread: a forward through a model swaps tensors into its submodules, so a
+        loss naming only ``model.b`` excludes a forward through ``model`` too."""
+        keys = sorted({id(sub) for module in modules for sub in module.modules()})
+        me = threading.get_ident()
         with self._changed:
-            while (owner := self._owners.get(key)) is not None and owner[0] != me:
-                self._refuse_cycle(owner[0], me)
-                self._waiting[me] = key
+            while (busy := next((key for key in keys if (owner := self._owners.get(key))
+                                 is not None and owner[0] != me), None)) is not None:
+                self._refuse_cycle(self._owners[busy][0], me)
+                self._waiting[me] = busy
                 try:
                     self._changed.wait()
                 finally:
                     del self._waiting[me]
-            if owner is None:
-                self._owners[key] = [me, 1]
-            else:
+            for key in keys:
+                owner = self._owners.setdefault(key, [me, 0])
                 owner[1] += 1
         try:
             yield
         finally:
             with self._changed:
-                owner = self._owners[key]
-                owner[1] -= 1
-                if owner[1] == 0:
-                    del self._owners[key]
-                    self._changed.notify_all()
+                for key in keys:
+                    owner = self._owners[key]
+                    owner[1] -= 1
+                    if owner[1] == 0:
+                        del self._owners[key]
+                self._changed.notify_all()
 
     def _refuse_cycle(self, thread: int, me: int) -> None:
         """Raise if ``thread`` (holding what this thread wants) waits, through other threads'
@@ -109,17 +115,16 @@ _LOCKS = _ModuleLocks()
 
 def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
     """The modules a hand-written loss names directly, found without calling it, in the order
-    of their ``id`` (so two threads take their locks in one order): its closure cells, the
-    globals its code (and the code of functions defined inside it) reads, the arguments of a
-    ``functools.partial`` and the object of a bound method, and the same for the functions
-    of the loss's own module it reaches that way (not a library's: torch's functions are not
-    walked). A module reached only through another object (a list, an attribute of a config)
-    is not found."""
+    of their ``id``: its closure cells, its default arguments, the globals its code (and the
+    code of functions defined inside it) reads, the arguments of a ``functools.partial`` and
+    the object of a bound method, and the same for every function reached that way that is
+    not a library's (torch's functions are not walked; tracinfunc's wrappers, such as a
+    checkpoint's loss, are). A module reached only through another object (a list, an
+    attribute of a config) is not found."""
     found: dict[int, nn.Module] = {}
     inner = loss
     while isinstance(inner, functools.partial) or inspect.ismethod(inner):
         inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
-    home = getattr(inner, "__module__", None)
     pending, seen = [loss], set()
     while pending:
         fn = pending.pop()
@@ -132,14 +137,26 @@ def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
             pending.extend([fn.func, *fn.args, *fn.keywords.values()])
         elif inspect.ismethod(fn):
             pending.extend([fn.__self__, fn.__func__])
-        elif inspect.isfunction(fn) and (fn is inner or fn.__module__ == home):
+        elif inspect.isfunction(fn) and (fn is inner or not _library(fn)):
             values = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
             values += [fn.__globals__[name] for name in _global_names(fn.__code__)
                        if name in fn.__globals__]
+            values += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
             pending.extend(value for value in values
                            if isinstance(value, (nn.Module, functools.partial))
                            or inspect.isfunction(value) or inspect.ismethod(value))
     return [found[key] for key in sorted(found)]
+
+
+# Packages whose functions a loss may name (torch.func.functional_call, F.cross_entropy) but
+# whose globals hold no user's model: not walked (torch's own would be thousands of functions).
+_LIBRARIES = frozenset({"torch", "transformers", "peft", "accelerate", "numpy", "jax", "jaxlib",
+                        "flax", "optax", "functorch", "safetensors"})
+
+
+def _library(fn: Any) -> bool:
+    top = (getattr(fn, "__module__", None) or "").partition(".")[0]
+    return top in _LIBRARIES or top in sys.stdlib_module_names
 
 
 def _filled(cell: Any) -> bool:
@@ -165,9 +182,7 @@ def holding(modules: list[nn.Module]) -> Iterator[None]:
     for the duration: a hand-written ``functional_call`` loss swaps a checkpoint's tensors
     into its module as tracinfunc's own forwards do, and two threads doing it on one module
     at once would read each other's weights."""
-    with contextlib.ExitStack() as stack:
-        for module in modules:
-            stack.enter_context(_LOCKS.held(module))
+    with _LOCKS.held(*modules):
         yield
 
 

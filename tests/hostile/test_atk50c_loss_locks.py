@@ -273,11 +273,7 @@ def test_projected_kronecker_threads_fresh_functions():
 
 
 @pytest.mark.parametrize("form", [
-    pytest.param("closure", marks=pytest.mark.xfail(strict=True, reason=(
-    "FINDING: build_store in 3 threads on ONE model with a closure functional_call loss "
-    "(checkpoints A, B, A): expected each store's rows = its checkpoint's loop rows (docs: "
-    "'build_store through them' holds the lock); observed rows of other checkpoints, off by "
-    "~1.0 absolute, while projected_grads alone in threads is exact"))),
+    "closure",
     "module_loss",
 ])
 def test_build_store_threads_two_checkpoints(form):
@@ -336,12 +332,6 @@ def test_documented_not_found_forms_do_not_hang_and_copies_work(form):
         torch.testing.assert_close(_flat(_ok(r), names), refs[i], rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: a loss naming its model through a default argument (def loss(p, ex, m=model), "
-    "the usual way to bind a loop variable), 4 threads, checkpoints A/B on one model: expected "
-    "each thread's own rows (the model is named by the loss itself) or the docs listing "
-    "defaults among the forms not found; observed silently mixed rows (max |diff| ~0.8), and "
-    "the docs' 'not found' examples (a list item, an attribute) do not cover it"))
 def test_default_argument_model_threads():
     model = _model()
     _two_ckpt_race(_default_arg(model), model, trials=3)
@@ -390,12 +380,6 @@ class _SlowLinear(nn.Linear):
         return super().forward(x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: one model, two tracinfunc calls in threads: a closure loss over the whole model "
-    "(checkpoint A) and a closure loss naming only its submodule model.b (other weights): "
-    "expected each its own rows (docs: 'two tracinfunc calls on one model ... give each its "
-    "own rows'); observed the whole-model rows computed with the other thread's model.b "
-    "weights -- the parent's and the child's locks do not exclude each other"))
 def test_submodule_named_by_loss_vs_whole_model_in_other_thread():
     """Thread 1 differentiates the whole model; thread 2 a loss naming only ``model.b`` (one
     model, two tracinfunc calls). Docs: two tracinfunc calls on one model give each its rows."""
@@ -747,15 +731,9 @@ def test_kronecker_autocast_in_loss_rows_match_loop(dtype, part):
 
 
 @pytest.mark.parametrize("dtype,part", [
-    pytest.param(torch.bfloat16, False, marks=pytest.mark.xfail(strict=True, reason=(
-        "FINDING: a loss with its own torch.autocast(bfloat16) around Linear layers: expected "
-        "both weights factorised (sides cast to the weight's dtype; fp16 autocast does "
-        "factorise them); observed factorized_weights == [] and a UserWarning that the "
-        "weights are 'also used outside a layer's forward' (false), then materialised rows"))),
+    (torch.bfloat16, False),
     (torch.float16, False),
-    pytest.param(torch.bfloat16, True, marks=pytest.mark.xfail(strict=True, reason=(
-        "FINDING: autocast(bfloat16) on the first layer only: expected both weights "
-        "factorised; observed only 'b.weight' ('a.weight' falsely 'used outside a layer')"))),
+    (torch.bfloat16, True),
 ], ids=AC_IDS)
 def test_kronecker_autocast_in_loss_stays_factorised(dtype, part):
     model = _model(sleep=0.0).float()
@@ -782,11 +760,6 @@ def test_half_model_kronecker_rows_match_loop(dtype):
         assert _rel(rows, loop_rows(loss, p, batch, KRON)) < 3e-2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: kind='kronecker' on a bfloat16/float16 plain MLP with a ModuleLoss "
-    "(loss_from_module): expected no fallback (an ordinary loss; fit_curvature's proof "
-    "allows 4 ulps since atk49); observed BatchedPathWarning 'examples may interact ... rows "
-    "differ from the per-example ones' -- rounding read as interaction, slow path taken"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_model_module_loss_no_spurious_fallback(dtype):
     model = _model(sleep=0.0).to(dtype)

@@ -51,7 +51,7 @@ from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
 from tracinfunc.grads.shared_inputs import sharing_inputs
 from tracinfunc.grads.transforms import explain_loss_error, projected_grads
-from tracinfunc.loss import ModuleLoss, check_eval_mode
+from tracinfunc.loss import ModuleLoss, check_eval_mode, holding, modules_reached
 from tracinfunc.precondition.optimizer import Preconditioner, check_preconditioners
 from tracinfunc.progress import ProgressArg
 from tracinfunc.projection import Projection, canonical_layout
@@ -328,7 +328,7 @@ def _check_loss(loss: LossFn, params: Params, batch: Batch, *, call: Call | None
         check_eval_mode(loss.module)
     versions = batch_versions(batch)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), holding(modules_reached(loss)):  # as the gradient calls do
             value = loss(params, example)
         first = "" if call is None else \
             f" (its first example, on {(call.part(0) if call.first is not None else call).where()})"

@@ -39,7 +39,7 @@ from tracinfunc._hooks import register_thread_forward_hook
 from tracinfunc.curvature.capture import KfacLayer, _hooked, _reader, check_inputs_unchanged
 from tracinfunc.curvature.kfac import input_key, input_keys
 from tracinfunc.errors import LossFunctionError
-from tracinfunc.grads.factorized_batched import BatchedPathWarning
+from tracinfunc.grads.factorized_batched import BatchedPathWarning, proof_tolerance
 from tracinfunc.grads.transforms import explain_loss_error
 from tracinfunc.loss import ModuleLoss
 from tracinfunc.types import Batch, Example, Params
@@ -361,7 +361,7 @@ def _slice_gaps(together: list, vmapped: IO, batch: Batch) -> list[tuple[float, 
     gaps: list[tuple[float, float, float]] = []
     for start in range(0, size, step):
         want = vmapped(_rows(batch, start, start + step))
-        part = [(*_gap(have[start:start + step], expected), _tolerance(expected.dtype))
+        part = [(*_gap(have[start:start + step], expected), proof_tolerance(expected.dtype))
                 for got_pair, want_pair in zip(together, want, strict=True)
                 for have, expected in zip(got_pair, want_pair, strict=True)]
         del want
@@ -405,32 +405,21 @@ def _refuse_random(batched: IO, batch: Batch, together: list) -> None:
 def _worst_gap(got: list, want: list) -> tuple[float, float] | None:
     """``None`` where every ``got[layer][side]`` equals ``want[layer][side]`` within the
     tolerance of :func:`_worst`, else the worst ``(largest difference, largest value)``."""
-    return _worst([(*_gap(have, expected), _tolerance(expected.dtype))
+    return _worst([(*_gap(have, expected), proof_tolerance(expected.dtype))
                    for got_pair, want_pair in zip(got, want, strict=True)
                    for have, expected in zip(got_pair, want_pair, strict=True)])
 
 
 def _worst(gaps: list[tuple[float, float, float]]) -> tuple[float, float] | None:
     """``None`` where every ``(largest difference, largest value, tolerance)`` is within its
-    tolerance (:func:`_tolerance`: the largest absolute difference at most that fraction of
-    the largest absolute value), else the worst ``(largest difference, largest value)``."""
+    tolerance (:func:`~tracinfunc.grads.factorized_batched.proof_tolerance`: the largest
+    absolute difference at most that fraction of the largest absolute value), else the worst
+    ``(largest difference, largest value)``."""
     worst, ratio = None, 0.0
     for diff, scale, allowed in gaps:
         if diff > allowed * scale and (scale == 0 or diff / scale > ratio):
             worst, ratio = (diff, scale), (math.inf if scale == 0 else diff / scale)
     return worst
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """The proof's relative tolerance for captured values of ``dtype``: 1e-6 in float64,
-    1e-3 in float32 (as the factorised projection's batched path), four units of the last
-    place in lower precision (bfloat16: 0.031; one batched and one per-example run round
-    apart by a unit, which 1e-3 took for interacting examples)."""
-    if dtype == torch.float64:
-        return 1e-6
-    if dtype == torch.float32 or not dtype.is_floating_point:
-        return 1e-3
-    return max(1e-3, 4 * torch.finfo(dtype).eps)
 
 
 def _gap(got: Tensor, want: Tensor) -> tuple[float, float]:

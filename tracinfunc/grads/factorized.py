@@ -202,7 +202,10 @@ class _Plan:
             total = part if total is None else total + part
         for index, rule, left, right in sides:
             p_rows, p_cols = self.factors[index]
-            total = _add_block(total, project_left(rule, left, p_rows), right @ p_cols,
+            if left.is_floating_point():  # a loss's own autocast: half-precision sides
+                left = left.to(p_rows.dtype)
+            total = _add_block(total, project_left(rule, left, p_rows),
+                               right.to(p_cols.dtype) @ p_cols,
                                self.scale)
         return total
 
@@ -238,7 +241,7 @@ class _Plan:
         bad = []
         for index, name in enumerate(self.weights):
             expected = exact[name].reshape(exact[name].shape[0], -1)
-            got = sum(dense_grad(rule, left, right, expected.shape[0])
+            got = sum(dense_grad(rule, left, right, expected.shape[0]).to(expected.dtype)
                       for i, rule, left, right in sides if i == index)
             scale = float(expected.abs().max()) if expected.numel() else 0.0
             rtol = rounding.get(index, 1e-3)

@@ -43,12 +43,12 @@ def rule_sides(rule: str, module: nn.Module, x: Tensor, delta: Tensor) -> tuple[
     """``(left, right)`` with ``G = left.T @ right``; for embeddings ``left`` is token ids
     ``[T]`` with ``-1`` where the gradient is zero (``padding_idx``).
 
-    Both sides come in the weight's dtype, that of the projection's factors: under a loss's
-    own ``torch.autocast`` a float32 layer reads float32 inputs but returns (and is
-    differentiated through) a bfloat16 output."""
-    dtype = module.weight.dtype
-    x = x.to(dtype) if x.is_floating_point() else x
-    delta = delta.to(dtype)
+    Both float sides come in one dtype: under a loss's own ``torch.autocast`` a float32 layer
+    reads float32 inputs but returns (and is differentiated through) a bfloat16 output; the
+    products with the factors cast to the factors' dtype (``_Plan.combine``)."""
+    if x.is_floating_point() and x.dtype != delta.dtype:
+        dtype = torch.promote_types(x.dtype, delta.dtype)
+        x, delta = x.to(dtype), delta.to(dtype)
     if rule == "linear":
         return delta.reshape(-1, module.out_features), x.reshape(-1, module.in_features)
     if rule == "conv1d":

@@ -1421,3 +1421,55 @@ def test_FINDING_choose_damping_hand_written_loss_threads():
         problems += ["per_sample_grads rows wrong" for g in res.get(1, [])
                      if any(not torch.allclose(g[n], want_b[n]) for n in g)]
     assert problems == []
+
+
+def test_output_token_grads_hand_written_lm_loss_in_threads():
+    model = _tiny_gpt2(torch.float64)
+    block = model.transformer.h[0]
+    orig = block.forward
+
+    def slow(*a, **k):
+        time.sleep(0.002)
+        return orig(*a, **k)
+
+    block.forward = slow
+
+    def loss(p, ex):
+        ids = ex["input_ids"]
+        logits = functional_call(model, p, (ids[None],)).logits[0, :-1]
+        return nn.functional.cross_entropy(logits, ids[1:])
+
+    g = torch.Generator().manual_seed(0)
+    seq = {"input_ids": torch.randint(0, 50, (8,), generator=g)}
+    batch = {"input_ids": torch.randint(0, 50, (3, 8), generator=g)}
+    pa = {k: v.detach().clone() for k, v in model.named_parameters()}
+    pb = {k: v + 0.1 for k, v in pa.items()}
+    proj = tif.Projection(dim=16)
+    ck = [tif.Checkpoint(pa)]
+    train = tif.build_store(loss, ck, batch, projection=proj, dtype=torch.float64,
+                            progress=False)
+    want = tif.score(train, tif.lm.outputs.output_token_grads(loss, ck, seq,
+                                                              projection=proj).grads)
+    pg = tif.projected_grads(loss, proj)
+    want_b = pg(pb, batch)
+    stop = threading.Event()
+
+    def other():
+        out = []
+        while not stop.is_set() and len(out) < 30:
+            out.append(pg(pb, batch))
+        return out
+
+    def cur():
+        try:
+            return [tif.score(train, tif.lm.outputs.output_token_grads(
+                loss, ck, seq, projection=proj).grads) for _ in range(3)]
+        finally:
+            stop.set()
+
+    res, err = _run_threads([(0, cur), (1, other)])
+    assert not err, err
+    for s in res[0]:
+        torch.testing.assert_close(s, want)
+    for r in res[1]:
+        torch.testing.assert_close(r, want_b)

@@ -76,7 +76,7 @@ def kronecker_split(dim, shape=None) -> tuple[int, int]:
     larger ``k_out``); if none fits, the smallest ``max(k_out / d_out, k_in / d_in)`` (ties:
     the larger ``k_out``). Written as a plain loop over every pair.
     """
-    if shape is None:
+    if shape is None or shape[0] == 0 or int(np.prod(shape[1:])) == 0:  # empty: square
         k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
         return k_out, dim // k_out
     d_out, d_in = shape[0], int(np.prod(shape[1:]))

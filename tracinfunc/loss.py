@@ -186,6 +186,25 @@ def holding(modules: list[nn.Module]) -> Iterator[None]:
         yield
 
 
+def holds_loss_modules(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a public function with a ``loss`` argument) holding the locks of the modules
+    its loss names (:func:`modules_reached`) for the whole call: for functions that run a
+    hand-written loss themselves, outside :func:`~tracinfunc.per_sample_grads` and
+    :func:`~tracinfunc.projected_grads` (which hold them per batch), such as a K-FAC fit."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            loss = signature.bind_partial(*args, **kwargs).arguments.get("loss")
+        except TypeError:  # fn's own call raises the clear error below
+            loss = None
+        with holding(modules_reached(loss) if loss is not None else []):
+            return fn(*args, **kwargs)
+
+    return locked
+
+
 def swapped_call(module: nn.Module, state: Mapping[str, Tensor], args: Any = (),
                  kwargs: Mapping[str, Any] | None = None, *,
                  owner: nn.Module | None = None) -> Any:

@@ -1168,16 +1168,6 @@ def test_fit_curvature_hand_written_loss_in_threads(kind):
     assert _fit_curvature_threads(kind, attempts=2) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: fit_curvature(kind='kfac'/'ekfac') with a hand-written functional_call loss in "
-    "one thread while per_sample_grads runs the same loss on the same model (another "
-    "checkpoint) in another; expected both exact (docs: two tracinfunc calls on one model in "
-    "two threads give each its own rows; 'dense'/'projected' hold); observed fit_curvature "
-    "raises a spurious InvalidArgumentError ('b.weight', 'b.bias' not the weight or bias of a "
-    "layer), 'layers were called in another order' or a raw ValueError 'zip() argument 2 "
-    "is shorter than argument 1' (ekfac), AND the other thread's "
-    "per_sample_grads rows are silently wrong: K-FAC's forwards do not take the loss's "
-    "module locks"))
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
 def test_FINDING_fit_curvature_kfac_hand_written_loss_threads(kind):
     assert _fit_curvature_threads(kind, attempts=3) == []
@@ -1230,13 +1220,6 @@ def test_kronecker_empty_layers_square_split(vectors, form):
     np.testing.assert_allclose(rows.numpy(), ref, atol=1e-9, rtol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
-    "FINDING: Projection(kind='kronecker', split='shape') with a factorised layer that has an "
-    "empty side (nn.Linear(0, 3) weight [3, 0], nn.Linear(4, 0) weight [0, 4]) beside real "
-    "layers; expected rows equal to tests/numpy_projection.project (the empty weight adds "
-    "nothing, as split='square' and an empty non-layer [0, 3] parameter already do); "
-    "observed raw ZeroDivisionError from projection/keys.py (kronecker_split(12, (3, 0)) "
-    "divides by the zero side)"))
 @pytest.mark.parametrize("layer", ["no_in", "no_out"])
 @pytest.mark.parametrize("form", ["module", "hand"])
 def test_FINDING_kronecker_shape_split_empty_layer(layer, form):
@@ -1245,12 +1228,6 @@ def test_FINDING_kronecker_shape_split_empty_layer(layer, form):
     np.testing.assert_allclose(rows.numpy(), ref, atol=1e-9, rtol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: build_store with Projection(kind='kronecker', split='shape') on a model with an "
-    "nn.Linear(0, 3) layer; expected a store whose rows equal the NumPy reference (or an "
-    "InvalidProjectionError naming the layer), observed LossFunctionError 'loss(params, "
-    "example) failed on batch 0 ... check that every batch has the structure, dtypes and "
-    "shapes the loss expects' wrapping ZeroDivisionError: blames the data"))
 def test_FINDING_build_store_shape_split_empty_layer_blames_batch():
     torch.manual_seed(0)
     model = EmptyLayers().double().eval()
@@ -1375,13 +1352,6 @@ def test_preconditioned_test_grads_kfac_hand_written_loss_in_threads():
         _close(g, want_b)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: choose_damping(curvature, loss, ...) with a hand-written functional_call loss in "
-    "one thread while per_sample_grads runs the same loss on the same model (another "
-    "checkpoint) in another; expected the same DampingChoice as alone and exact rows in the "
-    "other thread; observed torch's raw 'wrapper == nullptr INTERNAL ASSERT FAILED ... "
-    "Interpreter.cpp' from choose_damping and silently wrong per_sample_grads rows in the "
-    "other thread (choose_damping's gradients do not take the loss's module locks)"))
 def test_FINDING_choose_damping_hand_written_loss_threads():
     model = Two().double()
 

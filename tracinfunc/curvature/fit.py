@@ -42,7 +42,7 @@ from tracinfunc.errors import (
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
-from tracinfunc.loss import ModuleLoss
+from tracinfunc.loss import ModuleLoss, holds_loss_modules
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
 from tracinfunc.store.meta import CheckpointMeta
@@ -55,6 +55,7 @@ MAX_DENSE_PARAMS = 20_000
 
 
 @entry_point("fit_curvature")
+@holds_loss_modules  # a hand-written loss swaps tensors into its module: one thread at a time
 def fit_curvature(
     loss: LossFn,
     checkpoints: Sequence[Checkpoint],

@@ -47,6 +47,7 @@ from tracinfunc.errors import (
 )
 from tracinfunc.grads import per_sample_grads
 from tracinfunc.grads.options import GradientOptions
+from tracinfunc.loss import holds_loss_modules
 from tracinfunc.projection import make_projector
 from tracinfunc.store.meta import CheckpointMeta
 from tracinfunc.types import Batch, LossFn, Params
@@ -84,6 +85,7 @@ class DampingChoice:
 
 
 @entry_point("choose_damping")
+@holds_loss_modules  # a hand-written loss swaps tensors into its module: one thread at a time
 def choose_damping(
     curvature: Curvature,
     loss: LossFn,

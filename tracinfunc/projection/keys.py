@@ -95,12 +95,13 @@ def kronecker_split(dim: int, shape: Sequence[int] | None = None) -> tuple[int, 
             ``d_in = prod(in)``) and keeps the most of the smaller side's relative size
             (``max min(k_out / d_out, k_in / d_in)``): a ``10 x 64`` weight at ``k=256`` gets
             ``8 x 32``, not ``16 x 16`` (which maps 10 outputs to 16). When no pair fits (a
-            layer with fewer than ``k`` entries), the pair that wastes least.
+            layer with fewer than ``k`` entries), the pair that wastes least. An empty
+            side (``d_out`` or ``d_in`` 0) takes the square split.
     """
-    if shape is None:
+    d_out, d_in = (None, None) if shape is None else (shape[0], math.prod(shape[1:]))
+    if shape is None or d_out == 0 or d_in == 0:  # an empty weight adds nothing: any split
         k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
         return k_out, dim // k_out
-    d_out, d_in = shape[0], math.prod(shape[1:])
     pairs = [(a, dim // a) for a in range(1, dim + 1) if dim % a == 0]
     fitting = [(a, b) for a, b in pairs if a <= d_out and b <= d_in]
     if fitting:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tracinfunc._validate import check_int, current_caller, entry_point
@@ -42,6 +44,7 @@ from tracinfunc.errors import (
 from tracinfunc.grads import per_sample_grads, projected_grads
 from tracinfunc.grads.options import GradientOptions, gradient_options
 from tracinfunc.grads.selection import selected_names
+from tracinfunc.grads.transforms import explain_loss_error
 from tracinfunc.loss import ModuleLoss, holds_loss_modules
 from tracinfunc.projection import Projection, canonical_layout
 from tracinfunc.projection.spec import check_projection
@@ -55,7 +58,6 @@ MAX_DENSE_PARAMS = 20_000
 
 
 @entry_point("fit_curvature")
-@holds_loss_modules  # a hand-written loss swaps tensors into its module: one thread at a time
 def fit_curvature(
     loss: LossFn,
     checkpoints: Sequence[Checkpoint],
@@ -116,8 +118,32 @@ def fit_curvature(
         EmptyDataError: ``data`` holds no examples.
         NonFiniteGradientError: an example's logits or gradient is NaN/inf (named by its
             index in ``data``, with the checkpoint).
+        LossFunctionError: called inside a loss being differentiated (a ``torch.func``
+            transform, or another ``fit_curvature``): fit before, outside the loss.
     """
     kind = _check_kind(kind)
+    if retrieve_all_functorch_interpreters() or getattr(_FITTING, "depth", 0):
+        raise LossFunctionError(
+            "fit_curvature: called inside a loss that is being differentiated (under a "
+            "torch.func transform, or by another fit_curvature); a fit takes its own "
+            "per-example gradients of every batch and cannot run there. Fit the curvature "
+            "before, outside the loss, and pass the result in."
+        )
+    _FITTING.depth = 1  # refused above before any lock is asked for (no waits to untangle)
+    try:
+        return _fit(loss, checkpoints, data, kind=kind, projection=projection, damping=damping,
+                    sampler=sampler, options=options, max_examples=max_examples,
+                    batch_size=batch_size, seed=seed, block_diagonal=block_diagonal)
+    finally:
+        _FITTING.depth = 0
+
+
+_FITTING = threading.local()  # depth 1 while this thread fits: a loss may not fit again
+
+
+@holds_loss_modules  # a hand-written loss swaps tensors into its module: one thread at a time
+def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options,
+         max_examples, batch_size, seed, block_diagonal) -> Curvature:
     damping = check_damping(Damping() if damping is None else damping)
     checkpoints = checkpoint_list(checkpoints, Checkpoint, name="tracinfunc.Checkpoint")
     if kind == "projected":
@@ -152,9 +178,12 @@ def fit_curvature(
                 **shared)  # K-FAC: one proof of the batched capture (and one warning) per fit
         except (TypeError, ValueError, RuntimeError, LossFunctionError,
                 InvalidArgumentError) as error:
-            if not tuple_of_batches(data):
+            if tuple_of_batches(data):
+                raise InvalidArgumentError(tuple_note(error, "fit_curvature", data)) from error
+            clearer = explain_loss_error(error) if isinstance(error, RuntimeError) else None
+            if clearer is None:
                 raise
-            raise InvalidArgumentError(tuple_note(error, "fit_curvature", data)) from error
+            raise clearer from error  # a known torch failure of the loss (a random op, ...)
         estimates.append(estimate)
         dampings.append(resolve(damping, mean, kind))
         seen = n

@@ -137,8 +137,9 @@ class _Plan:
         # A matrix the preconditioner keeps exact (an embedding table) needs its per-element
         # second moment, so its per-example gradient is materialised (the generic projector).
         keep = self.precondition
-        candidates = sorted(n for n, v in params.items()
-                            if v.dim() >= 2 and (keep is None or keep.factorises(n)))
+        # An empty weight (a layer with a side of 0) adds nothing to a row: never factorised
+        candidates = sorted(n for n, v in params.items() if v.dim() >= 2 and v.numel() > 0
+                            and (keep is None or keep.factorises(n)))
         ids = {id(params[name]): i for i, name in enumerate(candidates)}
         with torch.no_grad(), vmap_attention(), tapping(ids, None, None) as seen:
             loss(params, example)

@@ -116,9 +116,10 @@ _LOCKS = _ModuleLocks()
 def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
     """The modules a hand-written loss names directly, found without calling it, in the order
     of their ``id``: its closure cells, its default arguments, the globals its code (and the
-    code of functions defined inside it) reads, the arguments of a ``functools.partial`` and
-    the object of a bound method, and the same for every function reached that way that is
-    not a library's (torch's functions are not walked; tracinfunc's wrappers, such as a
+    code of functions defined inside it) reads, the arguments of a ``functools.partial``, the
+    object of a bound method and that object's own attributes (``self.model``), a callable
+    object's own attributes, and the same for every function reached that way that is not a
+    library's (torch's functions are not walked; tracinfunc's wrappers, such as a
     checkpoint's loss, are). A module reached only through another object (a list, an
     attribute of a config) is not found."""
     found: dict[int, nn.Module] = {}
@@ -136,7 +137,7 @@ def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
         elif isinstance(fn, functools.partial):
             pending.extend([fn.func, *fn.args, *fn.keywords.values()])
         elif inspect.ismethod(fn):
-            pending.extend([fn.__self__, fn.__func__])
+            pending.extend([fn.__self__, fn.__func__, *_attribute_modules(fn.__self__)])
         elif inspect.isfunction(fn) and (fn is inner or not _library(fn)):
             values = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
             values += [fn.__globals__[name] for name in _global_names(fn.__code__)
@@ -145,6 +146,13 @@ def modules_reached(loss: Callable[..., Any]) -> list[nn.Module]:
             pending.extend(value for value in values
                            if isinstance(value, (nn.Module, functools.partial))
                            or inspect.isfunction(value) or inspect.ismethod(value))
+        elif fn is loss and callable(fn) and not isinstance(fn, (type, ModuleLoss)):
+            # a callable object (functions were taken above): its attributes and __call__
+            # (a ModuleLoss locks its module in each forward itself)
+            pending.extend(_attribute_modules(fn))
+            call = inspect.getattr_static(type(fn), "__call__", None)
+            if inspect.isfunction(call):
+                pending.append(call)
     return [found[key] for key in sorted(found)]
 
 
@@ -157,6 +165,18 @@ _LIBRARIES = frozenset({"torch", "transformers", "peft", "accelerate", "numpy", 
 def _library(fn: Any) -> bool:
     top = (getattr(fn, "__module__", None) or "").partition(".")[0]
     return top in _LIBRARIES or top in sys.stdlib_module_names
+
+
+def _attribute_modules(obj: Any) -> list[nn.Module]:
+    """The modules among ``obj``'s own attributes (one level: a bound method's ``self``, a
+    callable object holding its model)."""
+    if isinstance(obj, nn.Module):
+        return []  # the module itself is locked with all its submodules
+    try:
+        values = list(vars(obj).values())
+    except TypeError:  # no __dict__ (slots, builtins)
+        return []
+    return [value for value in values if isinstance(value, nn.Module)]
 
 
 def _filled(cell: Any) -> bool:

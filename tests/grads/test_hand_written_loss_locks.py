@@ -37,6 +37,14 @@ class _Holder:
         return functional_call(self.model, params, (example[None],)).square().sum()
 
 
+class _Callable:
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, params, example):
+        return functional_call(self.model, params, (example[None],)).square().sum()
+
+
 def test_modules_named_directly_are_found_and_others_are_not():
     model = nn.Linear(3, 2)
     other = nn.Linear(2, 2)
@@ -50,8 +58,11 @@ def test_modules_named_directly_are_found_and_others_are_not():
     assert modules_reached(functools.partial(_helper, {})) == [GLOBAL_MODEL]
     assert modules_reached(lambda p, e: closure(p, e)) == modules_reached(closure)
     holder = _Holder(model)
-    assert modules_reached(holder.loss) == []  # an attribute of another object: not found
-    assert modules_reached(functools.partial(holder.loss)) == []
+    assert modules_reached(holder.loss) == [model]  # a bound method's self.model
+    assert modules_reached(functools.partial(holder.loss)) == [model]
+    config = _Holder(_Holder(model))  # an attribute of an attribute: not found
+    assert modules_reached(config.loss) == []
+    assert modules_reached(_Callable(model)) == [model]  # a callable object's own attribute
     in_list = [model]
     assert modules_reached(lambda p, e: functional_call(in_list[0], p, (e,)).sum()) == []
     assert modules_reached(tif.loss_from_module(model, nn.functional.mse_loss)) == []

@@ -492,7 +492,11 @@ def _opposite(reach_inner_through_list: bool, use_barrier: bool):
     m1, m2 = _model(sleep=0.0), _model(1, sleep=0.0)
     batch = _batch()
     p1, p2 = _params(m1), _params(m2)
-    barrier = threading.Barrier(2, timeout=JOIN_S)  # generous: load must not break it
+    # Through a list each thread holds only its own model, so both reach the barrier: a
+    # generous timeout, load must not break it. Named in the closure, one thread holds both
+    # models at once and the other waits for them before its barrier: the barrier must
+    # break (a short timeout), and nothing may hang.
+    barrier = threading.Barrier(2, timeout=JOIN_S / 4 if reach_inner_through_list else 3)
     first = {"t1": True, "t2": True}
     broken: list = []
 

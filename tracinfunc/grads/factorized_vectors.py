@@ -61,7 +61,31 @@ def _packed_width(k: int) -> int:
     return -(-k // 8)  # bytes a row: columns 8i..8i+7 in byte i, bit j for column 8i+j
 
 
-class VectorBlocks:
+class _VectorPart:
+    """What both vector projections share: the parameters' names in layout order, ``k``, and
+    the per-example and batched entry points; ``_product`` takes each parameter's flat
+    gradient ``[..., n]`` in that order and returns ``[..., k]``, unscaled."""
+
+    def __init__(self, projection: Projection, vectors: Params):
+        self.plan = plan_projection(projection, canonical_layout(vectors))
+        self.names = [name for name, _ in self.plan.layout]
+        self.k = self.plan.k
+
+    def __call__(self, grads: Params) -> Tensor:
+        """One example's ``[k]`` (``[b, k]`` under ``vmap``), unscaled."""
+        return self._product([grads[name].reshape(-1) for name in self.names])
+
+    def batched(self, grads: Params) -> Tensor:
+        """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap`` (under ``vmap`` a
+        dense block's slice products cost about twice as much on a CPU)."""
+        b = grads[self.names[0]].shape[0]  # reshape, not flatten(1): a 0-d parameter is [b]
+        return self._product([grads[name].reshape(b, -1) for name in self.names])
+
+    def _product(self, parts: list[Tensor]) -> Tensor:
+        raise NotImplementedError
+
+
+class VectorBlocks(_VectorPart):
     """The stacked dense blocks ``[n_vectors, k]`` (unscaled) of some non-matrix parameters,
     held as bits ``[n_vectors, ceil(k / 8)]`` uint8 (a set bit is ``-1``).
 
@@ -73,9 +97,8 @@ class VectorBlocks:
 
     def __init__(self, projection: Projection, vectors: Params, *, device: torch.device,
                  dtype: torch.dtype) -> None:
-        plan = plan_projection(projection, canonical_layout(vectors))
-        self.names = [name for name, _ in plan.layout]
-        self.k = plan.k
+        super().__init__(projection, vectors)
+        plan = self.plan
         rows = sum(math.prod(shape) for _, shape in plan.layout)
         self.bits = torch.empty(rows, _packed_width(plan.k), dtype=torch.uint8, device=device)
         start = 0
@@ -87,20 +110,10 @@ class VectorBlocks:
         set_bits = (codes >> torch.arange(8, device=device)) & 1  # [256, 8]
         self.table = (1 - 2 * set_bits).to(dtype)  # byte -> its 8 columns' signs
 
-    def __call__(self, grads: Params) -> Tensor:
-        """One example's ``[k]`` (``[b, k]`` under ``vmap``), unscaled."""
-        return self._product(torch.cat([grads[name].reshape(-1) for name in self.names]))
-
-    def batched(self, grads: Params) -> Tensor:
-        """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap``: the same product
-        with one ``[b, rows] @ [rows, k]`` per row slice (under ``vmap`` the slices' products
-        cost about twice as much on a CPU)."""
-        b = grads[self.names[0]].shape[0]  # reshape, not flatten(1): a 0-d parameter is [b]
-        return self._product(torch.cat([grads[name].reshape(b, -1) for name in self.names], 1))
-
-    def _product(self, flat: Tensor) -> Tensor:
-        """``[..., n_vectors] -> [..., k]``, a row slice of the block at a time."""
-        flat = flat.to(self.table.dtype)
+    def _product(self, parts: list[Tensor]) -> Tensor:
+        """``[..., n_vectors] -> [..., k]`` (the parts concatenated), a row slice of the block
+        at a time."""
+        flat = torch.cat(parts, -1).to(self.table.dtype)
         total = None
         for start, stop in row_ranges(self.bits.shape[0], self.k, self.bits.device):
             signs = F.embedding(self.bits[start:stop].long(), self.table)  # [rows, k/8, 8]
@@ -109,7 +122,7 @@ class VectorBlocks:
         return total
 
 
-class KroneckerVectors:
+class KroneckerVectors(_VectorPart):
     """Parameters with fewer than two dimensions under ``vectors="kronecker"``: each gradient
     read as its zero-padded ``[d_out, d_in]`` view and projected side by side,
     ``P_out.T @ G @ P_in`` (:func:`~tracinfunc.projection.keys.kronecker_view`); unscaled.
@@ -125,26 +138,15 @@ class KroneckerVectors:
 
     def __init__(self, projection: Projection, vectors: Params, *, device: torch.device,
                  dtype: torch.dtype) -> None:
-        plan = plan_projection(projection, canonical_layout(vectors))
-        self.names = [name for name, _ in plan.layout]
-        self.k = plan.k
+        super().__init__(projection, vectors)
         self.factors = [kronecker_factors(projection, name, shape, device=device, dtype=dtype)
-                        for name, shape in plan.layout]  # [(P_out [d_out, k_out], P_in)]
+                        for name, shape in self.plan.layout]  # [(P_out [d_out, k_out], P_in)]
 
-    def __call__(self, grads: Params) -> Tensor:
-        """One example's ``[k]`` (``[b, k]`` under ``vmap``), unscaled."""
-        return self._product({name: grads[name].reshape(-1) for name in self.names})
-
-    def batched(self, grads: Params) -> Tensor:
-        """``{name: [b, *shape]} -> [b, k]``, unscaled, outside ``vmap``."""
-        b = grads[self.names[0]].shape[0]  # reshape, not flatten(1): a 0-d parameter is [b]
-        return self._product({name: grads[name].reshape(b, -1) for name in self.names})
-
-    def _product(self, flat: Params) -> Tensor:
-        """``{name: [..., n]} -> [..., k]``, the parameters' parts summed in name order."""
+    def _product(self, parts: list[Tensor]) -> Tensor:
+        """``[..., n]`` per parameter -> ``[..., k]``, summed in name order."""
         total = None
-        for name, (p_out, p_in) in zip(self.names, self.factors, strict=True):
-            g = flat[name].to(p_out.dtype)
+        for part_grad, (p_out, p_in) in zip(parts, self.factors, strict=True):
+            g = part_grad.to(p_out.dtype)
             matrix = as_kronecker_matrix(g, (p_out.shape[0], p_in.shape[0]))
             part = (p_out.T @ matrix @ p_in).reshape(*g.shape[:-1], self.k)  # [..., k]
             total = part if total is None else total.add_(part)  # the first part is new

@@ -325,6 +325,13 @@ def test_jax_builds_on_the_gpu_run_in_ieee_float32(caller_precision):
     expected = tif.score(tif.build_store(loss, ckpts, train, projection=identity),
                          tif.build_store(loss, ckpts, test, projection=identity), device="cpu")
     gpu = jax.devices("gpu")[0]
+    # from_torch keeps the CPU tensors' device (DLPack): a batch put on the GPU is refused
+    # by name (tracinfunc/jax/build.py: check_devices) until the parameters go there too.
+    on_gpu = tuple(jax.device_put(leaf, gpu) for leaf in to_jax_batch(train))
+    with pytest.raises(tif.errors.InvalidArgumentError, match="committed to different devices"):
+        tj.build_store(jax_loss, jax_ckpts, on_gpu, projection=identity, mapping=mapping)
+    jax_ckpts = [tj.Checkpoint(jax.device_put(c.params, gpu), lr=c.lr, name=c.name)
+                 for c in jax_ckpts]
 
     def build(batch):
         on_gpu = tuple(jax.device_put(leaf, gpu) for leaf in to_jax_batch(batch))
@@ -336,3 +343,63 @@ def test_jax_builds_on_the_gpu_run_in_ieee_float32(caller_precision):
         with jax.default_matmul_precision(caller_precision):
             got = tif.score(build(train), build(test), device="cpu")
     assert _relative(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attention_folded_under_vmap_runs_the_cuda_kernels_per_example(dtype):
+    """Session 50's fold (tracinfunc/_attention.py) was proved on the CPU's kernel only. On a
+    GPU the folded batch goes to flash / memory-efficient attention: outputs and gradients
+    must equal each example's own call of the same kernel, with no batching-rule fallback."""
+    import warnings
+
+    from torch.func import vmap
+
+    from tracinfunc._attention import vmap_attention
+
+    torch.manual_seed(0)
+    shape = (4, 2, 4, 64, 64)  # [B, N, H, L, E]: examples, then the loss's own batch
+
+    def leaf():
+        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+
+    q, k, v = leaf(), leaf(), leaf()
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    reference = torch.stack([attend(q[i], k[i], v[i]) for i in range(shape[0])])
+    ref_grads = torch.autograd.grad(reference.float().square().sum(), [q, k, v])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with vmap_attention():
+            out = vmap(attend)(q, k, v)
+    grads = torch.autograd.grad(out.float().square().sum(), [q, k, v])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _relative(out, reference) <= tol
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert _relative(got, want) <= tol
+
+
+def test_hand_written_gpt2_loss_projects_all_parameters_on_cuda():
+    """A hand-written ``functional_call`` GPT-2 loss, ``kind="kronecker"`` with
+    ``vectors="kronecker"`` over every parameter, on the GPU in float32 (fused attention
+    folded under vmap) against the same rows from the CPU in float64."""
+    from torch.func import functional_call
+
+    from tests.lm_helpers import params_of, tiny_gpt2, token_batch
+
+    spec = tif.Projection(dim=256, kind="kronecker", vectors="kronecker")
+    ids = token_batch(n=6, length=16)["input_ids"]
+
+    def rows(model, device):
+        def hand_written(p, example):
+            one = example[None]
+            return functional_call(model, p, (), {"input_ids": one, "labels": one}).loss
+
+        params = params_of(model)
+        return tif.projected_grads(hand_written, spec)(params, ids.to(device))
+
+    expected = rows(tiny_gpt2(seed=3, dtype=torch.float64), "cpu")
+    got = rows(tiny_gpt2(seed=3, dtype=torch.float32).cuda(), "cuda")
+    assert got.device.type == "cuda"
+    assert _relative(got, expected) <= 1e-4

@@ -239,7 +239,8 @@ def build_store(
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
     pairs = site.follow(numbered(iter_batches(data), merged=False, batch_size=None))
     return fill_store(writer, pairs, site, meta=meta,
-                      check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
+                      check_first=lambda batch: (check_devices(checkpoints, batch, "batch 0"),
+                                                 _check_loss(loss, checkpoints[0], batch)),
                       progress=progress, total=known_rows(data))
 
 
@@ -356,6 +357,34 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
                 f"shapes; {hint}."
             )
     return checkpoints
+
+
+def check_devices(checkpoints: Sequence[Checkpoint], batch: Any, where: str) -> None:
+    """Refuse arrays committed to different devices before a compiled program does.
+
+    JAX runs a program on the devices its *committed* arguments live on (placed by an
+    explicit ``jax.device_put(x, device)``, a sharding, or DLPack from a torch tensor, which
+    keeps the tensor's device); uncommitted arrays (``jnp.asarray``) follow them. Committed
+    arguments on two device sets fail inside the program, where the error would read as the
+    loss failing on the batch. A few attribute reads per leaf: no device work.
+    """
+    placed: dict[frozenset, str] = {}  # device set -> the first tree committed to it
+    trees = [(f"checkpoint {c.name or i!r}", c.args) for i, c in enumerate(checkpoints)]
+    for what, tree in [*trees, (f"{where} of data", batch)]:
+        for leaf in tree_util.tree_leaves(tree):
+            if isinstance(leaf, jax.Array) and leaf.committed:
+                placed.setdefault(frozenset(leaf.sharding.device_set), what)
+    if len(placed) > 1:
+        found = "; ".join(f"{what} on {', '.join(sorted(str(d) for d in devices))}"
+                          for devices, what in placed.items())
+        raise InvalidArgumentError(
+            f"{current_caller('tracinfunc.jax.build_store')}: the checkpoints' arrays and the "
+            f"data are committed to different devices ({found}); a JAX program runs on one "
+            "device set. Put them on one device, e.g. params = jax.device_put(params, "
+            "jax.devices()[0]) (arrays converted from torch tensors stay on the tensor's "
+            "device) or jax.device_put(batch, device), or pass the batch as uncommitted "
+            "arrays (jnp.asarray) so they follow the parameters."
+        )
 
 
 def _check_loss(loss: Any, checkpoint: Checkpoint, batch: Any) -> None:

@@ -29,6 +29,7 @@ from tracinfunc.jax.build import (
     Checkpoint,
     _batch_size,
     _check_checkpoints,
+    check_devices,
     host_tensor,
     iter_batches,
 )
@@ -87,6 +88,8 @@ def preconditioned_test_grads(
     batches = [batch for batch in iter_batches(data) if _batch_size(batch)]
     if not batches:
         raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
+    for index, batch in enumerate(batches):
+        check_devices(checkpoints, batch, f"batch {index}")
     per_ckpt = []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, meta.checkpoints, strict=True)):
         rows_of = _rows_fn(loss, curvature, c, projection.for_checkpoint(ckpt_meta.name),

@@ -48,7 +48,13 @@ from tracinfunc.errors import (
     LossFunctionError,
     NonFiniteGradientError,
 )
-from tracinfunc.jax.build import Checkpoint, _check_checkpoints, host_tensor, iter_batches
+from tracinfunc.jax.build import (
+    Checkpoint,
+    _check_checkpoints,
+    check_devices,
+    host_tensor,
+    iter_batches,
+)
 from tracinfunc.jax.capture import kfac_io
 from tracinfunc.jax.grads import held_slot, projected_grads, torch_layout_grads, weakly
 from tracinfunc.jax.layout import ParamMapping
@@ -223,7 +229,7 @@ def fit_curvature(
                                  c._fingerprint(mapping))
                   for i, c in enumerate(checkpoints))
     check_rereadable(data, kind, len(checkpoints))
-    batches = partial(_limited, data, max_examples)
+    batches = partial(_limited, data, max_examples, checkpoints)
     estimates, dampings, layers, seen = [], [], [], 0
     captured: list = []  # one compiled capture serves every checkpoint (same shapes)
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
@@ -303,11 +309,14 @@ def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch
     return rows
 
 
-def _limited(data: Any, max_examples: int | None) -> Iterator[Any]:
+def _limited(data: Any, max_examples: int | None, checkpoints: Sequence[Checkpoint]
+             ) -> Iterator[Any]:
     """The non-empty JAX batches of ``data``, cut after ``max_examples`` inputs (no batch at
-    all for empty data: the fit refuses it with EmptyDataError)."""
+    all for empty data: the fit refuses it with EmptyDataError), each on the checkpoints'
+    devices (checked)."""
     left = max_examples
-    for batch in iter_batches(data):
+    for index, batch in enumerate(iter_batches(data)):
+        check_devices(checkpoints, batch, f"batch {index}")
         size = tree_util.tree_leaves(batch)[0].shape[0]
         if size == 0:
             continue

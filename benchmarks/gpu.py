@@ -13,6 +13,9 @@
   serial loop (same rows, bit for bit);
 * **tracinfunc.jax** on JAX's default device: exact rows against the torch CPU build, also
   with the caller asking for TF32 (JAX's GPU default);
+* **GPT-2 small's shape**, every parameter, kronecker with ``vectors="kronecker"``:
+  examples/s of ``causal_lm_loss`` and of a hand-written ``functional_call`` loss (its
+  attention folded into the fused kernels under ``vmap``) against forward + backward;
 * **dattri PR #257 configuration** (784 -> 10 logistic regression, 10k train / 2k test,
   batch 100, 2 checkpoints, k=512) end to end, gradients to the score matrix:
   ``build_store`` + ``score`` against the naive torch.func reference (``vmap(grad)``, a dense
@@ -279,6 +282,63 @@ def bench_projected(tif, batch: int) -> None:
               tif.projected_grads(cpu_loss, projection)(cpu_params, part), 1e-5)
 
 
+def bench_language_model(tif, batch: int, tokens: int) -> None:
+    """GPT-2 small's shape (124M), every parameter, ``kind="kronecker"`` with
+    ``vectors="kronecker"``: examples/s of ``projected_grads`` for ``causal_lm_loss`` (one
+    batched forward) and for a hand-written ``functional_call`` loss (``vmap(loss)``, its
+    attention folded into the fused kernels: tracinfunc/_attention.py), against one batched
+    forward + backward; the two losses' rows checked against each other and the CPU's."""
+    import warnings
+
+    import torch.nn.functional as F
+    import transformers
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_map
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_positions=max(tokens, 1024))  # 12 x 768, vocab 50,257
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+    model = model.cuda().eval()
+    ids = torch.randint(0, config.vocab_size, (batch, tokens), device="cuda")
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def hand_written(p, example):
+        one = example[None]
+        return functional_call(model, p, (), {"input_ids": one, "labels": one}).loss
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+    base = batch / cuda_time(forward_backward)
+    model.zero_grad(set_to_none=True)
+    projection = tif.Projection(dim=4096, kind="kronecker", vectors="kronecker", seed=0)
+    print(f"language model: GPT-2 small shape (124M), batch {batch} x {tokens} tokens, every "
+          f"parameter, kronecker k=4096, vectors='kronecker'")
+    print(f"  batched forward + backward       {base:10.1f} examples/s")
+    rows = {}
+    for label, loss, data in (("causal_lm_loss", tif.causal_lm_loss(model), {"input_ids": ids}),
+                              ("hand-written", hand_written, ids)):
+        fn = tif.projected_grads(loss, projection)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # LossFormWarning: the point of the row
+            rate = batch / cuda_time(lambda fn=fn, data=data: fn(params, data))
+            rows[label] = fn(params, tree_map(lambda x: x[:2], data))
+        print(f"  {label:<16}                 {rate:10.1f} examples/s   "
+              f"{rate / base:.2f}x of forward + backward")
+    # HF computes its own loss from float32 logits as the adapter does: the same value.
+    check("hand-written rows vs causal_lm_loss rows", rows["hand-written"],
+          rows["causal_lm_loss"], 1e-4)
+    cpu_model = copy.deepcopy(model).cpu()
+    cpu_params = {name: p.detach() for name, p in cpu_model.named_parameters()}
+    check("causal_lm_loss rows on cuda vs CPU", rows["causal_lm_loss"],
+          tif.projected_grads(tif.causal_lm_loss(cpu_model), projection)(
+              cpu_params, {"input_ids": ids[:2].cpu()}), 1e-4)
+
+
 def bench_dattri(tif, n_train: int, n_test: int) -> None:
     import torch.nn.functional as F
     from torch import nn
@@ -416,11 +476,13 @@ def main() -> int:
     if cuda:
         bench_build_overlap(tif, 50_000 if not args.quick else 8_192)
         bench_projected(tif, 1024 if not args.quick else 256)
+        bench_language_model(tif, 8, 512)
         bench_dattri(tif, 10_000, 2_000)
         bench_jax(tif, 4_096)
     else:
         print("build_store copy-out overlap: skipped (needs CUDA)")
         print("projected gradients: skipped (needs CUDA)")
+        print("language model collection: skipped (needs CUDA)")
         print("dattri PR #257 configuration: skipped (needs CUDA)")
         bench_jax(tif, 256)  # JAX's default device: the CPU here
     verdict = f"FAIL: {', '.join(FAILURES)}" if FAILURES else "PASS: every check"

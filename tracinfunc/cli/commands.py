@@ -182,7 +182,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-size", type=_positive_int,
                        help="examples per gradient call: the spec's batches are merged or split")
     build.add_argument("--projection", default="rademacher:512:0", type=_projection,
-                       help="KIND[:DIM[:SEED[:NNZ]]], e.g. sjlt:4096:0:4 or identity")
+                       help="KIND[:DIM[:SEED[:NNZ]]][,FIELD=VALUE...], e.g. sjlt:4096:0:4, "
+                            "identity or kronecker:4096:0,vectors=kronecker (FIELD: split, "
+                            "vectors, per_checkpoint)")
     build.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
                        help="storage: float32, float16, bfloat16, or quantised int8 (4x "
                             "smaller than float32) or sign (1 bit per value, ~30x smaller)")
@@ -296,15 +298,41 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_PROJECTION_GRAMMAR = ("KIND[:DIM[:SEED[:NNZ]]][,FIELD=VALUE...] with integers DIM, SEED, NNZ "
+                       "and FIELD one of split, vectors, per_checkpoint, e.g. "
+                       "kronecker:4096:0,vectors=kronecker")
+# The Projection fields the positional part does not reach, with how their text is read.
+_PROJECTION_FIELDS = {"split": str, "vectors": str, "per_checkpoint": "bool"}
+
+
 def _projection(text: str) -> Projection:
-    kind, *numbers = text.split(":")
+    """``KIND[:DIM[:SEED[:NNZ]]][,FIELD=VALUE...]``: the positional fields, then any of
+    ``split``, ``vectors`` and ``per_checkpoint`` by name
+    (``kronecker:4096:0,vectors=kronecker``)."""
+    head, *named = text.split(",")
+    kind, *numbers = head.split(":")
     try:
         values = [int(n) for n in numbers]
     except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {_PROJECTION_GRAMMAR}; got {text!r}") from None
+    fields: dict = dict(zip(("dim", "seed", "nnz"), values, strict=False))
+    if len(values) > 3:
         raise argparse.ArgumentTypeError(
-            f"expected KIND[:DIM[:SEED[:NNZ]]] with integers, got {text!r}"
-        ) from None
-    fields = dict(zip(("dim", "seed", "nnz"), values, strict=False))
+            f"expected {_PROJECTION_GRAMMAR}; got {len(values)} numbers in {head!r}")
+    for item in named:
+        name, equals, value = item.partition("=")
+        if not equals or name not in _PROJECTION_FIELDS:
+            raise argparse.ArgumentTypeError(
+                f"expected {_PROJECTION_GRAMMAR}; got {item!r} in {text!r}")
+        if name in fields:
+            raise argparse.ArgumentTypeError(f"{name} is given twice in {text!r}")
+        if _PROJECTION_FIELDS[name] == "bool":
+            if value not in ("true", "false"):
+                raise argparse.ArgumentTypeError(
+                    f"{name} must be true or false, got {value!r} in {text!r}")
+            fields[name] = value == "true"
+        else:
+            fields[name] = value
     # identity keeps every entry: a DIM given is checked against p when the layout is known
     # (it used to be ignored); other kinds default to 512.
     defaults = {} if kind == "identity" else {"dim": 512}

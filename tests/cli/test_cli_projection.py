@@ -1,0 +1,74 @@
+"""``--projection`` reaches every Projection field (issue 34: the CLI could not ask for
+``vectors`` nor ``split``): ``KIND[:DIM[:SEED[:NNZ]]][,FIELD=VALUE...]``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tracinfunc as tif
+from tests.cli.test_cli import SPEC, _tiny_spec, cli, cli_here
+from tracinfunc.cli.commands import _projection
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("rademacher:32:7", tif.Projection(dim=32, seed=7)),
+    ("sjlt:64:3:2", tif.Projection(dim=64, seed=3, kind="sjlt", nnz=2)),
+    ("identity", tif.Projection(kind="identity")),
+    ("kronecker:4096:0,vectors=kronecker",
+     tif.Projection(dim=4096, kind="kronecker", vectors="kronecker")),
+    ("kronecker:64:1,split=shape,vectors=kronecker,per_checkpoint=true",
+     tif.Projection(dim=64, seed=1, kind="kronecker", split="shape", vectors="kronecker",
+                    per_checkpoint=True)),
+    ("rademacher:16,per_checkpoint=false", tif.Projection(dim=16)),
+    ("kronecker,vectors=dense", tif.Projection(dim=512, kind="kronecker")),
+])
+def test_every_field_is_reachable(text, expected):
+    assert _projection(text) == expected
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("kronecker:64:vectors=kronecker", "FIELD=VALUE"),  # a colon where a comma belongs
+    ("kronecker:64,foo=1", "got 'foo=1'"),
+    ("kronecker:64,vectors", "got 'vectors'"),
+    ("kronecker:64,", "got ''"),
+    ("kronecker:64,vectors=kronecker,vectors=dense", "vectors is given twice"),
+    ("kronecker:64,per_checkpoint=yes", "per_checkpoint must be true or false"),
+    ("kronecker:64,dim=32", "got 'dim=32'"),  # positional fields stay positional
+    ("rademacher:1:2:3:4", "4 numbers"),
+    ("kronecker:64,vectors=bogus", "vectors must be one of"),
+    ("sjlt:64,split=shape", "split must be one of"),
+    ("identity,vectors=kronecker", "vectors must be one of"),
+])
+def test_malformed_projections_are_usage_errors_naming_the_part(tmp_path, text, said):
+    result = cli_here("build", "--spec", f"{SPEC}:make", "--out", "x.zarr",
+                      "--projection", text, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr, result.stderr
+    assert not (tmp_path / "x.zarr").exists()
+
+
+def test_a_kronecker_vectors_store_built_and_scored_from_the_command_line(tmp_path):
+    projection = tif.Projection(dim=36, seed=4, kind="kronecker", vectors="kronecker",
+                                split="shape", per_checkpoint=True)
+    built = cli("build", "--spec", f"{SPEC}:make", "--out", "v.zarr", "--quiet",
+                "--projection", "kronecker:36:4,vectors=kronecker,split=shape,"
+                "per_checkpoint=true", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    store = tif.GradientStore.open(str(tmp_path / "v.zarr"))
+    assert store.projection == projection
+    spec = _tiny_spec()
+    expected = tif.build_store(spec.loss, spec.checkpoints, spec.train, projection=projection)
+    n = expected.meta.n_train
+    for c in range(expected.meta.n_ckpt):
+        torch.testing.assert_close(store.read_rows(c, 0, n), expected.read_rows(c, 0, n),
+                                   rtol=1e-6, atol=1e-7)
+    info = cli_here("info", "v.zarr", cwd=tmp_path)
+    assert info.returncode == 0 and "vectors='kronecker'" in info.stdout, info.stdout
+    scored = cli("score", "v.zarr", "--spec", f"{SPEC}:make", "--output", "s.npy",
+                 cwd=tmp_path)
+    assert scored.returncode == 0, scored.stderr
+    test = tif.build_store(spec.loss, spec.checkpoints, spec.test["test"], projection=projection)
+    np.testing.assert_allclose(np.load(tmp_path / "s.npy"), tif.score(expected, test).numpy(),
+                               rtol=1e-5, atol=1e-7)

@@ -326,7 +326,7 @@ def test_jax_builds_on_the_gpu_run_in_ieee_float32(caller_precision):
                          tif.build_store(loss, ckpts, test, projection=identity), device="cpu")
     gpu = jax.devices("gpu")[0]
     # from_torch keeps the CPU tensors' device (DLPack): a batch put on the GPU is refused
-    # by name (tracinfunc/jax/build.py: check_devices) until the parameters go there too.
+    # by name (tracinfunc/jax/build.py: device_check) until the parameters go there too.
     on_gpu = tuple(jax.device_put(leaf, gpu) for leaf in to_jax_batch(train))
     with pytest.raises(tif.errors.InvalidArgumentError, match="committed to different devices"):
         tj.build_store(jax_loss, jax_ckpts, on_gpu, projection=identity, mapping=mapping)

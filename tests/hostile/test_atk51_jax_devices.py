@@ -5,7 +5,7 @@ sets, naming each, their devices and ``jax.device_put``; uncommitted arrays foll
 JAX fixes its device count at start: every scenario runs in ONE child process with four host
 devices (``--xla_force_host_platform_device_count=4``, ``JAX_PLATFORMS=cpu``) that prints one
 ``key | outcome`` line per scenario; ``ran <relative error>`` or ``<Error>: <message>``.
-Held attacks are plain tests; FINDINGs assert the correct behaviour, strict xfail.
+Held attacks are plain tests; FINDINGs assert the correct behaviour (strict xfail until fixed: all six fixed).
 """
 
 from __future__ import annotations
@@ -434,12 +434,11 @@ def test_direct_transforms_raise_jax_own_device_error_never_a_result(lines, key)
 
 # ---------------------------------------------------------------- findings
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: tj.build_store checks only batch 0's devices (check_first); a later batch "
-    "committed to another device fails inside the program as LossFunctionError blaming the "
-    "loss ('check that every batch has the structure, dtypes and shapes the loss expects "
-    "(cast it, e.g. x.float(), or drop it)'), where fit_curvature and "
-    "preconditioned_test_grads refuse it naming batch 2 and jax.device_put"))
+# FINDING (fixed, session 51): tj.build_store checks only batch 0's devices (check_first); a
+# later batch committed to another device fails inside the program as LossFunctionError blaming
+# the loss ('check that every batch has the structure, dtypes and shapes the loss expects (cast
+# it, e.g. x.float(), or drop it)'), where fit_curvature and preconditioned_test_grads refuse it
+# naming batch 2 and jax.device_put
 @pytest.mark.parametrize("key", ["build later batch on other device",
                                  "build generator later batch on other device",
                                  "zarr later batch refused"])
@@ -447,11 +446,10 @@ def test_finding_build_refuses_a_later_batch_on_another_device(lines, key):
     refused(lines[key], "checkpoint 'c0' on cpu:0", "batch 2 of data on cpu:1")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: check_devices compares frozenset(device_set), but JAX requires the same "
-    "ordered device assignment: params replicated over Mesh([0, 1]) and a batch sharded over "
-    "Mesh([1, 0]) pass the check and then fail inside - build_store as LossFunctionError "
-    "blaming the loss, fit_curvature and preconditioned_test_grads as JAX's raw ValueError"))
+# FINDING (fixed, session 51): check_devices compares frozenset(device_set), but JAX requires
+# the same ordered device assignment: params replicated over Mesh([0, 1]) and a batch sharded
+# over Mesh([1, 0]) pass the check and then fail inside - build_store as LossFunctionError
+# blaming the loss, fit_curvature and preconditioned_test_grads as JAX's raw ValueError
 @pytest.mark.parametrize("call", ["build", "fit", "precondition"])
 def test_finding_device_sets_in_another_order_are_refused_or_run(lines, call):
     said = lines[f"{call} replicated 01 sharded 10"]
@@ -461,37 +459,33 @@ def test_finding_device_sets_in_another_order_are_refused_or_run(lines, call):
         refused(said, "checkpoint 'c0'", "batch 0 of data")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: tj.preconditioned_test_grads drops empty batches before numbering them, so "
-    "with data [empty batch, batch on cpu:1] the refusal names 'batch 0 of data', which is "
-    "the empty batch; fit_curvature names batch 1 correctly"))
+# FINDING (fixed, session 51): tj.preconditioned_test_grads drops empty batches before numbering
+# them, so with data [empty batch, batch on cpu:1] the refusal names 'batch 0 of data', which is
+# the empty batch; fit_curvature names batch 1 correctly
 def test_finding_precondition_names_a_mismatched_batch_by_its_index_in_the_data(lines):
     refused(lines["precondition empty batch then mismatch"], "batch 1 of data on cpu:1")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING (false positive): tj.fit_curvature checks a batch's devices before "
-    "max_examples stops the iteration, so max_examples=24 with batch 0 (24 rows, on cpu:0 "
-    "with the params) refuses batch 1 on cpu:1, which the fit never reads"))
+# FINDING (fixed, session 51) (false positive): tj.fit_curvature checks a batch's devices before
+# max_examples stops the iteration, so max_examples=24 with batch 0 (24 rows, on cpu:0 with the
+# params) refuses batch 1 on cpu:1, which the fit never reads
 def test_finding_fit_does_not_refuse_a_batch_max_examples_never_reads(lines):
     assert ran(lines["fit max_examples stops before mismatched batch"]) <= ACCURATE
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: params on cpu:0 and state= on cpu:1 read 'checkpoint 'c0' on cpu:0; checkpoint "
-    "'c0' on cpu:1' under 'the checkpoints' arrays and the data are committed to different "
-    "devices' (the data is not committed) and the fix offered moves params or the batch "
-    "only; the state is never named, so following the message does not fix it"))
+# FINDING (fixed, session 51): params on cpu:0 and state= on cpu:1 read 'checkpoint 'c0' on
+# cpu:0; checkpoint 'c0' on cpu:1' under 'the checkpoints' arrays and the data are committed to
+# different devices' (the data is not committed) and the fix offered moves params or the batch
+# only; the state is never named, so following the message does not fix it
 @pytest.mark.parametrize("key", ["build state on 1 params on 0", "fit state on 1 params on 0"])
 def test_finding_state_on_another_device_is_named_as_state(lines, key):
     refused(lines[key], "state")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: a checkpoint whose leaves are committed to two devices is reported as "
-    "'checkpoint 'c0' on cpu:0; checkpoint 'c0' on cpu:1' (the same name twice) without the "
-    "leaf on the other device (params/layers_2/kernel), and the lead blames 'the data', "
-    "which is uncommitted NumPy"))
+# FINDING (fixed, session 51): a checkpoint whose leaves are committed to two devices is
+# reported as 'checkpoint 'c0' on cpu:0; checkpoint 'c0' on cpu:1' (the same name twice) without
+# the leaf on the other device (params/layers_2/kernel), and the lead blames 'the data', which
+# is uncommitted NumPy
 def test_finding_a_checkpoint_split_over_devices_names_the_leaf(lines):
     said = lines["build mixed leaves in one checkpoint"]
     refused(said, "layers_2")

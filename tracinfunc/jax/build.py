@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,10 +237,10 @@ def build_store(
                           for part in range(3)))
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
-    pairs = site.follow(numbered(iter_batches(data), merged=False, batch_size=None))
+    pairs = site.follow(numbered(checked_devices(iter_batches(data), checkpoints),
+                                  merged=False, batch_size=None))
     return fill_store(writer, pairs, site, meta=meta,
-                      check_first=lambda batch: (check_devices(checkpoints, batch, "batch 0"),
-                                                 _check_loss(loss, checkpoints[0], batch)),
+                      check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
                       progress=progress, total=known_rows(data))
 
 
@@ -359,32 +359,68 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
     return checkpoints
 
 
-def check_devices(checkpoints: Sequence[Checkpoint], batch: Any, where: str) -> None:
-    """Refuse arrays committed to different devices before a compiled program does.
+def device_check(checkpoints: Sequence[Checkpoint]) -> Callable[[Any, str], None]:
+    """``check(batch, where)``: refuse arrays committed to different devices before a
+    compiled program does.
 
     JAX runs a program on the devices its *committed* arguments live on (placed by an
     explicit ``jax.device_put(x, device)``, a sharding, or DLPack from a torch tensor, which
-    keeps the tensor's device); uncommitted arrays (``jnp.asarray``) follow them. Committed
-    arguments on two device sets fail inside the program, where the error would read as the
-    loss failing on the batch. A few attribute reads per leaf: no device work.
+    keeps the tensor's device), in one order; uncommitted arrays (``jnp.asarray``) follow
+    them. Committed arguments on two device lists fail inside the program, where the error
+    would read as the loss failing on the batch. The checkpoints' leaves are read once; each
+    batch costs a few attribute reads per leaf, no device work. ``where`` names the batch
+    (``"batch 3"``: its index in the data).
     """
-    placed: dict[frozenset, str] = {}  # device set -> the first tree committed to it
-    trees = [(f"checkpoint {c.name or i!r}", c.args) for i, c in enumerate(checkpoints)]
-    for what, tree in [*trees, (f"{where} of data", batch)]:
-        for leaf in tree_util.tree_leaves(tree):
+    parts = [(f"checkpoint {c.name or i!r}" + (" state" if part == "state" else ""), tree)
+             for i, c in enumerate(checkpoints)
+             for part, tree in (("params", c.params), ("state", c.state))]
+    known = _placed(parts, {})
+
+    def check(batch: Any, where: str) -> None:
+        placed = _placed([(f"{where} of data", batch)], dict(known))
+        if len(placed) > 1:
+            found = "; ".join(f"{what} on {', '.join(map(str, devices))}"
+                              + (f" ({leaf})" if leaf else "")
+                              for devices, (what, leaf) in placed.items())
+            raise InvalidArgumentError(
+                f"{current_caller('tracinfunc.jax.build_store')}: arrays are committed to "
+                f"different devices ({found}); a JAX program runs on one device list, in one "
+                "order. Put them on the same device(s): jax.device_put(checkpoint.params, "
+                "device), jax.device_put(checkpoint.state, device) or jax.device_put(batch, "
+                "device) (arrays converted from torch tensors stay on the tensor's device), "
+                "or pass uncommitted arrays (jnp.asarray), which follow the committed ones."
+            )
+
+    return check
+
+
+def _placed(parts: list[tuple[str, Any]], placed: dict) -> dict[tuple, tuple[str, str]]:
+    """``placed`` updated with ``{device list: (part, leaf path)}`` of the first committed
+    array of each part on each device list."""
+    for what, tree in parts:
+        for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
             if isinstance(leaf, jax.Array) and leaf.committed:
-                placed.setdefault(frozenset(leaf.sharding.device_set), what)
-    if len(placed) > 1:
-        found = "; ".join(f"{what} on {', '.join(sorted(str(d) for d in devices))}"
-                          for devices, what in placed.items())
-        raise InvalidArgumentError(
-            f"{current_caller('tracinfunc.jax.build_store')}: the checkpoints' arrays and the "
-            f"data are committed to different devices ({found}); a JAX program runs on one "
-            "device set. Put them on one device, e.g. params = jax.device_put(params, "
-            "jax.devices()[0]) (arrays converted from torch tensors stay on the tensor's "
-            "device) or jax.device_put(batch, device), or pass the batch as uncommitted "
-            "arrays (jnp.asarray) so they follow the parameters."
-        )
+                placed.setdefault(_device_list(leaf), (what, path_name(path)))
+    return placed
+
+
+def _device_list(array: jax.Array) -> tuple:
+    """The devices an array's program must run on, in the sharding's order (JAX compares
+    the order too); the sorted set where a sharding does not expose it."""
+    order = getattr(array.sharding, "_device_assignment", None)
+    if order is None:
+        order = sorted(array.sharding.device_set, key=lambda device: device.id)
+    return tuple(order)
+
+
+def checked_devices(batches: Iterable[Any], checkpoints: Sequence[Checkpoint]
+                    ) -> Iterator[Any]:
+    """``batches``, each checked against the checkpoints' devices (:func:`device_check`)
+    as it is handed on, named by its index in the data."""
+    check = device_check(checkpoints)
+    for index, batch in enumerate(batches):
+        check(batch, f"batch {index}")
+        yield batch
 
 
 def _check_loss(loss: Any, checkpoint: Checkpoint, batch: Any) -> None:

@@ -29,7 +29,7 @@ from tracinfunc.jax.build import (
     Checkpoint,
     _batch_size,
     _check_checkpoints,
-    check_devices,
+    checked_devices,
     host_tensor,
     iter_batches,
 )
@@ -85,11 +85,10 @@ def preconditioned_test_grads(
         [(c.name, c.lr, c._fingerprint(mapping)) for c in checkpoints],
         mapping.layout, projection, torch.float32, None)
     check_bound(curvature, meta)
-    batches = [batch for batch in iter_batches(data) if _batch_size(batch)]
+    batches = [batch for batch in checked_devices(iter_batches(data), checkpoints)
+               if _batch_size(batch)]
     if not batches:
         raise EmptyDataError(f"{current_caller()}: data holds no test examples.")
-    for index, batch in enumerate(batches):
-        check_devices(checkpoints, batch, f"batch {index}")
     per_ckpt = []
     for c, (ckpt, ckpt_meta) in enumerate(zip(checkpoints, meta.checkpoints, strict=True)):
         rows_of = _rows_fn(loss, curvature, c, projection.for_checkpoint(ckpt_meta.name),

@@ -51,7 +51,7 @@ from tracinfunc.errors import (
 from tracinfunc.jax.build import (
     Checkpoint,
     _check_checkpoints,
-    check_devices,
+    device_check,
     host_tensor,
     iter_batches,
 )
@@ -314,9 +314,8 @@ def _limited(data: Any, max_examples: int | None, checkpoints: Sequence[Checkpoi
     """The non-empty JAX batches of ``data``, cut after ``max_examples`` inputs (no batch at
     all for empty data: the fit refuses it with EmptyDataError), each on the checkpoints'
     devices (checked)."""
-    left = max_examples
+    left, check = max_examples, device_check(checkpoints)
     for index, batch in enumerate(iter_batches(data)):
-        check_devices(checkpoints, batch, f"batch {index}")
         size = tree_util.tree_leaves(batch)[0].shape[0]
         if size == 0:
             continue
@@ -326,4 +325,5 @@ def _limited(data: Any, max_examples: int | None, checkpoints: Sequence[Checkpoi
             if size > left:
                 batch = tree_util.tree_map(lambda leaf, n=left: leaf[:n], batch)
             left -= min(size, left)
+        check(batch, f"batch {index}")  # only the batches the fit reads
         yield batch

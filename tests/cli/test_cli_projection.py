@@ -72,3 +72,42 @@ def test_a_kronecker_vectors_store_built_and_scored_from_the_command_line(tmp_pa
     test = tif.build_store(spec.loss, spec.checkpoints, spec.test["test"], projection=projection)
     np.testing.assert_allclose(np.load(tmp_path / "s.npy"), tif.score(expected, test).numpy(),
                                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("projection", [
+    tif.Projection(dim=32, seed=7),
+    tif.Projection(dim=64, seed=3, kind="sjlt", nnz=2),
+    tif.Projection(kind="identity"),
+    tif.Projection(kind="identity", per_checkpoint=True),
+    tif.Projection(dim=4096, kind="kronecker", vectors="kronecker"),
+    tif.Projection(dim=36, seed=4, kind="kronecker", split="shape", per_checkpoint=True),
+    tif.Projection(dim=2**24, seed=2**63 - 1, kind="rademacher", per_checkpoint=True),
+])
+def test_projection_text_reads_back_as_the_same_projection(projection):
+    """The text a refused resume tells the user to pass gives back the store's projection."""
+    from tracinfunc.cli.commands import projection_text
+
+    assert _projection(projection_text(projection)) == projection
+
+
+def test_a_projection_no_projector_takes_is_refused_before_overwrite_deletes(tmp_path):
+    """A dim over the projectors' limit (2**24) passes the spec's checks; it was found on the
+    first batch, after overwrite=True had deleted the finished store (atk51b)."""
+    import functools
+
+    spec = _tiny_spec()
+    path = str(tmp_path / "kept.zarr")
+    kept = tif.build_store(spec.loss, spec.checkpoints, spec.train,
+                           projection=tif.Projection(dim=8), store=path)
+    rows = kept.read_rows(0, 0, kept.meta.n_train)
+    too_big = tif.Projection(dim=2**24 + 1, kind="kronecker")
+    replace = functools.partial(tif.store.ZarrWriter, path, overwrite=True)
+    with pytest.raises(tif.errors.InvalidProjectionError, match="16777216"):
+        tif.build_store(spec.loss, spec.checkpoints, spec.train, projection=too_big,
+                        store=replace)
+    with pytest.raises(tif.errors.InvalidProjectionError, match="p=|dim="):
+        tif.build_store(spec.loss, spec.checkpoints, spec.train, store=replace,
+                        projection=tif.Projection(kind="identity", dim=3))
+    again = tif.GradientStore.open(path)
+    assert again.projection == tif.Projection(dim=8)
+    assert torch.equal(again.read_rows(0, 0, again.meta.n_train), rows)

@@ -149,10 +149,10 @@ def test_held_projection_is_a_build_option_only(tmp_path):
     assert not (tmp_path / "s.npy").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: a projection refused by Projection's own "
-                   "checks (vectors=kronecker with rademacher, nnz with kronecker) tells the "
-                   "command-line user the Python fix 'use Projection(dim=..., kind=...)' "
-                   "instead of the --projection spelling (kronecker:DIM,vectors=kronecker)")
+# FINDING (fixed, session 51): a projection refused by Projection's own checks
+# (vectors=kronecker with rademacher, nnz with kronecker) tells the command-line user the Python
+# fix 'use Projection(dim=..., kind=...)' instead of the --projection spelling
+# (kronecker:DIM,vectors=kronecker)
 def test_finding_projection_errors_give_the_fix_in_python_words(tmp_path):
     for text in ("rademacher:64,vectors=kronecker", "kronecker:64:0:2", "Kronecker:64"):
         result = _build(tmp_path, "x.zarr", text)
@@ -176,10 +176,10 @@ def test_held_malformed_projection_with_overwrite_keeps_the_store(tmp_path):
     assert torch.equal(store.read_rows(1, 0, 24), before)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: --projection with a dim the parser accepts "
-                   "but every projector refuses (> 2**24, e.g. rademacher:2147483647) is found "
-                   "only on batch 0, after --overwrite has deleted the finished store: the "
-                   "store is replaced by an empty incomplete one (0 rows) and a lock file")
+# FINDING (fixed, session 51): --projection with a dim the parser accepts but every projector
+# refuses (> 2**24, e.g. rademacher:2147483647) is found only on batch 0, after --overwrite has
+# deleted the finished store: the store is replaced by an empty incomplete one (0 rows) and a
+# lock file
 def test_finding_huge_dim_with_overwrite_destroys_the_finished_store(tmp_path):
     assert _build(tmp_path, "o.zarr", "rademacher:16:2").returncode == 0
     result = _build(tmp_path, "o.zarr", "kronecker:2147483647,vectors=kronecker", "--overwrite")
@@ -188,11 +188,10 @@ def test_finding_huge_dim_with_overwrite_destroys_the_finished_store(tmp_path):
     assert store.projection == tif.Projection(dim=16, seed=2)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: build --projection rademacher:16777217 into a "
-                   "fresh --out exits 1 after creating an empty incomplete store (and "
-                   ".OUT.lock); rerunning with a corrected --projection is then refused "
-                   "('holds an incomplete store ... --resume'). Expected: refused (best a usage "
-                   "error, exit 2) writing nothing, like other out-of-range projections")
+# FINDING (fixed, session 51): build --projection rademacher:16777217 into a fresh --out exits 1
+# after creating an empty incomplete store (and .OUT.lock); rerunning with a corrected
+# --projection is then refused ('holds an incomplete store ... --resume'). Expected: refused
+# (best a usage error, exit 2) writing nothing, like other out-of-range projections
 def test_finding_huge_dim_leaves_a_store_that_blocks_the_corrected_command(tmp_path):
     result = _build(tmp_path, "f.zarr", "rademacher:16777217")
     assert result.returncode in (1, 2) and "16777216" in result.stderr, result.stderr
@@ -234,10 +233,9 @@ def test_held_resume_with_another_field_is_refused_and_nothing_mixed(tmp_path, t
     _same_rows(path, _api_store(KRON, batch_size=10), exact=False)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: a resume refused for another --projection "
-                   "says 'Call build_store with the same arguments as the interrupted build' "
-                   "and shows Projection(...) reprs; the command line's words (the "
-                   "--projection text to pass, as done for --batch-size) are missing")
+# FINDING (fixed, session 51): a resume refused for another --projection says 'Call build_store
+# with the same arguments as the interrupted build' and shows Projection(...) reprs; the command
+# line's words (the --projection text to pass, as done for --batch-size) are missing
 def test_finding_refused_resume_names_the_projection_flag_to_pass(tmp_path):
     _interrupted(tmp_path / "h.zarr", KRON)
     result = _build(tmp_path, "h.zarr", "kronecker:36:4", "--batch-size", "10", "--resume")

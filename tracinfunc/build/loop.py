@@ -35,7 +35,7 @@ from tracinfunc.errors import (
     InvalidTypeError,
 )
 from tracinfunc.progress import ProgressArg, progress_bar
-from tracinfunc.projection.spec import Layout, Projection
+from tracinfunc.projection.spec import Layout, Projection, plan_projection
 from tracinfunc.store.codes import check_storable, storage_of
 from tracinfunc.store.memory.dense import MemoryWriter, append_fresh, reserve_rows
 from tracinfunc.store.meta import CheckpointMeta, StoreMeta, dtype_name
@@ -97,6 +97,10 @@ def new_store_meta(
 
     Raises:
         InvalidArgumentError: two checkpoints share a name, or ``dtype`` is none of these.
+        InvalidProjectionError: ``projection`` cannot project this layout (identity ``dim``
+            other than ``p``, ``dim`` over the projectors' limit, seeds colliding): said here,
+            before a writer exists, so ``overwrite=True`` never deletes a store for a build
+            that cannot start.
     """
     read_dtype, quantization = storage_of(dtype)
     names = [name or f"checkpoint-{i}" for i, (name, _, _) in enumerate(checkpoints)]
@@ -105,6 +109,8 @@ def new_store_meta(
             f"{current_caller()}: checkpoint names must be distinct, got {names}; name them apart, "
             "e.g. Checkpoint(params, lr=0.1, name='epoch-3')."
         )
+    for name in names if projection.per_checkpoint else names[:1]:
+        plan_projection(projection.for_checkpoint(name), layout)  # raises what a projector would
     return StoreMeta(
         projection=projection,
         checkpoints=tuple(CheckpointMeta(name, lr, fingerprint)

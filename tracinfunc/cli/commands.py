@@ -339,7 +339,23 @@ def _projection(text: str) -> Projection:
     try:
         return Projection(kind=kind, **{**defaults, **fields})
     except InvalidProjectionError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        # The spec's own words name Python fixes (Projection(...)); what and what was got,
+        # then the command line's grammar.
+        said = str(error).removeprefix("Projection: ").split("; ")[0]
+        raise argparse.ArgumentTypeError(
+            f"{said}, in {text!r}; expected {_PROJECTION_GRAMMAR}") from None
+
+
+def projection_text(projection: Projection) -> str:
+    """The ``--projection`` text :func:`_projection` reads as ``projection`` (the fields at
+    their defaults left out)."""
+    numbers = [] if projection.dim is None else [projection.dim, projection.seed]
+    if projection.kind == "sjlt" and projection.nnz != 1:
+        numbers.append(projection.nnz)
+    named = [f"split={projection.split}"] if projection.split != "square" else []
+    named += [f"vectors={projection.vectors}"] if projection.vectors != "dense" else []
+    named += ["per_checkpoint=true"] if projection.per_checkpoint else []
+    return ",".join([":".join(map(str, [projection.kind, *numbers])), *named])
 
 
 def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[Checkpoint]:
@@ -408,6 +424,13 @@ def _build(args: argparse.Namespace) -> int:
 def _with_flag(error: IncompatibleGradientsError) -> IncompatibleGradientsError:
     """A refused resume in the command's words: the flags that give the recorded batch size
     and mixed precision (only those that differ)."""
+    recorded = getattr(error, "recorded_projection", None)
+    if isinstance(recorded, Projection) and "projection" in getattr(error, "difference", ""):
+        where = str(error).split(": ", 1)[1].split(": ", 1)[0]  # "cannot resume ... at 'p'"
+        return IncompatibleGradientsError(
+            f"build: {where}: {error.difference}. On the command line: run the same command "
+            f"with --projection {projection_text(recorded)}, or --overwrite to start over."
+        )
     record = getattr(error, "build_record", None)
     if not isinstance(record, dict):
         return error
@@ -690,7 +713,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"complete    False  ({meta.n_train} rows written so far: the build was "
               f"interrupted; {resume})")
     # Names and versions are text from the store's metadata: escape what a terminal would run.
-    print(_escaped(f"projection  {meta.projection}"))
+    print(_escaped(f"projection  {meta.projection}  "
+                   f"(--projection {projection_text(meta.projection)})"))
     print(_escaped(f"preconditioner  {meta.preconditioner or 'none'}"))
     for c in meta.checkpoints:
         print(_escaped(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}"))

@@ -324,11 +324,14 @@ def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> No
     """Raise unless an incomplete store was started with the same arguments."""
     difference = first_difference(existing, requested)
     if difference is not None:
-        raise IncompatibleGradientsError(
+        error = IncompatibleGradientsError(
             f"build_store: cannot resume the incomplete store at {str(path)!r}: {difference}. "
             "Call build_store with the same arguments as the interrupted build, or delete the "
             "directory (or use another path) to start over."
         )
+        error.recorded_projection = existing.projection  # the command line names its flag
+        error.difference = difference
+        raise error
 
 
 def check_rerun(existing: StoreMeta, requested: StoreMeta, path: Path) -> None:

@@ -201,13 +201,26 @@ class _Plan:
         if self.rest is not None:
             part = self.rest({name: rest_grads[name] for name, _ in self.rest.layout})
             total = part if total is None else total + part
+        # Calls seen over several rows (tokens, positions) with the same (k_r, k_c): their
+        # projected sides stacked along the rows, so sum_l L_l.T @ R_l is one product
+        # instead of a product, a reshape, a scaling and an addition per call (under vmap
+        # each is a batched operation: a GPU launches each).
+        stacked: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
         for index, rule, left, right in sides:
             p_rows, p_cols = self.factors[index]
             if left.is_floating_point():  # a loss's own autocast: half-precision sides
                 left = left.to(p_rows.dtype)
-            total = _add_block(total, project_left(rule, left, p_rows),
-                               right.to(p_cols.dtype) @ p_cols,
-                               self.scale)
+            left, right = project_left(rule, left, p_rows), right.to(p_cols.dtype) @ p_cols
+            if left.shape[0] == 1:  # seen once: as _linear_rows computes it, bit for bit
+                total = _add_block(total, left, right, self.scale)
+            else:
+                lefts, rights = stacked.setdefault((left.shape[1], right.shape[1]), ([], []))
+                lefts.append(left)
+                rights.append(right)
+        for lefts, rights in stacked.values():
+            left = lefts[0] if len(lefts) == 1 else torch.cat(lefts)
+            right = rights[0] if len(rights) == 1 else torch.cat(rights)
+            total = _add_block(total, left, right, self.scale)
         return total
 
     def batched_vectors(self, rest_grads: Params) -> Tensor | None:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from tracinfunc.projection import Projection, canonical_layout, plan_projection
 from tracinfunc.projection._kernels import rademacher_bits, row_ranges
-from tracinfunc.projection.torch import as_kronecker_matrix, kronecker_factors
+from tracinfunc.projection.torch import kronecker_factors
 from tracinfunc.types import Params
 
 __all__ = ["KroneckerVectors", "VectorBlocks", "split_vectors", "vector_blocks"]
@@ -127,8 +127,13 @@ class KroneckerVectors(_VectorPart):
     read as its zero-padded ``[d_out, d_in]`` view and projected side by side,
     ``P_out.T @ G @ P_in`` (:func:`~tracinfunc.projection.keys.kronecker_view`); unscaled.
 
-    A few small products per parameter instead of a dense ``[n, k]`` block read whole on every
-    call. Same interface as :class:`VectorBlocks`.
+    A few small products instead of a dense ``[n, k]`` block read whole on every call.
+    Parameters whose views and factors have the same shapes (a transformer's LayerNorm
+    weights and biases, its attention biases, ...) are projected together: their padded
+    views gathered into one ``[V, d_out, d_in]`` stack by one index, then two batched
+    products and a sum over ``V``. A per-parameter loop cost about a dozen operations per
+    parameter (GPT-2 small: ~100 vectors, ~1,200 kernel launches a call on a GPU); this costs
+    about five per distinct shape. Same interface as :class:`VectorBlocks`.
 
     Args:
         projection: A ``kind="kronecker"``, ``vectors="kronecker"`` spec.
@@ -139,16 +144,34 @@ class KroneckerVectors(_VectorPart):
     def __init__(self, projection: Projection, vectors: Params, *, device: torch.device,
                  dtype: torch.dtype) -> None:
         super().__init__(projection, vectors)
-        self.factors = [kronecker_factors(projection, name, shape, device=device, dtype=dtype)
-                        for name, shape in self.plan.layout]  # [(P_out [d_out, k_out], P_in)]
+        factors = [kronecker_factors(projection, name, shape, device=device, dtype=dtype)
+                   for name, shape in self.plan.layout]  # [(P_out [d_out, k_out], P_in)]
+        sizes = [math.prod(shape) for _, shape in self.plan.layout]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        zero = sum(sizes)  # the index of the zero appended to the concatenated gradients
+        by_shape: dict[tuple, list[int]] = {}
+        for i, (p_out, p_in) in enumerate(factors):
+            by_shape.setdefault((*p_out.shape, *p_in.shape), []).append(i)
+        self.dtype = dtype
+        self.groups = []  # (index [V * d_out * d_in], P_out.T [V, k_out, d_out], P_in, view)
+        for (d_out, _, d_in, _), members in by_shape.items():
+            index = torch.full((len(members), d_out * d_in), zero, dtype=torch.long)
+            for row, i in enumerate(members):
+                index[row, :sizes[i]] = torch.arange(starts[i], starts[i] + sizes[i])
+            self.groups.append((index.reshape(-1).to(device),
+                                torch.stack([factors[i][0].T for i in members]),
+                                torch.stack([factors[i][1] for i in members]),
+                                (len(members), d_out, d_in)))
 
     def _product(self, parts: list[Tensor]) -> Tensor:
-        """``[..., n]`` per parameter -> ``[..., k]``, summed in name order."""
+        """``[..., n]`` per parameter -> ``[..., k]``: per shape group, the stacked views
+        ``[..., V, d_out, d_in]`` through ``P_out.T @ G @ P_in``, summed over the group."""
+        flat = torch.cat([p if p.dtype == self.dtype else p.to(self.dtype) for p in parts], -1)
+        flat = F.pad(flat, (0, 1))  # [..., n + 1]: the last entry the padding's zero
         total = None
-        for part_grad, (p_out, p_in) in zip(parts, self.factors, strict=True):
-            g = part_grad.to(p_out.dtype)
-            matrix = as_kronecker_matrix(g, (p_out.shape[0], p_in.shape[0]))
-            part = (p_out.T @ matrix @ p_in).reshape(*g.shape[:-1], self.k)  # [..., k]
+        for index, p_out_t, p_in, view in self.groups:
+            stack = flat.index_select(-1, index).unflatten(-1, view)  # [..., V, d_out, d_in]
+            part = (p_out_t @ stack @ p_in).sum(-3).flatten(-2)  # [..., k]
             total = part if total is None else total.add_(part)  # the first part is new
         return total
 

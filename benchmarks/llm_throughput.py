@@ -3,8 +3,10 @@
 Each configuration runs in its own process (peak RSS is its own), with 1 thread, and times
 CPU seconds, interleaved: floor, method, floor, method, ... (medians). The floor is one
 training step's forward+backward of the same model on the same batch (weight gradients
-included). Parameter sets: ``matched`` (the transformer blocks' Conv1D weights, bergson's
-default) and ``all``. Methods:
+included). Each row also counts the operations one call dispatches (``ops``, beside the
+floor's): on a GPU each is a kernel launch, so a call of many small ones is bound by the
+host however fast the device. Parameter sets: ``matched`` (the transformer blocks' Conv1D
+weights, bergson's default) and ``all``. Methods:
 
 - ``kronecker``: ``projected_grads(kind="kronecker")``, the batched factorised path (one
   backward of the batch's summed loss, weights frozen);
@@ -195,6 +197,25 @@ def cpu_seconds(fn) -> float:
     return time.process_time() - start
 
 
+def dispatched_ops(fn) -> int:
+    """Operations ``fn()`` dispatches to kernels (autograd's backward included): on a GPU each
+    is at least one launch, so a call of many small ones is bound by the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Count():
+            fn()
+    return Count.n
+
+
 def run_config(cfg: dict) -> dict:
     """One configuration in this process: timings, peak RSS, agreement."""
     model, config = build(cfg["model"], cfg["quick"], cfg["tokens"])
@@ -220,8 +241,12 @@ def run_config(cfg: dict) -> dict:
         tool.append(cpu_seconds(lambda b=batch: fn(params, b)))
     floor.append(cpu_seconds(lambda: floor_step(model, batches[0])))
     model.zero_grad(set_to_none=True)
+    ops = dispatched_ops(lambda: fn(params, batches[0]))
+    floor_ops = dispatched_ops(lambda: floor_step(model, batches[0]))
+    model.zero_grad(set_to_none=True)
     result = {"tool_s": statistics.median(tool), "floor_s": statistics.median(floor),
-              "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"]}
+              "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"],
+              "ops": ops, "floor_ops": floor_ops}
     if losses is not None:
         result["train_loss"] = losses  # first and last training batch
     if cfg["agreement"]:
@@ -377,7 +402,9 @@ def print_row(row: dict, flush: bool = False) -> None:
     print(f"{model:<6} {row['params']:<8} {label:<28} "
           f"x floor {row['tool_s'] / row['floor_s']:5.2f}  "
           f"tokens/s {row['tokens'] / row['tool_s']:8.0f}  RSS {row['rss_mib']:6.0f} MiB  "
-          f"bytes/example {4 * row['k']}  {agree}", flush=flush)
+          f"bytes/example {4 * row['k']}  "
+          + (f"ops {row['ops']} (floor {row['floor_ops']})  " if "ops" in row else "")
+          + agree, flush=flush)
 
 
 if __name__ == "__main__":

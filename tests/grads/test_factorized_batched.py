@@ -218,6 +218,7 @@ def test_llm_throughput_benchmark_quick_mode_runs(capsys):
         ("kronecker vectors", None, False), ("kronecker vectors", None, True),
         ("kronecker", "adam factored", False), ("identity", None, False)]
     assert all(r["tool_s"] > 0 and r["floor_s"] > 0 for r in rows)
+    assert all(r["ops"] > 0 and r["floor_ops"] > 0 for r in rows)  # operations per call
     assert all(-1 <= r["r"] <= 1 for r in rows if r["method"] != "identity")
     assert "x floor" in capsys.readouterr().out
 

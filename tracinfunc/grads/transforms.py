@@ -16,6 +16,7 @@ rounding (mixed precision aside, which is an approximation):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -443,6 +444,17 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
             "torch.zeros_like) or compute it out of place. If the loss fails on one example "
             "too, the shapes in the loss are wrong."
         )
+    if _AUTOCAST_NORM.search(message):
+        return LossFunctionError(
+            f"{current_caller()}: a 16-bit and a float32 tensor met in the backward of the "
+            f"loss under torch.func.vmap (torch said: {message}). The usual cause is a "
+            "torch.autocast inside the loss around a normalisation layer whose weights stay "
+            "float32 (LayerNorm, BatchNorm, InstanceNorm): torch's batched backward of the "
+            "norm does not take the mixed dtypes (a torch limitation; a plain backward does). "
+            "Pass mixed_precision=torch.bfloat16 (or float16) to tracinfunc instead of "
+            "autocasting inside the loss (it runs norms in float32), or cast the norm's input "
+            "yourself: F.layer_norm(h.float(), ...)."
+        )
     if "to return a scalar" in message or "scalar Tensor" in message:
         return LossFunctionError(
             f"{current_caller()}: loss(params, example) must return a scalar for one example, but "
@@ -450,6 +462,12 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
             "`example` has no batch dimension."
         )
     return None
+
+
+# torch's batched backward of a norm given a 16-bit input and float32 weights (a loss's own
+# autocast), which its plain backward accepts.
+_AUTOCAST_NORM = re.compile(r"expected scalar type (BFloat16|Half) but found Float|"
+                            r"expected scalar type Float but found (BFloat16|Half)")
 
 
 def _from_swap(error: BaseException) -> bool:

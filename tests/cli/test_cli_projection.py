@@ -111,3 +111,30 @@ def test_a_projection_no_projector_takes_is_refused_before_overwrite_deletes(tmp
     again = tif.GradientStore.open(path)
     assert again.projection == tif.Projection(dim=8)
     assert torch.equal(again.read_rows(0, 0, again.meta.n_train), rows)
+
+
+def test_a_refused_resume_names_the_projection_flag_only_for_a_projection_difference():
+    """Review, session 51: a layout difference naming a parameter called ``*projection*``
+    (CLIP's ``text_projection``) must not be answered with a --projection flag, and a
+    sharded build cannot be told to pass --overwrite (refused for shards)."""
+    from tracinfunc.cli.commands import _with_flag
+    from tracinfunc.errors import IncompatibleGradientsError
+
+    layout = IncompatibleGradientsError("build_store: cannot resume ...: its parameter layout "
+                                        "is (('text_projection.weight', (4, 4)),) but ...")
+    layout.path, layout.difference = "s.zarr", "its parameter layout is ... text_projection"
+    assert _with_flag(layout, sharded=False) is layout
+    projection = IncompatibleGradientsError("build_store: cannot resume ...")
+    projection.path, projection.difference = "s.zarr", "its projection is ... but ..."
+    projection.recorded_projection = tif.Projection(dim=8, kind="sjlt", nnz=2)
+    said = str(_with_flag(projection, sharded=True))
+    assert "--projection sjlt:8:0:2" in said and "delete the store's directory" in said
+    assert "--overwrite" not in said
+    assert "pass --overwrite" in str(_with_flag(projection, sharded=False))
+
+
+def test_a_projection_the_grammar_cannot_say_gets_no_flag():
+    from tracinfunc.cli.commands import projection_text
+
+    assert projection_text(tif.Projection(kind="identity", seed=3)) is None
+    assert projection_text(tif.Projection(kind="identity")) == "identity"

@@ -30,3 +30,20 @@ def test_float32_module_with_float64_params_gives_float64_rows():
                     spec.dim, vectors="kronecker") for i in range(x.shape[0])]))
     assert rows.dtype == torch.float64
     torch.testing.assert_close(rows, reference, rtol=1e-12, atol=1e-14)
+
+
+def test_a_forward_dtype_mismatch_is_not_blamed_on_autocast_around_a_norm():
+    """Review, session 51: the message for torch's batched norm backward (a loss's own
+    autocast) is for errors raised in the backward only; a forward's own mismatch keeps
+    torch's words."""
+    import pytest
+    import torch.nn.functional as F
+
+    def loss(p, example):
+        x, y = example
+        return F.cross_entropy((x.bfloat16() @ p["w"].T)[None], y[None])
+
+    with pytest.raises(RuntimeError) as raised:
+        tif.per_sample_grads(loss)({"w": torch.randn(3, 4)},
+                                   (torch.randn(2, 4), torch.tensor([0, 1])))
+    assert "autocast" not in str(raised.value)

@@ -196,3 +196,17 @@ def test_numpy_strings_become_str():
     assert type(spec.vectors) is str and type(spec.split) is str
     assert "np.str_" not in repr(spec)
     assert spec == tif.Projection(dim=8, kind="kronecker", vectors="kronecker", split="shape")
+
+
+def test_a_parameter_over_2_32_elements_is_planned_when_projected_side_by_side():
+    """Review, session 51: build_store now plans the projection first; a weight of 4.9e9
+    elements has only its sides' limits under kind="kronecker" (a dense block's rows stop
+    at 2**32)."""
+    import pytest
+
+    from tracinfunc.projection import plan_projection
+
+    layout = (("w", (70_000, 70_000)),)
+    assert plan_projection(tif.Projection(dim=64, kind="kronecker"), layout).k == 64
+    with pytest.raises(tif.errors.InvalidProjectionError, match="2\\*\\*32"):
+        plan_projection(tif.Projection(dim=64), layout)

@@ -18,6 +18,7 @@ after the command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -298,11 +299,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _true_or_false(value: str) -> bool:
+    if value not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}")
+    return value == "true"
+
+
 _PROJECTION_GRAMMAR = ("KIND[:DIM[:SEED[:NNZ]]][,FIELD=VALUE...] with integers DIM, SEED, NNZ "
                        "and FIELD one of split, vectors, per_checkpoint, e.g. "
                        "kronecker:4096:0,vectors=kronecker")
 # The Projection fields the positional part does not reach, with how their text is read.
-_PROJECTION_FIELDS = {"split": str, "vectors": str, "per_checkpoint": "bool"}
+_PROJECTION_FIELDS = {"split": str, "vectors": str, "per_checkpoint": _true_or_false}
 
 
 def _projection(text: str) -> Projection:
@@ -326,13 +333,10 @@ def _projection(text: str) -> Projection:
                 f"expected {_PROJECTION_GRAMMAR}; got {item!r} in {text!r}")
         if name in fields:
             raise argparse.ArgumentTypeError(f"{name} is given twice in {text!r}")
-        if _PROJECTION_FIELDS[name] == "bool":
-            if value not in ("true", "false"):
-                raise argparse.ArgumentTypeError(
-                    f"{name} must be true or false, got {value!r} in {text!r}")
-            fields[name] = value == "true"
-        else:
-            fields[name] = value
+        try:
+            fields[name] = _PROJECTION_FIELDS[name](value)
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(f"{name} {error} in {text!r}") from None
     # identity keeps every entry: a DIM given is checked against p when the layout is known
     # (it used to be ignored); other kinds default to 512.
     defaults = {} if kind == "identity" else {"dim": 512}
@@ -346,16 +350,22 @@ def _projection(text: str) -> Projection:
             f"{said}, in {text!r}; expected {_PROJECTION_GRAMMAR}") from None
 
 
-def projection_text(projection: Projection) -> str:
+def projection_text(projection: Projection) -> str | None:
     """The ``--projection`` text :func:`_projection` reads as ``projection`` (the fields at
-    their defaults left out)."""
+    their defaults left out), or ``None`` where the grammar cannot say it (an identity
+    projection without ``dim`` but with a seed, made in Python)."""
     numbers = [] if projection.dim is None else [projection.dim, projection.seed]
     if projection.kind == "sjlt" and projection.nnz != 1:
         numbers.append(projection.nnz)
     named = [f"split={projection.split}"] if projection.split != "square" else []
     named += [f"vectors={projection.vectors}"] if projection.vectors != "dense" else []
     named += ["per_checkpoint=true"] if projection.per_checkpoint else []
-    return ",".join([":".join(map(str, [projection.kind, *numbers])), *named])
+    text = ",".join([":".join(map(str, [projection.kind, *numbers])), *named])
+    try:
+        same = _projection(text) == dataclasses.replace(projection, checkpoint=None)
+    except argparse.ArgumentTypeError:
+        same = False
+    return text if same else None
 
 
 def _checkpoints(spec: Spec, files: Sequence[str] | None) -> list[Checkpoint]:
@@ -421,15 +431,19 @@ def _build(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _with_flag(error: IncompatibleGradientsError) -> IncompatibleGradientsError:
-    """A refused resume in the command's words: the flags that give the recorded batch size
-    and mixed precision (only those that differ)."""
+def _with_flag(error: IncompatibleGradientsError, sharded: bool) -> IncompatibleGradientsError:
+    """A refused resume in the command's words: the flags that give the recorded projection,
+    batch size and mixed precision (only those that differ)."""
     recorded = getattr(error, "recorded_projection", None)
-    if isinstance(recorded, Projection) and "projection" in getattr(error, "difference", ""):
-        where = str(error).split(": ", 1)[1].split(": ", 1)[0]  # "cannot resume ... at 'p'"
+    if isinstance(recorded, Projection):
+        text = projection_text(recorded)
+        fix = (f"run the same command with --projection {text}" if text is not None else
+               "this projection has no --projection form: resume it from Python with "
+               "build_store(..., projection=<the projection above>)")
+        start_over = ("delete the store's directory" if sharded else "pass --overwrite")
         return IncompatibleGradientsError(
-            f"build: {where}: {error.difference}. On the command line: run the same command "
-            f"with --projection {projection_text(recorded)}, or --overwrite to start over."
+            f"tracinfunc build: cannot resume the incomplete store at {error.path!r}: "
+            f"{error.difference}. On the command line: {fix}, or {start_over} to start over."
         )
     record = getattr(error, "build_record", None)
     if not isinstance(record, dict):
@@ -465,7 +479,7 @@ def _build_store(args: argparse.Namespace, sharded: bool) -> int:
             preconditioners=recorded_preconditioners(args, spec),
         )
     except IncompatibleGradientsError as error:
-        raise _with_flag(error) from error
+        raise _with_flag(error, sharded) from error
     if isinstance(store, StorePart):
         print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
               f"of {args.out}; when every part is done, run 'tracinfunc commit {args.out}'")
@@ -713,8 +727,9 @@ def _info(args: argparse.Namespace) -> int:
         print(f"complete    False  ({meta.n_train} rows written so far: the build was "
               f"interrupted; {resume})")
     # Names and versions are text from the store's metadata: escape what a terminal would run.
-    print(_escaped(f"projection  {meta.projection}  "
-                   f"(--projection {projection_text(meta.projection)})"))
+    text = projection_text(meta.projection)
+    print(_escaped(f"projection  {meta.projection}"
+                   + (f"  (--projection {text})" if text is not None else "")))
     print(_escaped(f"preconditioner  {meta.preconditioner or 'none'}"))
     for c in meta.checkpoints:
         print(_escaped(f"checkpoint  {c.name}  lr={c.lr:g}  fingerprint={c.fingerprint[:16]}"))

@@ -204,7 +204,8 @@ class _Plan:
         # Calls seen over several rows (tokens, positions) with the same (k_r, k_c): their
         # projected sides stacked along the rows, so sum_l L_l.T @ R_l is one product
         # instead of a product, a reshape, a scaling and an addition per call (under vmap
-        # each is a batched operation: a GPU launches each).
+        # each is a batched operation: a GPU launches each). The projected sides are small
+        # ([T, k_r] and [T, k_c] a call), held until the product and copied once by the cat.
         stacked: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
         for index, rule, left, right in sides:
             p_rows, p_cols = self.factors[index]

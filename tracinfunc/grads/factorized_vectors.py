@@ -20,6 +20,7 @@ sum is the projector's, in another float summation order.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -147,8 +148,10 @@ class KroneckerVectors(_VectorPart):
         factors = [kronecker_factors(projection, name, shape, device=device, dtype=dtype)
                    for name, shape in self.plan.layout]  # [(P_out [d_out, k_out], P_in)]
         sizes = [math.prod(shape) for _, shape in self.plan.layout]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
         zero = sum(sizes)  # the index of the zero appended to the concatenated gradients
+        # Each gradient's view (kronecker_view, as as_kronecker_matrix reads it): its n
+        # entries row by row, then zeros up to d_out * d_in, gathered by one index.
         by_shape: dict[tuple, list[int]] = {}
         for i, (p_out, p_in) in enumerate(factors):
             by_shape.setdefault((*p_out.shape, *p_in.shape), []).append(i)

@@ -387,6 +387,12 @@ def _call_checked(fn, *args: Any):
         ) from error
 
 
+# torch's batched backward of a norm given a 16-bit input and float32 weights (a loss's own
+# autocast), which its plain backward accepts.
+_AUTOCAST_NORM = re.compile(r"expected scalar type (BFloat16|Half) but found Float|"
+                            r"expected scalar type Float but found (BFloat16|Half)")
+
+
 def explain_loss_error(error: Exception, params: Params | None = None) -> Exception | None:
     """A tracinfunc error that explains a known torch failure of the loss, else ``None``
     (``params``: the parameters differentiated, to name the culprits where known)."""
@@ -444,7 +450,7 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
             "torch.zeros_like) or compute it out of place. If the loss fails on one example "
             "too, the shapes in the loss are wrong."
         )
-    if _AUTOCAST_NORM.search(message):
+    if _AUTOCAST_NORM.search(message) and _in_backward(error):
         return LossFunctionError(
             f"{current_caller()}: a 16-bit and a float32 tensor met in the backward of the "
             f"loss under torch.func.vmap (torch said: {message}). The usual cause is a "
@@ -464,10 +470,15 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
     return None
 
 
-# torch's batched backward of a norm given a 16-bit input and float32 weights (a loss's own
-# autocast), which its plain backward accepts.
-_AUTOCAST_NORM = re.compile(r"expected scalar type (BFloat16|Half) but found Float|"
-                            r"expected scalar type Float but found (BFloat16|Half)")
+def _in_backward(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside autograd's backward (a forward's own dtype
+    mismatch, say an int8 batch through a float matmul, has other causes and fixes)."""
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code.co_name == "_engine_run_backward":
+            return True
+        trace = trace.tb_next
+    return False
 
 
 def _from_swap(error: BaseException) -> bool:

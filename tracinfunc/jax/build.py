@@ -221,6 +221,7 @@ def build_store(
     # Checkpoints share one structure (checked): each one's program is looked up once, and
     # batches (JAX trees from iter_batches) go straight to it.
     programs = [fn.program_for(c.params) for fn, c in zip(grads_fns, checkpoints, strict=True)]
+    on_devices = device_check(checkpoints)  # before the writer: overwrite=True deletes
     writer = make_writer(store, meta)
     padded_to: list[int] = []  # the first batch's size: smaller batches are padded to it
 
@@ -237,7 +238,7 @@ def build_store(
                           for part in range(3)))
 
     site = CallSite(rows_of)  # a failing call is named (batch index, data rows)
-    pairs = site.follow(numbered(checked_devices(iter_batches(data), checkpoints),
+    pairs = site.follow(numbered(checked_devices(iter_batches(data), on_devices),
                                   merged=False, batch_size=None))
     return fill_store(writer, pairs, site, meta=meta,
                       check_first=lambda batch: _check_loss(loss, checkpoints[0], batch),
@@ -361,37 +362,49 @@ def _check_checkpoints(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
 
 def device_check(checkpoints: Sequence[Checkpoint]) -> Callable[[Any, str], None]:
     """``check(batch, where)``: refuse arrays committed to different devices before a
-    compiled program does.
+    compiled program does; the checkpoints among themselves are checked at once.
 
     JAX runs a program on the devices its *committed* arguments live on (placed by an
     explicit ``jax.device_put(x, device)``, a sharding, or DLPack from a torch tensor, which
     keeps the tensor's device), in one order; uncommitted arrays (``jnp.asarray``) follow
     them. Committed arguments on two device lists fail inside the program, where the error
-    would read as the loss failing on the batch. The checkpoints' leaves are read once; each
-    batch costs a few attribute reads per leaf, no device work. ``where`` names the batch
-    (``"batch 3"``: its index in the data).
+    would read as the loss failing on the batch. Every checkpoint's rows of a batch are
+    also stacked into one block, so the checkpoints share their devices too. The
+    checkpoints' leaves are read once; a batch costs a few attribute reads per leaf, no
+    device work. ``where`` names the batch (``"batch 3"``: its index in the data).
+
+    Raises:
+        InvalidArgumentError: the checkpoints' arrays are committed to different devices.
     """
-    parts = [(f"checkpoint {c.name or i!r}" + (" state" if part == "state" else ""), tree)
+    parts = [(f"checkpoint {c.name or f'checkpoint-{i}'!r}"
+              + (" state" if part == "state" else ""), tree)
              for i, c in enumerate(checkpoints)
              for part, tree in (("params", c.params), ("state", c.state))]
     known = _placed(parts, {})
+    _refuse_placed(known, "the checkpoints' rows of each batch are computed and stacked "
+                   "together")
 
     def check(batch: Any, where: str) -> None:
-        placed = _placed([(f"{where} of data", batch)], dict(known))
-        if len(placed) > 1:
-            found = "; ".join(f"{what} on {', '.join(map(str, devices))}"
-                              + (f" ({leaf})" if leaf else "")
-                              for devices, (what, leaf) in placed.items())
-            raise InvalidArgumentError(
-                f"{current_caller('tracinfunc.jax.build_store')}: arrays are committed to "
-                f"different devices ({found}); a JAX program runs on one device list, in one "
-                "order. Put them on the same device(s): jax.device_put(checkpoint.params, "
-                "device), jax.device_put(checkpoint.state, device) or jax.device_put(batch, "
-                "device) (arrays converted from torch tensors stay on the tensor's device), "
-                "or pass uncommitted arrays (jnp.asarray), which follow the committed ones."
-            )
+        _refuse_placed(_placed([(f"{where} of data", batch)], dict(known)),
+                       "a JAX program runs on one device list, in one order")
 
     return check
+
+
+def _refuse_placed(placed: dict[tuple, tuple[str, str]], why: str) -> None:
+    if len(placed) < 2:
+        return
+    found = "; ".join(f"{what} on {', '.join(map(str, devices))}"
+                      + (f" ({leaf})" if leaf else "")
+                      for devices, (what, leaf) in placed.items())
+    raise InvalidArgumentError(
+        f"{current_caller('tracinfunc.jax.build_store')}: arrays are committed to different "
+        f"devices ({found}); {why}. Put them on the same device(s): "
+        "jax.device_put(checkpoint.params, device), jax.device_put(checkpoint.state, device) "
+        "or jax.device_put(batch, device) (arrays converted from torch tensors stay on the "
+        "tensor's device), or pass uncommitted arrays (jnp.asarray), which follow the "
+        "committed ones."
+    )
 
 
 def _placed(parts: list[tuple[str, Any]], placed: dict) -> dict[tuple, tuple[str, str]]:
@@ -413,11 +426,10 @@ def _device_list(array: jax.Array) -> tuple:
     return tuple(order)
 
 
-def checked_devices(batches: Iterable[Any], checkpoints: Sequence[Checkpoint]
+def checked_devices(batches: Iterable[Any], check: Callable[[Any, str], None]
                     ) -> Iterator[Any]:
-    """``batches``, each checked against the checkpoints' devices (:func:`device_check`)
-    as it is handed on, named by its index in the data."""
-    check = device_check(checkpoints)
+    """``batches``, each passed to ``check`` (a :func:`device_check`) as it is handed on,
+    named by its index in the data."""
     for index, batch in enumerate(batches):
         check(batch, f"batch {index}")
         yield batch

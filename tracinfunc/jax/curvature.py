@@ -30,6 +30,7 @@ from tracinfunc.jax.build import (
     _batch_size,
     _check_checkpoints,
     checked_devices,
+    device_check,
     host_tensor,
     iter_batches,
 )
@@ -85,7 +86,7 @@ def preconditioned_test_grads(
         [(c.name, c.lr, c._fingerprint(mapping)) for c in checkpoints],
         mapping.layout, projection, torch.float32, None)
     check_bound(curvature, meta)
-    batches = [batch for batch in checked_devices(iter_batches(data), checkpoints)
+    batches = [batch for batch in checked_devices(iter_batches(data), device_check(checkpoints))
                if _batch_size(batch)]
     if not batches:
         raise EmptyDataError(f"{current_caller()}: data holds no test examples.")

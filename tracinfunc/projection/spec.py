@@ -440,7 +440,11 @@ def plan_projection(projection: Projection, layout: Layout | Mapping[str, Any]) 
         )
     layout = as_layout(layout)
     sizes = [math.prod(shape) for _, shape in layout]
-    if sum(sizes) == 0 or max(sizes) > MAX_ROWS:
+    # Dense blocks index their rows below 2**32; a parameter projected side by side has only
+    # its sides' limits, which param_keys checks.
+    rows = [size for (_, shape), size in zip(layout, sizes, strict=True)
+            if kronecker_view(projection, shape) is None]
+    if sum(sizes) == 0 or max(rows, default=0) > MAX_ROWS:
         raise InvalidProjectionError(
             f"{current_caller('make_projector')}: the layout must hold at least one element and "
             "no parameter over "

@@ -329,8 +329,12 @@ def check_resumable(existing: StoreMeta, requested: StoreMeta, path: Path) -> No
             "Call build_store with the same arguments as the interrupted build, or delete the "
             "directory (or use another path) to start over."
         )
-        error.recorded_projection = existing.projection  # the command line names its flag
+        # What the command line needs to name its flag: the store, and the projection it
+        # holds where that is what differs (the first field compared).
+        error.path = str(path)
         error.difference = difference
+        if existing.projection != requested.projection:
+            error.recorded_projection = existing.projection
         raise error
 
 

@@ -431,7 +431,8 @@ def _build(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _with_flag(error: IncompatibleGradientsError, sharded: bool) -> IncompatibleGradientsError:
+def _with_flag(error: IncompatibleGradientsError, sharded: bool = False
+               ) -> IncompatibleGradientsError:
     """A refused resume in the command's words: the flags that give the recorded projection,
     batch size and mixed precision (only those that differ)."""
     recorded = getattr(error, "recorded_projection", None)
@@ -479,7 +480,7 @@ def _build_store(args: argparse.Namespace, sharded: bool) -> int:
             preconditioners=recorded_preconditioners(args, spec),
         )
     except IncompatibleGradientsError as error:
-        raise _with_flag(error, sharded) from error
+        raise _with_flag(error, sharded=sharded) from error
     if isinstance(store, StorePart):
         print(f"wrote part {store.index}/{store.count} (rows [{store.start}, {store.stop})) "
               f"of {args.out}; when every part is done, run 'tracinfunc commit {args.out}'")

@@ -276,9 +276,11 @@ def test_conflicting_gradient_flags_are_one_line_errors(built):
     assert not (built / "x.zarr").exists()
 
 
-def _interrupted_build(path: Path) -> None:
+def _interrupted_build(path: Path, projection: tif.Projection | None = None) -> None:
     """Leave an incomplete store at ``path``: 16 of 24 rows committed (shards of 8 rows),
-    made as ``build --projection rademacher:32:7 --batch-size 10`` would have made them."""
+    made as ``build --projection rademacher:32:7 --batch-size 10`` would have made them
+    (with ``projection`` given: as ``--projection`` of that projection would)."""
+    projection = projection or tif.Projection(dim=32, seed=7)
     spec = _tiny_spec()
 
     def batches():
@@ -289,7 +291,7 @@ def _interrupted_build(path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="killed"):
         tif.build_store(spec.loss, spec.checkpoints, batches(), batch_size=10,
-                        projection=tif.Projection(dim=32, seed=7), progress=False,
+                        projection=projection, progress=False,
                         store=functools.partial(tif.store.ZarrWriter, path, chunk_rows=8,
                                                 shard_rows=8))
 

@@ -9,7 +9,6 @@ Everything runs in process (``cli_here``): a build of the tiny spec takes a frac
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -20,8 +19,8 @@ import torch
 
 import tracinfunc as tif
 from tests.cli.test_cli import SPEC, _tiny_spec, cli_here
+from tests.cli.test_cli import _interrupted_build as _interrupted
 from tests.cli.test_cli_less import _record
-from tracinfunc.batches import rebatch
 from tracinfunc.cli.commands import _projection
 
 MAKE = f"{SPEC}:make"
@@ -52,23 +51,6 @@ def _same_rows(path: Path, expected, *, exact: bool = True) -> None:
             assert torch.equal(got, want), c
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def _interrupted(path: Path, projection: tif.Projection) -> None:
-    """16 of 24 rows committed (shards of 8), as ``build --batch-size 10`` makes them."""
-    spec = _tiny_spec()
-
-    def batches():
-        for i, batch in enumerate(rebatch(spec.train, 10)):
-            if i == 2:
-                raise RuntimeError("killed")
-            yield batch
-
-    with pytest.raises(RuntimeError, match="killed"):
-        tif.build_store(spec.loss, spec.checkpoints, batches(), batch_size=10,
-                        projection=projection, progress=False,
-                        store=functools.partial(tif.store.ZarrWriter, path, chunk_rows=8,
-                                                shard_rows=8))
 
 
 def _is_usage_error(result, tmp_path: Path, *, allowed=()) -> None:

@@ -397,7 +397,7 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
     """A tracinfunc error that explains a known torch failure of the loss, else ``None``
     (``params``: the parameters differentiated, to name the culprits where known)."""
     message = str(error).strip()
-    if isinstance(error, KeyError) and "already exists" in message and _from_swap(error):
+    if isinstance(error, KeyError) and "already exists" in message and _raised_in(error, _in_swap):
         return LossFunctionError(
             f"{current_caller()}: the model's forward changed a module attribute that "
             f"functional_call had swapped in for the call (torch said: {message}), so torch "
@@ -450,7 +450,7 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
             "torch.zeros_like) or compute it out of place. If the loss fails on one example "
             "too, the shapes in the loss are wrong."
         )
-    if _AUTOCAST_NORM.search(message) and _in_backward(error):
+    if _AUTOCAST_NORM.search(message) and _raised_in(error, _in_backward):
         return LossFunctionError(
             f"{current_caller()}: a 16-bit and a float32 tensor met in the backward of the "
             f"loss under torch.func.vmap (torch said: {message}). The usual cause is a "
@@ -470,24 +470,23 @@ def explain_loss_error(error: Exception, params: Params | None = None) -> Except
     return None
 
 
-def _in_backward(error: BaseException) -> bool:
-    """Whether ``error`` was raised inside autograd's backward (a forward's own dtype
-    mismatch, say an int8 batch through a float matmul, has other causes and fixes)."""
+def _raised_in(error: BaseException, where: Callable[[Any], bool]) -> bool:
+    """Whether a frame of ``error``'s traceback has a code object for which ``where`` holds:
+    torch's swapping of tensors in and out of a module (``functional_call``'s
+    ``_named_member_accessor``: a forward turning a name into a parametrization), or
+    autograd's backward (``_engine_run_backward``: a forward's own dtype mismatch, say an
+    int8 batch through a float matmul, has other causes and fixes)."""
     trace = error.__traceback__
     while trace is not None:
-        if trace.tb_frame.f_code.co_name == "_engine_run_backward":
+        if where(trace.tb_frame.f_code):
             return True
         trace = trace.tb_next
     return False
 
 
-def _from_swap(error: BaseException) -> bool:
-    """Whether ``error`` was raised by torch's swapping of tensors in and out of a module
-    (``functional_call``'s ``_named_member_accessor``), e.g. restoring a name the forward
-    turned into a parametrization."""
-    trace = error.__traceback__
-    while trace is not None:
-        if trace.tb_frame.f_code.co_filename.endswith("_named_member_accessor.py"):
-            return True
-        trace = trace.tb_next
-    return False
+def _in_backward(code: Any) -> bool:
+    return code.co_name == "_engine_run_backward"
+
+
+def _in_swap(code: Any) -> bool:
+    return code.co_filename.endswith("_named_member_accessor.py")

@@ -229,7 +229,9 @@ def fit_curvature(
                                  c._fingerprint(mapping))
                   for i, c in enumerate(checkpoints))
     check_rereadable(data, kind, len(checkpoints))
-    batches = partial(_limited, data, max_examples, checkpoints)
+    # Read once (the checkpoints' leaves; their own device conflict refused here), then
+    # each pass over the data checks its batches against them.
+    batches = partial(_limited, data, max_examples, device_check(checkpoints))
     estimates, dampings, layers, seen = [], [], [], 0
     captured: list = []  # one compiled capture serves every checkpoint (same shapes)
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
@@ -309,12 +311,12 @@ def _rows_fn(loss, kind, mapping, chunk_size, projection) -> Callable[..., torch
     return rows
 
 
-def _limited(data: Any, max_examples: int | None, checkpoints: Sequence[Checkpoint]
+def _limited(data: Any, max_examples: int | None, check: Callable[[Any, str], None]
              ) -> Iterator[Any]:
     """The non-empty JAX batches of ``data``, cut after ``max_examples`` inputs (no batch at
-    all for empty data: the fit refuses it with EmptyDataError), each on the checkpoints'
-    devices (checked)."""
-    left, check = max_examples, device_check(checkpoints)
+    all for empty data: the fit refuses it with EmptyDataError), each passed to ``check``
+    (a :func:`~tracinfunc.jax.build.device_check`) as it is read."""
+    left = max_examples
     for index, batch in enumerate(iter_batches(data)):
         size = tree_util.tree_leaves(batch)[0].shape[0]
         if size == 0:

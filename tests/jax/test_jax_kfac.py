@@ -289,3 +289,23 @@ def test_ekfac_from_a_generator_is_refused_not_a_key_error():
                          kind="ekfac", mapping=tj.ParamMapping.flax(model),
                          sampler=tj.classification_sampler(
                              lambda p, x: nnx.merge(graphdef, p)(x)))
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac", "dense"])
+def test_jax_rank_damping_reads_the_mean_over_the_rank(twin, kind):
+    """``Damping(over="rank")`` multiplies the mean eigenvalue over the estimate's rank, as
+    the torch fit does; the JAX fit used the mean over the dimension (a smaller lambda)."""
+    loss, ckpts, train, _ = twin
+    jax_loss, logits, jax_ckpts, mapping = linen_twin(ckpts)
+    damping = tif.curvature.Damping(over="rank")
+    expected = tif.fit_curvature(loss, ckpts, train, kind=kind, damping=damping,
+                                 sampler=classification_sampler(exact=True))
+    got = tj.fit_curvature(jax_loss, jax_ckpts, to_jax_batch(train), kind=kind,
+                           mapping=mapping, damping=damping,
+                           sampler=tj.classification_sampler(logits, exact=True))
+    ranked = [damping.value(mean, kind) for mean in got.mean_eigenvalues("rank")]
+    assert got.ranks() == expected.ranks()
+    assert got.ranks()[0] < got.dim  # rank-deficient: the two means differ
+    assert got.damping == pytest.approx(ranked, rel=1e-12)
+    assert got.damping == pytest.approx(expected.damping, rel=1e-5)
+    assert got.info["damping"] == expected.info["damping"]

@@ -190,13 +190,20 @@ def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
             "preconditioner": None,  # raw gradients: binding.py refuses a preconditioned store
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
-    fitted = Curvature(kind, metas, layout, projection if kind == "projected" else None,
-                       tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
-    if isinstance(damping, Damping) and damping.over == "rank":  # needs the spectra
-        ranked = tuple(resolve(damping, mean, kind)
-                       for mean in fitted.mean_eigenvalues("rank"))
-        fitted = dataclasses.replace(fitted, damping=ranked)  # checked at first use
-    return fitted
+    return over_rank(Curvature(kind, metas, layout,
+                               projection if kind == "projected" else None, tuple(dampings),
+                               tuple(estimates), tuple(layers), info, blocks), damping)
+
+
+def over_rank(fitted: Curvature, damping: Damping | float) -> Curvature:
+    """``fitted`` with ``damping``'s lambdas taken over each estimate's rank where it asks for
+    that (``Damping(over="rank")``: the spectra are read once the estimates exist); else
+    ``fitted`` as it is. Shared by the torch and JAX fits."""
+    if not isinstance(damping, Damping) or damping.over != "rank":
+        return fitted
+    ranked = tuple(resolve(damping, mean, fitted.kind)
+                   for mean in fitted.mean_eigenvalues("rank"))
+    return dataclasses.replace(fitted, damping=ranked)  # checked at first use
 
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,

@@ -38,6 +38,7 @@ from tracinfunc.curvature.fit import (
     _fit_factors,
     _fit_matrix,
     check_rereadable,
+    over_rank,
 )
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import CheckedSampler, _draw_labels
@@ -252,8 +253,9 @@ def fit_curvature(
         dampings.append(resolve(damping, mean, kind))
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed, "frontend": "jax",
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
-    return Curvature(kind, metas, layout, projection if kind == "projected" else None,
-                     tuple(dampings), tuple(estimates), tuple(layers), info, blocks)
+    return over_rank(Curvature(kind, metas, layout,
+                               projection if kind == "projected" else None, tuple(dampings),
+                               tuple(estimates), tuple(layers), info, blocks), damping)
 
 
 def _capture(loss: Callable, mapping: ParamMapping, checkpoint: Checkpoint, labelled: Any,

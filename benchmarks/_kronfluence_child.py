@@ -11,7 +11,7 @@ tracinfunc's sweep). The loss is the benchmark's: each sequence's mean next-toke
 over its non-padding targets (summed over a batch, as kronfluence wants). Saves ``[{damping
 name: scores}]`` (one per checkpoint) with torch.save and prints ``RESULT {json}``. With
 ``fit_only`` in the payload (``curvature_fit.py``) only the factors are fitted (wall and CPU
-time, peak RSS).
+time, peak RSS); with ``kronfluence_dtype="float64"``, in float64 (``FLOAT64``).
 
     python _kronfluence_child.py PAYLOAD.pt OUT.pt WORKDIR
 """
@@ -32,6 +32,19 @@ from kronfluence.analyzer import Analyzer, prepare_model
 from kronfluence.arguments import FactorArguments, ScoreArguments
 from kronfluence.task import Task
 from torch.utils.data import Dataset
+
+# ``payload["kronfluence_dtype"] = "float64"``: its covariances, per-sample gradients and
+# eigenvalue sums in float64, as tracinfunc forms them (its own default: float32, with float64
+# eigendecompositions), so a fit is compared with the same arithmetic.
+FLOAT64 = {"activation_covariance_dtype": torch.float64,
+           "gradient_covariance_dtype": torch.float64,
+           "per_sample_gradient_dtype": torch.float64, "lambda_dtype": torch.float64}
+
+
+def factor_arguments(payload: dict) -> FactorArguments:
+    """EK-FAC with the true Fisher (labels drawn from the model), in the dtypes asked."""
+    dtypes = FLOAT64 if payload.get("kronfluence_dtype") == "float64" else {}
+    return FactorArguments(strategy="ekfac", use_empirical_fisher=False, **dtypes)
 
 
 class Sequences(Dataset):
@@ -160,8 +173,7 @@ def main() -> None:
                             output_dir=workdir)
         start, cpu = time.perf_counter(), time.process_time()
         analyzer.fit_all_factors("ekfac", dataset=train, per_device_batch_size=payload["batch"],
-                                 factor_args=FactorArguments(strategy="ekfac",
-                                                             use_empirical_fisher=False),
+                                 factor_args=factor_arguments(payload),
                                  overwrite_output_dir=True)
         fit_s.append(time.perf_counter() - start)
         fit_cpu_s.append(time.process_time() - cpu)

@@ -7,10 +7,12 @@ in its own environment (``$KRONFLUENCE_PYTHON`` or ``.venv-kronfluence``, ``make
 ``_kronfluence_child.py`` with ``fit_only``), tracinfunc in ``_tracinfunc_fit_child.py`` under
 ``$TRACINFUNC_PYTHON``, else kronfluence's interpreter where this checkout's tracinfunc imports
 there (the same packages installed: ``make bench-setup`` adds its dependencies), else this
-interpreter. Trials alternate the two (interleaved, so load hits both alike); the table gives
-medians of the fit's wall and process CPU seconds, the peak RSS of each process (its own
-``VmHWM``: a child's ``ru_maxrss`` also holds this parent's RSS at fork), its RSS after the
-imports and the data (before the model is built), and the ratios ours / kronfluence's.
+interpreter. kronfluence runs twice: at its defaults (float32 covariances and per-sample
+gradients) and in float64 throughout, the arithmetic tracinfunc's fit uses (like for like).
+Trials alternate them (interleaved, so load hits all alike); the table gives medians of the
+fit's wall and process CPU seconds, the peak RSS of each process (its own ``VmHWM``: a child's
+``ru_maxrss`` also holds this parent's RSS at fork), its RSS after the imports and the data
+(before the model is built), and the ratios ours / kronfluence's.
 
 Models: an MLP on sklearn digits (64-256-256-10, every Linear weight and bias) and the
 2-layer Llama of ``quality_lm.py`` (every Linear weight), both at their seeded init and one
@@ -185,13 +187,15 @@ def measure(name: str, sizes: tuple, tmp: Path) -> dict:
         payload = (mlp_payload(n_train, width, tmp) if name == "mlp"
                    else lm_payload(n_train, width, length))
     payload.update({"batch": BATCH, "threads": 1, "fit_only": True, "dampings": {}})
-    path = tmp / f"{name}.pt"
-    torch.save(payload, path)
-    peers = ["ours", "kronfluence"] if Path(kronfluence_python()).exists() else ["ours"]
+    paths = {}
+    for who, changes in PEERS.items():
+        paths[who] = tmp / f"{name}-{who.replace(' ', '-')}.pt"
+        torch.save({**payload, **changes}, paths[who])
+    peers = list(PEERS) if Path(kronfluence_python()).exists() else ["ours"]
     runs: dict[str, list[dict]] = {who: [] for who in peers}
     for trial in range(trials):  # interleaved, the order alternating
         for who in peers if trial % 2 == 0 else peers[::-1]:
-            runs[who].append(run_child(who, path, tmp))
+            runs[who].append(run_child(who.split()[0], paths[who], tmp))
     keys = ("fit_s", "fit_cpu_s", "peak_rss_mib", "rss_before_fit_mib", "rss_with_model_mib")
     medians = {who: {key: statistics.median(r[key] for r in rows) for key in keys}
                for who, rows in runs.items()}
@@ -202,18 +206,28 @@ def measure(name: str, sizes: tuple, tmp: Path) -> dict:
             "versions": {who: rows[0]["version"] for who, rows in runs.items()}}
 
 
+# Who runs, and what each changes in the payload: kronfluence at its defaults (float32
+# covariances and per-sample gradients, float64 eigendecompositions) and in float64 throughout,
+# tracinfunc's arithmetic (like for like: ``_kronfluence_child.FLOAT64``).
+PEERS = {"ours": {}, "kronfluence": {}, "kronfluence float64": {"kronfluence_dtype": "float64"}}
+
+
 def print_table(results: list[dict]) -> None:
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"1 thread per process, medians of interleaved trials; load "
           f"{os.getloadavg()[0]:.1f}; tracinfunc's interpreter {tracinfunc_python()}")
+    print("CPU ratio: to kronfluence at its defaults (float32 covariances) / to kronfluence in "
+          "float64 (ours: float64 covariances and eigenvalue sums; like for like)")
     print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS ratio | "
           "RSS after imports + data | peak minus that | RSS with the model | fit's own: "
           "peak minus that | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for result in results:
         base = result["medians"].get("kronfluence")
+        like = result["medians"].get("kronfluence float64")
         for who, m in result["medians"].items():
-            ratio = f"{m['fit_cpu_s'] / base['fit_cpu_s']:.2f}x" if base else "-"
+            ratio = (f"{m['fit_cpu_s'] / base['fit_cpu_s']:.2f}x / "
+                     f"{m['fit_cpu_s'] / like['fit_cpu_s']:.2f}x") if base else "-"
             rss = f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x" if base else "-"
             own_ratio = f"{own(m) / own(base):.2f}x" if base else "-"
             print(f"| {result['model']} ({result['n_params']} params, {result['n_train']} "

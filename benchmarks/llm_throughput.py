@@ -229,7 +229,7 @@ def run_config(cfg: dict) -> dict:
                    cfg.get("functional", False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fn(params, batches[0])  # warm-up: plan, projection blocks, first-batch check
+        rows = fn(params, batches[0])  # warm-up: plan, projection blocks, first-batch check
     tool = [cpu_seconds(lambda b=b: fn(params, b)) for b in batches]
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before any floor
     floor = []
@@ -246,7 +246,8 @@ def run_config(cfg: dict) -> dict:
     model.zero_grad(set_to_none=True)
     result = {"tool_s": statistics.median(tool), "floor_s": statistics.median(floor),
               "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"],
-              "ops": ops, "floor_ops": floor_ops}
+              "ops": ops, "floor_ops": floor_ops,
+              "row_bytes": rows.shape[-1] * rows.element_size()}  # identity: every parameter
     if losses is not None:
         result["train_loss"] = losses  # first and last training batch
     if cfg["agreement"]:
@@ -402,7 +403,7 @@ def print_row(row: dict, flush: bool = False) -> None:
     print(f"{model:<6} {row['params']:<8} {label:<28} "
           f"x floor {row['tool_s'] / row['floor_s']:5.2f}  "
           f"tokens/s {row['tokens'] / row['tool_s']:8.0f}  RSS {row['rss_mib']:6.0f} MiB  "
-          f"bytes/example {4 * row['k']}  "
+          f"bytes/example {row.get('row_bytes', 4 * row['k'])}  "
           + (f"ops {row['ops']} (floor {row['floor_ops']})  " if "ops" in row else "")
           + agree, flush=flush)
 

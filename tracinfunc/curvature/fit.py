@@ -185,7 +185,7 @@ def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options
                 raise
             raise clearer from error  # a known torch failure of the loss (a random op, ...)
         estimates.append(estimate)
-        dampings.append(resolve(damping, mean, kind))
+        dampings.append(placeholder(damping, mean, kind, meta.name))
         seen = n
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
             "preconditioner": None,  # raw gradients: binding.py refuses a preconditioned store
@@ -195,14 +195,24 @@ def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options
                                tuple(estimates), tuple(layers), info, blocks), damping)
 
 
+def placeholder(damping: Damping | float, mean: float, kind: str, checkpoint: str) -> float:
+    """One checkpoint's lambda from the mean over the dimension; ``0.0`` where ``damping``
+    is over the rank, which :func:`over_rank` resolves once the estimates exist (the mean
+    over the dimension may be below what the rank rule's mean is not)."""
+    if isinstance(damping, Damping) and damping.over == "rank":
+        return 0.0
+    return resolve(damping, mean, kind, checkpoint)
+
+
 def over_rank(fitted: Curvature, damping: Damping | float) -> Curvature:
     """``fitted`` with ``damping``'s lambdas taken over each estimate's rank where it asks for
     that (``Damping(over="rank")``: the spectra are read once the estimates exist); else
     ``fitted`` as it is. Shared by the torch and JAX fits."""
     if not isinstance(damping, Damping) or damping.over != "rank":
         return fitted
-    ranked = tuple(resolve(damping, mean, fitted.kind)
-                   for mean in fitted.mean_eigenvalues("rank"))
+    ranked = tuple(resolve(damping, mean, fitted.kind, c.name)
+                   for mean, c in zip(fitted.mean_eigenvalues("rank"), fitted.checkpoints,
+                                      strict=True))
     return dataclasses.replace(fitted, damping=ranked)  # checked at first use
 
 

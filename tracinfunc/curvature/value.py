@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -181,7 +181,9 @@ class Curvature:
         """
         damping = check_damping(damping)
         over = damping.over if isinstance(damping, Damping) else "dimension"
-        values = tuple(resolve(damping, mean, self.kind) for mean in self.mean_eigenvalues(over))
+        values = tuple(resolve(damping, mean, self.kind, c.name)
+                       for mean, c in zip(self.mean_eigenvalues(over), self.checkpoints,
+                                          strict=True))
         rule = damping.describe(self.kind) if isinstance(damping, Damping) else "fixed"
         damped = replace(self, damping=values, info={**self.info, "damping": rule})
         damped._cache.update({key: value for key, value in self._cache.items()
@@ -416,7 +418,8 @@ class Curvature:
         grads = {name: value.double() for name, value in grads.items()}
         if self.kind == "dense":
             flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
-            return {n: _cast(v, dtype) for n, v in unflatten(flat, self.layout).items()}
+            return {n: self._cast(v, dtype, ckpt) for n, v in unflatten(flat,
+                                                                        self.layout).items()}
         out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
@@ -424,7 +427,7 @@ class Curvature:
                 else self.estimates[ckpt]
             matrix = kfac.precondition_ekfac(matrix, estimate, layer, self.damping[ckpt])
             out.update(split_layer(matrix, layer, shapes[layer.weight]))
-        return {name: _cast(value, dtype) for name, value in out.items()}
+        return {name: self._cast(value, dtype, ckpt) for name, value in out.items()}
 
     def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:
         """``(F_c + lambda_c I)^-1 row`` for projected rows ``[b, k]`` (``"projected"``).
@@ -441,7 +444,9 @@ class Curvature:
         if key not in self._cache:
             self._cache[key] = self._inverse(ckpt).to(rows.device, dtype)
         # [b, k] @ [k, k]; symmetric, so row @ inv = (inv @ row)^T
-        return _cast(rows.to(dtype) @ self._cache[key], rows.dtype)
+        return self._cast(rows.to(dtype) @ self._cache[key], rows.dtype, ckpt,
+                          lambda: bool(rows.isfinite().all())
+                          and bool(self._inverse(ckpt).isfinite().all()))
 
     def _precondition_blocks(self, ckpt: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Each block's coordinates ``[b, k_l]`` times that block's damped inverse."""
@@ -453,7 +458,9 @@ class Curvature:
                                     self._inverse(ckpt, f"block:{i}").to(rows.device, dtype))
             index, inverse = self._cache[key]
             out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
-        return _cast(out, rows.dtype)
+        return self._cast(out, rows.dtype, ckpt, lambda: bool(rows.isfinite().all()) and all(
+            bool(self._inverse(ckpt, f"block:{i}").isfinite().all())
+            for i in range(len(self.blocks))))
 
     def kron_eigensystem(self, ckpt: int, layer: KfacLayer) -> dict[str, Tensor]:
         """``"kfac"``: one layer's ``S (x) A`` in its Kronecker eigenbasis at checkpoint
@@ -464,6 +471,11 @@ class Curvature:
             self._cache[key] = kfac.kron_eigensystem(self.estimates[ckpt], layer)
         return self._cache[key]
 
+    def _cast(self, value: Tensor, dtype: torch.dtype, ckpt: int,
+              finite_inputs: Callable[[], bool] | None = None) -> Tensor:
+        return _cast(value, dtype, self.checkpoints[ckpt].name, self.damping[ckpt],
+                     finite_inputs)
+
     def _inverse(self, ckpt: int, name: str = "matrix") -> Tensor:
         key = ("inverse", ckpt, name)
         if key not in self._cache:
@@ -473,16 +485,23 @@ class Curvature:
         return self._cache[key]
 
 
-def _cast(value: Tensor, dtype: torch.dtype) -> Tensor:
-    """``value`` in ``dtype``, refusing a finite value that overflows it (float16's 65504:
-    a solve divides by eigenvalues + lambda, which can be far below 1)."""
+def _cast(value: Tensor, dtype: torch.dtype, checkpoint: str, damping: float,
+          finite_inputs: Callable[[], bool] | None = None) -> Tensor:
+    """``value`` in ``dtype``, refusing a value that overflows it where its inputs were finite
+    (``finite_inputs()``; default: ``value`` itself): a solve divides by eigenvalues +
+    lambda, which can be far below 1 (float16's 65504; a (nearly) zero estimate with a tiny
+    fixed damping reaches float32's 3.4e38 too)."""
     out = value.to(dtype)
-    if out.dtype != value.dtype and not bool(out.isfinite().all()) \
-            and bool(value.isfinite().all()):
-        raise NonFiniteGradientError(
-            f"{current_caller()}: the preconditioned gradients reach "
-            f"{float(value.abs().max()):.3g}, beyond {dtype}'s largest value "
-            f"{torch.finfo(dtype).max:.5g}; use float32 parameters (or test gradients), or "
-            "raise the damping."
-        )
-    return out
+    if bool(out.isfinite().all()):
+        return out
+    if not (bool(value.isfinite().all()) if finite_inputs is None else finite_inputs()):
+        return out  # non-finite data: refused where the gradients are checked
+    half = dtype in (torch.float16, torch.bfloat16)
+    raise NonFiniteGradientError(
+        f"{current_caller()}: the preconditioned gradients at checkpoint {checkpoint!r} reach "
+        f"{float(value.abs().max()):.3g}, beyond {dtype}'s largest value "
+        f"{torch.finfo(dtype).max:.5g}: the damping there ({damping:.3g}) is small against "
+        "the gradients (a (nearly) zero estimate at that checkpoint is one cause). Raise the "
+        "damping (curvature.with_damping(...))"
+        + ("; or use float32 parameters (or test gradients)." if half else ".")
+    )

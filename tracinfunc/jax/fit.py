@@ -30,7 +30,7 @@ from jax import tree_util
 
 from tracinfunc._validate import check_int, current_caller, entry_point
 from tracinfunc.curvature.capture_batched import layer_by_layer
-from tracinfunc.curvature.damping import Damping, check_damping, resolve
+from tracinfunc.curvature.damping import Damping, check_damping
 from tracinfunc.curvature.fit import (
     _blocks,
     _check_dense_size,
@@ -39,6 +39,7 @@ from tracinfunc.curvature.fit import (
     _fit_matrix,
     check_rereadable,
     over_rank,
+    placeholder,
 )
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import CheckedSampler, _draw_labels
@@ -250,7 +251,7 @@ def fit_curvature(
                 lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches, checked,
                 loss, generator, blocks)
         estimates.append(estimate)
-        dampings.append(resolve(damping, mean, kind))
+        dampings.append(placeholder(damping, mean, kind, meta.name))
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed, "frontend": "jax",
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
     return over_rank(Curvature(kind, metas, layout,

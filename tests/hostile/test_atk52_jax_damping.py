@@ -27,8 +27,6 @@ FINDINGS (fixed; shared by both frontends):
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -285,32 +283,33 @@ def test_rank_zero_checkpoint_resolves_alike_in_both_frontends(twin):
 # "x mean eigenvalue", mean 0) and nothing named the checkpoint; now refused by name.
 @pytest.mark.parametrize("kind", ["projected", "ekfac"])
 def test_finding_rank_zero_checkpoint_damping_is_not_silently_invented(twin, kind):
-    """A relative damping of a zero estimate has no scale to be relative to: the fit should
-    refuse or warn naming the checkpoint (``epoch-1``), not take lambda = scale x 1."""
+    """A relative damping of a zero estimate has no scale to be relative to: the fit refuses
+    naming the checkpoint (``epoch-1``) and keeps the estimates in the error, re-dampable
+    with a fixed damping (before: lambda = scale x 1, silently)."""
     _, ckpts, train, _ = twin
     sat = _saturated(ckpts, 1000.0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            fit = _jax_fit(sat, train, Damping(), kind=kind)
-        except TracInFuncError as err:
-            assert "epoch-1" in str(err)
-            return
-    named = [w for w in caught if "epoch-1" in str(w.message)]
-    assert named or fit.damping[1] == DEFAULT_SCALE[kind] * fit.mean_eigenvalues()[1]
+    with pytest.raises(TracInFuncError, match=r"zero at checkpoint 'epoch-1'.*fixed damping"
+                       ) as err:
+        _jax_fit(sat, train, Damping(), kind=kind)
+    kept = err.value.curvature
+    assert kept.damping[1] == 0.0 and kept.damping[0] > 0
+    assert set(kept.with_damping(0.1).damping) == {0.1}
 
 
 # Finding (fixed): a ~1e-131 Fisher (saturated softmax) got lambda 3e-131 by default and
-# "projected" scores reached 2.8e129, silently. Now the relative damping is refused by name at
-# the fit, and a fixed damping that small is refused by name when scoring.
+# "projected" scores reached 2.8e129, silently. Rows that overflow float32 are now refused by
+# name when scoring (the default damping, or a fixed one as small).
 def test_finding_near_zero_estimate_gives_astronomical_projected_scores(twin):
     """The checkpoint's Fisher is ~1e-131 but test gradients of other labels are O(1): the
-    relative default damping follows the Fisher down, so the fit should refuse it naming the
-    checkpoint; a fixed damping as small should make ``score`` refuse, not return 1e129."""
+    relative default damping follows the Fisher down, so ``score`` should refuse naming the
+    checkpoint (and so for a fixed damping as small), not return 1e129."""
     loss, ckpts, train, test = twin
     sat = _saturated(ckpts, 300.0)
-    with pytest.raises(TracInFuncError, match="at checkpoint 'epoch-1'"):
-        _jax_fit(sat, train, None)
+    fit = _jax_fit(sat, train, None)  # lambda ~3e-132 at epoch-1: relative, as asked
+    store = tif.build_store(loss, sat, train, projection=RADEMACHER, progress=False)
+    tests = tif.build_store(loss, sat, test, projection=RADEMACHER, progress=False)
+    with pytest.raises(TracInFuncError, match=r"checkpoint 'epoch-1'.*Raise the damping"):
+        tif.score(store, tests, curvature=fit)
     fit = _jax_fit(sat[1:], train, 3e-132)
     store = tif.build_store(loss, sat[1:], train, projection=RADEMACHER, progress=False)
     tests = tif.build_store(loss, sat[1:], test, projection=RADEMACHER, progress=False)

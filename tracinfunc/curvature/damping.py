@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from tracinfunc._validate import as_real, current_caller
 from tracinfunc.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["DEFAULT_SCALES", "RANK_DEFAULT_SCALES", "SMALLEST_RELATIVE", "Damping",
-           "check_damping"]
+__all__ = ["DEFAULT_SCALES", "RANK_DEFAULT_SCALES", "Damping", "check_damping"]
 
 # Measured on digits LR and MLP (benchmarks/curvature.py, docs/curvature.md): per kind, the
 # multiple of the mean eigenvalue with the best LDS averaged over the two models (and k = 256,
@@ -70,13 +69,16 @@ class Damping:
 
     def scale_for(self, kind: str) -> float:
         """The multiple used for a curvature of ``kind``."""
+        if kind not in DEFAULT_SCALES:
+            raise InvalidArgumentError(
+                f"Damping: kind must be one of {sorted(DEFAULT_SCALES)}, got {kind!r}.")
         if self.scale is not None:
             return self.scale
         return (RANK_DEFAULT_SCALES if self.over == "rank" else DEFAULT_SCALES)[kind]
 
     def value(self, mean_eigenvalue: float, kind: str) -> float:
         """``lambda`` for a ``kind`` curvature whose mean eigenvalue is ``mean_eigenvalue``
-        (:func:`resolve` refuses one below float32's smallest normal number)."""
+        (:func:`resolve` refuses a zero mean)."""
         return self.scale_for(kind) * mean_eigenvalue
 
     def describe(self, kind: str) -> str:
@@ -103,18 +105,11 @@ def check_damping(damping: object) -> Damping | float:
     return value
 
 
-# A relative damping below this has nothing to be relative to: float32's smallest normal
-# number. Eigenvalues are squared gradients, so the checkpoint's sampled gradients are below
-# ~1e-19 (a zero estimate: predictions certain, every sampled label the predicted one), while
-# its other gradients need not be: a solve would divide them by lambda.
-SMALLEST_RELATIVE = 1.1754943508222875e-38
-
-
 def resolve(damping: Damping | float, mean_eigenvalue: float, kind: str,
             checkpoint: str | None = None) -> float:
     """The ``lambda`` of one checkpoint (named ``checkpoint`` in errors) of a ``kind``
-    curvature: finite, and for a :class:`Damping` at least ``SMALLEST_RELATIVE``, else
-    raise."""
+    curvature: finite, and for a :class:`Damping` from a positive mean eigenvalue, else raise
+    (the zero-estimate refusal's error carries ``checkpoint``)."""
     value = damping.value(mean_eigenvalue, kind) if isinstance(damping, Damping) else damping
     if not math.isfinite(value):
         raise InvalidArgumentError(
@@ -122,16 +117,19 @@ def resolve(damping: Damping | float, mean_eigenvalue: float, kind: str,
             f"{mean_eigenvalue:.3g}; a damping must be finite: use a smaller Damping(scale=...)"
             " (or check the estimate: a non-finite mean eigenvalue means non-finite data)."
         )
-    if isinstance(damping, Damping) and value < SMALLEST_RELATIVE:
+    if isinstance(damping, Damping) and mean_eigenvalue <= 0:
+        # A zero estimate: every sampled gradient is zero (the model's predictions are
+        # certain there, so every drawn label is the predicted one), while the gradients of
+        # other labels need not be; a multiple of zero would leave the solve undamped.
         at = f" at checkpoint {checkpoint!r}" if checkpoint is not None else ""
-        zero = "zero" if mean_eigenvalue == 0 else f"{mean_eigenvalue:.3g}"
-        raise InvalidArgumentError(
+        error = InvalidArgumentError(
             f"{current_caller()}: {damping!r} ({damping.describe(kind)}) takes lambda from the "
-            f"mean eigenvalue, which is {zero}{at}: lambda = {value:.3g}, below float32's "
-            f"smallest normal number ({SMALLEST_RELATIVE:.3g}). The sampled gradients there "
-            "(almost) vanish (the model's predictions are (almost) certain at that checkpoint), "
-            "so there is nothing to be relative to, while other gradients need not vanish and a "
-            "solve would divide them by lambda. Pass a fixed damping (damping=1e-3, or "
-            "curvature.with_damping(1e-3)), or leave that checkpoint out."
+            f"mean eigenvalue, which is zero{at}: the estimate is zero (every sampled gradient "
+            "vanishes: the model's predictions are certain at that checkpoint), so there is "
+            "nothing to be relative to, while other gradients need not vanish. Give every "
+            "checkpoint one fixed damping (with_damping(lambda); curvature.damping holds the "
+            "others' lambdas), or rebuild the store and the fit without that checkpoint."
         )
+        error.checkpoint = checkpoint
+        raise error
     return value

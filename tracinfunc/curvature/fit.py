@@ -165,12 +165,12 @@ def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options
     def batches() -> Iterator[Batch]:
         return _limited(data if batch_size is None else rebatch(data, batch_size), max_examples)
 
-    estimates, dampings, layers, seen = [], [], (), 0
+    estimates, layers, seen = [], (), 0
     shared = {"proof": BatchedProof()} if kind in ("kfac", "ekfac") else {}
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
         fit_one = partial(_fit_projected, blocks=blocks) if blocks else _FITTERS[kind]
         try:
-            estimate, mean, n, layers = fit_one(
+            estimate, _, n, layers = fit_one(
                 loss_at(loss, ckpt), dict(ckpt.params), names, batches,
                 CheckedSampler(sampler, meta.name),
                 torch.Generator().manual_seed(seed + position), chunk_size,
@@ -185,35 +185,55 @@ def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options
                 raise
             raise clearer from error  # a known torch failure of the loss (a random op, ...)
         estimates.append(estimate)
-        dampings.append(placeholder(damping, mean, kind, meta.name))
         seen = n
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed,
             "preconditioner": None,  # raw gradients: binding.py refuses a preconditioned store
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
-    return over_rank(Curvature(kind, metas, layout,
-                               projection if kind == "projected" else None, tuple(dampings),
-                               tuple(estimates), tuple(layers), info, blocks), damping)
+    return damped_fit(Curvature(kind, metas, layout,
+                                projection if kind == "projected" else None,
+                                (0.0,) * len(estimates), tuple(estimates), tuple(layers), info,
+                                blocks), damping)
 
 
-def placeholder(damping: Damping | float, mean: float, kind: str, checkpoint: str) -> float:
-    """One checkpoint's lambda from the mean over the dimension; ``0.0`` where ``damping``
-    is over the rank, which :func:`over_rank` resolves once the estimates exist (the mean
-    over the dimension may be below what the rank rule's mean is not)."""
-    if isinstance(damping, Damping) and damping.over == "rank":
-        return 0.0
-    return resolve(damping, mean, kind, checkpoint)
+def damped_fit(fitted: Curvature, damping: Damping | float) -> Curvature:
+    """``fitted`` (its dampings placeholders) with ``damping`` resolved at every checkpoint
+    once every estimate exists: a float as it is, a :class:`Damping` from each estimate's
+    mean eigenvalue over the dimension or over the rank. Shared by the torch and JAX fits.
 
-
-def over_rank(fitted: Curvature, damping: Damping | float) -> Curvature:
-    """``fitted`` with ``damping``'s lambdas taken over each estimate's rank where it asks for
-    that (``Damping(over="rank")``: the spectra are read once the estimates exist); else
-    ``fitted`` as it is. Shared by the torch and JAX fits."""
-    if not isinstance(damping, Damping) or damping.over != "rank":
-        return fitted
-    ranked = tuple(resolve(damping, mean, fitted.kind, c.name)
-                   for mean, c in zip(fitted.mean_eigenvalues("rank"), fitted.checkpoints,
-                                      strict=True))
-    return dataclasses.replace(fitted, damping=ranked)  # checked at first use
+    Raises:
+        InvalidArgumentError: a ``Damping`` at checkpoints whose estimate is zero
+            (:func:`~tracinfunc.curvature.damping.resolve`), naming them all; the
+            fitted estimates are kept in the error's ``curvature`` (damping 0 there), so
+            ``error.curvature.with_damping(lambda)`` needs no refit.
+    """
+    if not isinstance(damping, Damping):
+        return dataclasses.replace(fitted, damping=(float(damping),) * fitted.n_ckpt)
+    values, refused = [], []
+    for mean, c in zip(fitted.mean_eigenvalues(damping.over), fitted.checkpoints, strict=True):
+        try:
+            values.append(resolve(damping, mean, fitted.kind, c.name))
+        except InvalidArgumentError as error:
+            if getattr(error, "checkpoint", None) is None:
+                raise
+            values.append(0.0)
+            refused.append((c.name, mean))
+    out = dataclasses.replace(fitted, damping=tuple(values))  # checked at first use
+    if refused:
+        others = [v for v in values if v > 0]
+        example = f"{max(others):.2g}" if others else "1e-3"
+        error = InvalidArgumentError(
+            f"{current_caller()}: {damping!r} ({damping.describe(fitted.kind)}) takes each "
+            "checkpoint's lambda from its mean eigenvalue, which is zero at "
+            f"{'checkpoint' if len(refused) == 1 else 'checkpoints'} "
+            f"{', '.join(repr(name) for name, _ in refused)}: the estimate is zero there "
+            "(every sampled gradient vanishes: the model's predictions are certain), so there "
+            "is nothing to be relative to, while other gradients need not vanish. The fitted "
+            "estimates are kept: this error's .curvature holds them; give every checkpoint one "
+            f"fixed damping with error.curvature.with_damping({example}) (the largest lambda "
+            "of the others), or rebuild the store and the fit without those checkpoints.")
+        error.curvature = out
+        raise error
+    return out
 
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,

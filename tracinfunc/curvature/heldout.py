@@ -142,11 +142,22 @@ def choose_damping(
     # no finite candidate there is nothing to choose (argmin over all-inf would take the first).
     totals = torch.nan_to_num(changes.sum(1), nan=torch.inf, posinf=torch.inf)
     if not bool(torch.isfinite(totals).any()):
+        tried = [j for j, d in enumerate(damped) if d is not None]
+        hopeless = [c for c in range(len(checkpoints))
+                    if tried and not bool(changes[tried, c].isfinite().any())]
+        where = "" if not hopeless else (
+            "; at checkpoint(s) " + ", ".join(
+                f"{checkpoints[c].name or f'checkpoint-{c}'!r} (mean eigenvalue "
+                f"{curvature.mean_eigenvalues()[c]:.3g})" for c in hopeless)
+            + " no candidate's step gives a finite loss: a damping relative to a (nearly) "
+            "zero estimate is tiny against the gradients there; give every checkpoint one "
+            "fixed damping instead of choosing one (curvature.with_damping(lambda)), or "
+            "rebuild the store and the fit without it")
         raise InvalidArgumentError(
             f"{current_caller()}: no candidate damping gives a finite validation loss change "
             f"(scales {[d.scale for d in candidates]}: changes "
-            f"{[float(v) for v in changes.sum(1)]}{refused}); try larger scales, e.g. "
-            "scales=(1, 10, 100, 1000)."
+            f"{[float(v) for v in changes.sum(1)]}{refused}){where}; otherwise try larger "
+            "scales, e.g. scales=(1, 10, 100, 1000)."
         )
     best = int(torch.argmin(totals))
     return DampingChoice(scale=candidates[best].scale, scales=tuple(d.scale for d in candidates),
@@ -165,6 +176,16 @@ def damped_candidates(curvature: Curvature, candidates: list[Damping]
         except IllConditionedError:
             out.append(None)
             refused.append(candidate.scale)
+        except InvalidArgumentError as error:
+            if getattr(error, "checkpoint", None) is None:
+                raise
+            raise InvalidArgumentError(
+                f"{current_caller()}: every candidate scale multiplies each checkpoint's mean "
+                f"eigenvalue, which is zero at checkpoint {error.checkpoint!r} (the estimate "
+                "is zero there: the model's predictions are certain), so no scale can be "
+                "chosen. Give every checkpoint one fixed damping instead of choosing one "
+                "(curvature.with_damping(lambda); curvature.damping holds the fitted ones), or "
+                "rebuild the store and the fit without that checkpoint.") from error
     note = f"; ill-conditioned, so not tried: scales {refused}" if refused else ""
     return out, note
 

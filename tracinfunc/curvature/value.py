@@ -416,10 +416,11 @@ class Curvature:
         self.check_conditioned(ckpt)
         dtype = next(iter(grads.values())).dtype
         grads = {name: value.double() for name, value in grads.items()}
+        finite = _once(lambda: all(bool(v.isfinite().all()) for v in grads.values()))
         if self.kind == "dense":
             flat = flatten(grads, self.layout) @ self._inverse(ckpt)  # [b, p] @ [p, p]
-            return {n: self._cast(v, dtype, ckpt) for n, v in unflatten(flat,
-                                                                        self.layout).items()}
+            return {n: self._cast(v, dtype, ckpt, finite) for n, v in unflatten(
+                flat, self.layout).items()}
         out, shapes = {}, dict(self.layout)
         for layer in self.layers:
             matrix = layer_matrix(grads, layer)  # [b, d_out, d_a]
@@ -427,7 +428,7 @@ class Curvature:
                 else self.estimates[ckpt]
             matrix = kfac.precondition_ekfac(matrix, estimate, layer, self.damping[ckpt])
             out.update(split_layer(matrix, layer, shapes[layer.weight]))
-        return {name: self._cast(value, dtype, ckpt) for name, value in out.items()}
+        return {name: self._cast(value, dtype, ckpt, finite) for name, value in out.items()}
 
     def precondition_rows(self, ckpt: int, rows: Tensor) -> Tensor:
         """``(F_c + lambda_c I)^-1 row`` for projected rows ``[b, k]`` (``"projected"``).
@@ -437,30 +438,47 @@ class Curvature:
         float64 product, which matters when ``k`` approaches ``n_train``).
         """
         self.check_conditioned(ckpt)
-        dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        finite = _once(lambda: bool(rows.isfinite().all()))
         if self.blocks:
-            return self._precondition_blocks(ckpt, rows, dtype)
-        key = ("inverse", ckpt, dtype, rows.device)
-        if key not in self._cache:
-            self._cache[key] = self._inverse(ckpt).to(rows.device, dtype)
+            return self._precondition_blocks(ckpt, rows, finite)
         # [b, k] @ [k, k]; symmetric, so row @ inv = (inv @ row)^T
-        return self._cast(rows.to(dtype) @ self._cache[key], rows.dtype, ckpt,
-                          lambda: bool(rows.isfinite().all())
-                          and bool(self._inverse(ckpt).isfinite().all()))
+        return self._cast(rows.to(self._dtype(ckpt, rows, "matrix"))
+                          @ self._inverse_on(ckpt, rows, "matrix"), rows.dtype, ckpt, finite)
 
-    def _precondition_blocks(self, ckpt: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    def _dtype(self, ckpt: int, rows: Tensor, name: str) -> torch.dtype:
+        """float64 for float64 rows, and where the float32 inverse overflows (a tiny
+        damping at a tiny but meaningful scale: entries beyond 3.4e38 whose products are
+        not); float32 otherwise."""
+        if rows.dtype == torch.float64:
+            return torch.float64
+        key = ("inverse-float32-finite", ckpt, name)
+        if key not in self._cache:
+            self._cache[key] = bool(self._inverse(ckpt, name).to(torch.float32).isfinite().all())
+        return torch.float32 if self._cache[key] else torch.float64
+
+    def _inverse_on(self, ckpt: int, rows: Tensor, name: str) -> Tensor:
+        """The damped inverse ``name`` on the rows' device, in :meth:`_dtype`, cached."""
+        dtype = self._dtype(ckpt, rows, name)
+        key = ("inverse", ckpt, name, dtype, rows.device)
+        if key not in self._cache:
+            self._cache[key] = self._inverse(ckpt, name).to(rows.device, dtype)
+        return self._cache[key]
+
+    def _precondition_blocks(self, ckpt: int, rows: Tensor,
+                             finite: Callable[[], bool]) -> Tensor:
         """Each block's coordinates ``[b, k_l]`` times that block's damped inverse."""
+        names = [f"block:{i}" for i in range(len(self.blocks))]
+        dtype = max((self._dtype(ckpt, rows, name) for name in names),
+                    key=lambda d: d.itemsize)
         out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
-        for i, block in enumerate(self.blocks):
-            key = ("block-inverse", ckpt, i, dtype, rows.device)
+        for block, name in zip(self.blocks, names, strict=True):
+            key = ("block-index", block, rows.device)
             if key not in self._cache:
-                self._cache[key] = (block_index(block, rows.device),
-                                    self._inverse(ckpt, f"block:{i}").to(rows.device, dtype))
-            index, inverse = self._cache[key]
+                self._cache[key] = block_index(block, rows.device)
+            index = self._cache[key]
+            inverse = self._inverse_on(ckpt, rows, name).to(dtype)
             out[:, index] = rows[:, index].to(dtype) @ inverse  # [b, k_l] @ [k_l, k_l]
-        return self._cast(out, rows.dtype, ckpt, lambda: bool(rows.isfinite().all()) and all(
-            bool(self._inverse(ckpt, f"block:{i}").isfinite().all())
-            for i in range(len(self.blocks))))
+        return self._cast(out, rows.dtype, ckpt, finite)
 
     def kron_eigensystem(self, ckpt: int, layer: KfacLayer) -> dict[str, Tensor]:
         """``"kfac"``: one layer's ``S (x) A`` in its Kronecker eigenbasis at checkpoint
@@ -485,23 +503,35 @@ class Curvature:
         return self._cache[key]
 
 
+def _once(check: Callable[[], bool]) -> Callable[[], bool]:
+    """``check``, computed at most once (several outputs share one input)."""
+    result: list[bool] = []
+
+    def cached() -> bool:
+        if not result:
+            result.append(check())
+        return result[0]
+
+    return cached
+
+
 def _cast(value: Tensor, dtype: torch.dtype, checkpoint: str, damping: float,
-          finite_inputs: Callable[[], bool] | None = None) -> Tensor:
-    """``value`` in ``dtype``, refusing a value that overflows it where its inputs were finite
-    (``finite_inputs()``; default: ``value`` itself): a solve divides by eigenvalues +
-    lambda, which can be far below 1 (float16's 65504; a (nearly) zero estimate with a tiny
-    fixed damping reaches float32's 3.4e38 too)."""
+          finite_inputs: Callable[[], bool]) -> Tensor:
+    """``value`` in ``dtype``, refusing a value that overflows (in ``dtype``, or already in
+    the float64 solve) where the gradients or rows it came from were finite
+    (``finite_inputs()``): a solve divides by eigenvalues + lambda, which can be far below 1
+    (float16's 65504; a (nearly) zero estimate with a tiny fixed damping reaches float32's
+    3.4e38 and float64's 1.8e308 too)."""
     out = value.to(dtype)
-    if bool(out.isfinite().all()):
-        return out
-    if not (bool(value.isfinite().all()) if finite_inputs is None else finite_inputs()):
+    if bool(out.isfinite().all()) or not finite_inputs():
         return out  # non-finite data: refused where the gradients are checked
+    largest = float(value.abs().max())
+    reached = f"reach {largest:.3g}" if math.isfinite(largest) else "overflow (inf/NaN)"
     half = dtype in (torch.float16, torch.bfloat16)
     raise NonFiniteGradientError(
-        f"{current_caller()}: the preconditioned gradients at checkpoint {checkpoint!r} reach "
-        f"{float(value.abs().max()):.3g}, beyond {dtype}'s largest value "
-        f"{torch.finfo(dtype).max:.5g}: the damping there ({damping:.3g}) is small against "
-        "the gradients (a (nearly) zero estimate at that checkpoint is one cause). Raise the "
-        "damping (curvature.with_damping(...))"
+        f"{current_caller()}: the preconditioned gradients at checkpoint {checkpoint!r} "
+        f"{reached}, beyond {dtype}'s largest value {torch.finfo(dtype).max:.5g}: the damping "
+        f"there ({damping:.3g}) is small against the gradients (a (nearly) zero estimate at "
+        "that checkpoint is one cause). Raise the damping (curvature.with_damping(...))"
         + ("; or use float32 parameters (or test gradients)." if half else ".")
     )

@@ -38,8 +38,7 @@ from tracinfunc.curvature.fit import (
     _fit_factors,
     _fit_matrix,
     check_rereadable,
-    over_rank,
-    placeholder,
+    damped_fit,
 )
 from tracinfunc.curvature.flat import flatten
 from tracinfunc.curvature.samplers import CheckedSampler, _draw_labels
@@ -234,29 +233,29 @@ def fit_curvature(
     # Read once (the checkpoints' leaves; their own device conflict refused here), then
     # each pass over the data checks its batches against them.
     batches = partial(_limited, data, max_examples, device_check(checkpoints))
-    estimates, dampings, layers, seen = [], [], [], 0
+    estimates, layers, seen = [], [], 0
     captured: list = []  # one compiled capture serves every checkpoint (same shapes)
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
         checked = _JaxCheckedSampler(sampler, meta.name)
         generator = torch.Generator().manual_seed(seed + position)
         if kind in ("kfac", "ekfac"):
-            estimate, mean, seen, layers = _fit_factors(
+            estimate, _, seen, layers = _fit_factors(
                 lambda batch, c=ckpt, g=generator, s=checked: s(loss, c, batch, g), batches,
                 lambda labelled, c=ckpt: _capture(loss, mapping, c, labelled, captured), checked,
                 eigen=kind == "ekfac")
         else:
             rows = _rows_fn(loss, kind, mapping, chunk_size,
                             None if projection is None else projection.for_checkpoint(meta.name))
-            estimate, mean, seen = _fit_matrix(
+            estimate, _, seen = _fit_matrix(
                 lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches, checked,
                 loss, generator, blocks)
         estimates.append(estimate)
-        dampings.append(placeholder(damping, mean, kind, meta.name))
     info = {"n_examples": seen, "sampler": repr(sampler), "seed": seed, "frontend": "jax",
             "damping": damping.describe(kind) if isinstance(damping, Damping) else "fixed"}
-    return over_rank(Curvature(kind, metas, layout,
-                               projection if kind == "projected" else None, tuple(dampings),
-                               tuple(estimates), tuple(layers), info, blocks), damping)
+    return damped_fit(Curvature(kind, metas, layout,
+                                projection if kind == "projected" else None,
+                                (0.0,) * len(estimates), tuple(estimates), tuple(layers), info,
+                                blocks), damping)
 
 
 def _capture(loss: Callable, mapping: ParamMapping, checkpoint: Checkpoint, labelled: Any,

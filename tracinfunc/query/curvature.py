@@ -12,6 +12,7 @@ caller of :func:`precondition_queries`, ``self_influence`` of :func:`curvature_s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,7 @@ from tracinfunc._validate import current_caller
 from tracinfunc.curvature.binding import check_bound, check_curvature
 from tracinfunc.curvature.test_grads import MARK
 from tracinfunc.curvature.value import Curvature
-from tracinfunc.errors import IncompatibleGradientsError
+from tracinfunc.errors import IncompatibleGradientsError, NonFiniteGradientError
 from tracinfunc.query.checks import query_matrix
 from tracinfunc.store.meta import StoreMeta
 from tracinfunc.store.protocols import GradientStore
@@ -117,6 +118,22 @@ def curvature_self_influence(store: GradientStore, curvature: Curvature,
         for c, lr in enumerate(meta.lrs):
             rows = store.read_rows(c, start, stop).to(device, torch.float64)
             total[start:stop] += lr * (curvature.precondition_rows(c, rows) * rows).sum(1)
+            _check_fits(total[start:stop], dtype, curvature, c)
         if done is not None:
             done(stop - start)
     return total.to(dtype)
+
+
+def _check_fits(total: Tensor, dtype: torch.dtype, curvature: Curvature, ckpt: int) -> None:
+    """Refuse self-influence values ``[rows]`` that ``dtype`` cannot hold once checkpoint
+    ``ckpt`` is added (finite in the float64 sum: a tiny damping against the gradients)."""
+    largest = float(total.abs().max()) if total.numel() else 0.0
+    if math.isfinite(largest) and largest > torch.finfo(dtype).max:
+        raise NonFiniteGradientError(
+            f"{current_caller()}: curvature-aware self-influence reaches {largest:.3g} once "
+            f"checkpoint {curvature.checkpoints[ckpt].name!r} is added, beyond {dtype}'s "
+            f"largest value {torch.finfo(dtype).max:.5g}: the damping there "
+            f"({curvature.damping[ckpt]:.3g}) is small against the gradients (a (nearly) zero "
+            "estimate at that checkpoint is one cause). Raise the damping "
+            "(curvature.with_damping(...)).")
+

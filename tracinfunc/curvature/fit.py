@@ -112,8 +112,10 @@ def fit_curvature(
 
     Raises:
         InvalidArgumentError: unknown kind, missing projection, parameters K-FAC does not
-            cover (named), no sampler for the loss, or ``block_diagonal`` with another kind
-            or a projection that mixes layers.
+            cover (named), no sampler for the loss, ``block_diagonal`` with another kind or
+            a projection that mixes layers, or a ``Damping`` at checkpoints whose estimate
+            is zero (named; the fitted estimates are in the error's ``curvature``, for
+            ``error.curvature.with_damping(lambda)``).
         MemoryBudgetError: ``"dense"`` for more than ``MAX_DENSE_PARAMS`` parameters.
         EmptyDataError: ``data`` holds no examples.
         NonFiniteGradientError: an example's logits or gradient is NaN/inf (named by its

@@ -175,7 +175,8 @@ class Curvature:
                 mean eigenvalue) or a float (one ``lambda`` for every checkpoint).
 
         Raises:
-            InvalidArgumentError: a negative, NaN or infinite damping.
+            InvalidArgumentError: a negative, NaN or infinite damping; a ``Damping`` at a
+                checkpoint whose estimate is zero (named: nothing to be relative to).
             IllConditionedError: a checkpoint's damped solve would be meaningless (see
                 :meth:`check_conditioned`); the message gives the damping that fixes it.
         """
@@ -412,6 +413,10 @@ class Curvature:
 
         Computed in float64, returned in the gradients' dtype; for every kind but
         ``"projected"`` (which acts on projected rows: :meth:`precondition_rows`).
+
+        Raises:
+            NonFiniteGradientError: finite gradients whose solve overflows the dtype (or
+                float64): a damping tiny against them (checkpoint and damping named).
         """
         self.check_conditioned(ckpt)
         dtype = next(iter(grads.values())).dtype
@@ -435,7 +440,12 @@ class Curvature:
 
         The inverse is computed in float64 once, and applied in float64 to float64 rows and
         in float32 otherwise (scores accumulate in float32 anyway; half the time of a
-        float64 product, which matters when ``k`` approaches ``n_train``).
+        float64 product, which matters when ``k`` approaches ``n_train``), unless its float32
+        copy would overflow (then in float64).
+
+        Raises:
+            NonFiniteGradientError: finite rows whose solve overflows their dtype (checkpoint
+                and damping named).
         """
         self.check_conditioned(ckpt)
         finite = _once(lambda: bool(rows.isfinite().all()))

@@ -202,7 +202,8 @@ def fit_curvature(
 
     Raises:
         InvalidArgumentError: unknown kind, missing projection; ``"kfac"``/``"ekfac"`` with
-            parameters no supported Flax layer applies (named).
+            parameters no supported Flax layer applies (named); a ``Damping`` at checkpoints
+            whose estimate is zero, as :func:`tracinfunc.fit_curvature`.
         IncompatibleGradientsError: a mapping that does not give a layer torch's layout.
         NonFiniteGradientError: an example's input, logits or layer values are NaN/inf
             (named by its index in ``data``, with the checkpoint).

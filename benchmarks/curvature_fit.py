@@ -188,14 +188,14 @@ def measure(name: str, sizes: tuple, tmp: Path) -> dict:
                    else lm_payload(n_train, width, length))
     payload.update({"batch": BATCH, "threads": 1, "fit_only": True, "dampings": {}})
     paths = {}
-    for who, changes in PEERS.items():
+    for who, (_, changes) in PEERS.items():
         paths[who] = tmp / f"{name}-{who.replace(' ', '-')}.pt"
         torch.save({**payload, **changes}, paths[who])
     peers = list(PEERS) if Path(kronfluence_python()).exists() else ["ours"]
     runs: dict[str, list[dict]] = {who: [] for who in peers}
     for trial in range(trials):  # interleaved, the order alternating
         for who in peers if trial % 2 == 0 else peers[::-1]:
-            runs[who].append(run_child(who.split()[0], paths[who], tmp))
+            runs[who].append(run_child(PEERS[who][0], paths[who], tmp))
     keys = ("fit_s", "fit_cpu_s", "peak_rss_mib", "rss_before_fit_mib", "rss_with_model_mib")
     medians = {who: {key: statistics.median(r[key] for r in rows) for key in keys}
                for who, rows in runs.items()}
@@ -209,14 +209,15 @@ def measure(name: str, sizes: tuple, tmp: Path) -> dict:
 # Who runs, and what each changes in the payload: kronfluence at its defaults (float32
 # covariances and per-sample gradients, float64 eigendecompositions) and in float64 throughout,
 # tracinfunc's arithmetic (like for like: ``_kronfluence_child.FLOAT64``).
-PEERS = {"ours": {}, "kronfluence": {}, "kronfluence float64": {"kronfluence_dtype": "float64"}}
+PEERS = {"ours": ("ours", {}), "kronfluence": ("kronfluence", {}),
+         "kronfluence float64": ("kronfluence", {"kronfluence_dtype": "float64"})}
 
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"1 thread per process, medians of interleaved trials; load "
           f"{os.getloadavg()[0]:.1f}; tracinfunc's interpreter {tracinfunc_python()}")
-    print("CPU ratio: to kronfluence at its defaults (float32 covariances) / to kronfluence in "
+    print("ratios: to kronfluence at its defaults (float32 covariances) / to kronfluence in "
           "float64 (ours: float64 covariances and eigenvalue sums; like for like)")
     print("| model | who | fit wall s | fit CPU s | CPU ratio | peak RSS MiB | RSS ratio | "
           "RSS after imports + data | peak minus that | RSS with the model | fit's own: "
@@ -228,8 +229,9 @@ def print_table(results: list[dict]) -> None:
         for who, m in result["medians"].items():
             ratio = (f"{m['fit_cpu_s'] / base['fit_cpu_s']:.2f}x / "
                      f"{m['fit_cpu_s'] / like['fit_cpu_s']:.2f}x") if base else "-"
-            rss = f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x" if base else "-"
-            own_ratio = f"{own(m) / own(base):.2f}x" if base else "-"
+            rss = (f"{m['peak_rss_mib'] / base['peak_rss_mib']:.2f}x / "
+                   f"{m['peak_rss_mib'] / like['peak_rss_mib']:.2f}x") if base else "-"
+            own_ratio = f"{own(m) / own(base):.2f}x / {own(m) / own(like):.2f}x" if base else "-"
             print(f"| {result['model']} ({result['n_params']} params, {result['n_train']} "
                   f"x 2 ckpts) | {who} {result['versions'][who]} | {m['fit_s']:.2f} | "
                   f"{m['fit_cpu_s']:.2f} | {ratio} | {m['peak_rss_mib']:.0f} | {rss} | "

@@ -229,7 +229,8 @@ def run_config(cfg: dict) -> dict:
                    cfg.get("functional", False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rows = fn(params, batches[0])  # warm-up: plan, projection blocks, first-batch check
+        row_bytes = fn(params, batches[0])[0].nbytes  # warm-up: plan, projection blocks,
+        # first-batch check; the rows are freed before the RSS is read
     tool = [cpu_seconds(lambda b=b: fn(params, b)) for b in batches]
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before any floor
     floor = []
@@ -247,7 +248,7 @@ def run_config(cfg: dict) -> dict:
     result = {"tool_s": statistics.median(tool), "floor_s": statistics.median(floor),
               "rss_mib": rss_mib, "tokens": cfg["batch"] * cfg["tokens"],
               "ops": ops, "floor_ops": floor_ops,
-              "row_bytes": rows.shape[-1] * rows.element_size()}  # identity: every parameter
+              "row_bytes": row_bytes}  # identity: every parameter
     if losses is not None:
         result["train_loss"] = losses  # first and last training batch
     if cfg["agreement"]:

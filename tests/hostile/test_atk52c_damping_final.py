@@ -24,7 +24,7 @@ float, and scores with it; used as it is (damping 0 at the zero checkpoint) it i
 never scored; float16/bfloat16 stores, ``indexed_top_k`` and both CLI commands refuse the
 overflowing rows naming ``epoch-1`` and its damping (exit 1, no output written).
 
-FINDINGS (strict xfail):
+FINDINGS (fixed):
 - ``error.curvature`` used as it is is refused as ill-conditioned, with the advice "at least
   1e-300 at this checkpoint; with_damping(1e-300) or with_damping(Damping(scale=1e-300)) ...
   or Damping() for the default": 1e-300 then overflows (refused again), and both ``Damping``
@@ -135,12 +135,10 @@ def test_error_curvature_as_it_is_is_never_scored(mlp, zero, kind):
         tif.score(store, _queries(mlp, sat, tests, curvature, kind), curvature=curvature)
 
 
-# Finding: the refusal says "Raise the damping: at least 1e-300 at this checkpoint;
+# Finding (fixed): the refusal said "Raise the damping: at least 1e-300 at this checkpoint;
 # curvature.with_damping(1e-300) or with_damping(Damping(scale=1e-300)) ... or Damping() for
 # the default". 1e-300 then overflows float32 (refused again), and both Damping fixes are
 # refused at a zero estimate; the cause (the estimate is zero there) is not said.
-@pytest.mark.xfail(strict=True, reason="damping-0 refusal at a zero estimate advises 1e-300 "
-                   "(overflows) and Damping() (refused), not a sound fixed damping")
 def test_finding_error_curvature_as_it_is_gives_unworkable_advice(zero):
     _, store, tests, errors = zero
     with pytest.raises(TracInFuncError) as refusal:
@@ -150,9 +148,7 @@ def test_finding_error_curvature_as_it_is_gives_unworkable_advice(zero):
     assert "1e-300" not in message and "Damping()" not in message
 
 
-# Finding: info["damping"] keeps "1 x mean eigenvalue" although epoch-1's damping is 0.
-@pytest.mark.xfail(strict=True, reason="error.curvature.info['damping'] claims the relative "
-                   "rule while the zero checkpoint's damping is 0")
+# Finding (fixed): info["damping"] kept "1 x mean eigenvalue" although epoch-1's damping is 0.
 def test_finding_error_curvature_info_describes_its_damping(zero, tmp_path):
     curvature = zero[3]["projected"].curvature
     assert curvature.damping[1] == 0.0
@@ -178,10 +174,8 @@ def test_two_zero_checkpoints_are_both_named(mlp, damping):
     assert err.curvature.with_damping(d[1]).damping == (d[1],) * 3
 
 
-# Finding: with every checkpoint zero, "error.curvature.with_damping(1e-3) (the largest lambda
-# of the others)": there are no others.
-@pytest.mark.xfail(strict=True, reason="all checkpoints zero: the fix is called 'the largest "
-                   "lambda of the others' when there are none")
+# Finding (fixed): with every checkpoint zero, "error.curvature.with_damping(1e-3) (the
+# largest lambda of the others)": there are no others.
 def test_finding_all_checkpoints_zero_message(mlp):
     loss, ckpts, train, _ = mlp
     err = _refused(loss, _saturated(ckpts, 1000.0, (0, 1, 2)), train)
@@ -292,10 +286,9 @@ def test_cli_refuses_a_saved_overflowing_curvature(cli_paths, command, capsys):
     assert not out.exists()
 
 
-# Finding: on the command line the only fix given is "curvature.with_damping(...)", a Python
-# call; the saved curvature file that holds the damping is not named, nor re-saving it.
-@pytest.mark.xfail(strict=True, reason="CLI overflow refusal names neither the curvature file "
-                   "nor how to re-save it with a larger damping")
+# Finding (fixed): on the command line the only fix given was "curvature.with_damping(...)",
+# a Python call; the saved curvature file that holds the damping was not named, nor re-saving
+# it.
 def test_finding_cli_overflow_message_names_the_curvature_file(cli_paths, capsys):
     from tracinfunc.cli import main
 

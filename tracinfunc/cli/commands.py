@@ -18,11 +18,12 @@ after the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -54,10 +55,12 @@ from tracinfunc.curvature.value import Curvature
 from tracinfunc.distributed import init_from_environment
 from tracinfunc.errors import (
     EmptyDataError,
+    IllConditionedError,
     IncompatibleGradientsError,
     IncompleteStoreError,
     InvalidArgumentError,
     InvalidProjectionError,
+    NonFiniteGradientError,
     StoreExistsError,
     StoreNotFoundError,
     TracInFuncError,
@@ -608,7 +611,27 @@ def _progress(args: argparse.Namespace) -> bool | None:
     return False if args.quiet else None  # None: bars on a terminal only
 
 
+@contextlib.contextmanager
+def _saved_curvature_fix(path: Path | None) -> Iterator[None]:
+    """A damping error of the curvature saved at ``path`` (``--curvature``) also says how to
+    re-damp it from the command line's side: load, re-damp and save it again."""
+    try:
+        yield
+    except (NonFiniteGradientError, IllConditionedError) as error:
+        if path is None or getattr(error, "checkpoint", None) is None:
+            raise
+        raise type(error)(
+            f"{error} With --curvature {path}: re-damp the saved curvature and save it again, "
+            f"e.g. tif.save_curvature(tif.load_curvature({str(path)!r}).with_damping(lambda), "
+            f"{str(path)!r}, overwrite=True).") from None
+
+
 def _score(args: argparse.Namespace) -> int:
+    with _saved_curvature_fix(args.curvature):
+        return _score_with(args)
+
+
+def _score_with(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite)
     check_result_format(args.output, 1 if args.top_k is None else 2)
     store = open_store(str(args.store))
@@ -700,8 +723,9 @@ def _self_influence(args: argparse.Namespace) -> int:
     check_output_path(args.output, overwrite=args.overwrite)
     store = open_store(str(args.store))
     curvature = None if args.curvature is None else load_curvature(args.curvature)
-    write_results(args.output, {"self_influence": self_influence(store, curvature=curvature)},
-                  columns="vector")
+    with _saved_curvature_fix(args.curvature):
+        values = self_influence(store, curvature=curvature)
+    write_results(args.output, {"self_influence": values}, columns="vector")
     print(f"wrote {args.output}")
     return 0
 

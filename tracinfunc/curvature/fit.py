@@ -221,18 +221,23 @@ def damped_fit(fitted: Curvature, damping: Damping | float) -> Curvature:
             refused.append((c.name, mean))
     out = dataclasses.replace(fitted, damping=tuple(values))  # checked at first use
     if refused:
+        names = ", ".join(repr(name) for name, _ in refused)
+        out = dataclasses.replace(out, info={
+            **out.info, "damping": f"{out.info['damping']}; 0 at {names} (zero estimate: "
+                                   "re-damp with a fixed damping)"})
         others = [v for v in values if v > 0]
-        example = f"{max(others):.2g}" if others else "1e-3"
+        fix = (f"error.curvature.with_damping({max(others):.2g}) (the largest lambda of the "
+               "others)" if others else "error.curvature.with_damping(lambda), a lambda of "
+               "your choice (every estimate is zero)")
         error = InvalidArgumentError(
             f"{current_caller()}: {damping!r} ({damping.describe(fitted.kind)}) takes each "
             "checkpoint's lambda from its mean eigenvalue, which is zero at "
-            f"{'checkpoint' if len(refused) == 1 else 'checkpoints'} "
-            f"{', '.join(repr(name) for name, _ in refused)}: the estimate is zero there "
-            "(every sampled gradient vanishes: the model's predictions are certain), so there "
-            "is nothing to be relative to, while other gradients need not vanish. The fitted "
-            "estimates are kept: this error's .curvature holds them; give every checkpoint one "
-            f"fixed damping with error.curvature.with_damping({example}) (the largest lambda "
-            "of the others), or rebuild the store and the fit without those checkpoints.")
+            f"{'checkpoint' if len(refused) == 1 else 'checkpoints'} {names}: the estimate is "
+            "zero there (every sampled gradient vanishes: the model's predictions are "
+            "certain), so there is nothing to be relative to, while other gradients need not "
+            "vanish. The fitted estimates are kept: this error's .curvature holds them; give "
+            f"every checkpoint one fixed damping with {fix}, or rebuild the store and the fit "
+            "without those checkpoints.")
         error.curvature = out
         raise error
     return out

@@ -377,7 +377,9 @@ class Curvature:
                 continue
             kappa = condition(self._systems(c), self.damping[c])
             if not kappa <= MAX_CONDITION:
-                raise IllConditionedError(self._ill_conditioned(c, kappa))
+                error = IllConditionedError(self._ill_conditioned(c, kappa))
+                error.checkpoint = self.checkpoints[c].name  # a damping error, by checkpoint
+                raise error
             self._cache[("conditioned", c)] = True
 
     def _ill_conditioned(self, ckpt: int, kappa: float) -> str:
@@ -388,6 +390,18 @@ class Curvature:
                     "eigenvalues could not be computed), so no damping makes its solve "
                     "meaningful; fit it again with tif.fit_curvature on finite data.")
         means = self.mean_eigenvalues()
+        if means[ckpt] == 0:  # a zero estimate: only a fixed damping means anything there
+            fitted = [d for d in self.damping if d > 0]
+            example = f"{max(fitted):.2g}" if fitted else "1e-3"
+            return (
+                f"{current_caller()}: the curvature's estimate at checkpoint {ckpt} "
+                f"({self.checkpoints[ckpt].name!r}) is zero (every sampled gradient vanishes: "
+                f"the model's predictions are certain there) and its damping is "
+                f"{self.damping[ckpt]:.3g}, so its solve is meaningless, and no relative "
+                "damping (Damping) exists there. Give every checkpoint one fixed damping: "
+                f"curvature.with_damping({example})"
+                + (" (the largest of curvature.damping)" if fitted else "")
+                + ", or rebuild the store and the fit without that checkpoint.")
         scale = round_up(max(lam / mean if mean > 0 else lam
                              for lam, mean in zip(needed, means, strict=True)))
         return (
@@ -538,10 +552,12 @@ def _cast(value: Tensor, dtype: torch.dtype, checkpoint: str, damping: float,
     largest = float(value.abs().max())
     reached = f"reach {largest:.3g}" if math.isfinite(largest) else "overflow (inf/NaN)"
     half = dtype in (torch.float16, torch.bfloat16)
-    raise NonFiniteGradientError(
+    error = NonFiniteGradientError(
         f"{current_caller()}: the preconditioned gradients at checkpoint {checkpoint!r} "
         f"{reached}, beyond {dtype}'s largest value {torch.finfo(dtype).max:.5g}: the damping "
         f"there ({damping:.3g}) is small against the gradients (a (nearly) zero estimate at "
         "that checkpoint is one cause). Raise the damping (curvature.with_damping(...))"
         + ("; or use float32 parameters (or test gradients)." if half else ".")
     )
+    error.checkpoint = checkpoint  # a damping error, by checkpoint
+    raise error

@@ -129,11 +129,13 @@ def _check_fits(total: Tensor, dtype: torch.dtype, curvature: Curvature, ckpt: i
     ``ckpt`` is added (finite in the float64 sum: a tiny damping against the gradients)."""
     largest = float(total.abs().max()) if total.numel() else 0.0
     if math.isfinite(largest) and largest > torch.finfo(dtype).max:
-        raise NonFiniteGradientError(
+        error = NonFiniteGradientError(
             f"{current_caller()}: curvature-aware self-influence reaches {largest:.3g} once "
             f"checkpoint {curvature.checkpoints[ckpt].name!r} is added, beyond {dtype}'s "
             f"largest value {torch.finfo(dtype).max:.5g}: the damping there "
             f"({curvature.damping[ckpt]:.3g}) is small against the gradients (a (nearly) zero "
             "estimate at that checkpoint is one cause). Raise the damping "
             "(curvature.with_damping(...)).")
+        error.checkpoint = curvature.checkpoints[ckpt].name  # a damping error, by checkpoint
+        raise error
 

@@ -12,7 +12,6 @@ caller of :func:`precondition_queries`, ``self_influence`` of :func:`curvature_s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -81,13 +80,30 @@ def precondition_queries(meta: StoreMeta, test_grads: GradientStore | Tensor,
     # Validated (shape, finite, compatible store), left where the test gradients are.
     where = test_grads.device if isinstance(test_grads, Tensor) else torch.device("cpu")
     rows, _ = query_matrix(meta, test_grads, device=where)
-    out = torch.stack([curvature.precondition_rows(c, rows[c]) for c in range(meta.n_ckpt)])
-    if rows.dtype != torch.float64 and not bool(out.isfinite().all()):
+    if rows.dtype == torch.float64:
+        return torch.stack([curvature.precondition_rows(c, rows[c])
+                            for c in range(meta.n_ckpt)])
+    try:
+        return torch.stack([curvature.precondition_rows(c, rows[c])
+                            for c in range(meta.n_ckpt)])
+    except NonFiniteGradientError as error:
         # finite rows (checked above) whose preconditioned values overflow their dtype (rows
-        # near float32's largest): float64 holds them, and the query then computes in it
+        # near float32's largest): float64 holds them, and the query then computes in it;
+        # unless the solve itself multiplies them beyond float32's whole range (a damping
+        # tiny against a (nearly) zero estimate), which the first refusal names
         wide = rows.double()
-        out = torch.stack([curvature.precondition_rows(c, wide[c]) for c in range(meta.n_ckpt)])
-    return out
+        out = []
+        for c in range(meta.n_ckpt):
+            solved = curvature.precondition_rows(c, wide[c])
+            if float(solved.abs().max()) > _WHOLE_RANGE * float(wide[c].abs().max()):
+                raise error from None
+            out.append(solved)
+        return torch.stack(out)
+
+
+# float32's largest over its smallest normal number: a solve that multiplies rows by more has
+# a damping tiny against the estimate's scale (a saturated softmax), not merely large rows.
+_WHOLE_RANGE = torch.finfo(torch.float32).max / torch.finfo(torch.float32).tiny
 
 
 def curvature_self_influence(store: GradientStore, curvature: Curvature,
@@ -118,24 +134,7 @@ def curvature_self_influence(store: GradientStore, curvature: Curvature,
         for c, lr in enumerate(meta.lrs):
             rows = store.read_rows(c, start, stop).to(device, torch.float64)
             total[start:stop] += lr * (curvature.precondition_rows(c, rows) * rows).sum(1)
-            _check_fits(total[start:stop], dtype, curvature, c)
         if done is not None:
             done(stop - start)
     return total.to(dtype)
-
-
-def _check_fits(total: Tensor, dtype: torch.dtype, curvature: Curvature, ckpt: int) -> None:
-    """Refuse self-influence values ``[rows]`` that ``dtype`` cannot hold once checkpoint
-    ``ckpt`` is added (finite in the float64 sum: a tiny damping against the gradients)."""
-    largest = float(total.abs().max()) if total.numel() else 0.0
-    if math.isfinite(largest) and largest > torch.finfo(dtype).max:
-        error = NonFiniteGradientError(
-            f"{current_caller()}: curvature-aware self-influence reaches {largest:.3g} once "
-            f"checkpoint {curvature.checkpoints[ckpt].name!r} is added, beyond {dtype}'s "
-            f"largest value {torch.finfo(dtype).max:.5g}: the damping there "
-            f"({curvature.damping[ckpt]:.3g}) is small against the gradients (a (nearly) zero "
-            "estimate at that checkpoint is one cause). Raise the damping "
-            "(curvature.with_damping(...)).")
-        error.checkpoint = curvature.checkpoints[ckpt].name  # a damping error, by checkpoint
-        raise error
 

@@ -172,7 +172,7 @@ def _fit(loss, checkpoints, data, *, kind, projection, damping, sampler, options
     for position, (ckpt, meta) in enumerate(zip(checkpoints, metas, strict=True)):
         fit_one = partial(_fit_projected, blocks=blocks) if blocks else _FITTERS[kind]
         try:
-            estimate, _, n, layers = fit_one(
+            estimate, n, layers = fit_one(
                 loss_at(loss, ckpt), dict(ckpt.params), names, batches,
                 CheckedSampler(sampler, meta.name),
                 torch.Generator().manual_seed(seed + position), chunk_size,
@@ -245,7 +245,7 @@ def damped_fit(fitted: Curvature, damping: Damping | float) -> Curvature:
 
 def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, batches,
                 sampler: CheckedSampler, loss: LossFn, generator: torch.Generator,
-                blocks: tuple[Block, ...] = ()) -> tuple[dict[str, Tensor], float, int]:
+                blocks: tuple[Block, ...] = ()) -> tuple[dict[str, Tensor], int]:
     """``E[g g^T]`` of rows ``grads_fn(params, labelled batch) -> [b', dim]``: the whole
     ``"matrix"``, or with ``blocks`` each block's ``"block:<i>"`` ``[k_l, k_l]`` only."""
     total: dict[str, Tensor] | None = None
@@ -268,9 +268,7 @@ def _fit_matrix(grads_fn: Callable[[Params, Batch], Tensor], params: Params, bat
         raise EmptyDataError(f"{current_caller()}: data holds no examples; pass training "
                              "batches (or a sample of them).")
     estimate = {key: value / seen for key, value in total.items()}
-    dim = sum(value.shape[0] for value in estimate.values())
-    mean = sum(float(value.trace()) for value in estimate.values()) / dim
-    return estimate, mean, round(seen)
+    return estimate, round(seen)
 
 
 def _fit_dense(loss, params, names, batches, sampler, generator, chunk_size, projection):
@@ -313,7 +311,7 @@ def _fit_kfac(loss, params, names, batches, sampler, generator, chunk_size, proj
 
 
 def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedSampler,
-                 *, eigen: bool) -> tuple[dict[str, Tensor], float, int, list]:
+                 *, eigen: bool) -> tuple[dict[str, Tensor], int, list]:
     """K-FAC's factors (and EK-FAC's eigenvalues) from layer inputs and output gradients.
 
     Shared by the torch and JAX frontends: only how a labelled batch becomes per-layer
@@ -342,7 +340,7 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
                              "batches (or a sample of them).")
     estimate = {key: value.div_(seen) for key, value in sums.items()}  # the sums, in place
     if not eigen:
-        return estimate, kfac.kfac_mean_eigenvalue(estimate, layers), round(seen), layers
+        return estimate, round(seen), layers
     estimate.update(kfac.eigenbases(estimate, layers))
     corrected: dict[str, Tensor] = {}
     sampler.start = sampler.size = 0  # data indices in messages restart with the pass
@@ -357,7 +355,7 @@ def _fit_factors(sample: Callable, batches, capture: Callable, sampler: CheckedS
             f"{round(again)} examples and the first {round(seen)}; pass a list or a "
             "DataLoader (data that can be iterated again), not a generator.")
     estimate.update({key: value.div_(seen) for key, value in corrected.items()})
-    return estimate, kfac.ekfac_mean_eigenvalue(estimate, layers), round(seen), layers
+    return estimate, round(seen), layers
 
 
 def _all_finite(values: Iterable[Tensor]) -> bool:

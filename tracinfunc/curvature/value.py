@@ -514,7 +514,7 @@ class Curvature:
         return self._cache[key]
 
     def _cast(self, value: Tensor, dtype: torch.dtype, ckpt: int,
-              finite_inputs: Callable[[], bool] | None = None) -> Tensor:
+              finite_inputs: Callable[[], bool]) -> Tensor:
         return _cast(value, dtype, self.checkpoints[ckpt].name, self.damping[ckpt],
                      finite_inputs)
 

@@ -240,14 +240,14 @@ def fit_curvature(
         checked = _JaxCheckedSampler(sampler, meta.name)
         generator = torch.Generator().manual_seed(seed + position)
         if kind in ("kfac", "ekfac"):
-            estimate, _, seen, layers = _fit_factors(
+            estimate, seen, layers = _fit_factors(
                 lambda batch, c=ckpt, g=generator, s=checked: s(loss, c, batch, g), batches,
                 lambda labelled, c=ckpt: _capture(loss, mapping, c, labelled, captured), checked,
                 eigen=kind == "ekfac")
         else:
             rows = _rows_fn(loss, kind, mapping, chunk_size,
                             None if projection is None else projection.for_checkpoint(meta.name))
-            estimate, _, seen = _fit_matrix(
+            estimate, seen = _fit_matrix(
                 lambda c, batch, rows=rows: rows(*c.args, batch), ckpt, batches, checked,
                 loss, generator, blocks)
         estimates.append(estimate)
